@@ -1,0 +1,156 @@
+"""Model configuration: the Hugging Face `config.json` fields the Llama family needs.
+
+`ModelConfig.from_hf(dict)` accepts Llama 2/3, Qwen2 and Mistral configs; presets give
+random-initialised models of real shapes (no downloads are possible on our machines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class ModelConfigError(ValueError):
+    """A model config or checkpoint that does not fit this implementation."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False  # Qwen2: bias on q/k/v (not o)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    num_labels: int = 1  # score head width for reward / critic models
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown HF keys, round-tripped
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.validate()
+
+    def validate(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim({self.head_dim}) must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ModelConfigError(
+                    f"rope_scaling type {kind!r} is not supported (supported: llama3, default)"
+                )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Parameter count of the causal LM (no value/score head)."""
+        h, d = self.hidden_size, self.head_dim
+        q = h * self.num_attention_heads * d
+        kv = 2 * h * self.num_key_value_heads * d
+        o = self.num_attention_heads * d * h
+        bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * d if self.attention_bias else 0
+        mlp = 3 * h * self.intermediate_size
+        layer = q + kv + o + bias + mlp + 2 * h
+        total = self.num_hidden_layers * layer + h
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type == "mistral" and d.get("sliding_window") not in (None, 0):
+            max_pos = d.get("max_position_embeddings", 0)
+            if d["sliding_window"] < max_pos:
+                raise ModelConfigError(
+                    f"Mistral sliding_window={d['sliding_window']} < max_position_embeddings={max_pos}: "
+                    "sliding-window attention is not supported; set sliding_window to null in config.json "
+                    "(exact for sequences shorter than the window)"
+                )
+        if model_type == "qwen2" and d.get("use_sliding_window", False):
+            raise ModelConfigError("Qwen2 use_sliding_window=true is not supported; set it to false")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "attention_bias", "model_type"}
+        kwargs = {k: d[k] for k in names if k in d}
+        kwargs["model_type"] = model_type
+        kwargs["attention_bias"] = bool(d.get("attention_bias", model_type == "qwen2"))
+        if "num_key_value_heads" not in d and "num_attention_heads" in d:
+            kwargs["num_key_value_heads"] = d["num_attention_heads"]
+        if d.get("num_labels") is None and "id2label" in d:
+            kwargs["num_labels"] = len(d["id2label"])
+        kwargs["extra"] = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "attention_bias")}
+        return cls(**kwargs)
+
+    def to_hf(self, *, architecture: str = "CausalLM") -> dict[str, Any]:
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[self.model_type]
+        d: dict[str, Any] = {k: v for k, v in self.extra.items() if k not in ("architectures", "torch_dtype", "dtype")}
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "num_labels"):
+                continue
+            d[f.name] = getattr(self, f.name)
+        if self.model_type == "qwen2":
+            d.pop("attention_bias")  # Qwen2 always has q/k/v bias; its config has no such key
+            d.setdefault("use_sliding_window", False)
+        if self.model_type == "mistral":
+            d["sliding_window"] = None
+        d["architectures"] = [prefix + architecture]
+        if architecture == "ForSequenceClassification":
+            d["num_labels"] = self.num_labels
+            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        return d
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # tests and the CPU demo: 4 heads / 2 KV heads so TP=2 and GQA are both exercised
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Llama-3.2-1B-like body with a Llama-2 vocabulary (the shape the benchmarks are specified on)
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+                     rope_theta=500000.0),
+    "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                     rope_theta=10000.0),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+}
+
+
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,80 @@
+"""Topology of one role group: `ParallelDims(tp, pp, dp)` and the meshes it yields.
+
+Rank order inside a group follows Megatron and torchtitan: tp fastest, then dp, pp
+slowest, i.e. local = (pp_idx * dp + dp_idx) * tp + tp_idx. Validation needs only
+integers, so plans for 1024 ranks are checked without any process.
+
+A group's meshes are built from its explicit list of global ranks; every rank of the
+world calls `build_mesh` for every group (process-group creation is collective), and a
+rank outside the group simply gets a mesh whose coordinate it does not hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class TopologyError(ValueError):
+    """A layout that cannot work; the message names the numbers and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise TopologyError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, local_rank: int) -> tuple[int, int, int]:
+        """local rank -> (pp_idx, dp_idx, tp_idx)."""
+        if not 0 <= local_rank < self.world_size:
+            raise IndexError(f"local rank {local_rank} outside a group of {self.world_size}")
+        tp_idx = local_rank % self.tp
+        dp_idx = (local_rank // self.tp) % self.dp
+        pp_idx = local_rank // (self.tp * self.dp)
+        return pp_idx, dp_idx, tp_idx
+
+    def local_rank(self, *, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def validate_model(self, *, num_heads: int, num_kv_heads: int, num_layers: int,
+                       vocab_size: int | None = None, role: str = "model") -> None:
+        """Check that this layout can shard a transformer of the given shape."""
+        if num_heads % self.tp:
+            raise TopologyError(f"{role} tp({self.tp}) must divide num_attention_heads({num_heads})")
+        if num_kv_heads % self.tp:
+            raise TopologyError(f"{role} tp({self.tp}) must divide num_key_value_heads({num_kv_heads})")
+        if self.pp > num_layers:
+            raise TopologyError(f"{role} pp({self.pp}) must not exceed num_hidden_layers({num_layers})")
+        if vocab_size is not None and vocab_size % self.tp:
+            raise TopologyError(f"{role} tp({self.tp}) must divide vocab_size({vocab_size})")
+
+    def mesh_tensor(self, ranks: list[int]) -> torch.Tensor:
+        """Global ranks of the group laid out as a [pp, dp, tp] grid."""
+        if len(ranks) != self.world_size:
+            raise TopologyError(
+                f"a group of {len(ranks)} ranks cannot hold tp({self.tp}) x pp({self.pp}) x dp({self.dp})"
+                f" = {self.world_size}"
+            )
+        return torch.tensor(ranks, dtype=torch.int64).view(self.pp, self.dp, self.tp)
+
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def build_mesh(dims: ParallelDims, ranks: list[int], *, device_type: str):
+    """DeviceMesh with dims ("pp", "dp", "tp") over `ranks`. Collective: call on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, dims.mesh_tensor(ranks), mesh_dim_names=MESH_DIMS)

@@ -1,0 +1,35 @@
+"""hybridrl: a Megatron-centric PPO/GRPO post-training launcher.  pip install -e .[dev]"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hybridrl",
+    version="0.1.0",
+    description="PPO/GRPO post-training for LLMs with a hybrid engine that keeps every GPU busy",
+    python_requires=">=3.10",
+    packages=find_packages(include=["launcher", "launcher.*", "parallel", "parallel.*", "models", "models.*",
+                                    "rollout", "rollout.*", "ppo", "ppo.*", "bench", "bench.*"]),
+    package_data={"launcher": ["slurm/*.sbatch", "slurm/*.sh"]},
+    install_requires=[
+        "torch>=2.6",
+        "omegaconf>=2.3",
+        "numpy",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "pyarrow",
+        "nvidia-ml-py",
+        "tqdm",
+        "matplotlib",
+        "tensorboard",
+        "jinja2",
+    ],
+    extras_require={
+        # megatron-core GPU backend; needs CUDA at run time
+        "megatron": ["megatron-core>=0.12"],
+        "vllm": ["vllm"],
+        "te": ["transformer-engine[pytorch]"],
+        # apex is not on PyPI: build it from source if you want it; nothing here requires it
+        "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45"],
+        "wandb": ["wandb"],
+    },
+)

@@ -1,0 +1,88 @@
+"""Run a function in a real multi-process gloo world from a test.
+
+    from tests.dist_utils import run_world
+    results = run_world(_body, world_size=4, args=(x,))   # _body(rank, world_size, *args)
+
+`_body` must be a module-level function (processes are spawned). Each process gets
+MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK set and a gloo process group already
+initialised; its return value comes back in rank order. A hang fails after `timeout`
+seconds instead of blocking CI; an exception in any rank fails the test with that
+rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        out = fn(rank, world_size, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"gloo world of {world_size} did not finish within {timeout}s "
+                                   f"(finished: {sorted(results)})")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except _q.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and not errors:
+                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode} before reporting")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are likely stuck in a collective now
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
