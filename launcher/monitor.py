@@ -1,0 +1,296 @@
+"""GPU utilization monitor (NVML) and honest-FLOP helpers.
+
+    mon = GpuMonitor(run_dir / "util.jsonl", interval_s=0.5)
+    mon.start()
+    with mon.stage("gen"):
+        ...                                   # samples taken now are tagged "gen"
+    metrics.update(mon.step_summary())        # {"gpu/util_mean": 0.71, "mem/peak_gb": 63.2, ...}
+    mon.stop()
+
+A background thread samples every local GPU through nvidia-ml-py (`pynvml`): SM
+utilization, memory used/total and power. Each sample becomes one JSON line of
+`util.jsonl` (`{"t", "gpu", "stage", "sm_util", "mem_used_gb", "mem_total_gb", "power_w"}`,
+`sm_util` in percent as NVML reports it). Lines are buffered and flushed every
+`flush_interval_s`, so the training threads never wait on the file system.
+
+Without NVML (CPU machines, no driver) the monitor logs one line
+"NVML unavailable: <reason>; GPU monitor off" and every call is a cheap no-op;
+`step_summary()` then returns {} and the metrics simply lack the gpu/ keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+H200_PEAK_BF16_FLOPS = 790e12  # measured dense bf16 matmul ceiling (DESIGN.md "Honest numbers")
+_GB = 1e9
+
+
+def _load_pynvml() -> Any:
+    import pynvml  # nvidia-ml-py; imported lazily so CPU-only installs never need it
+
+    return pynvml
+
+
+def _visible_nvml_indices(count: int) -> list[int]:
+    """NVML indices of the GPUs this process can use (CUDA_VISIBLE_DEVICES when numeric)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or env.strip() == "":
+        return list(range(count))
+    try:
+        idx = [int(x) for x in env.split(",") if x.strip()]
+    except ValueError:  # GPU UUIDs or MIG names: NVML order is unknowable from here, sample all
+        return list(range(count))
+    return [i for i in idx if 0 <= i < count]
+
+
+class GpuMonitor:
+    """Background NVML sampler writing util.jsonl and summarising each step.
+
+    `nvml` injects an object with the pynvml functions (tests use a fake replaying a trace);
+    `stage_fn` returns the current stage name, an alternative to `set_stage`/`stage`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        interval_s: float = 0.5,
+        device_indices: list[int] | None = None,
+        stage_fn: Callable[[], str] | None = None,
+        nvml: Any | None = None,
+        flush_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.path = Path(path)
+        self.interval_s = interval_s
+        self.flush_interval_s = flush_interval_s
+        self._stage_fn = stage_fn
+        self._stage = "idle"
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buffer: list[str] = []
+        self._last_flush = 0.0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._file = None
+        self._reset_summary()
+        self.enabled = False
+        self.disabled_reason: str | None = None
+        self._nvml = None
+        self._handles: list[tuple[int, Any]] = []
+        self._shut_down = False
+        try:
+            self._nvml = nvml if nvml is not None else _load_pynvml()
+            self._nvml.nvmlInit()
+            indices = device_indices
+            if indices is None:
+                indices = _visible_nvml_indices(int(self._nvml.nvmlDeviceGetCount()))
+            if not indices:
+                raise RuntimeError("no GPU visible to this process")
+            self._handles = [(i, self._nvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+            self.enabled = True
+        except Exception as err:  # noqa: BLE001 - ImportError, NVMLError, driver missing: all mean "off"
+            self.disabled_reason = f"{type(err).__name__}: {err}"
+            log.warning("NVML unavailable: %s; GPU monitor off", self.disabled_reason)
+
+    # ---- stage tagging ----
+    def set_stage(self, name: str) -> None:
+        self._stage = name  # a str assignment is atomic under the GIL; the sampler reads it lock-free
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        prev = self._stage
+        self._stage = name
+        try:
+            yield
+        finally:
+            self._stage = prev
+
+    @property
+    def current_stage(self) -> str:
+        return self._stage_fn() if self._stage_fn is not None else self._stage
+
+    # ---- lifecycle ----
+    def start(self) -> GpuMonitor:
+        if not self.enabled or self._thread is not None:
+            return self
+        if self._shut_down:
+            raise RuntimeError("GpuMonitor was stopped (NVML shut down); create a new GpuMonitor to sample again")
+        self._last_flush = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpu-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=10 * self.interval_s + 5)
+            self._thread = None
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.enabled and not self._shut_down:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._shut_down = True  # stays enabled: step_summary() still reports the last samples
+
+    def __enter__(self) -> GpuMonitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample_once()
+            except Exception as err:  # noqa: BLE001 - a flaky read must not kill training
+                log.warning("GPU monitor sample failed: %s", err)
+            if time.monotonic() - self._last_flush >= self.flush_interval_s:
+                self.flush()
+        self.sample_once()  # one last sample so short runs still get a reading
+
+    # ---- sampling ----
+    def sample_once(self) -> list[dict[str, Any]]:
+        """Read every GPU once, buffer the JSON lines, update the step aggregates."""
+        if not self.enabled or self._shut_down:
+            return []
+        nv = self._nvml
+        t = self._clock()
+        stage = self.current_stage
+        records = []
+        for idx, h in self._handles:
+            util = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            try:
+                power_w = nv.nvmlDeviceGetPowerUsage(h) / 1000.0  # NVML reports milliwatts
+            except Exception:  # noqa: BLE001 - some boards (and MIG slices) do not expose power
+                power_w = None
+            records.append({"t": round(t, 4), "gpu": idx, "stage": stage, "sm_util": util,
+                            "mem_used_gb": round(mem.used / _GB, 4), "mem_total_gb": round(mem.total / _GB, 4),
+                            "power_w": power_w})
+        lines = [json.dumps(r) for r in records]
+        with self._lock:
+            self._buffer.extend(lines)
+            for r in records:
+                self._n += 1
+                self._util_sum += r["sm_util"]
+                self._peak_gb = max(self._peak_gb, r["mem_used_gb"])
+                self._peak_frac = max(self._peak_frac, r["mem_used_gb"] / max(r["mem_total_gb"], 1e-9))
+                if r["power_w"] is not None:
+                    self._power_sum += r["power_w"]
+                    self._power_n += 1
+                s = self._stage_util.setdefault(r["stage"], [0.0, 0])
+                s[0] += r["sm_util"]
+                s[1] += 1
+        return records
+
+    def flush(self) -> None:
+        with self._lock:
+            lines, self._buffer = self._buffer, []
+        if lines:
+            if self._file is None:  # opened on first data, so a monitor that never sampled leaves no file
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in stop()
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+        self._last_flush = time.monotonic()
+
+    def _reset_summary(self) -> None:
+        self._n = 0
+        self._util_sum = 0.0
+        self._peak_gb = 0.0
+        self._peak_frac = 0.0
+        self._power_sum = 0.0
+        self._power_n = 0
+        self._stage_util: dict[str, list] = {}
+
+    def step_summary(self) -> dict[str, float]:
+        """Aggregates over the samples since the previous call (one PPO step).
+
+        Keys: gpu/util_mean (fraction 0..1, mean over samples and GPUs), gpu/util_mean/<stage>,
+        mem/peak_gb and mem/peak_frac (max used over GPUs, as NVML sees it: includes the caching
+        allocator's reserve), power/mean_w. {} when off or no sample was taken since the last call.
+        """
+        if not self.enabled:
+            return {}
+        with self._lock:
+            if self._n == 0:
+                return {}
+            out = {"gpu/util_mean": self._util_sum / self._n / 100.0, "mem/peak_gb": self._peak_gb,
+                   "mem/peak_frac": self._peak_frac}
+            if self._power_n:
+                out["power/mean_w"] = self._power_sum / self._power_n
+            for name, (s, n) in sorted(self._stage_util.items()):
+                out[f"gpu/util_mean/{name}"] = s / n / 100.0
+            self._reset_summary()
+        return out
+
+
+def useful_utilization(flops: float, seconds: float, *, n_gpus: int, peak_flops: float = H200_PEAK_BF16_FLOPS) -> float:
+    """Fraction of the hardware FLOP ceiling spent on useful model FLOPs (MFU-style)."""
+    if seconds <= 0 or n_gpus <= 0:
+        raise ValueError(f"useful_utilization needs seconds > 0 and n_gpus > 0, got seconds={seconds}, n_gpus={n_gpus}")
+    return flops / (seconds * n_gpus * peak_flops)
+
+
+def ppo_stage_flops(
+    *,
+    n_params_actor: int,
+    n_params_critic: int | None,
+    n_params_ref: int | None,
+    n_params_rm: int | None,
+    trained_tokens: int,
+    generated_tokens: int,
+    ppo_epochs: int,
+) -> dict[str, float]:
+    """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
+
+    The dense-transformer rule of DESIGN.md "Honest numbers": a forward costs 2N FLOP per
+    token, forward+backward 6N. `trained_tokens` is prompt+response tokens of the batch as fed
+    to the trainer; `generated_tokens` the decoded tokens (2N each; prefill is in the trained
+    forwards' order of magnitude and ignored). Attention's O(T^2) term is ignored too, so
+    long sequences make these numbers a slight underestimate, never an overestimate.
+    A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
+    """
+    t = float(trained_tokens)
+    out = {
+        "gen": 2.0 * n_params_actor * generated_tokens,
+        "old_log_prob": 2.0 * n_params_actor * t,
+        "ref": 2.0 * n_params_ref * t if n_params_ref else 0.0,
+        "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,
+        "values": 2.0 * n_params_critic * t if n_params_critic else 0.0,
+        "update_actor": 6.0 * n_params_actor * t * ppo_epochs,
+        "update_critic": 6.0 * n_params_critic * t * ppo_epochs if n_params_critic else 0.0,
+    }
+    return out
+
+
+def ppo_step_flops(
+    *,
+    n_params_actor: int,
+    n_params_critic: int | None,
+    n_params_ref: int | None,
+    n_params_rm: int | None,
+    trained_tokens: int,
+    generated_tokens: int,
+    ppo_epochs: int,
+) -> float:
+    """Total model FLOPs of one PPO step: sum of `ppo_stage_flops` (about 20N per trained
+    token for full PPO with one epoch, plus 2N per generated token)."""
+    return sum(ppo_stage_flops(n_params_actor=n_params_actor, n_params_critic=n_params_critic,
+                               n_params_ref=n_params_ref, n_params_rm=n_params_rm, trained_tokens=trained_tokens,
+                               generated_tokens=generated_tokens, ppo_epochs=ppo_epochs).values())
