@@ -1,0 +1,287 @@
+"""Token-budget micro-batching, balanced partitioning and sequence packing.
+
+    parts = balance_across_dp(lengths, dp)                    # equal counts, balanced tokens per DP rank
+    mbs = micro_batches_by_tokens([lengths[i] for i in parts[r]], max_tokens=8192)
+    packed = pack([seqs[i] for i in mb], pad_id=0, prompt_lens=[...])
+    logits = model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
+    logp = unpack_responses(logprobs_from_logits(logits, packed.labels), packed)   # [B, R]
+
+Everything here is deterministic (ties broken by index): the PPO loop relies on the old-log-prob
+recompute and the first update epoch seeing the identical partition, so the ratio is exactly 1
+on-policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------- partitioning
+
+
+def _check_k(n: int, k: int, equal_size: bool) -> None:
+    if k < 1:
+        raise ValueError(f"number of partitions must be >= 1 (got {k})")
+    if equal_size and n % k:
+        raise ValueError(f"equal_size partitioning needs len(lengths)({n}) divisible by k({k}); "
+                         f"pad the batch or change the batch size / dp")
+
+
+def _finish(parts: list[list[int]]) -> list[list[int]]:
+    """Sorted indices inside each part; parts ordered by their smallest index (empties last)."""
+    parts = [sorted(p) for p in parts]
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def karmarkar_karp(lengths: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
+    """Split indices 0..n-1 into k parts with near-equal sums of `lengths` (largest differencing).
+
+    Each item starts as a k-way partial partition; the two partial partitions with the largest
+    spread (max - min subset sum) are repeatedly merged by pairing the heaviest subset of one with
+    the lightest of the other. equal_size=True starts from groups of k consecutive sorted items,
+    one per subset, so every part gets exactly n/k indices. Returns k lists of indices.
+    """
+    n = len(lengths)
+    _check_k(n, k, equal_size)
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    counter = 0
+
+    def push(state: list[tuple[int, list[int]]]) -> None:
+        nonlocal counter
+        state.sort(key=lambda s: (-s[0], s[1][0] if s[1] else n))
+        heapq.heappush(heap, (-(state[0][0] - state[-1][0]), counter, state))
+        counter += 1
+
+    if equal_size:
+        for g in range(0, n, k):
+            push([(lengths[i], [i]) for i in order[g:g + k]])
+    else:
+        for i in order:
+            push([(lengths[i], [i])] + [(0, []) for _ in range(k - 1)])
+    if not heap:
+        return [[] for _ in range(k)]
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # heaviest of a with lightest of b: the difference cancels out
+        push([(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))])
+    return _finish([items for _, items in heap[0][2]])
+
+
+def lpt(lengths: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
+    """Longest-processing-time greedy: each item, longest first, goes to the lightest open part."""
+    n = len(lengths)
+    _check_k(n, k, equal_size)
+    cap = n // k if equal_size else n
+    heap = [(0, j) for j in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        s, j = heapq.heappop(heap)
+        parts[j].append(i)
+        if len(parts[j]) < cap:  # a full part leaves the heap for good
+            heapq.heappush(heap, (s + lengths[i], j))
+    return _finish(parts)
+
+
+def part_sums(lengths: Sequence[int], parts: list[list[int]]) -> list[int]:
+    return [sum(lengths[i] for i in p) for p in parts]
+
+
+def imbalance(lengths: Sequence[int], parts: list[list[int]]) -> int:
+    """max - min part sum (0 is perfect balance)."""
+    sums = part_sums(lengths, parts)
+    return max(sums) - min(sums)
+
+
+def balance_across_dp(lengths: Sequence[int], dp: int, *, equal_size: bool = True) -> list[list[int]]:
+    """Assign sequences to `dp` ranks with balanced total tokens (and equal counts when
+    equal_size, which collectives over per-sample tensors need). Returns dp lists of indices."""
+    parts = karmarkar_karp(lengths, dp, equal_size=equal_size)
+    ref = lpt(lengths, dp, equal_size=equal_size)
+    # KK is better on almost every input; keep whichever is better so the result is never worse than LPT
+    return ref if imbalance(lengths, ref) < imbalance(lengths, parts) else parts
+
+
+def _first_fit_decreasing(lengths: Sequence[int], idx: list[int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    sums: list[int] = []
+    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+        for j, s in enumerate(sums):
+            if s + lengths[i] <= max_tokens:
+                bins[j].append(i)
+                sums[j] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            sums.append(lengths[i])
+    return bins
+
+
+def micro_batches_by_tokens(lengths: Sequence[int], *, max_tokens: int, min_count: int = 1) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `max_tokens` total tokens each.
+
+    The count is the smallest k (from ceil(total / max_tokens) up) for which a balanced k-way
+    partition (Karmarkar-Karp, then LPT) fits the budget, never more than first-fit-decreasing
+    needs; within that count the token sums are balanced. A sequence longer than max_tokens gets a
+    micro-batch of its own (with a warning), never dropped. `min_count` forces at least that many
+    micro-batches (e.g. the max over DP ranks, so every rank runs the same number of steps).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
+    n = len(lengths)
+    if min_count > n:
+        raise ValueError(f"min_count({min_count}) > number of sequences({n}): cannot make non-empty micro-batches")
+    over = [i for i in range(n) if lengths[i] > max_tokens]
+    if over:
+        warnings.warn(f"{len(over)} sequence(s) longer than max_tokens={max_tokens} (longest "
+                      f"{max(lengths[i] for i in over)}) each get their own micro-batch; raise the token budget "
+                      "to pack them", stacklevel=2)
+    rest = [i for i in range(n) if lengths[i] <= max_tokens]
+    want = max(min_count - len(over), 1 if rest else 0)
+    sub = [lengths[i] for i in rest]
+    ffd = _first_fit_decreasing(lengths, rest, max_tokens)
+    chosen: list[list[int]] | None = None
+    k = max(math.ceil(sum(sub) / max_tokens), want) if rest else 0
+    while rest and chosen is None and k <= max(len(ffd), want):
+        for method in (karmarkar_karp, lpt):
+            parts = method(sub, k)
+            if max(part_sums(sub, parts)) <= max_tokens and all(parts):
+                chosen = [[rest[j] for j in p] for p in parts]
+                break
+        k += 1
+    if chosen is None:
+        chosen = ffd
+        # more micro-batches requested than FFD made: split the fullest bins (never breaks the budget)
+        while len(chosen) < want:
+            chosen.sort(key=lambda p: (-len(p), p))
+            big = sorted(chosen.pop(0))
+            chosen += [big[: len(big) // 2], big[len(big) // 2:]]
+    return _finish(chosen + [[i] for i in over])
+
+
+# ---------------------------------------------------------------- packing
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """B sequences concatenated into one row of T tokens (T >= sum of lengths when padded).
+
+    input_ids, position_ids, labels: [1, T]; position ids restart at 0 per sequence (and for the
+    padding tail) so `models.llama.DocumentAttention(position_ids)` keeps documents apart. labels[t]
+    is the next token of the same sequence (pad_id at each sequence's last token), so
+    `logprobs_from_logits(logits, labels)[t]` is log p(token t+1). cu_seqlens [B+1] int32 are the
+    sequence boundaries (flash-attention varlen convention). When `prompt_lens` were given,
+    response_index / response_mask [B, R] locate each response token's log-prob position.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens: list[int]
+    max_seqlen: int
+    num_pad: int
+    response_index: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pack(sequences: Sequence[torch.Tensor | Sequence[int]], *, pad_id: int, prompt_lens: Sequence[int] | None = None,
+         pad_to_multiple: int = 1, device: torch.device | str | None = None) -> PackedBatch:
+    """Concatenate 1-D token sequences into a PackedBatch.
+
+    sequences: B tensors/lists of shape [L_i] (prompt + response). prompt_lens: B ints; response i
+    is sequence i after its first prompt_lens[i] tokens (prompt_lens[i] >= 1, since the first
+    token has no log-prob). pad_to_multiple pads T up (CUDA-graph / sequence-parallel friendly).
+    """
+    if not sequences:
+        raise ValueError("pack() needs at least one sequence")
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if device is None:
+        device = seqs[0].device
+    lens = [int(s.numel()) for s in seqs]
+    if min(lens) < 1:
+        raise ValueError(f"pack() got an empty sequence (lengths {lens})")
+    total = sum(lens)
+    t = -(-total // pad_to_multiple) * pad_to_multiple
+    num_pad = t - total
+    ids = torch.cat([s.to("cpu") for s in seqs] + [torch.full((num_pad,), pad_id, dtype=torch.long)])
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.arange(num_pad)])
+    labels = torch.full((t,), pad_id, dtype=torch.long)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    for i, n in enumerate(lens):
+        s = int(cu[i])
+        labels[s:s + n - 1] = ids[s + 1:s + n]
+    resp_idx = resp_mask = None
+    if prompt_lens is not None:
+        if len(prompt_lens) != len(lens):
+            raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(lens)} sequences")
+        bad = [i for i, (p, n) in enumerate(zip(prompt_lens, lens)) if not 1 <= p <= n]
+        if bad:
+            i = bad[0]
+            raise ValueError(f"sequence {i}: prompt_len {prompt_lens[i]} must be in [1, length {lens[i]}]")
+        r_lens = [n - p for n, p in zip(lens, prompt_lens)]
+        r = max(max(r_lens), 1)
+        j = torch.arange(r)
+        # response token j of sequence i sits at cu[i] + p_i + j and is predicted at the position before
+        start = cu[:-1].long() + torch.tensor(prompt_lens, dtype=torch.long) - 1
+        resp_mask = j[None] < torch.tensor(r_lens)[:, None]
+        resp_idx = torch.where(resp_mask, start[:, None] + j[None], torch.zeros((), dtype=torch.long))
+        resp_idx, resp_mask = resp_idx.to(device), resp_mask.to(device)
+    return PackedBatch(
+        input_ids=ids[None].to(device), position_ids=pos[None].to(device), labels=labels[None].to(device),
+        cu_seqlens=cu.to(device), seq_lens=lens, max_seqlen=max(lens), num_pad=num_pad,
+        response_index=resp_idx, response_mask=resp_mask,
+    )
+
+
+def _flat(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[1, T, ...] or [T, ...] -> [T, ...]."""
+    if per_token.dim() >= 2 and per_token.shape[0] == 1 and per_token.shape[1] == packed.num_tokens:
+        return per_token[0]
+    if per_token.shape[0] != packed.num_tokens:
+        raise ValueError(f"per-token tensor of shape {tuple(per_token.shape)} does not match the packed length "
+                         f"{packed.num_tokens}")
+    return per_token
+
+
+def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """[1, T, ...] per-token outputs -> B tensors [L_i, ...] (padding tail dropped)."""
+    x = _flat(per_token, packed)
+    return list(torch.split(x[: sum(packed.seq_lens)], packed.seq_lens))
+
+
+def unpack_responses(per_token: torch.Tensor, packed: PackedBatch, *, pad_value: float = 0.0) -> torch.Tensor:
+    """Per-token outputs at the *predicting* positions -> response-aligned [B, R, ...].
+
+    per_token: [1, T, ...] (e.g. log-probs of `packed.labels`, entropies, values). Entry [i, j] is
+    the output for response token j of sequence i; positions past a response end hold pad_value.
+    Differentiable (a gather).
+    """
+    if packed.response_index is None:
+        raise ValueError("unpack_responses needs pack(..., prompt_lens=...) to know where responses start")
+    x = _flat(per_token, packed)
+    out = x[packed.response_index]  # [B, R, ...]
+    m = packed.response_mask.view(*packed.response_mask.shape, *([1] * (out.dim() - 2)))
+    return torch.where(m, out, torch.full_like(out, pad_value))
+
+
+def responses_to_packed(x: torch.Tensor, packed: PackedBatch, *, fill: float = 0.0) -> torch.Tensor:
+    """Inverse of unpack_responses: [B, R] response-aligned values -> [1, T] at the predicting
+    positions (fill elsewhere); e.g. advantages for a loss computed on the packed row."""
+    if packed.response_index is None:
+        raise ValueError("responses_to_packed needs pack(..., prompt_lens=...)")
+    out = torch.full((packed.num_tokens,), fill, dtype=x.dtype, device=x.device)
+    m = packed.response_mask
+    out[packed.response_index[m]] = x[m]
+    return out[None]
