@@ -13,6 +13,7 @@ rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -38,7 +39,8 @@ def _entry(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # plain pickle copies tensors by value: torch's shared-memory handles die with this process
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -74,7 +76,7 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0) 
                     raise RuntimeError(f"a rank died with exit code {dead[0].exitcode} before reporting")
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely stuck in a collective now
