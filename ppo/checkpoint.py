@@ -1,0 +1,346 @@
+"""Atomic, resumable checkpoints: `<run_dir>/checkpoints/step_N/`.
+
+    save_checkpoint(run_dir, step, rank=rank, world_size=world, per_rank_state={"optim": opt.state_dict(),
+                    "rng": capture_rng_state()}, shared_state={"sampler": ..., "controller": ctl.state_dict()},
+                    model_states={"actor": full_actor_sd}, model_configs={"actor": cfg.to_hf()}, keep_last=3)
+    ckpt = find_latest_checkpoint(run_dir)          # None, or the newest *complete* step_N
+    per_rank, shared = load_checkpoint(ckpt, rank=rank)
+
+Layout of a complete checkpoint:
+
+    step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file with its size)
+    step_N/shared.pt                rank 0's shared state (sampler position, KL/batch controllers, step, ...)
+    step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...)
+    step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
+    step_N/<role>/model*.safetensors  full weights in HF names, sharded like save_pretrained
+
+Protocol (all ranks call `save_checkpoint`): rank 0 creates `step_N.tmp-<pid>/`; barrier; every
+rank writes and fsyncs its files there; barrier; rank 0 checks all rank files arrived, writes
+the manifest last, fsyncs and renames the directory to `step_N` (rename is atomic on POSIX);
+barrier. A crash anywhere before the rename leaves only a `*.tmp-*` directory, which is never
+picked and is removed by the next successful save; existing checkpoints are never touched
+except by `keep_last` pruning of older ones. Multi-node runs need `run_dir` on a shared
+file system. A rank that fails mid-save leaves the others waiting in the barrier until the
+process group's timeout ends the job; the previous checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "COMPLETE"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ---- RNG ----
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and (when present) every CUDA device's RNG state."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        for i in range(min(len(cuda), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(cuda[i], device=i)
+
+
+# ---- file helpers ----
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_hf_weights(
+    state: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    config: dict[str, Any] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[Path]:
+    """Write a full state dict (HF names) as a Hugging Face directory: config.json (when given),
+    model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json.
+
+    Tensors may live on any device and share storage (tied embeddings: lm_head.weight is
+    dropped when config says tie_word_embeddings, as transformers does; other aliases are copied).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(config and config.get("tie_word_embeddings"))
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()  # safetensors refuses aliased tensors
+        seen.add(ptr)
+        tensors[name] = t
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    written = []
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out / fname), metadata={"format": "pt"})  # transformers requires format=pt
+        written.append(out / fname)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {n: fname for fname, shard in zip(names, shards) for n in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        written.append(out / "model.safetensors.index.json")
+    if config is not None:
+        cfg = dict(config)
+        dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+        if len(dtypes) == 1 and (d := _DTYPE_NAMES.get(dtypes.pop())):
+            cfg.setdefault("torch_dtype", d)  # transformers 4.x key
+            cfg.setdefault("dtype", d)  # transformers 5.x key
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        written.append(out / "config.json")
+    return written
+
+
+def hf_weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of an HF directory; raises FileNotFoundError naming what is missing."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (d / f).exists()]
+        if missing:
+            raise FileNotFoundError(f"{d}: shards listed in model.safetensors.index.json are missing: {missing}")
+        return [d / f for f in files]
+    if (d / "model.safetensors").exists():
+        return [d / "model.safetensors"]
+    raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf_weights(model_dir: str | os.PathLike, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in hf_weight_files(model_dir):
+        state.update(load_file(str(f), device=device))
+    return state
+
+
+def hf_weight_names(model_dir: str | os.PathLike) -> list[str]:
+    """Tensor names of an HF directory, read from the safetensors headers only (no tensor data)."""
+    names: list[str] = []
+    for f in hf_weight_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            names.extend(sf.keys())
+    return names
+
+
+# ---- discovery ----
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The manifest of a complete checkpoint, or None when it is incomplete or damaged."""
+    p = Path(path)
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())
+        for rel, size in manifest["files"].items():
+            if (p / rel).stat().st_size != size:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found) if read_manifest(p) is not None]
+
+
+def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+# ---- save ----
+def _default_barrier(world_size: int, group: Any) -> Callable[[], None]:
+    if world_size == 1:
+        return lambda: None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"save_checkpoint with world_size={world_size} needs torch.distributed initialised "
+                           "or an explicit barrier= callable")
+    return lambda: dist.barrier(group=group)
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    per_rank_state: dict[str, Any],
+    shared_state: dict[str, Any] | None = None,
+    model_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    model_configs: dict[str, dict[str, Any]] | None = None,
+    group: Any = None,
+    barrier: Callable[[], None] | None = None,
+    keep_last: int | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Collective: every rank of `group` calls it. Returns the final `step_N` path.
+
+    `per_rank_state` is written by each rank; `shared_state`, `model_states` ({role: full state
+    dict in HF names}) and `model_configs` ({role: HF config.json dict}) only by rank 0 (other
+    ranks' values are ignored). `barrier` defaults to `dist.barrier(group)`; `keep_last` keeps the
+    newest K complete checkpoints (never fewer than 1).
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last({keep_last}) must be >= 1: the newest complete checkpoint is never deleted")
+    barrier = barrier or _default_barrier(world_size, group)
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"step_{step}.tmp-*"):  # left by a crashed save of this step
+            shutil.rmtree(stale, ignore_errors=True)
+        (root / f"step_{step}.tmp-{os.getpid()}").mkdir()
+    barrier()
+    staging = sorted(root.glob(f"step_{step}.tmp-*"))
+    if len(staging) != 1:
+        raise RuntimeError(f"rank {rank}: expected one staging dir for step {step} under {root}, found "
+                           f"{[p.name for p in staging]}; is {root} on a file system shared by all ranks?")
+    tmp = staging[0]
+    _torch_save_synced(per_rank_state, tmp / f"rank_{rank}.pt")
+    if rank == 0:
+        _torch_save_synced(shared_state or {}, tmp / "shared.pt")
+        for role, sd in (model_states or {}).items():
+            for f in save_hf_weights(sd, tmp / role, config=(model_configs or {}).get(role),
+                                     max_shard_bytes=max_shard_bytes):
+                _fsync_file(f)
+    barrier()
+    if rank == 0:
+        missing = [r for r in range(world_size) if not (tmp / f"rank_{r}.pt").exists()]
+        if missing:
+            raise RuntimeError(f"checkpoint step {step}: rank files {missing} missing from {tmp}; "
+                               "is run_dir on a file system shared by all nodes?")
+        _write_manifest(tmp, step=step, world_size=world_size, roles=sorted(model_states or {}))
+        for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            _fsync_dir(d)
+        if final.exists():  # re-saving a step (resumed before it): swap, then drop the old copy
+            old = root / f"step_{step}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep_last=keep_last)
+    barrier()  # nobody proceeds (or resumes) before step_N exists
+    return final
+
+
+def _write_manifest(tmp: Path, *, step: int, world_size: int, roles: list[str]) -> None:
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "roles": roles,
+                "time": time.time(), "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prune(root: Path, *, keep_last: int | None) -> None:
+    # staging dirs of crashed saves (this save is renamed already) and copies left by an interrupted swap
+    for stale in [*root.glob("step_*.tmp-*"), *root.glob("step_*.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last is None:
+        return
+    for old in list_checkpoints(root.parent)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- load ----
+def load_checkpoint(path: str | os.PathLike, *, rank: int, map_location: str = "cpu") -> tuple[dict, dict]:
+    """-> (this rank's per_rank_state, shared_state) of a complete checkpoint."""
+    p = Path(path)
+    manifest = read_manifest(p)
+    if manifest is None:
+        raise FileNotFoundError(f"{p} is not a complete checkpoint (no valid {MANIFEST} manifest); "
+                                "use find_latest_checkpoint(run_dir) to pick the newest complete one")
+    if rank >= manifest["world_size"]:
+        raise ValueError(f"{p} was written by {manifest['world_size']} ranks, cannot load rank {rank}: per-rank "
+                         f"state (optimizer shards, RNG) needs the same world size; resume with "
+                         f"{manifest['world_size']} ranks, or start a new run from the exported HF weights")
+    # weights_only=False: our own files hold python/numpy RNG states and optimizer dicts
+    per_rank = torch.load(p / f"rank_{rank}.pt", map_location=map_location, weights_only=False)
+    shared = torch.load(p / "shared.pt", map_location=map_location, weights_only=False)
+    return per_rank, shared
+
+
+def load_model_state(path: str | os.PathLike, role: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Full state dict (HF names) of one model role of a complete checkpoint."""
+    p = Path(path)
+    manifest = read_manifest(p)
+    if manifest is None:
+        raise FileNotFoundError(f"{p} is not a complete checkpoint (no valid {MANIFEST} manifest)")
+    if role not in manifest["roles"]:
+        raise KeyError(f"{p} has no {role!r} weights; roles saved: {manifest['roles']}")
+    return load_hf_weights(p / role, device=device)
