@@ -1,0 +1,103 @@
+"""ppo/tokenizer.py: the built-in char tokenizer and a local HF tokenizer dir built in tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.config import preset_config
+from ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
+
+# a ChatML-style template like Qwen2's, exercising loops, conditionals and the generation prompt
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_char_tokenizer_round_trip_and_fits_tiny():
+    tok = load_tokenizer("builtin:char")
+    assert isinstance(tok, CharTokenizer) and isinstance(tok, Tokenizer)
+    text = "Q: 12+34=?\nA:\t46 ~{}"
+    ids = tok.encode(text)
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    cfg = preset_config("tiny")
+    assert tok.vocab_size <= cfg.vocab_size
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (cfg.pad_token_id, cfg.bos_token_id,
+                                                                      cfg.eos_token_id)
+    assert tok.decode(ids + [tok.eos_token_id]) == text + "</s>"
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == text
+    assert tok.encode("é") == [3]  # unknown -> <unk>
+    assert tok.chat_template is None
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _make_hf_dir(tmp_path, *, template=CHATML, pad=True):
+    from tokenizers import Tokenizer as T
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = T(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<pad>"] if pad else [])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world", "the sum of 12 and 34 is 46", "user assistant system"] * 20, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"eos_token": {"content": "<|im_end|>", "special": True}, "bos_token": None,
+           "chat_template": template}
+    if pad:
+        cfg["pad_token"] = "<pad>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok
+
+
+def test_hf_tokenizer_dir(tmp_path):
+    raw = _make_hf_dir(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
+    assert tok.eos_token_id == raw.token_to_id("<|im_end|>")
+    assert tok.pad_token_id == raw.token_to_id("<pad>")
+    assert tok.bos_token_id is None
+    assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+    text = "the sum of 12 and 34 is 46"
+    assert tok.decode(tok.encode(text)) == text
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    rendered = tok.apply_chat_template(msgs)
+    assert rendered == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("assistant\n")
+    ids = tok.encode(rendered)
+    assert ids[0] == raw.token_to_id("<|im_start|>")  # special tokens in the rendered text stay single ids
+    assert ids.count(tok.eos_token_id) == 2
+    assert tok.decode(ids, skip_special_tokens=True).count("<|im_start|>") == 0
+
+
+def test_hf_tokenizer_template_helpers_and_errors(tmp_path):
+    tpl = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+           "{{ raise_exception('bad role ' + m['role']) }}{% endif %}{{ m | tojson }}{% endfor %}")
+    _make_hf_dir(tmp_path, template=[{"name": "default", "template": tpl}, {"name": "tool_use", "template": "x"}],
+                 pad=False)
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.pad_token_id == tok.eos_token_id  # no pad token: eos pads
+    assert tok.apply_chat_template([{"role": "user", "content": "a<b"}]) == '{"role": "user", "content": "a<b"}'
+    with pytest.raises(TokenizerError, match="bad role system"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(TokenizerError, match="builtin:char"):
+        load_tokenizer("builtin:bpe")
+    with pytest.raises(TokenizerError, match="not a local directory"):
+        load_tokenizer("Qwen/Qwen2.5-0.5B")
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("")
+    _make_hf_dir(tmp_path, template=None)
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}])
