@@ -1,0 +1,80 @@
+"""Tensor parallelism with DTensor: `apply_tp(model, tp_mesh, *, loss_parallel=False)`.
+
+The plan follows parallel/sharding.py (the table training, generation and resharding
+share): q/k/v/gate/up are column parallel (output features, weight and bias dim 0),
+o/down row parallel (input features, dim 1), embed_tokens and lm_head are vocab
+parallel (dim 0), norms replicated. Between the column and row projections activations
+stay local tensors of heads/tp heads, so the model's `-1`-heads reshapes run unchanged;
+the only collectives are one all-reduce after o_proj, one after down_proj, one after the
+embedding lookup and (unless loss_parallel) an all-gather of the logits.
+
+With `loss_parallel=True` the logits stay a DTensor sharded on the vocab dim: use it
+under `torch.distributed.tensor.parallel.loss_parallel()` for cross-entropy, or skip the
+head and call parallel.vocab_parallel.vocab_parallel_token_logprobs on
+`lm_head.weight.to_local()`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from parallel.sharding import tp_shard_dim
+
+
+def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, object]:
+    """Fully qualified module name -> ParallelStyle for every present module of `model`.
+
+    Works on pipeline stages too (absent embed/norm/head and deleted layers are skipped).
+    """
+    plan: dict[str, object] = {}
+    trunk = model.model
+    if trunk.embed_tokens is not None:
+        # vocab-parallel lookup: each rank embeds the ids it owns, the partial sums are all-reduced
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for key in trunk.layers:
+        p = f"model.layers.{key}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{p}.{name}"] = RowwiseParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
+    return plan
+
+
+def _check_plan_matches_table(model: nn.Module) -> None:
+    """Every parameter's DTensor shard dim must be the one parallel/sharding.py promises."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        want = tp_shard_dim(name)
+        if isinstance(p, DTensor):
+            shards = [pl.dim for pl in p.placements if isinstance(pl, Shard)]
+            got = shards[0] if shards else None
+        else:
+            got = None
+        if got != want:
+            raise AssertionError(f"TP plan shards {name} on dim {got} but parallel/sharding.py says {want}")
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool = False) -> nn.Module:
+    """Shard `model` (a LlamaForCausalLM or a pipeline stage of one) over the 1-D `tp_mesh` in place.
+
+    Requires tp to divide the head counts, intermediate size and vocab size.
+    """
+    cfg = model.config
+    tp = tp_mesh.size()
+    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tp({tp}) must divide {what}({n}); choose a tp that divides it")
+    if cfg.tie_word_embeddings and tp > 1:
+        # embed is row-sharded as an embedding, the head column-sharded as a linear: one tensor cannot be both
+        raise ValueError("tie_word_embeddings with tp > 1 is not supported; "
+                         "untie the head (copy the weight) or use tp=1")
+    parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
+    _check_plan_matches_table(model)
+    return model
