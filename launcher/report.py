@@ -1,0 +1,233 @@
+"""PNG reports of a run directory (headless matplotlib).
+
+    python -m launcher.report runs/<name> [--out DIR]
+
+Reads `metrics.jsonl` (one JSON object per step, DESIGN.md "Contracts") and `util.jsonl`
+(GpuMonitor samples) and writes:
+  utilization.png  SM utilization and memory per GPU over time, stage bands shaded
+  stages.png       stacked time per stage for every step (timing_s/<stage>), step total as dots
+  throughput.png   perf/samples_per_s, perf/tokens_per_s (and MFU, GPU util when logged) over steps
+  reward.png       reward/mean over steps (with a moving average)
+A missing input file or metric skips that plot with a message; a run dir that does not exist
+exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+# fixed stage order and colours so every report reads the same (DESIGN.md stage names)
+STAGES = ["gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic"]
+_CMAP = plt.get_cmap("tab10")
+STAGE_COLORS = {s: _CMAP(i % 10) for i, s in enumerate(STAGES)}
+
+
+def _stage_color(name: str) -> Any:
+    if name not in STAGE_COLORS:
+        STAGE_COLORS[name] = plt.get_cmap("Set3")(len(STAGE_COLORS) % 12)
+    return STAGE_COLORS[name]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a torn last line (run killed mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+        v = r.get(key)
+        if isinstance(v, int | float):
+            xs.append(r.get("step", i))
+            ys.append(v)
+    return xs, ys
+
+
+def stage_spans(times: list[float], stages: list[str]) -> list[tuple[float, float, str]]:
+    """Contiguous runs of equal stage tags -> [(t_start, t_end, stage)], each run ending at the next start."""
+    spans: list[tuple[float, float, str]] = []
+    for i, (t, s) in enumerate(zip(times, stages)):
+        if spans and spans[-1][2] == s:
+            continue
+        if spans:
+            spans[-1] = (spans[-1][0], t, spans[-1][2])
+        spans.append((t, times[i], s))
+    if spans:
+        spans[-1] = (spans[-1][0], times[-1], spans[-1][2])
+    return spans
+
+
+def plot_utilization(util: list[dict[str, Any]], out: Path) -> None:
+    t0 = min(r["t"] for r in util)
+    gpus = sorted({r["gpu"] for r in util})
+    fig, (ax_u, ax_m) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, height_ratios=[2, 1])
+    for g in gpus:
+        rows = sorted((r for r in util if r["gpu"] == g), key=lambda r: r["t"])
+        ts = [r["t"] - t0 for r in rows]
+        ax_u.plot(ts, [r["sm_util"] for r in rows], lw=1.0, label=f"GPU {g}")
+        ax_m.plot(ts, [r["mem_used_gb"] for r in rows], lw=1.0)
+    # stage bands from the first GPU's samples (all GPUs of a host share the stage field)
+    ref = sorted((r for r in util if r["gpu"] == gpus[0]), key=lambda r: r["t"])
+    spans = stage_spans([r["t"] - t0 for r in ref], [r.get("stage", "?") for r in ref])
+    for a, b, s in spans:
+        if s in ("idle", "?"):
+            continue
+        for ax in (ax_u, ax_m):
+            ax.axvspan(a, b, color=_stage_color(s), alpha=0.18, lw=0)
+    shown = sorted({s for _, _, s in spans if s not in ("idle", "?")},
+                   key=lambda s: (STAGES.index(s) if s in STAGES else len(STAGES), s))
+    handles, _ = ax_u.get_legend_handles_labels()
+    handles += [Patch(color=_stage_color(s), alpha=0.35, label=s) for s in shown]
+    ax_u.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    mean = sum(r["sm_util"] for r in util) / len(util)
+    ax_u.set_title(f"SM utilization per GPU (mean {mean:.0f}%), stages shaded")
+    ax_u.set_ylabel("SM util (%)")
+    ax_u.set_ylim(0, 105)
+    total = max(r.get("mem_total_gb", 0.0) for r in util)
+    ax_m.set_ylabel("memory used (GB)")
+    if total:
+        ax_m.axhline(total, color="k", ls="--", lw=0.8)
+        ax_m.set_ylim(0, total * 1.05)
+    ax_m.set_xlabel("time since first sample (s)")
+    for ax in (ax_u, ax_m):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_stages(metrics: list[dict[str, Any]], out: Path) -> bool:
+    keys = {k[len("timing_s/"):] for r in metrics for k in r if k.startswith("timing_s/")} - {"step"}
+    stages = [s for s in STAGES if s in keys] + sorted(keys - set(STAGES))
+    if not stages:
+        return False
+    steps = [r.get("step", i) for i, r in enumerate(metrics)]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    bottom = [0.0] * len(metrics)
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    width = 0.8 * min(gaps) if gaps else 0.8  # steps may be logged every k-th step
+    for s in stages:
+        vals = [float(r.get(f"timing_s/{s}", 0.0) or 0.0) for r in metrics]
+        ax.bar(steps, vals, bottom=bottom, width=width, color=_stage_color(s), label=s, lw=0)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    xs, ys = _series(metrics, "timing_s/step")
+    if xs:
+        ax.plot(xs, ys, "k.", ms=5, label="step total (wall)")
+    tot = sum(bottom) or 1.0
+    share = {s: sum(float(r.get(f"timing_s/{s}", 0) or 0) for r in metrics) / tot for s in stages}
+    top = ", ".join(f"{s} {100 * v:.0f}%" for s, v in sorted(share.items(), key=lambda kv: -kv[1])[:4])
+    ax.set_title(f"time per stage per step (largest shares: {top})", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_throughput(metrics: list[dict[str, Any]], out: Path) -> bool:
+    panels = [(k, lbl) for k, lbl in (("perf/samples_per_s", "samples / s"), ("perf/tokens_per_s", "tokens / s"),
+                                      ("perf/mfu/actor", "actor MFU"), ("gpu/util_mean", "GPU util (step mean)"))
+              if _series(metrics, k)[0]]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.8 * len(panels)), sharex=True, squeeze=False)
+    for ax, (key, label) in zip(axes[:, 0], panels):
+        xs, ys = _series(metrics, key)
+        ax.plot(xs, ys, marker="o", ms=3, lw=1.2)
+        ax.set_ylabel(label)
+        ax.set_title(f"{key}: mean {sum(ys) / len(ys):.4g}, last {ys[-1]:.4g}", fontsize=10)
+        ax.set_ylim(0, max(max(ys) * 1.1, 1e-9))
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_reward(metrics: list[dict[str, Any]], out: Path, *, window: int = 10) -> bool:
+    xs, ys = _series(metrics, "reward/mean")
+    if not xs:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.plot(xs, ys, marker="o", ms=3, lw=1.0, alpha=0.6, label="reward/mean")
+    if len(ys) >= 3:
+        w = min(window, len(ys))
+        avg = [sum(ys[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
+        ax.plot(xs, avg, lw=2.2, label=f"moving average ({w} steps)")
+    ax.set_title(f"reward/mean: first {ys[0]:.3f}, last {ys[-1]:.3f}, best {max(ys):.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def render_report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[Path]:
+    """Write every PNG whose inputs exist; returns the written paths (skips are printed)."""
+    run = Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else run
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    util_path, metrics_path = run / "util.jsonl", run / "metrics.jsonl"
+    util = read_jsonl(util_path) if util_path.exists() else []
+    if util:
+        plot_utilization(util, out / "utilization.png")
+        written.append(out / "utilization.png")
+    else:
+        print(f"skip utilization.png: {util_path} missing or empty (no GPU monitor on this run?)")
+    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+    if not metrics:
+        print(f"skip stages.png, throughput.png, reward.png: {metrics_path} missing or empty")
+        return written
+    for name, fn, need in (("stages.png", plot_stages, "timing_s/<stage>"),
+                           ("throughput.png", plot_throughput, "perf/samples_per_s or perf/tokens_per_s"),
+                           ("reward.png", plot_reward, "reward/mean")):
+        if fn(metrics, out / name):
+            written.append(out / name)
+        else:
+            print(f"skip {name}: no {need} values in {metrics_path}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launcher.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="runs/<experiment_name>")
+    ap.add_argument("--out", default=None, help="where to write the PNGs (default: the run dir)")
+    args = ap.parse_args(argv)
+    if not Path(args.run_dir).is_dir():
+        print(f"error: run directory {args.run_dir} does not exist (expected runs/<trainer.experiment_name>)",
+              file=sys.stderr)
+        return 2
+    for p in render_report(args.run_dir, out_dir=args.out):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

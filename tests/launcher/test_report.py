@@ -1,0 +1,89 @@
+"""launcher.report on synthetic run directories."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image as mpimg
+
+from launcher.report import main, read_jsonl, render_report, stage_spans
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGE_TIMES = {"gen": 4.0, "reshard": 0.3, "old_log_prob": 0.8, "ref": 0.7, "reward": 0.2, "values": 0.6,
+               "adv": 0.05, "update_actor": 2.5, "update_critic": 2.0}
+
+
+def make_run(d: Path, *, steps=30, util=True, reward=True, torn=False) -> Path:
+    d.mkdir(parents=True)
+    rows = []
+    for s in range(1, steps + 1):
+        r = {"step": s, "response_length/mean": 100 + s, "actor/pg_loss": -0.01 * s}
+        if reward:
+            r["reward/mean"] = 0.2 + 0.6 * (1 - math.exp(-s / 10)) + 0.03 * math.sin(s)
+        r.update({f"timing_s/{k}": v * (1 + 0.05 * math.sin(s + i)) for i, (k, v) in enumerate(STAGE_TIMES.items())})
+        r["timing_s/step"] = sum(v for k, v in r.items() if k.startswith("timing_s/")) + 0.4
+        r["perf/samples_per_s"] = 256 / r["timing_s/step"]
+        r["perf/tokens_per_s"] = 256 * 600 / r["timing_s/step"]
+        rows.append(r)
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    if torn:
+        text += '{"step": 31, "reward/me'
+    (d / "metrics.jsonl").write_text(text)
+    if util:
+        lines, t = [], 1000.0
+        for _ in range(3):
+            for stage, dur in STAGE_TIMES.items():
+                for k in range(max(1, int(dur / 0.5))):
+                    for g in range(2):
+                        busy = {"gen": 45, "update_actor": 92, "update_critic": 88}.get(stage, 70)
+                        lines.append(json.dumps({"t": t, "gpu": g, "stage": stage, "sm_util": busy - 7 * g + k % 3,
+                                                 "mem_used_gb": 40 + 30 * (stage.startswith("update")) + g,
+                                                 "mem_total_gb": 141.0, "power_w": 500.0}))
+                    t += 0.5
+        (d / "util.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_full_report_renders_four_readable_pngs(tmp_path, capsys):
+    run = make_run(tmp_path / "runs" / "demo", torn=True)
+    written = render_report(run)
+    assert sorted(p.name for p in written) == ["reward.png", "stages.png", "throughput.png", "utilization.png"]
+    for p in written:
+        img = mpimg.imread(p)
+        assert img.shape[0] > 300 and img.shape[1] > 800 and img.std() > 0.05  # not blank
+    assert "skip" not in capsys.readouterr().out
+
+
+def test_missing_inputs_are_skipped_with_a_message(tmp_path, capsys):
+    run = make_run(tmp_path / "r", util=False, reward=False)
+    written = render_report(run, out_dir=tmp_path / "png")
+    assert sorted(p.name for p in written) == ["stages.png", "throughput.png"]
+    out = capsys.readouterr().out
+    assert "skip utilization.png" in out and "skip reward.png: no reward/mean" in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert render_report(empty) == []
+    assert "metrics.jsonl missing or empty" in capsys.readouterr().out
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    run = make_run(tmp_path / "ok", util=False)
+    proc = subprocess.run([sys.executable, "-m", "launcher.report", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout and (run / "reward.png").exists()
+    proc = subprocess.run([sys.executable, "-m", "launcher.report", str(tmp_path / "missing")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_stage_spans_and_torn_jsonl(tmp_path):
+    assert stage_spans([0, 1, 2, 3, 4], ["gen", "gen", "ref", "ref", "gen"]) == [
+        (0, 2, "gen"), (2, 4, "ref"), (4, 4, "gen")]
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "x"')
+    assert read_jsonl(p) == [{"step": 1}, {"step": 2}]
