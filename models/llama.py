@@ -166,6 +166,13 @@ class LlamaModel(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", compute_inv_freq(cfg), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # .to(bf16) would round the RoPE frequencies (angle errors of tens of radians at position 4k) and
+        # to_empty() would leave them uninitialised: recompute them in fp32 on the new device instead
+        super()._apply(fn, recurse)
+        self.inv_freq = compute_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
     def forward(
         self,
         x: torch.Tensor,
@@ -189,12 +196,20 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`model(input_ids, position_ids=None) -> logits [B, T, V]`; HF names `model.*`, `lm_head.*`."""
 
+    hf_architecture = "ForCausalLM"  # config.json architectures = [<Family>ForCausalLM]
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head's weight with the embedding when the config ties them (Qwen2-0.5B style); call
+        again after anything that re-creates parameters (`to_empty`). No-op on a pipeline stage that lacks
+        either module: there the stage that has lm_head holds its own copy (see models/hf_io.py)."""
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids, position_ids=None, *, attn=None) -> torch.Tensor:

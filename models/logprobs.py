@@ -1,0 +1,114 @@
+"""Memory-lean token log-probs and entropies straight from hidden states and the lm_head weight.
+
+    logp, ent = compute_token_logprobs(hidden, model.lm_head.weight, targets, temperature=1.0,
+                                       with_entropy=True)
+
+Full fp32 logits of a PPO batch do not fit: 16k tokens x 128k vocab x 4 B = 8 GiB, times the
+softmax/grad copies autograd keeps. Here logits exist for `chunk_size` tokens at a time, in forward
+and again (recomputed) in backward, so the peak is a few [chunk_size, V] fp32 buffers plus one fp32
+[V, H] gradient accumulator. The matmuls run in the weight's dtype (bf16 on GPU, as the rollout engine
+computes its logits), everything after them in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[c, H] x [V, H] -> [c, V] fp32 logits / temperature."""
+    z = (h @ weight.t()).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool):
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            z = _chunk_logits(hidden[s:e], weight, temperature)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logprobs[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+            if with_entropy:
+                # H = lse - sum_v p_v z_v  (= -sum p log p without forming log p)
+                p = (z - lse[s:e, None]).exp_()
+                entropy[s:e] = lse[s:e] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.mark_non_differentiable(lse)
+        return logprobs, entropy, lse
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk_size
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = hidden.shape[0]
+        use_ent = ctx.with_entropy and grad_entropy is not None
+        g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros(n, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulator: summing many bf16 chunk products in bf16 would lose the small ones
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h = hidden[s:e]
+            logp = _chunk_logits(h, weight, t).sub_(lse[s:e, None])
+            p = logp.exp()
+            # d logp_y / dz = onehot(y) - p ;  d H / dz = -p * (log p + H)
+            if use_ent:
+                g = logp.add_(entropy[s:e, None]).mul_(-grad_entropy[s:e, None].float())
+                g.sub_(g_lp[s:e, None]).mul_(p)
+            else:
+                g = p.mul_(-g_lp[s:e, None])
+            rows = torch.arange(e - s, device=g.device)
+            g[rows, targets[s:e]] += g_lp[s:e]
+            if t != 1.0:
+                g.div_(t)
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[s:e] = g @ weight
+            if need_w:
+                if weight.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w.add_(g.t() @ h)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def compute_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target token under softmax(hidden @ weight^T / temperature), and optionally the
+    entropy of that full distribution; both fp32 and differentiable w.r.t. hidden and weight.
+
+    hidden [..., H] (final-normed hidden states), weight [V, H] (lm_head), targets [...] int token ids
+    (padding positions need a valid id; mask their outputs afterwards) -> logprobs [...], entropy [...]
+    or None. Never materialises more than [chunk_size, V] logits at once, in forward or backward.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} needs targets of shape {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(targets.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != weight [V, H] {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden dtype {hidden.dtype} != weight dtype {weight.dtype}; cast one of them")
+    if temperature <= 0 or chunk_size <= 0:
+        raise ValueError(f"temperature ({temperature}) and chunk_size ({chunk_size}) must be > 0")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).long()
+    logprobs, entropy, _ = _TokenLogprobs.apply(flat_h, weight, flat_t, float(temperature), int(chunk_size),
+                                                bool(with_entropy))
+    logprobs = logprobs.view(targets.shape)
+    return logprobs, (entropy.view(targets.shape) if with_entropy else None)
