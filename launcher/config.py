@@ -1,0 +1,388 @@
+"""Config schema (typed dataclasses) and loading: YAML files + `key=value` overrides via OmegaConf.
+
+    cfg = load_config("conf/ppo_tiny.yaml", ["actor.lr=1e-5", "placement.mode=split"])
+
+A YAML file may extend others: `extends: base.yaml` (or a list), paths relative to the
+file. Unknown keys fail with the dotted path and the closest valid names; wrong types
+name the source (file or command line), the key and the expected type. Everything here
+runs before any process group exists, so a bad config costs nothing and exits with 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import UserError
+
+# ---------------------------------------------------------------------------- schema
+
+
+@dataclass
+class TrainerConfig:
+    experiment_name: str = "ppo_tiny"
+    runs_dir: str = "runs"
+    total_steps: int = 20
+    seed: int = 42
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: str = "never"  # never | auto | <checkpoint dir>
+    async_rollout: bool = False  # one-step off-policy: generate batch k+1 while batch k trains
+    device: str = "auto"  # auto | cpu | cuda
+    dist_backend: str = "auto"  # auto (nccl on cuda, gloo otherwise) | nccl | gloo
+    dist_timeout_s: int = 600
+    progress_bar: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "hybridrl"
+    sft_warmup_steps: int = 0  # supervised warm-up on the synthetic task's answers before PPO
+    sft_lr: float = 3e-3
+    overwrite: bool = False  # allow reusing a run directory that holds a finished run
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local Hugging Face directory; None: random init from `preset`
+    preset: str = "tiny"
+    dtype: str = "float32"  # float32 | bfloat16
+    tokenizer: str = "builtin:char"  # builtin:char or a local tokenizer directory
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0  # 0: derived from the pool size
+    pp_microbatches: int = 0  # 0: 2 * pp
+    pp_schedule: str = "1F1B"  # 1F1B | interleaved
+    pp_stages_per_rank: int = 1
+    activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False
+    offload: bool = False  # optimizer states to pinned CPU memory while generating
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorConfig(ParallelConfig):
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
+    max_tokens_per_micro_batch: int = 4096
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float = 3.0
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False  # GRPO style: KL to the reference as a loss term
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+
+
+@dataclass
+class CriticConfig(ParallelConfig):
+    path: str | None = None  # None: trunk initialised from the actor
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0
+    max_tokens_per_micro_batch: int = 4096
+    value_clip: float = 0.2
+    loss_agg: str = "token-mean"
+
+
+@dataclass
+class RefConfig(ParallelConfig):
+    enabled: bool = True  # needed for a KL penalty or KL loss
+    max_tokens_per_micro_batch: int = 8192
+
+
+@dataclass
+class RewardConfig(ParallelConfig):
+    type: str = "rule"  # rule | model
+    function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
+    model_path: str | None = None  # reward model (*ForSequenceClassification) directory
+    default_score: float = 0.0  # score of a sample whose reward function raised
+    max_tokens_per_micro_batch: int = 8192
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "native"  # native | hf | vllm
+    gen_tp: int = 0  # 0: the actor's tp
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_response_length: int = 16
+    gpu_memory_fraction: float = 0.5
+    max_num_seqs: int = 256
+    enable_cuda_graph: bool = True
+    bucket_mb: int = 256  # hybrid-engine reshard bucket
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
+    task: str = "add"  # built-in synthetic task when train_files is empty
+    task_size: int = 4096
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    max_prompt_length: int = 64
+    batch_size: int = 16  # prompts per step
+    shuffle: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"  # ppo | grpo | rloo | reinforce_pp
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    use_kl_penalty: bool = True  # KL to the reference folded into the token rewards
+    kl_penalty: str = "k1"  # k1 | k2 | k3 | low_var_kl
+    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.01
+    target_kl: float = 0.1
+    kl_horizon: int = 10000
+
+
+@dataclass
+class PoolConfig:
+    roles: list[str] = field(default_factory=list)
+    size: int = 1  # a weight: pools get world_size * size / sum(sizes) ranks
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "colocated"  # colocated | split
+    pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = True
+    interval_s: float = 0.5
+
+
+@dataclass
+class ControllerConfig:
+    enabled: bool = False
+    low_util: float = 0.60
+    high_mem: float = 0.85
+    grow: float = 1.2
+    shrink: float = 0.5
+    hysteresis_steps: int = 2
+    max_oom_retries: int = 3
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.dist_backend": ("auto", "nccl", "gloo"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.engine": ("native", "hf", "vllm"),
+    "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
+    "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "placement.mode": ("colocated", "split"),
+    "reward.type": ("rule", "model"),
+    "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "critic.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor.optim.lr_schedule": ("constant", "cosine"),
+    "critic.optim.lr_schedule": ("constant", "cosine"),
+}
+for _role in ("actor", "critic", "ref", "reward"):
+    CHOICES[f"{_role}.pp_schedule"] = ("1F1B", "interleaved")
+    CHOICES[f"{_role}.activation_checkpointing"] = ("none", "full", "selective")
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward")
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _fields_at(path: list[str]) -> list[str]:
+    """Valid field names of the schema node at a dotted path (for "did you mean")."""
+    cls: Any = Config
+    for part in path:
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return []
+        t = hints[part]
+        if typing.get_origin(t) is list:
+            t = typing.get_args(t)[0]
+        if not dataclasses.is_dataclass(t):
+            return []
+        cls = t
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _explain(err: Exception, source: str) -> UserError:
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    full_key = getattr(err, "full_key", None) or ""
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        parts = [p for p in full_key.replace("[", ".").replace("]", "").split(".") if p and not p.isdigit()]
+        key = parts[-1] if parts else full_key
+        valid = _fields_at(parts[:-1])
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr('.'.join(parts[:-1] + [c])) for c in close)}?" if close else ""
+        choices = f" Valid keys here: {', '.join(valid)}." if valid and not close else ""
+        return UserError(f"{source}: unknown config key '{full_key}'{hint}{choices}")
+    if isinstance(err, ValidationError):
+        want = ""
+        parts = full_key.split(".")
+        cls: Any = Config
+        try:
+            for p in parts[:-1]:
+                cls = typing.get_type_hints(cls)[p]
+            t = typing.get_type_hints(cls)[parts[-1]]
+            want = f" (expected {getattr(t, '__name__', t)})"
+        except (KeyError, TypeError):
+            pass
+        msg = str(err).splitlines()[0]
+        return UserError(f"{source}: bad value for '{full_key}'{want}: {msg}")
+    return UserError(f"{source}: {err}")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
+    """YAML file -> list of (source, DictConfig) in merge order, bases first."""
+    from omegaconf import OmegaConf
+
+    path = path.resolve()
+    if path in seen:
+        raise UserError(f"{path}: 'extends' cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - yaml errors come in many types
+        raise UserError(f"{path}: cannot parse YAML: {e}") from None
+    out = []
+    bases = node.pop("extends", None) if hasattr(node, "pop") else None
+    for base in [bases] if isinstance(bases, str) else list(bases or []):
+        out += _read_yaml(path.parent / base, seen + (path,))
+    out.append((str(path), node))
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge YAML (with its bases) and `key=value` overrides onto the schema, validate, return a Config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = OmegaConf.structured(Config)
+    sources = _read_yaml(Path(path)) if path else []
+    for bad in [o for o in overrides if "=" not in o]:
+        raise UserError(f"command line: override {bad!r} must look like key=value (e.g. actor.tp=2)")
+    for o in overrides:
+        try:
+            sources.append(("command line", OmegaConf.from_dotlist([o])))
+        except Exception as e:  # noqa: BLE001 - yaml scanner errors for malformed values
+            raise UserError(f"command line: cannot parse override {o!r} as YAML "
+                            f"(flow mappings need a space after ':', e.g. {{roles: [actor], size: 1}}): "
+                            f"{str(e).splitlines()[0]}") from None
+    for source, node in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, node)
+        except OmegaConfBaseException as e:
+            raise _explain(e, source) from None
+    obj: Config = OmegaConf.to_object(cfg)
+    validate_config(obj)
+    return obj
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def validate_config(cfg: Config) -> None:
+    """Value checks that the types alone do not express. Topology is checked by launcher.plan."""
+    for key, choices in CHOICES.items():
+        v = _get(cfg, key)
+        if v not in choices:
+            close = difflib.get_close_matches(str(v), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{key}={v!r} is not one of {', '.join(choices)}{hint}")
+    t, r = cfg.trainer, cfg.rollout
+    checks = [
+        (t.total_steps >= 1, f"trainer.total_steps({t.total_steps}) must be >= 1"),
+        (cfg.data.batch_size >= 1, f"data.batch_size({cfg.data.batch_size}) must be >= 1"),
+        (r.n >= 1, f"rollout.n({r.n}) must be >= 1"),
+        (r.temperature >= 0, f"rollout.temperature({r.temperature}) must be >= 0"),
+        (0 < r.top_p <= 1, f"rollout.top_p({r.top_p}) must be in (0, 1]"),
+        (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
+        (0 < r.gpu_memory_fraction < 1, f"rollout.gpu_memory_fraction({r.gpu_memory_fraction}) must be in (0, 1)"),
+        (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
+        (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
+        raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
+                        f"set rollout.n >= 2 (got {r.n})")
+    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
+        raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors")
+    if cfg.reward.type == "model" and not cfg.reward.model_path:
+        raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
+    for pool in cfg.placement.pools:
+        for role in pool.roles:
+            if role not in ROLES:
+                close = difflib.get_close_matches(role, ROLES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
+        if pool.size < 1:
+            raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def uses_critic(cfg: Config) -> bool:
+    return cfg.algorithm.name == "ppo"
+
+
+def uses_ref(cfg: Config) -> bool:
+    a = cfg.algorithm
+    return cfg.ref.enabled and ((a.use_kl_penalty and a.kl_coef > 0) or cfg.actor.use_kl_loss)

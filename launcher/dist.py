@@ -1,0 +1,95 @@
+"""Process-group start-up and the role groups of a device plan, as explicit objects.
+
+Every rank calls `build_role_groups(plan, ...)`: creating a process group is collective
+over the whole world, so each rank builds every role's mesh, also those it is not in
+(its coordinate there is None). Nothing is stored in module globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from launcher.plan import DevicePlan, RoleGroup
+from parallel.dims import build_mesh
+
+
+@dataclass(slots=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def resolve_device(kind: str) -> str:
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        from launcher.errors import UserError
+
+        raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu (or auto)")
+    return kind
+
+
+def init_distributed(*, device: str, backend: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Init the default group from torchrun's environment (a single process works without torchrun)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:  # plain `python launcher/main.py`: a world of one
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if device == "cuda" else None)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+
+
+def broadcast_plan(plan: DevicePlan | None, *, rank: int) -> DevicePlan:
+    """Rank 0's plan to every rank (the others pass None or their own and get rank 0's)."""
+    box = [plan.to_json() if rank == 0 and plan is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    import json
+
+    return DevicePlan.from_dict(json.loads(box[0]))
+
+
+@dataclass(slots=True)
+class RoleHandle:
+    """One role's ranks, layout and DeviceMesh ("pp", "dp", "tp"); `active` if this rank is in it."""
+
+    spec: RoleGroup
+    mesh: object
+    active: bool
+
+    @property
+    def dims(self):
+        return self.spec.dims
+
+
+def build_role_groups(plan: DevicePlan, *, rank: int, device_type: str) -> dict[str, RoleHandle]:
+    """Build every role's mesh on every rank (collective). The rollout role's generation groups are
+    built by the hybrid engine (strided HybridFlow grouping), not here."""
+    out: dict[str, RoleHandle] = {}
+    for role, g in plan.groups.items():
+        if role == "rollout":
+            continue
+        mesh = build_mesh(g.dims, g.ranks, device_type=device_type)
+        out[role] = RoleHandle(spec=g, mesh=mesh, active=rank in g.ranks)
+    return out

@@ -1,0 +1,132 @@
+"""hybridrl entry point: the same SPMD script on every rank.
+
+    torchrun --nproc_per_node 2 launcher/main.py conf/ppo_tiny.yaml
+    torchrun --nproc_per_node 4 launcher/main.py conf/ppo_tiny.yaml placement.mode=split
+    torchrun --nproc_per_node 8 launcher/main.py conf/ppo_7b.yaml model.path=/data/Llama-2-7b-hf
+    sbatch launcher/slurm/ppo.sbatch conf/ppo_7b.yaml trainer.total_steps=500
+
+Order of events: load and validate the config and the device plan on every rank (no
+process group yet, so a bad config exits with code 2 at once); init the process group;
+rank 0's plan is broadcast and every rank builds every role's groups; rank 0 creates the
+run directory; the PPO loop runs; the process group is destroyed also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+if __package__ in (None, ""):  # `torchrun launcher/main.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from launcher.config import Config, load_config, to_yaml  # noqa: E402
+from launcher.errors import UserError  # noqa: E402
+
+
+def _parse(argv: list[str]) -> tuple[str, list[str]]:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    return argv[0], argv[1:]
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # the same on every rank: identical model initialisation
+
+
+def _rank0_then_broadcast(fn, *, rank: int):
+    """Run fn on rank 0 only; every rank gets its result, or the same UserError."""
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box = [("ok", fn())]
+        except UserError as e:
+            box = [("error", str(e))]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise UserError(value)
+    return value
+
+
+def run(cfg: Config, *, rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
+    from launcher.log import add_file_log, setup_logging
+    from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
+    from launcher.rundir import prepare_run_dir, write_atomic
+
+    # --- everything checkable is checked before a process group exists
+    model_cfg = resolve_model_config(cfg)
+    plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=resolve_reward_model_config(cfg))
+    validate_batch(cfg, plan)
+    device = resolve_device(cfg.trainer.device)
+
+    env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
+    logger = setup_logging(rank=env.rank, world_size=env.world_size)
+    try:
+        plan = broadcast_plan(plan, rank=env.rank)
+        t = cfg.trainer
+        run_dir = _rank0_then_broadcast(
+            lambda: prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite),
+            rank=env.rank)
+        add_file_log(logger, run_dir / "logs", rank=env.rank)
+        if env.rank == 0:
+            write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+            write_atomic(run_dir / "plan.json", plan.to_json())
+            logger.info("run directory %s, backend %s on %s", run_dir, env.backend, env.device)
+            logger.info("\n%s", plan.table())
+        _seed_everything(cfg.trainer.seed)
+        groups = build_role_groups(plan, rank=env.rank, device_type=env.device.type)
+        logger.info("rank %d: roles %s, groups built", env.rank, ",".join(plan.roles_of(env.rank)))
+
+        from ppo.trainer import run_training
+
+        run_training(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_cfg)
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        path, overrides = _parse(argv)
+        cfg = load_config(path, overrides)
+        return run(cfg, rank=rank, world_size=world_size)
+    except UserError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one paragraph per rank, the traceback goes to the log file
+        from launcher.log import get_logger
+
+        logger = get_logger()
+        logger.debug("traceback:\n%s", traceback.format_exc())
+        if os.environ.get("HYBRIDRL_TRACEBACK") or not logger.handlers:
+            traceback.print_exc()
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
+              f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+import textwrap
+
+import pytest
+
+from launcher.config import Config, load_config
+from launcher.errors import UserError
+
+
+def test_defaults_and_overrides():
+    cfg = load_config("conf/ppo_tiny.yaml", ["actor.tp=2", "actor.optim.lr=3e-4", "data.train_files=[a.jsonl]"])
+    assert isinstance(cfg, Config)
+    assert cfg.actor.tp == 2 and cfg.actor.optim.lr == pytest.approx(3e-4)
+    assert cfg.data.train_files == ["a.jsonl"]
+    assert cfg.model.preset == "tiny"
+
+
+def test_unknown_key_names_path_and_closest():
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", ["actor.tpp=2"])
+    msg = str(e.value)
+    assert "actor.tpp" in msg and "'actor.tp'" in msg and "command line" in msg
+
+
+def test_unknown_key_in_file_names_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("trainer:\n  total_stepz: 3\n")
+    with pytest.raises(UserError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "trainer.total_stepz" in str(e.value) and "total_steps" in str(e.value)
+
+
+def test_wrong_type_names_key_and_type(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("actor:\n  tp: two\n")
+    with pytest.raises(UserError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert str(p) in msg and "actor.tp" in msg and "int" in msg
+
+
+def test_extends_chain_and_cycle(tmp_path):
+    (tmp_path / "base.yaml").write_text("trainer:\n  total_steps: 7\nactor:\n  tp: 2\n")
+    (tmp_path / "mid.yaml").write_text("extends: base.yaml\nactor:\n  pp: 2\n")
+    (tmp_path / "top.yaml").write_text("extends: [mid.yaml]\nactor:\n  tp: 1\n")
+    cfg = load_config(tmp_path / "top.yaml")
+    assert (cfg.trainer.total_steps, cfg.actor.tp, cfg.actor.pp) == (7, 1, 2)
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(UserError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("placement.mode=splt", "did you mean 'split'"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("algorithm.name=grpo", "rollout.n >= 2"),
+    ("trainer.resume=/nonexistent/ckpt", "trainer.resume"),
+    ("model.path=/nonexistent", "model.path"),
+    ("actor", "key=value"),
+    ("placement.pools=[{roles:[actor],size:1}]", "space after ':'"),
+])
+def test_value_errors(override, needle):
+    with pytest.raises(UserError, match=None) as e:
+        load_config("conf/ppo_tiny.yaml", [override])
+    assert needle in str(e.value)
+
+
+def test_all_shipped_configs_load():
+    for name in ("ppo_tiny", "grpo_tiny", "ppo_7b", "ppo_7b_colocated"):
+        cfg = load_config(f"conf/{name}.yaml")
+        assert cfg.trainer.experiment_name == name
+
+
+def test_missing_file():
+    with pytest.raises(UserError, match="not found"):
+        load_config("conf/nope.yaml")
+
+
+def test_yaml_syntax_error(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text(textwrap.dedent("""\
+        trainer:
+          total_steps: [1, 2
+        """))
+    with pytest.raises(UserError, match="YAML"):
+        load_config(p)
