@@ -1,0 +1,184 @@
+"""`parallelize_model`: the one entry point that turns a single-device model into its 3-D layout.
+
+    mesh = build_mesh(dims, ranks, device_type="cuda")          # dims ("pp", "dp", "tp")
+    model = parallelize_model(model, mesh=mesh, dims=dims, ac="selective", compile=True,
+                              param_dtype=torch.bfloat16)       # pp == 1: the model
+    runner = parallelize_model(model, mesh=mesh, dims=ParallelDims(tp=2, pp=2, dp=2),
+                               n_microbatches=8)                # pp > 1: a PipelineRunner
+
+Order (as in torchtitan): pipeline split -> tensor parallel -> activation checkpointing
+-> per-layer torch.compile -> FSDP2. TP is applied only when tp > 1 (at size 1 it is
+pure DTensor dispatch overhead; `apply_tp` itself works on a size-1 mesh); FSDP is
+applied when dp > 1 or when `param_dtype` asks for mixed precision (on one GPU that gives
+fp32 master weights with bf16 compute).
+
+Loss code that wants hidden states instead of logits (chunked log-probs: no [N, V] fp32
+tensor) calls `forward_hidden(model, ids, pos)`, which goes through `nn.Module.__call__`
+so FSDP's root hooks gather the embedding/head, then `head_shard(model)` for the local
+vocab slice of the head to hand to parallel.vocab_parallel.vocab_parallel_token_logprobs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp
+from parallel.pipeline import PipelineRunner, build_stages
+from parallel.tensor_parallel import apply_tp
+
+AC_MODES = ("none", "full", "selective")
+
+
+def _selective_policy():
+    """Save matmul and attention outputs; recompute the cheap pointwise ops (norms, RoPE, SiLU)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            save.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpointed_forward(forward: Callable, context_fn: Callable | None, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Activation checkpointing per decoder layer, in place; parameter names are unchanged.
+
+    full: keep only each layer's input, recompute the layer in backward (~1/3 more FLOPs).
+    selective: keep matmul/attention outputs, recompute pointwise ops (little extra compute).
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {AC_MODES}")
+    if mode == "none":
+        return model
+    context_fn = None
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+    for layer in model.model.layers.values():
+        # an instance attribute instead of a wrapper module keeps the Hugging Face names
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, context_fn)
+    return model
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """torch.compile each decoder layer in place (all layers share one compiled graph)."""
+    for layer in model.model.layers.values():
+        layer.compile(fullgraph=False)
+    return model
+
+
+def _should_fsdp(dims: ParallelDims, param_dtype: torch.dtype | None, fsdp: bool | None) -> bool:
+    return fsdp if fsdp is not None else (dims.dp > 1 or param_dtype is not None)
+
+
+def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 loss_parallel: bool, fsdp: bool | None) -> nn.Module:
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model)
+    if _should_fsdp(dims, param_dtype, fsdp):
+        apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model
+
+
+def parallelize_model(
+    model: nn.Module,
+    *,
+    mesh,
+    dims: ParallelDims,
+    ac: str = "none",
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    loss_parallel: bool = False,
+    fsdp: bool | None = None,
+    n_microbatches: int | None = None,
+    pp_schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    attn_factory: Callable | None = None,
+) -> nn.Module | PipelineRunner:
+    """Apply PP/TP/AC/compile/FSDP to `model` for this rank's coordinate in `mesh`.
+
+    mesh: DeviceMesh with dims ("pp", "dp", "tp") of sizes (dims.pp, dims.dp, dims.tp), as
+    parallel.dims.build_mesh returns. pp == 1 returns `model` (modified in place); pp > 1
+    returns a PipelineRunner over this rank's stage(s), whose stages return hidden states
+    (see parallel/pipeline.py; `attn_factory(position_ids)` picks their attention backend).
+    fsdp None: on when dp > 1 or param_dtype is set.
+    """
+    got = tuple(mesh.mesh_dim_names or ())
+    if got != ("pp", "dp", "tp") or tuple(mesh.shape) != (dims.pp, dims.dp, dims.tp):
+        raise ValueError(f"mesh dims {got} of shape {tuple(mesh.shape)} do not match ParallelDims "
+                         f"(pp={dims.pp}, dp={dims.dp}, tp={dims.tp}); build it with parallel.dims.build_mesh")
+    cfg = model.config
+    dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+    local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp)
+    if dims.pp == 1:
+        return _apply_local(model, **local)
+    if n_microbatches is None:
+        raise ValueError(f"pp({dims.pp}) > 1 needs n_microbatches (at least pp x stages_per_rank)")
+    stages = build_stages(model, pp=dims.pp, pp_rank=mesh.get_local_rank("pp"),
+                          stages_per_rank=stages_per_rank, attn_factory=attn_factory)
+    stages = [(s, _apply_local(m, **local)) for s, m in stages]
+    if stages_per_rank > 1 and pp_schedule == "1f1b":
+        pp_schedule = "interleaved_1f1b"
+    return PipelineRunner(stages, pp_group=mesh.get_group("pp"), num_stages=dims.pp * stages_per_rank,
+                          n_microbatches=n_microbatches, schedule=pp_schedule)
+
+
+def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                   attn=None) -> torch.Tensor:
+    """[B, T] ids -> final-normed hidden [B, T, H], run through `model.__call__` (FSDP/compile hooks fire)."""
+    saved = model.__dict__.get("forward")
+    model.forward = model.hidden_states
+    try:
+        return model(input_ids, position_ids, attn=attn)
+    finally:
+        if saved is not None:
+            model.forward = saved
+        else:
+            del model.forward
+
+
+def head_shard(model: nn.Module) -> tuple[torch.Tensor, int]:
+    """(local head weight [V_local, H], vocab_start) to pass to vocab_parallel_token_logprobs.
+
+    Call after a forward (FSDP leaves the root gathered until backward); under TP the
+    local rows are this rank's vocab slice.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from parallel.loading import local_slices
+
+    w = model.lm_head.weight
+    if not isinstance(w, DTensor):
+        return w, 0
+    names = w.device_mesh.mesh_dim_names or ()
+    if any(n != "tp" and w.device_mesh.size(i) > 1 for i, n in enumerate(names)):
+        raise RuntimeError(f"lm_head.weight is still sharded over mesh dims {names}: run forward_hidden(model, ...) "
+                           "first so FSDP gathers the root parameters")
+    return w.to_local(), local_slices(w)[0].start or 0
