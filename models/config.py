@@ -31,7 +31,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False  # Qwen2: bias on q/k/v (not o)
+    attention_bias: bool | None = None  # bias on q/k/v (not o); None -> True for Qwen2, else False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -42,6 +42,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.model_type == "qwen2"
         self.validate()
 
     def validate(self) -> None:
@@ -54,6 +56,8 @@ class ModelConfig:
                 f"num_attention_heads({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads({self.num_key_value_heads})"
             )
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ModelConfigError("Qwen2 always has q/k/v biases; attention_bias=False is not a Qwen2 model")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim({self.head_dim}) must be even for rotary embeddings")
         if self.rope_scaling is not None:
@@ -94,8 +98,10 @@ class ModelConfig:
         kwargs = {k: d[k] for k in names if k in d}
         kwargs["model_type"] = model_type
         kwargs["attention_bias"] = bool(d.get("attention_bias", model_type == "qwen2"))
-        if "num_key_value_heads" not in d or d["num_key_value_heads"] is None:
-            kwargs["num_key_value_heads"] = d.get("num_attention_heads", cls.num_attention_heads)
+        if d.get("num_key_value_heads") is None:  # HF: absent means multi-head attention
+            kwargs.pop("num_key_value_heads", None)
+            if "num_attention_heads" in d:
+                kwargs["num_key_value_heads"] = d["num_attention_heads"]
         kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_from_hf(d)
         if d.get("num_labels") is None and "id2label" in d:
             kwargs["num_labels"] = len(d["id2label"])
