@@ -1,0 +1,136 @@
+"""The rollout contract: `SamplingParams`, `Completion`, `RolloutConfig` and the `RolloutEngine` protocol.
+
+The PPO trainer and the hybrid engine talk to every generation backend (native, Hugging Face,
+vLLM) only through these types:
+
+    engine.wake_up(); engine.update_weights(actor_shards); out = engine.generate(prompts, params)
+    engine.sleep()   # give the KV cache and graphs back to training
+
+`Completion.logprobs` is the log-probability of each sampled token under softmax(logits / T)
+(T = 1 for greedy) *without* top-k/top-p renormalisation: the quantity the trainer recomputes, so
+the PPO ratio is exactly 1 on-policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 -> greedy
+    top_k: int = -1  # <= 0 disables
+    top_p: float = 1.0
+    max_tokens: int = 256
+    n: int = 1  # samples per prompt, sharing one prefill (GRPO: 8-16)
+    seed: int | None = None  # per-request seed -> reproducible whatever the batch around it
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]  # the stop/EOS token that ended a "stop" completion is included
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RolloutConfig:
+    """Sizing of the native engine. The KV cache is one contiguous slot of `max_model_len` tokens per
+    running sequence (see rollout/kv_cache.py for why), so the number of slots is the concurrency."""
+
+    gpu_memory_fraction: float = 0.5  # of the free GPU memory after weights, for the KV cache
+    max_num_seqs: int = 256  # running sequences (KV slots) at most
+    max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    block_size: int = 64  # granule of the decode KV-length buckets (and of the slot length)
+    enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
+    kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
+    seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
+    drop_weights_on_sleep: bool = True  # the engine's weights only mirror the trainer's: free them on sleep
+    decode_attention: str = "sdpa"  # "sdpa" (fused, fp32 scores) or "bmm" (two batched matmuls)
+
+    def validate(self) -> None:
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} leaves no room for a prompt and a token")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of max_model_len="
+                             f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
+        if self.decode_attention not in ("sdpa", "bmm"):
+            raise ValueError(f"decode_attention={self.decode_attention!r}; choose 'sdpa' or 'bmm'")
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Completions in prompt-major order, `n` per prompt (bad requests come back as "error")."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors, each THIS rank's generation TP shard (parallel/sharding.tp_slices)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the KV cache, CUDA graphs and any generation-only memory."""
+        ...
+
+    def wake_up(self) -> None:
+        """Re-create what sleep() freed."""
+        ...
+
+
+def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int) -> str | None:
+    """The reason request (prompt, params) cannot run, or None when it is valid."""
+    if not isinstance(params, SamplingParams):
+        return f"sampling params must be SamplingParams, got {type(params).__name__}"
+    if len(prompt) == 0:
+        return "empty prompt: give at least one token id (e.g. the BOS token)"
+    if len(prompt) >= max_model_len:
+        return (f"prompt of {len(prompt)} tokens leaves no room to generate within max_model_len="
+                f"{max_model_len}; shorten the prompt or raise max_model_len")
+    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+    if bad:
+        return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+    if not params.temperature >= 0.0:  # also catches NaN
+        return f"temperature={params.temperature} must be >= 0 (0 means greedy)"
+    if not 0.0 < params.top_p <= 1.0:
+        return f"top_p={params.top_p} must be in (0, 1] (1 disables)"
+    if not isinstance(params.top_k, int):
+        return f"top_k={params.top_k!r} must be an int (<= 0 disables)"
+    if not isinstance(params.n, int) or params.n < 1:
+        return f"n={params.n} must be an int >= 1"
+    if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+        return f"max_tokens={params.max_tokens} must be an int >= 1"
+    if params.seed is not None and not isinstance(params.seed, int):
+        return f"seed={params.seed!r} must be an int or None"
+    return None
+
+
+def error_completions(prompt_index: int, prompt: list[int], params: SamplingParams, error: str) -> list[Completion]:
+    """The failed request's completions (one per sample, at least one)."""
+    n = params.n if isinstance(getattr(params, "n", None), int) and params.n >= 1 else 1
+    return [Completion(prompt_index, i, list(prompt), [], [], "error", error) for i in range(n)]
+
+
+def expand_sampling(sampling: SamplingParams | list[SamplingParams], num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt; a list of the wrong length is a caller bug and raises."""
+    if isinstance(sampling, list):
+        if len(sampling) != num_prompts:
+            raise ValueError(f"got {len(sampling)} SamplingParams for {num_prompts} prompts; "
+                             "pass one, or one per prompt")
+        return sampling
+    return [sampling] * num_prompts

@@ -1,0 +1,141 @@
+"""`NativeEngine`: continuous-batching generation with a KV cache, CUDA graphs and TP decoding.
+
+    engine = NativeEngine.from_model(model, config=RolloutConfig(max_model_len=512, kv_cache_tokens=8192))
+    outs = engine.generate([[1, 5, 7], [1, 9]], SamplingParams(temperature=1.0, max_tokens=64, n=4, seed=0))
+
+Under TP every rank of `tp_group` calls generate with the same prompts and params (same schedule,
+same collectives) and gets the same completions. The hybrid engine's cycle is
+wake_up() -> update_weights(shards) -> generate(...) -> sleep().
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+
+import torch
+
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+from rollout.base import (
+    Completion,
+    RolloutConfig,
+    SamplingParams,
+    check_request,
+    error_completions,
+    expand_sampling,
+)
+from rollout.model_runner import ModelRunner
+from rollout.sampler import request_key
+from rollout.scheduler import PrefillBatch, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class NativeEngine:
+    def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 eos_token_ids: list[int] | None = None):
+        config.validate()
+        self.model_config, self.config = model_config, config
+        self.eos_token_ids = list(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.runner = ModelRunner(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype)
+        self._rng = random.Random(config.seed)  # same seed on every TP rank -> same keys
+        self._source: LlamaForCausalLM | None = None
+        self.asleep = False
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0}
+
+    @classmethod
+    def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
+                   eos_token_ids: list[int] | None = None) -> NativeEngine:
+        """Engine over a single-device model (tp=1). Its weights are aliased, not copied, when device and
+        dtype match; sleep() then drops only the aliases and wake_up() re-aliases them."""
+        first = next(model.parameters())
+        engine = cls(model.config, config=config, device=device or first.device, dtype=dtype or first.dtype,
+                     eos_token_ids=eos_token_ids)
+        engine._source = model
+        engine._load_source()
+        return engine
+
+    def _load_source(self) -> None:
+        self.runner.load_weights(self._source.state_dict(keep_vars=False).items(), share=True)
+        if self.runner.device.type == self._source.model.inv_freq.device.type:
+            self.runner.model.model.inv_freq = self._source.model.inv_freq.to(self.runner.device)
+
+    # ---- RolloutEngine protocol ----
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.asleep:
+            raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
+        self.runner.load_weights(named_tensors)
+
+    def sleep(self) -> None:
+        if self.asleep:
+            return
+        before = self._mem()
+        drop = self.config.drop_weights_on_sleep or self._source is not None
+        self.runner.free_runtime(drop_weights=drop)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+        log.info("rollout sleep: allocated %.2f GB -> %.2f GB (weights dropped: %s)", before, self._mem(), drop)
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            return
+        before = self._mem()
+        self.runner.wake(allocate_weights=self._source is None)
+        if self._source is not None:
+            self._load_source()
+        self.asleep = False
+        log.info("rollout wake_up: allocated %.2f GB -> %.2f GB", before, self._mem())
+
+    def _mem(self) -> float:
+        return torch.cuda.memory_allocated(self.runner.device) / 1e9 if self.runner.device.type == "cuda" else 0.0
+
+    def generate(self, prompts: list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        if self.asleep:
+            raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
+        self.runner.check_loaded()
+        params = expand_sampling(sampling, len(prompts))
+        results: dict[int, list[Completion]] = {}
+        sched = Scheduler(num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,
+                          max_model_len=self.config.max_model_len, granule=self.config.block_size,
+                          slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids)
+        seqs: list[Sequence] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            prompt = [int(t) for t in prompt]
+            err = check_request(prompt, p, max_model_len=self.config.max_model_len,
+                                vocab_size=self.model_config.vocab_size)
+            if err is not None:
+                results[i] = error_completions(i, prompt, p, err)
+                continue
+            # unseeded requests draw their seed here, in request order, so every TP rank agrees
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
+            for j in range(p.n):
+                seq = Sequence(len(seqs), i, j, prompt, p, request_key(seed, j))
+                seqs.append(seq)
+                sched.add(seq)
+        self._run(sched)
+        for s in seqs:
+            results.setdefault(s.prompt_index, []).append(
+                Completion(s.prompt_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason))
+        return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _run(self, sched: Scheduler) -> None:
+        while sched.has_work():
+            step = sched.schedule()
+            if isinstance(step, PrefillBatch):
+                seqs, (tokens, logprobs) = step.seqs, self.runner.prefill(step)
+                self.stats["prefill_steps"] += 1
+            else:
+                moves = sched.compaction()
+                if moves:
+                    # the KV of positions [0, length - 1) is in the cache; the last token is written next step
+                    self.runner.move_slots(moves, lengths=[sched.running[dst].length - 1 for _, dst in moves])
+                    self.stats["slot_moves"] += len(moves)
+                    step = sched.schedule()
+                seqs, (tokens, logprobs) = step.seqs, self.runner.decode(step)
+                self.stats["decode_steps"] += 1
+            sched.update(seqs, tokens, logprobs)

@@ -1,0 +1,302 @@
+"""The only part of the engine that touches the device: local-TP model, KV cache, prefill, graphed decode.
+
+The model is a plain-tensor LlamaForCausalLM built with LOCAL sizes (heads, intermediate and vocab
+divided by tp) and made tensor-parallel with explicit collectives on `tp_group`: all-reduce after
+o_proj and down_proj (row parallel), a vocab-parallel embedding, and an all-gather of the local-vocab
+logits so every rank samples the same token from the full [B, V] (no DTensor: too slow and not
+graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
+
+Decode runs as one CUDA graph per (batch bucket, KV-length bucket, filtered-sampling) key, captured
+lazily into one shared memory pool; inputs are copied into static buffers and the sampled tokens and
+log-probs come back in one [2, B] D2H copy per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM, compute_inv_freq
+from rollout.base import RolloutConfig
+from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
+from rollout.sampler import sample
+from rollout.scheduler import DecodeBatch, PrefillBatch, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RowParallelLinear(nn.Linear):
+    """Linear over this rank's slice of the input features; partial sums all-reduced over the TP group."""
+
+    def __init__(self, in_features: int, out_features: int, *, group):
+        super().__init__(in_features, out_features, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + num_embeddings) of the table; other ids give 0, summed over TP."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, vocab_start: int, group):
+        super().__init__(num_embeddings, dim)
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def build_local_model(cfg: ModelConfig, *, tp: int, tp_rank: int, tp_group, device, dtype) -> LlamaForCausalLM:
+    """LlamaForCausalLM holding rank tp_rank's shards (uninitialised weights; load them by name)."""
+    for name, size in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads",
+                       cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ValueError(f"rollout tp({tp}) must divide {name}({size})")
+    local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                                num_key_value_heads=cfg.num_key_value_heads // tp,
+                                intermediate_size=cfg.intermediate_size // tp,
+                                vocab_size=cfg.vocab_size // tp, head_dim=cfg.head_dim)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(local)
+        if tp > 1:
+            for layer in model.model.layers.values():
+                layer.self_attn.o_proj = RowParallelLinear(local.num_attention_heads * cfg.head_dim,
+                                                           cfg.hidden_size, group=tp_group)
+                layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, group=tp_group)
+            model.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size,
+                                                              vocab_start=tp_rank * local.vocab_size, group=tp_group)
+            if cfg.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # the non-persistent RoPE buffer is garbage after to_empty; cast like build_model so logits match
+    model.model.inv_freq = compute_inv_freq(cfg).to(device=device, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, *, config: RolloutConfig, tp_group=None, device="cpu",
+                 dtype=torch.float32):
+        self.cfg, self.config, self.dtype = cfg, config, dtype
+        self.device = torch.device(device)
+        self.tp_group = tp_group
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.model = build_local_model(cfg, tp=self.tp, tp_rank=self.tp_rank, tp_group=tp_group,
+                                       device=self.device, dtype=dtype)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
+        self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
+        self.cache: KVCache | None = None
+        self._allocate_runtime()
+
+    # ---- memory ----
+    def _num_slots(self, slot_len: int) -> int:
+        per_tok = kv_bytes_per_token(num_layers=self.cfg.num_hidden_layers, head_dim=self.cfg.head_dim,
+                                     num_kv_heads=self.cfg.num_key_value_heads // self.tp, dtype=self.dtype)
+        if self.config.kv_cache_tokens is not None:
+            tokens = self.config.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            tokens = int(free * self.config.gpu_memory_fraction) // per_tok
+            if self.tp > 1:  # every rank must agree on the slot count (same schedule, same collectives)
+                t = torch.tensor([tokens], device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
+                tokens = int(t.item())
+        else:
+            tokens = self.config.max_num_seqs * slot_len  # CPU: as many slots as sequences allowed
+        slots = min(self.config.max_num_seqs, tokens // slot_len)
+        if slots < 1:
+            raise RuntimeError(f"KV cache of {tokens} tokens ({tokens * per_tok / 2**30:.2f} GiB) holds no slot of "
+                               f"max_model_len={self.config.max_model_len}; raise gpu_memory_fraction / "
+                               f"kv_cache_tokens or lower max_model_len")
+        return slots
+
+    def _allocate_runtime(self) -> None:
+        g = self.config.block_size
+        slot_len = -(-self.config.max_model_len // g) * g
+        slots = self._num_slots(slot_len)
+        self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots, slot_len=slot_len,
+                             num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
+                             dtype=self.dtype, device=self.device)
+        self.decode_attn = DecodeAttention(self.cache, mode=self.config.decode_attention)
+        # static decode inputs: rows ids, positions, keys, top_k (int64) / temperature, top_p (fp32)
+        self.meta_i = torch.zeros(4, slots, dtype=torch.int64, device=self.device)
+        self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
+        self.out = torch.zeros(2, slots, dtype=torch.float64, device=self.device)
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    @property
+    def slot_len(self) -> int:
+        return self.cache.slot_len
+
+    def free_runtime(self, *, drop_weights: bool) -> None:
+        self.graphs.clear()
+        self.graph_pool = None
+        self.cache = self.decode_attn = self.meta_i = self.meta_f = self.out = None
+        if drop_weights:
+            for p in self.params.values():
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.loaded.clear()
+
+    def wake(self, *, allocate_weights: bool = True) -> None:
+        for name, p in self.params.items():
+            if allocate_weights and p.numel() == 0 and self.shapes[name] != (0,):
+                p.data = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        self._allocate_runtime()
+
+    # ---- weights ----
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, share: bool = False) -> None:
+        """Copy (or alias, when `share` and device/dtype match) HF-named local shards into the model."""
+        for name, t in named_tensors:
+            p = self.params.get(name)
+            if p is None:
+                if name.endswith("inv_freq"):
+                    continue
+                raise KeyError(f"rollout engine has no parameter {name!r} (expected HF names such as "
+                               f"'model.layers.0.self_attn.q_proj.weight')")
+            if tuple(t.shape) != self.shapes[name]:
+                raise ValueError(f"{name}: got shape {tuple(t.shape)}, this rank's tp({self.tp}) shard is "
+                                 f"{self.shapes[name]}; pass parallel/sharding.tp_slices(name, full_shape, "
+                                 f"rank={self.tp_rank}, world={self.tp}) of the full tensor")
+            with torch.no_grad():
+                if share and t.device == self.device and t.dtype == self.dtype:
+                    p.data = t.detach()
+                else:
+                    if p.numel() == 0:
+                        p.data = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+                    p.data.copy_(t.detach())
+            self.loaded.add(id(p))
+
+    def check_loaded(self) -> None:
+        missing = [n for n, p in self.params.items() if id(p) not in self.loaded]
+        if missing:
+            raise RuntimeError(f"{len(missing)} weights not loaded since wake_up/creation (e.g. {missing[:3]}); "
+                               f"call update_weights with every parameter before generate")
+
+    # ---- compute ----
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, H] final-normed -> logits [N, V] over the full vocabulary (all-gathered under TP)."""
+        local = self.model.lm_head(h)
+        if self.tp == 1:
+            return local
+        n, vl = local.shape
+        if self.device.type == "cuda":
+            full = torch.empty(self.tp * n, vl, dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(full, local.contiguous(), group=self.tp_group)
+            parts = full.view(self.tp, n, vl).unbind(0)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def _sampling_rows(seqs: list[Sequence]) -> tuple[list[int], list[int], list[float], list[float], bool]:
+        keys = [s.key for s in seqs]
+        top_k = [s.params.top_k for s in seqs]
+        temp = [float(s.params.temperature) for s in seqs]
+        top_p = [float(s.params.top_p) for s in seqs]
+        filtered = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+        return keys, top_k, temp, top_p, filtered
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float]]:
+        """Run the prompts (plus any tokens already generated) of each row; sample the next token of
+        every sequence. Returns tokens, logprobs in batch.seqs order."""
+        dev = self.device
+        ids = torch.zeros(len(batch.rows), batch.padded_len, dtype=torch.int64)
+        last = []
+        for r, row in enumerate(batch.rows):
+            toks = row[0].prompt_ids + row[0].token_ids
+            ids[r, : len(toks)] = torch.tensor(toks)
+            last.append(len(toks) - 1)
+        seqs = batch.seqs
+        rows = torch.tensor([r for r, row in enumerate(batch.rows) for _ in row], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        ids = ids.to(dev)
+        pos = torch.arange(batch.padded_len, device=dev).expand_as(ids)
+        attn = PrefillAttention(self.cache, slots=slots, rows=rows)
+        h = self.model.hidden_states(ids, pos, attn=attn)
+        h_last = h[torch.arange(len(batch.rows), device=dev), torch.tensor(last, device=dev)]
+        logits = self._logits(h_last)[rows]
+        keys, top_k, temp, top_p, filtered = self._sampling_rows(seqs)
+        tok, lp = sample(logits, temperature=torch.tensor(temp, device=dev),
+                         top_k=torch.tensor(top_k, device=dev), top_p=torch.tensor(top_p, device=dev),
+                         keys=torch.tensor(keys, device=dev),
+                         positions=torch.tensor([s.length for s in seqs], device=dev), filtered=filtered)
+        out = torch.stack([tok.double(), lp.double()]).cpu()
+        return [int(t) for t in out[0]], out[1].tolist()
+
+    def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
+        """One graph-capturable decode over cache rows [0, b): static buffers in, self.out[:, :b] out."""
+        ids, pos = self.meta_i[0, :b], self.meta_i[1, :b]
+        self.decode_attn.prepare(pos, kv_len)
+        h = self.model.hidden_states(ids[:, None], pos[:, None], attn=self.decode_attn)[:, 0]
+        tok, lp = sample(self._logits(h), temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b],
+                         keys=self.meta_i[2, :b], top_k=self.meta_i[3, :b], positions=pos + 1, filtered=filtered)
+        self.out[0, :b].copy_(tok)
+        self.out[1, :b].copy_(lp)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
+        b = batch.num_rows
+        rows_i = [[0] * b for _ in range(4)]
+        rows_f = [[0.0] * b, [1.0] * b]  # padding rows: greedy on token 0 at position 0 of a free slot
+        keys, top_k, temp, top_p, filtered = self._sampling_rows(batch.seqs)
+        for j, s in enumerate(batch.seqs):
+            r = s.slot
+            rows_i[0][r] = s.token_ids[-1] if s.token_ids else s.prompt_ids[-1]
+            rows_i[1][r], rows_i[2][r], rows_i[3][r] = s.length - 1, keys[j], top_k[j]
+            rows_f[0][r], rows_f[1][r] = temp[j], top_p[j]
+        self.meta_i[:, :b].copy_(torch.tensor(rows_i), non_blocking=True)
+        self.meta_f[:, :b].copy_(torch.tensor(rows_f), non_blocking=True)
+        key = (b, batch.kv_len, filtered)
+        if not self.use_graphs:
+            self._decode_step(*key)
+        elif key in self.graphs:
+            self.graphs[key].replay()
+        else:
+            self._capture(key)
+        out = self.out[:, :b].cpu()
+        slots = [s.slot for s in batch.seqs]
+        return [int(t) for t in out[0, slots]], out[1, slots].tolist()
+
+    def _capture(self, key: tuple[int, int, bool]) -> None:
+        """Run the step eagerly (warm-up: real work, idempotent), capture it, then replay it once."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._decode_step(*key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._decode_step(*key)
+        self.graphs[key] = graph
+        graph.replay()
+
+    def move_slots(self, moves: list[tuple[int, int]], *, lengths: list[int]) -> None:
+        with torch.inference_mode():
+            self.cache.move_slots(moves, lengths=lengths)

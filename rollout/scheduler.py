@@ -1,0 +1,168 @@
+"""The engine's brain, pure Python: sequences, KV-slot allocation, continuous-batching decisions.
+
+Each running sequence owns one KV slot (a contiguous cache row of `slot_len` tokens, see
+rollout/kv_cache.py). Every step is either a prefill (admit waiting sequences into free slots under
+the token budget; samples of one prompt admitted together share one prefill row) or a decode over
+cache rows [0, num_rows), where num_rows is a CUDA-graph batch bucket covering the highest busy slot.
+New sequences take the lowest free slot, and when the tail of a generation leaves holes that inflate
+the bucket, `compaction()` moves high sequences down so the decode batch shrinks with the work.
+
+An admitted sequence can never run out of cache (its slot holds max_model_len tokens), so there is
+no mid-decode preemption; when all slots are busy requests wait, and a request that needs more than
+max_model_len tokens finishes with "length" exactly at that limit, never silently cut.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.base import SamplingParams
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: int  # RNG key (rollout/sampler.request_key)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    rows: list[list[Sequence]]  # each row: sequences with identical tokens so far (samples of one prompt)
+    padded_len: int  # longest row; rows are right-padded to it
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for row in self.rows for s in row]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    seqs: list[Sequence]  # running sequences, ascending slot
+    num_rows: int  # cache rows [0, num_rows) are computed; rows without a sequence are padding
+    kv_len: int  # attention reads cache positions [0, kv_len)
+
+
+def batch_buckets(num_slots: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 32, then every 32, and num_slots."""
+    sizes = {b for b in (1, 2, 4, 8, 16, 32) if b < num_slots}
+    sizes.update(range(64, num_slots, 32))
+    sizes.add(num_slots)
+    return sorted(sizes)
+
+
+def bucket_of(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
+
+
+def length_bucket(n: int, *, granule: int, cap: int) -> int:
+    """KV length rounded up to a multiple of max(granule, ~n/16): at most one granule or ~12% over-read,
+    and only ~8 buckets per doubling of the context, so few graphs are captured."""
+    step = max(granule, 1 << max(0, n.bit_length() - 4))
+    return min(cap, -(-n // step) * step)
+
+
+class Scheduler:
+    def __init__(self, *, num_slots: int, max_num_batched_tokens: int, max_model_len: int, granule: int,
+                 slot_len: int, eos_token_ids: list[int]):
+        if slot_len < max_model_len:
+            raise ValueError(f"slot_len({slot_len}) must hold max_model_len({max_model_len}) tokens")
+        self.num_slots = num_slots
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.granule, self.slot_len = granule, slot_len
+        self.eos = frozenset(eos_token_ids)
+        self.buckets = batch_buckets(num_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> PrefillBatch | DecodeBatch:
+        """Prefill when a waiting sequence can be admitted (prefill-first keeps the batch full), else decode."""
+        if self.waiting and self._free:
+            return self._admit()
+        if not self.running:
+            raise RuntimeError("schedule() called with no work; check has_work() first")
+        seqs = sorted(self.running.values(), key=lambda s: s.slot)
+        num_rows = bucket_of(seqs[-1].slot + 1, self.buckets)
+        kv_len = length_bucket(max(s.length for s in seqs), granule=self.granule, cap=self.slot_len)
+        return DecodeBatch(seqs, num_rows, kv_len)
+
+    def _admit(self) -> PrefillBatch:
+        rows: dict[tuple[int, int], list[Sequence]] = {}
+        padded = 0
+        while self.waiting and self._free:
+            seq = self.waiting[0]
+            row_key = (seq.prompt_index, seq.seq_id if seq.token_ids else -1)  # only fresh samples share
+            if row_key not in rows:
+                new_len = max(padded, seq.length)
+                # the budget counts padded tokens; the first row is always admitted (it fits max_model_len)
+                if rows and new_len * (len(rows) + 1) > self.max_num_batched_tokens:
+                    break
+                rows[row_key] = []
+                padded = new_len
+            self.waiting.popleft()
+            seq.slot = heapq.heappop(self._free)
+            self.running[seq.slot] = seq
+            rows[row_key].append(seq)
+        return PrefillBatch(list(rows.values()), padded)
+
+    def compaction(self) -> list[tuple[int, int]]:
+        """Slot moves (src, dst) that shrink the decode bucket; applied here, the caller copies the KV."""
+        if self.waiting or not self.running:
+            return []
+        moves = []
+        target = bucket_of(len(self.running), self.buckets)
+        while max(self.running) >= target:
+            src = max(self.running)
+            dst = heapq.heappop(self._free)
+            seq = self.running.pop(src)
+            seq.slot = dst
+            self.running[dst] = seq
+            heapq.heappush(self._free, src)
+            moves.append((src, dst))
+        return moves
+
+    def finish_check(self, seq: Sequence) -> str | None:
+        tok, p = seq.token_ids[-1], seq.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(seq.token_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+            return "length"
+        return None
+
+    def update(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        """Append one sampled token per sequence; returns the sequences that finished (slots freed)."""
+        done = []
+        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            seq.token_ids.append(int(tok))
+            seq.logprobs.append(float(lp))
+            reason = self.finish_check(seq)
+            if reason is not None:
+                seq.finish_reason = reason
+                del self.running[seq.slot]
+                heapq.heappush(self._free, seq.slot)
+                done.append(seq)
+        return done
