@@ -272,9 +272,7 @@ def save_checkpoint(
     if rank == 0:
         _torch_save_synced(shared_state or {}, tmp / "shared.pt")
         for role, sd in (model_states or {}).items():
-            for f in save_hf_weights(sd, tmp / role, config=(model_configs or {}).get(role),
-                                     max_shard_bytes=max_shard_bytes):
-                _fsync_file(f)
+            _save_role(sd, tmp / role, config=(model_configs or {}).get(role), max_shard_bytes=max_shard_bytes)
     barrier()
     if rank == 0:
         missing = [r for r in range(world_size) if not (tmp / f"rank_{r}.pt").exists()]
@@ -295,6 +293,26 @@ def save_checkpoint(
         _prune(root, keep_last=keep_last)
     barrier()  # nobody proceeds (or resumes) before step_N exists
     return final
+
+
+def _save_role(state: dict[str, torch.Tensor], out: Path, *, config: dict[str, Any] | None,
+               max_shard_bytes: int) -> None:
+    """One role's HF directory: through models.hf_io (the writer the loaders are tested against)
+    when it is importable and a config is given, else this module's safetensors writer."""
+    try:
+        from models.config import ModelConfig
+        from models.hf_io import save_tensors
+    except ImportError:
+        save_tensors = None
+    if save_tensors is not None and config is not None:
+        arch = (config.get("architectures") or ["ForCausalLM"])[0]
+        arch = arch[arch.index("For"):] if "For" in arch else "ForCausalLM"  # LlamaForCausalLM -> ForCausalLM
+        save_tensors(state, ModelConfig.from_hf(config), out, architecture=arch, max_shard_size_bytes=max_shard_bytes)
+        files = [p for p in out.rglob("*") if p.is_file()]
+    else:
+        files = save_hf_weights(state, out, config=config, max_shard_bytes=max_shard_bytes)
+    for f in files:
+        _fsync_file(f)
 
 
 def _write_manifest(tmp: Path, *, step: int, world_size: int, roles: list[str]) -> None:

@@ -63,7 +63,7 @@ def test_roundtrip_states_weights_and_rng(tmp_path):
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     manifest = json.loads((path / "COMPLETE").read_text())
     assert manifest["roles"] == ["actor"] and "rank_0.pt" in manifest["files"]
-    assert json.loads((path / "actor" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert json.loads((path / "actor" / "config.json").read_text())["dtype"] == "float32"
     assert not list((tmp_path / "checkpoints").glob("*.tmp-*"))
 
 
