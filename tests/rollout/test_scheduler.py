@@ -1,0 +1,88 @@
+"""rollout/scheduler.py: pure-Python admission, buckets, compaction and finishing."""
+
+import pytest
+
+from rollout.base import SamplingParams, check_request
+from rollout.scheduler import DecodeBatch, PrefillBatch, Scheduler, Sequence, batch_buckets, length_bucket
+
+
+def _sched(num_slots=4, budget=64, max_model_len=64, eos=(2,)):
+    return Scheduler(num_slots=num_slots, max_num_batched_tokens=budget, max_model_len=max_model_len, granule=16,
+                     slot_len=64, eos_token_ids=list(eos))
+
+
+def _seq(i, prompt_index, prompt_len, **params):
+    return Sequence(i, prompt_index, 0, [1] * prompt_len, SamplingParams(**params), key=i)
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(256)[:8] == [1, 2, 4, 8, 16, 32, 64, 96] and batch_buckets(256)[-1] == 256
+    for n in range(1, 5000):
+        b = length_bucket(n, granule=64, cap=1 << 20)
+        assert b >= n and b % 64 == 0 and (b - n < 64 or b - n <= n / 8)
+    assert length_bucket(5000, granule=64, cap=4096) == 4096
+    assert len({length_bucket(n, granule=64, cap=4096) for n in range(1, 4097)}) < 40
+
+
+def test_admission_shares_rows_respects_slots_and_budget():
+    s = _sched(num_slots=4, budget=20)
+    for i in range(3):  # three samples of prompt 0 (length 8) share one row
+        s.add(Sequence(i, 0, i, [1] * 8, SamplingParams(), key=i))
+    s.add(_seq(3, 1, 8))
+    s.add(_seq(4, 2, 4))
+    step = s.schedule()
+    assert isinstance(step, PrefillBatch)
+    assert [[q.seq_id for q in row] for row in step.rows] == [[0, 1, 2], [3]] and step.padded_len == 8
+    assert [q.slot for q in step.seqs] == [0, 1, 2, 3]  # lowest slots first
+    assert list(s.waiting)[0].seq_id == 4  # no free slot left
+    step = s.schedule()
+    assert isinstance(step, DecodeBatch) and step.num_rows == 4 and step.kv_len == 16
+
+
+def test_budget_counts_padded_tokens_and_first_row_always_fits():
+    s = _sched(num_slots=8, budget=10)
+    s.add(_seq(0, 0, 30))
+    s.add(_seq(1, 1, 2))
+    step = s.schedule()
+    assert [q.seq_id for q in step.seqs] == [0] and step.padded_len == 30
+    assert [q.seq_id for q in s.schedule().seqs] == [1]
+
+
+def test_finish_reasons_free_slots_and_compaction():
+    s = _sched(num_slots=4, max_model_len=12)
+    seqs = [_seq(0, 0, 4, max_tokens=3), _seq(1, 1, 4, stop_token_ids=[9]), _seq(2, 2, 4),
+            _seq(3, 3, 10, max_tokens=100), _seq(4, 4, 4, ignore_eos=True, max_tokens=50)]
+    for q in seqs:
+        s.add(q)
+    step = s.schedule()
+    assert len(step.seqs) == 4
+    assert s.update(step.seqs, [5, 9, 2, 5], [-1.0] * 4) == seqs[1:3]  # stop token, eos
+    assert seqs[1].finish_reason == "stop" and seqs[2].finish_reason == "stop"
+    step = s.schedule()  # seq 4 takes the lowest freed slot
+    assert step.seqs == [seqs[4]] and seqs[4].slot == 1
+    assert s.update(step.seqs, [2], [-0.5]) == []  # ignore_eos
+    step = s.schedule()
+    assert isinstance(step, DecodeBatch) and [q.slot for q in step.seqs] == [0, 1, 3]
+    done = s.update(step.seqs, [5, 5, 5], [-1.0] * 3)
+    assert done == [seqs[3]] and seqs[3].finish_reason == "length"  # 10 + 2 tokens == max_model_len
+    done = s.update([seqs[0], seqs[4]], [5, 5], [-1.0] * 2)
+    assert done == [seqs[0]] and seqs[0].finish_reason == "length" and len(seqs[0].token_ids) == 3
+    assert s.schedule().num_rows == 2  # only seq 4 in slot 1 left: bucket 2 until compaction
+    assert s.compaction() == [(1, 0)] and seqs[4].slot == 0 and s.schedule().num_rows == 1
+
+
+def test_schedule_without_work_raises():
+    with pytest.raises(RuntimeError, match="no work"):
+        _sched().schedule()
+
+
+def test_check_request_messages():
+    ok = SamplingParams()
+    assert check_request([1, 2], ok, max_model_len=8, vocab_size=10) is None
+    assert "empty" in check_request([], ok, max_model_len=8, vocab_size=10)
+    assert "max_model_len=8" in check_request([1] * 8, ok, max_model_len=8, vocab_size=10)
+    assert "vocabulary" in check_request([10], ok, max_model_len=8, vocab_size=10)
+    assert "temperature" in check_request([1], SamplingParams(temperature=float("nan")), max_model_len=8,
+                                          vocab_size=10)
