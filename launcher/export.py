@@ -1,0 +1,147 @@
+"""Export one model role of a checkpoint as a Hugging Face directory.
+
+    python -m launcher.export runs/<name>/checkpoints/step_N <out_dir> [--role actor|critic] [--dtype bf16]
+    python -m launcher.export runs/<name> <out_dir>          # the newest complete checkpoint of the run
+
+Checkpoints already store each role as an HF directory (config.json + safetensors, see
+ppo/checkpoint.py), so export is a verified copy: the checkpoint must be complete (manifest
+present, every file its recorded size), the role's tensor names and shapes must match the
+model its config.json describes, and the copy is checked file by file. `--dtype` re-encodes the
+floating weights instead (e.g. fp32 master weights -> bf16). Errors exit with code 2.
+The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` (critic:
+AutoModelForSequenceClassification) and with `models.load_pretrained(out_dir)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig, ModelConfigError
+from models.heads import LlamaForSequenceClassification
+from models.hf_io import load_tensors, save_tensors, tensor_shapes
+from models.llama import LlamaForCausalLM
+from ppo.checkpoint import find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
+
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CLASSES = {"ForCausalLM": LlamaForCausalLM, "ForSequenceClassification": LlamaForSequenceClassification}
+
+
+class ExportError(ValueError):
+    """A checkpoint or destination the export cannot use; the message says what to do."""
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete checkpoint dir, or the newest complete one of a run dir / its checkpoints/ dir."""
+    p = Path(path)
+    if not p.exists():
+        raise ExportError(f"{p} does not exist")
+    if read_manifest(p) is not None:
+        return p
+    run_dir = p.parent if p.name == "checkpoints" else p
+    if (run_dir / "checkpoints").is_dir() and (latest := find_latest_checkpoint(run_dir)) is not None:
+        return latest
+    complete = [c.name for c in list_checkpoints(p.parent.parent)] if p.parent.name == "checkpoints" else []
+    raise ExportError(f"{p} is not a complete checkpoint (no valid COMPLETE manifest: the save was interrupted "
+                      f"or files were changed) nor a run dir with one; complete checkpoints beside it: "
+                      f"{complete or 'none'}")
+
+
+def expected_shapes(config: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(architecture suffix, {HF name: shape}) of the model a config.json describes."""
+    arch = (config.get("architectures") or ["?"])[0]
+    suffix = arch[arch.find("For"):] if "For" in arch else arch
+    if suffix not in _CLASSES:
+        raise ExportError(f"config.json architectures={config.get('architectures')}: export supports "
+                          f"{', '.join('<Family>' + s for s in _CLASSES)}")
+    cfg = ModelConfig.from_hf(config)
+    with torch.device("meta"):
+        model = _CLASSES[suffix](cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # HF tied checkpoints carry the embedding only
+    return suffix, shapes
+
+
+def validate_hf_dir(model_dir: Path) -> tuple[str, int]:
+    """Check an HF directory is complete and matches its config. -> (architecture suffix, #tensors)."""
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ExportError(f"{model_dir} has no config.json: the checkpoint was saved without model_configs "
+                          "for this role, so the architecture is unknown; re-save with model_configs")
+    try:
+        config = json.loads(cfg_file.read_text())
+        suffix, want = expected_shapes(config)
+    except (ValueError, ModelConfigError) as err:
+        raise ExportError(f"{cfg_file}: {err}") from err
+    try:
+        hf_weight_files(model_dir)
+        have = tensor_shapes(model_dir)
+    except (FileNotFoundError, ModelConfigError) as err:
+        raise ExportError(str(err)) from err
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    wrong = sorted(n for n in set(want) & set(have) if tuple(want[n]) != tuple(have[n]))
+    if missing or extra or wrong:
+        raise ExportError(f"{model_dir} does not match its config.json ({suffix}): missing {missing[:5]}, "
+                          f"unexpected {extra[:5]}, wrong shape {[(n, have[n], want[n]) for n in wrong[:5]]}")
+    return suffix, len(have)
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, role: str = "actor", dtype: torch.dtype | None = None
+) -> Path:
+    """Write `role` of a checkpoint (or of a run's newest checkpoint) to `out_dir` as an HF directory."""
+    ckpt = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(ckpt)
+    if role not in manifest["roles"]:
+        raise ExportError(f"{ckpt} has no {role!r} weights; roles saved: {manifest['roles'] or 'none'}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not empty; choose a new directory or remove it")
+    src = ckpt / role
+    suffix, n_tensors = validate_hf_dir(src)
+    if dtype is not None:
+        cfg = ModelConfig.from_hf(json.loads((src / "config.json").read_text()))
+        save_tensors(load_tensors(src, dtype=dtype), cfg, out, architecture=suffix)
+    else:
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            shutil.copytree(src, tmp)
+            for f in src.rglob("*"):
+                if f.is_file() and (tmp / f.relative_to(src)).stat().st_size != f.stat().st_size:
+                    raise ExportError(f"copy of {f} is incomplete (disk full?); nothing was exported")
+            if out.exists():
+                out.rmdir()  # empty (checked above); rename onto it needs it gone
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    validate_hf_dir(out)
+    print(f"exported {role} of {ckpt} (step {manifest['step']}, {n_tensors} tensors, {suffix}) to {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", help="runs/<name>/checkpoints/step_N, or runs/<name> for the newest")
+    ap.add_argument("out_dir")
+    ap.add_argument("--role", default="actor", help="model role to export (actor, critic, ...)")
+    ap.add_argument("--dtype", default="keep", choices=sorted(DTYPES), help="re-encode floating weights")
+    args = ap.parse_args(argv)
+    try:
+        export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=DTYPES[args.dtype])
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
