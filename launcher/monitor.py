@@ -20,10 +20,12 @@ Without NVML (CPU machines, no driver) the monitor logs one line
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -294,3 +296,62 @@ def ppo_step_flops(
     return sum(ppo_stage_flops(n_params_actor=n_params_actor, n_params_critic=n_params_critic,
                                n_params_ref=n_params_ref, n_params_rm=n_params_rm, trained_tokens=trained_tokens,
                                generated_tokens=generated_tokens, ppo_epochs=ppo_epochs).values())
+
+
+def _matmul_tflops(seconds: float, *, n: int = 8192) -> float:
+    """Sustained bf16 matmul TFLOP/s on the current CUDA device for about `seconds`."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):  # enqueue in chunks so the host clock check never starves the GPU
+            a @ b
+        iters += 20
+        torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launcher.monitor", description="GpuMonitor self-check")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase")
+    ap.add_argument("--interval", type=float, default=0.5, help="sampling interval (s)")
+    ap.add_argument("--load", action="store_true", help="measure overhead under a bf16 matmul load on GPU 0")
+    ap.add_argument("--out", default="/tmp/hybridrl_monitor_selfcheck.jsonl")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mon = GpuMonitor(args.out, interval_s=args.interval)
+    if not mon.enabled:
+        print(json.dumps({"metric": "monitor_selfcheck", "nvml": False, "reason": mon.disabled_reason}))
+        return 0
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        mon.sample_once()
+    sample_s = (time.perf_counter() - t0) / n
+    mon.step_summary()
+    out: dict[str, Any] = {"metric": "monitor_selfcheck", "nvml": True, "n_gpus": len(mon._handles),
+                           "sample_ms": round(sample_s * 1e3, 4), "interval_s": args.interval,
+                           "sampler_cpu_frac": round(sample_s / args.interval, 6)}
+    mon.stop()
+    if args.load:
+        # the load runs on CUDA device 0 only: watch that GPU, so the mean is not diluted by idle ones
+        off = _matmul_tflops(args.seconds)
+        with GpuMonitor(args.out, interval_s=args.interval, device_indices=[mon._handles[0][0]]) as busy:
+            with busy.stage("matmul"):
+                on = _matmul_tflops(args.seconds)
+        summary = busy.step_summary()
+        out.update({"matmul_tflops_monitor_off": round(off, 1), "matmul_tflops_monitor_on": round(on, 1),
+                    "overhead_frac": round(1 - on / off, 4), "frac_of_peak": round(on * 1e12 / H200_PEAK_BF16_FLOPS, 4),
+                    "util_mean_under_load": summary.get("gpu/util_mean/matmul"),
+                    "mem_peak_gb": summary.get("mem/peak_gb")})
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.monitor import GpuMonitor, ppo_stage_flops, ppo_step_flops, useful_utilization
+from launcher.monitor import GpuMonitor, main, ppo_stage_flops, ppo_step_flops, useful_utilization
 
 # (sm_util %, mem_used GB) per sample for two GPUs: a gen phase then a training phase
 TRACE = {
@@ -160,3 +160,13 @@ def test_useful_utilization():
     assert useful_utilization(1e12, 2.0, n_gpus=1, peak_flops=1e12) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="seconds > 0"):
         useful_utilization(1.0, 0.0, n_gpus=1)
+
+
+def test_selfcheck_cli_prints_one_json_line(capsys):
+    assert main(["--seconds", "0.2"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["metric"] == "monitor_selfcheck"
+    if last["nvml"]:  # on a GPU machine: real sampling cost
+        assert last["n_gpus"] >= 1 and last["sample_ms"] > 0
+    else:
+        assert "NVML" in last["reason"] or "GPU" in last["reason"]
