@@ -1,0 +1,94 @@
+"""The step's batch ("experience") and how it moves between role groups.
+
+Every rank holds the same `Experience`: the token ids of every sample are small (a few
+hundred KB per step), so after generation each generation replica's leader contributes
+its completions to one world all-gather. Per-token results (old/ref log-probs, values)
+and per-sample scores are computed by their role group over that group's DP shard and
+merged with one more all-gather of the owners' results. Advantages are then a pure
+function evaluated identically on every rank, and each training group reads its own
+DP shard. Only owners contribute, so a result is never sent twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class Sample:
+    uid: int  # prompt_index * n + sample_index: a stable id across layouts
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    finish_reason: str
+    ground_truth: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(slots=True)
+class Experience:
+    """All samples of one step, ordered by uid, plus response-aligned tensors [B, R] (CPU)."""
+
+    samples: list[Sample]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scores: torch.Tensor | None = None  # [B] outcome reward per sample
+
+    @property
+    def max_response_len(self) -> int:
+        return max(1, max(len(s.response_ids) for s in self.samples))
+
+    def response_mask(self) -> torch.Tensor:
+        r = self.max_response_len
+        lens = torch.tensor([len(s.response_ids) for s in self.samples])
+        return torch.arange(r)[None] < lens[:, None]
+
+    def behaviour_logprobs(self) -> torch.Tensor:
+        return self.stack({s.uid: torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in self.samples})
+
+    def stack(self, per_uid: dict[int, torch.Tensor], *, fill: float = 0.0) -> torch.Tensor:
+        """{uid: [R_i]} -> [B, R] in sample order, padded with `fill`."""
+        r = self.max_response_len
+        out = torch.full((len(self.samples), r), fill, dtype=torch.float32)
+        for i, s in enumerate(self.samples):
+            v = per_uid[s.uid]
+            out[i, : v.numel()] = v.float()
+        return out
+
+
+def all_gather_objects(obj, *, group=None) -> list:
+    """World (or group) all-gather of picklable objects, in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def share_samples(mine: list[Sample]) -> list[Sample]:
+    """Each generation leader's samples -> every rank's full list, sorted by uid."""
+    merged = [s for part in all_gather_objects(mine) for s in part]
+    merged.sort(key=lambda s: s.uid)
+    uids = [s.uid for s in merged]
+    if len(set(uids)) != len(uids):
+        raise RuntimeError("a sample was contributed twice: more than one rank per generation replica reported")
+    return merged
+
+
+def merge_results(mine: dict[str, dict[int, torch.Tensor]]) -> dict[str, dict[int, torch.Tensor]]:
+    """{key: {uid: tensor}} from the owners -> the union on every rank (keys: old_logp, ref_logp, ...)."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for part in all_gather_objects({k: {u: t.detach().cpu() for u, t in v.items()} for k, v in mine.items()}):
+        for key, per_uid in part.items():
+            dst = out.setdefault(key, {})
+            overlap = dst.keys() & per_uid.keys()
+            if overlap:
+                raise RuntimeError(f"{key}: samples {sorted(overlap)[:5]} reported by two ranks")
+            dst.update(per_uid)
+    return out

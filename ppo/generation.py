@@ -1,0 +1,85 @@
+"""The rollout role: the actor's ranks generate through the hybrid engine.
+
+Each generation replica (gen_tp ranks) takes its share of the step's prompts; every rank
+of a replica gets the same completions, and only the replica's gen-TP rank 0 reports them
+as `Sample`s, so each sample enters the step's experience exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from launcher.config import Config
+from ppo.experience import Sample
+from ppo.roles import request_seed
+from rollout.base import RolloutConfig as EngineConfig
+from rollout.base import SamplingParams
+
+
+def build_rollout_groups(cfg: Config, plan):
+    """The hybrid engine's process groups (collective: every rank of the world calls this)."""
+    from parallel.reshard import GenLayout, TrainLayout
+    from parallel.reshard_exec import build_reshard_groups
+
+    actor = plan.groups["actor"]
+    train = TrainLayout(tp=actor.tp, pp=actor.pp, dp=actor.dp)
+    gen = GenLayout(tp=plan.gen_tp, dp=plan.gen_dp)
+    return train, gen, build_reshard_groups((train, gen), actor.ranks)
+
+
+class RolloutRole:
+    def __init__(self, cfg: Config, *, plan, actor, env, model_config, tokenizer, layouts):
+        from rollout.hybrid import HybridEngine
+
+        from rollout.engine import NativeEngine
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        r = cfg.rollout
+        train, gen, groups = layouts
+        self.groups = groups
+        self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
+        max_len = cfg.data.max_prompt_length + r.max_response_length
+        engine_cfg = EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                                  max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph,
+                                  kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
+                                  seed=cfg.trainer.seed)
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
+                                   device=env.device, dtype=dtype, eos_token_ids=eos)
+        self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
+                                   bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
+                                   optimizer=actor.optimizer)
+
+    def my_prompts(self, batch: list[dict]) -> list[dict]:
+        """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
+        per = -(-len(batch) // self.gen_dp)
+        return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
+
+    def generate(self, batch: list[dict], *, step: int, seed: int, timer=None) -> list[Sample]:
+        r = self.cfg.rollout
+        rows = self.my_prompts(batch)
+        sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                   max_tokens=r.max_response_length, n=r.n,
+                                   seed=request_seed(seed, step, row["index"])) for row in rows]
+        t0 = time.perf_counter()
+        completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
+        if timer is not None:
+            reshard = getattr(self.hybrid, "last_reshard_s", None)
+            if reshard is not None:
+                timer.times["reshard"] = timer.times.get("reshard", 0.0) + reshard
+        self.last_gen_s = time.perf_counter() - t0
+        if self.gen_tp_rank != 0:
+            return []
+        out = []
+        for c in completions:
+            row = rows[c.prompt_index]
+            if c.finish_reason == "error":
+                raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
+            out.append(Sample(uid=row["index"] * r.n + c.sample_index, prompt_index=row["index"],
+                              prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
+                              behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
+                              ground_truth=row.get("ground_truth")))
+        return out

@@ -1,0 +1,225 @@
+"""Build the roles this rank hosts (actor, rollout, ref, critic, reward) from the device plan,
+and the loss functions the updates use. The trainer composes these objects (STYLE.md #6)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from launcher.config import Config
+from launcher.log import get_logger
+from models.config import ModelConfig
+from models.heads import LlamaForSequenceClassification, LlamaForValue
+from models.llama import LlamaForCausalLM, init_weights
+from ppo import core_algos as algos
+from ppo.experience import Experience, Sample
+from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype
+
+
+def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: int):
+    """Weights from a local HF directory, or a seeded random init identical on every rank."""
+    if path:
+        from models.hf_io import load_pretrained
+
+        return load_pretrained(path, dtype=torch.float32, device=device, model_cls=cls)
+    with torch.device(device):
+        model = cls(model_config)
+    init_weights(model, seed=seed)  # trunk draws come first, so actor/ref/critic trunks start equal
+    if isinstance(model, LlamaForValue):
+        with torch.no_grad():
+            model.score.weight.zero_()  # a zero value head: the critic starts unbiased
+    return model
+
+
+def _spec(cfg_section, handle, env, dtype) -> WorkerSpec:
+    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype,
+                      ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
+                      pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
+                      stages_per_rank=cfg_section.pp_stages_per_rank)
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
+    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**62 - 1)
+
+
+class RuleReward:
+    """Rule-based scores on the reward ranks, each over its DP share of the samples."""
+
+    def __init__(self, manager, *, tokenizer, rank_in_group: int, group_size: int):
+        self.manager, self.tokenizer = manager, tokenizer
+        self.rank_in_group, self.group_size = rank_in_group, group_size
+
+    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+        mine = exp.samples[self.rank_in_group::self.group_size]
+        items = [(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth) for s in mine]
+        scores = self.manager.score_batch(items)
+        return {s.uid: torch.tensor(float(v)) for s, v in zip(mine, scores)}
+
+    def _text(self, s: Sample) -> str:
+        ids = s.response_ids
+        eos = self.tokenizer.eos_token_id
+        if ids and eos is not None and ids[-1] == eos:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+
+class RewardModelWorker(ShardedWorker):
+    """A reward model (*ForSequenceClassification): the score at each sequence's last token."""
+
+    def __init__(self, model, spec: WorkerSpec, *, pad_id: int, max_tokens: int):
+        super().__init__(model, spec)
+        self.pad_id, self.max_tokens = pad_id, max_tokens
+
+    @torch.no_grad()
+    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+        from models.llama import DocumentAttention
+
+        out: dict[int, torch.Tensor] = {}
+        for mb in self.micro_batches(exp, self.shard(exp), self.max_tokens):
+            samples = [exp.samples[i] for i in mb]
+            packed = self._pack(samples, self.pad_id)
+            per_token = self.model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
+            last = packed.cu_seqlens[1:].long() - 1
+            if self.is_owner:
+                for s, v in zip(samples, per_token[0, last, 0].float().cpu()):
+                    out[s.uid] = v
+        return out
+
+
+@dataclass
+class Roles:
+    cfg: Config
+    actor: PolicyWorker | None = None
+    ref: PolicyWorker | None = None
+    critic: CriticWorker | None = None
+    reward: object | None = None
+    rollout: object | None = None
+
+    # -- mini-batches: the same partition for the old-log-prob recompute and the update
+    def _minibatches(self, worker, exp: Experience, mini_batch_size: int) -> list[list[int]]:
+        shard = worker.shard(exp)
+        per_rank = mini_batch_size // worker.dp if mini_batch_size else len(shard)
+        per_rank = max(per_rank, 1)
+        return [shard[i:i + per_rank] for i in range(0, len(shard), per_rank)]
+
+    def actor_minibatches(self, exp):
+        return self._minibatches(self.actor, exp, self.cfg.actor.mini_batch_size)
+
+    def ref_minibatches(self, exp):
+        return self._minibatches(self.ref, exp, 0)
+
+    def critic_minibatches(self, exp):
+        return self._minibatches(self.critic, exp, self.cfg.critic.mini_batch_size)
+
+    # -- updates
+    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        a = self.cfg.actor
+        keys = ["old_logp", "advantages", "mask"] + (["ref_logp"] if a.use_kl_loss else [])
+
+        def loss_fn(logp, entropy, t, denom):
+            loss, m = algos.policy_loss(logp, t["old_logp"], t["advantages"], t["mask"], clip_low=a.clip_low,
+                                        clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
+                                        denom=denom)
+            m["pg_loss"] = float(loss)
+            if entropy is not None and a.entropy_coef:
+                loss = loss - a.entropy_coef * algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
+            if a.use_kl_loss:
+                kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
+                kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
+                loss = loss + a.kl_loss_coef * kl_loss
+                m["kl_loss"] = float(kl_loss)
+            return loss, m
+
+        loss_fn.needs_entropy = bool(a.entropy_coef)
+        return self.actor.update(exp, self.actor_minibatches(exp), {k: tensors[k] for k in keys},
+                                 max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, loss_fn=loss_fn)
+
+    def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        c = self.cfg.critic
+
+        def loss_fn(values, t, denom):
+            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=c.value_clip,
+                                       agg=c.loss_agg, denom=denom)
+            m["vf_loss"] = float(loss)
+            return loss, m
+
+        return self.critic.update(exp, self.critic_minibatches(exp),
+                                  {k: tensors[k] for k in ("values", "returns", "mask")},
+                                  max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, loss_fn=loss_fn)
+
+    # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
+    def sft_warmup(self, state, *, steps: int) -> None:
+        if self.actor is None:
+            return
+        log = get_logger()
+        opt = self.actor.optimizer
+        saved = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = self.cfg.trainer.sft_lr
+        for i in range(steps):
+            pairs = state.sft_batch(i)
+            samples = [Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
+                              finish_reason="stop") for j, (p, r) in enumerate(pairs)]
+            exp = Experience(samples)
+            mask = exp.response_mask()
+
+            def nll(logp, entropy, t, denom):
+                loss = -(logp * t["mask"]).sum() / denom
+                return loss, {"sft_loss": float(loss)}
+
+            m = self.actor.update(exp, self.actor_minibatches(exp), {"mask": mask}, epochs=1, loss_fn=nll,
+                                  max_tokens=self.cfg.actor.max_tokens_per_micro_batch, step_scheduler=False)
+            if i % 10 == 0 or i == steps - 1:
+                log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr
+
+
+def build_roles(cfg: Config, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
+    """Construct the workers of every role this rank hosts."""
+    from ppo.rewards import RewardManager, load_reward_function
+
+    roles = Roles(cfg)
+    rank, seed = env.rank, cfg.trainer.seed
+    dtype = model_dtype(cfg.model.dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    temperature = cfg.rollout.temperature
+    total = cfg.trainer.total_steps
+    here = set(plan.roles_of(rank))
+    if "actor" in here:
+        model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
+        roles.actor = PolicyWorker(model, _spec(cfg.actor, groups["actor"], env, dtype), temperature=temperature,
+                                   pad_id=pad_id, trainable=True, optim=cfg.actor.optim, total_steps=total)
+    if "ref" in here:
+        model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
+        roles.ref = PolicyWorker(model, _spec(cfg.ref, groups["ref"], env, dtype), temperature=temperature,
+                                 pad_id=pad_id, trainable=False)
+    if "critic" in here:
+        model = _build(LlamaForValue, model_config, path=cfg.critic.path or cfg.model.path, device=env.device,
+                       seed=seed)
+        roles.critic = CriticWorker(model, _spec(cfg.critic, groups["critic"], env, dtype), pad_id=pad_id,
+                                    optim=cfg.critic.optim, total_steps=total)
+    if "reward" in here:
+        if cfg.reward.type == "model":
+            model = _build(LlamaForSequenceClassification, model_config, path=cfg.reward.model_path,
+                           device=env.device, seed=seed + 1)
+            roles.reward = RewardModelWorker(model, _spec(cfg.reward, groups["reward"], env, dtype), pad_id=pad_id,
+                                             max_tokens=cfg.reward.max_tokens_per_micro_batch)
+        else:
+            fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
+                                      else f"builtin:task:{cfg.data.task}")
+            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=get_logger())
+            ranks = plan.groups["reward"].ranks
+            roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
+                                      group_size=len(ranks))
+    from ppo.generation import RolloutRole, build_rollout_groups
+
+    layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
+    if "rollout" in here:
+        roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,
+                                    tokenizer=tokenizer, layouts=layouts)
+    return roles

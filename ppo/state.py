@@ -1,0 +1,244 @@
+"""Everything of a run that is not a model: tokenizer, prompts and their sampler, the KL
+controller, metrics sinks (metrics.jsonl, TensorBoard, W&B, progress bar), checkpoint
+save/resume, and the FLOP accounting behind `perf/mfu/actor`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launcher.config import Config, to_dict
+from launcher.log import get_logger
+from ppo import core_algos as algos
+
+H200_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling (DESIGN.md, "Honest numbers")
+
+
+class TrainState:
+    def __init__(self, cfg: Config, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl):
+        self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
+        self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
+        self.log = get_logger()
+        self._tb = None
+        self._wandb = None
+        self.model_params: int | None = None
+
+    @classmethod
+    def create(cls, cfg: Config, *, run_dir: Path, rank: int) -> TrainState:
+        from ppo.data import PromptDataset, PromptSampler
+        from ppo.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.model.tokenizer)
+        d = cfg.data
+        if d.train_files:
+            dataset = PromptDataset.from_files(d.train_files, tokenizer=tok, prompt_key=d.prompt_key,
+                                               answer_key=d.answer_key, max_prompt_length=d.max_prompt_length)
+        else:
+            dataset = PromptDataset.from_task(d.task, d.task_size, seed=cfg.trainer.seed, tokenizer=tok,
+                                              max_prompt_length=d.max_prompt_length)
+        if len(dataset) < d.batch_size:
+            from launcher.errors import UserError
+
+            raise UserError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
+                            f"({d.batch_size})")
+        sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        a = cfg.algorithm
+        kl_ctrl = (algos.AdaptiveKLController(init_kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon)
+                   if a.kl_ctrl == "adaptive" else algos.FixedKLController(kl_coef=a.kl_coef))
+        return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl)
+
+    # ------------------------------------------------------------------ data
+    def next_prompts(self) -> list[dict]:
+        """The step's prompts, identical on every rank: [{index, prompt_ids, ground_truth}]."""
+        idx = self.sampler.next_batch()
+        return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
+
+    def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
+        from ppo.tasks import sft_examples
+
+        return sft_examples(self.cfg.data.task, self.cfg.data.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
+                            tokenizer=self.tokenizer)
+
+    # ------------------------------------------------------------------ metrics
+    def actor_mfu(self, exp, update_s: float, *, n_gpus: int) -> float:
+        """Actor update FLOPs (6N per trained token per epoch, DESIGN.md) over time x peak.
+        Meaningful on GPU only; on CPU it is reported against the same H200 peak (tiny)."""
+        if update_s <= 0 or self.model_params is None:
+            return 0.0
+        tokens = sum(s.length for s in exp.samples) * self.cfg.actor.ppo_epochs
+        return 6.0 * self.model_params * tokens / update_s / (n_gpus * H200_PEAK_FLOPS)
+
+    def log_metrics(self, m: dict[str, float]) -> None:
+        if self.rank != 0 or not m:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+                 for k, v in m.items()}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        step = int(m["step"])
+        if self.cfg.trainer.tensorboard:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            for k, v in clean.items():
+                if v is not None and k != "step":
+                    self._tb.add_scalar(k, v, step)
+        if self.cfg.trainer.wandb:
+            self._log_wandb(clean, step)
+        keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
+                "timing_s/step", "perf/samples_per_s")
+        self.log.info("step %d: %s", step, " ".join(f"{k}={clean[k]:.4g}" for k in keys
+                                                      if clean.get(k) is not None))
+
+    def _log_wandb(self, m: dict, step: int) -> None:
+        try:
+            import wandb
+        except ImportError:
+            if self._wandb is None:
+                self.log.warning("trainer.wandb=true but wandb is not installed (pip install wandb); skipping")
+                self._wandb = False
+            return
+        if self._wandb is None:
+            self._wandb = wandb.init(project=self.cfg.trainer.wandb_project, name=self.cfg.trainer.experiment_name,
+                                     config=to_dict(self.cfg), dir=str(self.run_dir))
+        if self._wandb:
+            wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
+
+    def progress(self, start: int):
+        if self.rank != 0 or not self.cfg.trainer.progress_bar:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.trainer.total_steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int, roles, *, final: bool) -> Path:
+        from ppo.checkpoint import capture_rng_state, save_checkpoint
+
+        per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
+        shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        model_states, configs = export_weights(roles) if final else ({}, {})
+        path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
+                               per_rank_state=per_rank, shared_state=shared, model_states=model_states,
+                               model_configs=configs, keep_last=self.cfg.trainer.keep_last)
+        if self.rank == 0:
+            self.log.info("checkpoint %s", path)
+        return path
+
+    def maybe_resume(self, roles) -> int:
+        """Restore the newest complete checkpoint when trainer.resume asks; returns the start step."""
+        from ppo.checkpoint import find_latest_checkpoint, load_checkpoint, restore_rng_state
+
+        mode = self.cfg.trainer.resume
+        if mode == "never":
+            return 0
+        path = find_latest_checkpoint(self.run_dir) if mode == "auto" else Path(mode)
+        if path is None:
+            if self.rank == 0:
+                self.log.info("trainer.resume=auto: no complete checkpoint in %s, starting fresh", self.run_dir)
+            return 0
+        per_rank, shared = load_checkpoint(path, rank=self.rank)
+        load_roles_state(roles, per_rank["workers"])
+        self.sampler.load_state_dict(shared["sampler"])
+        self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
+        restore_rng_state(per_rank["rng"])
+        if self.rank == 0:
+            self.log.info("resumed from %s at step %d", path, shared["step"])
+        return int(shared["step"])
+
+
+# ---------------------------------------------------------------------- worker state
+def _to_local(obj):
+    """DTensors -> their local shards (picklable, per rank), recursively."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
+
+
+def _params_of(worker) -> dict[str, torch.nn.Parameter]:
+    mods = worker.model.modules if worker.pp > 1 else [worker.model]
+    return {f"{i}.{n}": p for i, m in enumerate(mods) for n, p in m.named_parameters()}
+
+
+def worker_state(worker) -> dict:
+    state = {"params": {n: _to_local(p.data) for n, p in _params_of(worker).items()}}
+    if getattr(worker, "optimizer", None) is not None:
+        state["optim"] = _to_local(worker.optimizer.state_dict())
+        state["sched"] = worker.scheduler.state_dict()
+    return state
+
+
+def load_worker_state(worker, state: dict) -> None:
+    """Copy saved local shards into the live (possibly DTensor) parameters and optimizer state."""
+    params = _params_of(worker)
+    with torch.no_grad():
+        for n, p in params.items():
+            dst = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+            dst.copy_(state["params"][n])
+    if "optim" not in state:
+        return
+    opt = worker.optimizer
+    saved = state["optim"]
+    # rebuild optimizer state tensors with each parameter's own placement (DTensor or plain)
+    order = [p for g in opt.param_groups for p in g["params"]]
+    new_state = {}
+    for idx, st in saved["state"].items():
+        p = order[int(idx)]
+        new_state[idx] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+
+                v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
+                                       shape=p.shape, stride=p.stride())
+            elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                v = v.to(p.device)
+            new_state[idx][k] = v
+    opt.load_state_dict({"state": new_state, "param_groups": saved["param_groups"]})
+    worker.scheduler.load_state_dict(state["sched"])
+
+
+def roles_state(roles) -> dict:
+    return {name: worker_state(w) for name in ("actor", "critic")
+            if (w := getattr(roles, name)) is not None}
+
+
+def load_roles_state(roles, state: dict) -> None:
+    for name, st in state.items():
+        worker = getattr(roles, name)
+        if worker is None:
+            raise RuntimeError(f"checkpoint holds {name} state but this rank hosts no {name}: "
+                               "resume with the same placement and world size")
+        load_worker_state(worker, st)
+
+
+def export_weights(roles) -> tuple[dict, dict]:
+    """Full HF-named weights of actor and critic for the final checkpoint (collective over each group)."""
+    from parallel.loading import full_state_dict
+
+    states, configs = {}, {}
+    for name in ("actor", "critic"):
+        w = getattr(roles, name)
+        if w is None or w.pp > 1:
+            continue
+        sd = full_state_dict(w.model)
+        arch = "ForSequenceClassification" if name == "critic" else "CausalLM"
+        states[name], configs[name] = sd, w.model.config.to_hf(architecture=arch)
+    return states, configs

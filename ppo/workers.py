@@ -1,0 +1,342 @@
+"""Role workers: a policy (actor or reference), a critic, and their shared parallel plumbing.
+
+Each worker lives on the ranks of its role group, owns a parallelized model (TP x PP x DP
+from parallel/), and works on its DP shard of the step's `Experience`, packed into
+micro-batches by token budget. The same partition serves the old-log-prob recompute and
+the first update epoch, so the PPO ratio is exactly 1 on-policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.config import ModelConfig
+from models.llama import DocumentAttention
+from models.logprobs import compute_token_logprobs
+from parallel.apply import forward_hidden, head_shard, parallelize_model
+from parallel.fsdp import gradients_synced
+from parallel.vocab_parallel import vocab_parallel_token_logprobs
+from ppo.batching import balance_across_dp, micro_batches_by_tokens, pack, unpack_responses
+from ppo.experience import Experience, Sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker needs to know about its placement (from the launcher's role handle)."""
+
+    mesh: object  # DeviceMesh ("pp", "dp", "tp")
+    dims: object  # ParallelDims
+    device: torch.device
+    dtype: torch.dtype
+    ac: str = "none"
+    compile: bool = False
+    pp_microbatches: int = 0
+    pp_schedule: str = "1F1B"
+    stages_per_rank: int = 1
+
+
+def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+    return f
+
+
+def build_optimizer(params, optim, *, total_steps: int, device: torch.device):
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                            fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
+                                                              schedule=optim.lr_schedule,
+                                                              min_ratio=optim.min_lr_ratio))
+    return opt, sched
+
+
+class ShardedWorker:
+    """Common plumbing: coordinates in the group, DP sharding, micro-batching, packing."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec):
+        self.spec = spec
+        mesh, dims = spec.mesh, spec.dims
+        self.pp_idx, self.dp_idx, self.tp_idx = mesh.get_coordinate()
+        self.dp, self.tp, self.pp = dims.dp, dims.tp, dims.pp
+        self.dp_group = mesh.get_group("dp")
+        self.tp_group = mesh.get_group("tp")
+        self.pp_group = mesh.get_group("pp")
+        self.device = spec.device
+        param_dtype = spec.dtype if spec.dtype != torch.float32 else None
+        n_mb = spec.pp_microbatches or 2 * dims.pp
+        self.model = parallelize_model(
+            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, param_dtype=param_dtype,
+            n_microbatches=n_mb if dims.pp > 1 else None,
+            pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
+            stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
+        self.n_microbatches = n_mb
+        self.grad_clip = 1.0
+
+    @property
+    def is_owner(self) -> bool:
+        """The rank that reports this DP shard's results: tp rank 0 of the last pipeline stage."""
+        return self.tp_idx == 0 and self.pp_idx == self.pp - 1
+
+    def parameters(self):
+        mods = self.model.modules if self.pp > 1 else [self.model]
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def shard(self, exp: Experience) -> list[int]:
+        """Indices (into exp.samples) of this DP rank's share: balanced tokens, equal counts."""
+        lengths = [s.length for s in exp.samples]
+        return balance_across_dp(lengths, self.dp, equal_size=len(lengths) % self.dp == 0)[self.dp_idx]
+
+    def micro_batches(self, exp: Experience, idx: list[int], max_tokens: int) -> list[list[int]]:
+        if self.pp > 1:  # the pipeline schedule wants exactly n_microbatches equal-shaped rows
+            from ppo.batching import karmarkar_karp
+
+            lens = [exp.samples[i].length for i in idx]
+            parts = karmarkar_karp(lens, min(self.n_microbatches, len(idx)))
+            return [[idx[j] for j in p] for p in parts]
+        lens = [exp.samples[i].length for i in idx]
+        return [[idx[j] for j in mb] for mb in micro_batches_by_tokens(lens, max_tokens=max_tokens)]
+
+    def _pack(self, samples: list[Sample], pad_id: int):
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        return pack(seqs, pad_id=pad_id, prompt_lens=[len(s.prompt_ids) for s in samples], device=self.device)
+
+    def _pack_rows(self, groups: list[list[Sample]], pad_id: int):
+        """Pipeline input: one packed row per micro-batch, padded to a common length -> [k, T]."""
+        packs = [self._pack(g, pad_id) for g in groups]
+        t = max(p.num_tokens for p in packs)
+        ids, pos = [], []
+        for p in packs:
+            extra = t - p.num_tokens
+            ids.append(torch.cat([p.input_ids[0], torch.full((extra,), pad_id, device=self.device)]))
+            pos.append(torch.cat([p.position_ids[0], torch.arange(extra, device=self.device)]))
+        return packs, torch.stack(ids), torch.stack(pos)
+
+
+    def _global_denominator(self, mask: torch.Tensor) -> float:
+        """Token count of the mini-batch over all DP ranks, divided by dp because FSDP averages
+        gradients over dp: summed micro-batch losses then equal the global token-mean loss."""
+        n = torch.tensor([float(mask.sum())], device=self.device if self.device.type == "cuda" else "cpu")
+        if self.dp > 1:
+            dist.all_reduce(n, group=self.dp_group)
+        return max(float(n) / self.dp, 1.0)
+
+    def _clip(self) -> float:
+        """Global grad-norm clipping: DTensor norms reduce over dp/tp, pipeline stages all-reduce."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.pp > 1:
+            sq = norm.float() ** 2
+            dist.all_reduce(sq, group=self.pp_group)
+            norm = sq.sqrt()
+        norm = float(norm)
+        coef = self.grad_clip / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+
+
+class PolicyWorker(ShardedWorker):
+    """Actor (trainable) or reference (frozen) policy: log-probs of responses, PPO updates."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, temperature: float, pad_id: int,
+                 trainable: bool, optim=None, total_steps: int = 1):
+        super().__init__(model, spec)
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.pad_id = pad_id
+        self.trainable = trainable
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.grad_clip = optim.grad_clip
+            self.optimizer, self.scheduler = build_optimizer(self.parameters(), optim, total_steps=total_steps,
+                                                             device=self.device)
+        else:
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+    # -- log-probs of one packed micro-batch: hidden states -> chunked (vocab-parallel) log-probs
+    def _token_logprobs(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool):
+        w, vocab_start = head_shard(model)
+        if self.tp > 1:
+            return vocab_parallel_token_logprobs(hidden, w, labels, tp_group=self.tp_group, vocab_start=vocab_start,
+                                                 temperature=self.temperature, with_entropy=with_entropy)
+        return compute_token_logprobs(hidden, w.to(hidden.dtype), labels, temperature=self.temperature,
+                                      with_entropy=with_entropy)
+
+    def _mb_logprobs(self, packed, *, with_entropy: bool):
+        hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids,
+                                attn=DocumentAttention(packed.position_ids))
+        logp, ent = self._token_logprobs(self.model, hidden[0], packed.labels[0], with_entropy=with_entropy)
+        logp = unpack_responses(logp[None], packed)
+        return logp, (unpack_responses(ent[None], packed) if ent is not None else None)
+
+    def _pp_logprobs(self, groups: list[list[Sample]], *, with_entropy: bool):
+        """One pipeline pass over n_microbatches packed rows -> [(logp [B_k, R], ent)] on the last stage."""
+        packs, ids, pos = self._pack_rows(groups, self.pad_id)
+        hidden = self.model.forward(ids if self.model.has_first else None, position_ids=pos)
+        if hidden is None:
+            return None
+        out = []
+        for k, p in enumerate(packs):
+            logp, ent = self._token_logprobs(self.model.last_module, hidden[k, : p.num_tokens], p.labels[0],
+                                             with_entropy=with_entropy)
+            out.append((unpack_responses(logp[None], p),
+                        unpack_responses(ent[None], p) if ent is not None else None))
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, exp: Experience, mini_batches: list[list[int]], *, max_tokens: int,
+                         with_entropy: bool = False) -> dict[str, dict[int, torch.Tensor]]:
+        """{"logp": {uid: [R_i]}, "entropy": {uid: [R_i]}} for this rank's shard (owners only report).
+        Uses the same mini-batch -> micro-batch partition as `update`, so the ratio is 1 on-policy."""
+        out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
+        for mini in mini_batches:
+            groups = [[exp.samples[i] for i in mb] for mb in self.micro_batches(exp, mini, max_tokens)]
+            if self.pp > 1:
+                results = self._pp_logprobs(groups, with_entropy=with_entropy)
+            else:
+                results = [self._mb_logprobs(self._pack(g, self.pad_id), with_entropy=with_entropy) for g in groups]
+            if not self.is_owner or results is None:
+                continue
+            for g, (logp, ent) in zip(groups, results):
+                for j, s in enumerate(g):
+                    n = len(s.response_ids)
+                    out["logp"][s.uid] = logp[j, :n].float().cpu()
+                    if ent is not None:
+                        out["entropy"][s.uid] = ent[j, :n].float().cpu()
+        return out
+
+    # -- PPO update
+    def update(self, exp: Experience, mini_batches: list[list[int]], tensors: dict[str, torch.Tensor], *,
+               max_tokens: int, epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
+        """PPO epochs over this rank's mini-batches.
+
+        tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
+        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics). Returns the
+        metrics averaged over micro-batches, grad_norm and lr (meaningful on owner ranks)."""
+        need_ent = getattr(loss_fn, "needs_entropy", False)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(epochs):
+            for mini in mini_batches:
+                mbs = self.micro_batches(exp, mini, max_tokens)
+                groups = [[exp.samples[i] for i in mb] for mb in mbs]
+                mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
+                denom = self._global_denominator(tensors["mask"][mini])
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.pp > 1:
+                    metrics_list = self._pp_update(groups, mbts, denom, loss_fn, need_ent)
+                else:
+                    metrics_list = []
+                    for k, (g, mbt) in enumerate(zip(groups, mbts)):
+                        gradients_synced(self.model, k == len(groups) - 1)  # reduce-scatter once per mini-batch
+                        logp, ent = self._mb_logprobs(self._pack(g, self.pad_id), with_entropy=need_ent)
+                        loss, metrics = loss_fn(logp, ent, _to(mbt, self.device, logp.shape[1]), denom)
+                        loss.backward()
+                        metrics_list.append(metrics)
+                for m in metrics_list:
+                    for k2, v in m.items():
+                        sums[k2] = sums.get(k2, 0.0) + float(v)
+                    count += 1
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(metrics_list)
+                self.optimizer.step()
+        if step_scheduler:
+            self.scheduler.step()
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _pp_update(self, groups, mbts, denom, loss_fn, need_ent) -> list[dict]:
+        packs, ids, pos = self._pack_rows(groups, self.pad_id)
+
+        def pp_loss(hidden_mb, extras):
+            p = packs[extras["mb_index"]]
+            logp, ent = self._token_logprobs(self.model.last_module, hidden_mb[0, : p.num_tokens], p.labels[0],
+                                             with_entropy=need_ent)
+            logp = unpack_responses(logp[None], p)
+            ent = unpack_responses(ent[None], p) if ent is not None else None
+            return loss_fn(logp, ent, _to(mbts[extras["mb_index"]], self.device, logp.shape[1]), denom)
+
+        self.model.forward_backward(ids if self.model.has_first else None, loss_fn=pp_loss, position_ids=pos)
+        return [m for m in self.model.last_metrics if m] if self.model.has_last else []
+
+
+
+def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
+    """Response-aligned [B, R_max] CPU tensors -> [B, width] on the device (width = longest response)."""
+    return {k: v[:, :width].to(device) for k, v in tensors.items()}
+
+
+class CriticWorker(ShardedWorker):
+    """Value model: per-token values of responses and clipped value-loss updates."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int):
+        super().__init__(model, spec)
+        self.pad_id = pad_id
+        self.optimizer, self.scheduler = build_optimizer(self.parameters(), optim, total_steps=total_steps,
+                                                         device=self.device)
+        self.grad_clip = optim.grad_clip
+
+    def _mb_values(self, packed):
+        values = self.model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
+        return unpack_responses(values.float(), packed)
+
+    @torch.no_grad()
+    def compute_values(self, exp: Experience, mini_batches: list[list[int]], *, max_tokens: int):
+        out: dict[int, torch.Tensor] = {}
+        for mini in mini_batches:
+            for mb in self.micro_batches(exp, mini, max_tokens):
+                samples = [exp.samples[i] for i in mb]
+                values = self._mb_values(self._pack(samples, self.pad_id))
+                if self.is_owner:
+                    for j, s in enumerate(samples):
+                        out[s.uid] = values[j, : len(s.response_ids)].cpu()
+        return {"values": out}
+
+    def update(self, exp: Experience, mini_batches: list[list[int]], tensors: dict[str, torch.Tensor], *,
+               max_tokens: int, epochs: int, loss_fn) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(epochs):
+            for mini in mini_batches:
+                mbs = self.micro_batches(exp, mini, max_tokens)
+                denom = self._global_denominator(tensors["mask"][mini])
+                self.optimizer.zero_grad(set_to_none=True)
+                for k, mb in enumerate(mbs):
+                    gradients_synced(self.model, k == len(mbs) - 1)
+                    values = self._mb_values(self._pack([exp.samples[i] for i in mb], self.pad_id))
+                    loss, metrics = loss_fn(values, _to({k2: v[mb] for k2, v in tensors.items()}, self.device,
+                                                        values.shape[1]), denom)
+                    loss.backward()
+                    for k2, v in metrics.items():
+                        sums[k2] = sums.get(k2, 0.0) + float(v)
+                    count += 1
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(mbs)
+                self.optimizer.step()
+        self.scheduler.step()
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+
+def model_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return cfg.num_params()
