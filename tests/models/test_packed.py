@@ -1,0 +1,67 @@
+"""Packed rows (several sequences per row, positions restarting at 0) equal one-by-one forwards."""
+
+import pytest
+import torch
+
+from models import DocumentAttention, LlamaForValue, build_model, preset_config
+from models.llama import document_ids_from_positions
+
+
+def _packed(lengths, *, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 512, (1, n), generator=gen) for n in lengths]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return [s.to(device) for s in seqs], torch.cat(seqs, dim=1).to(device), pos.to(device)
+
+
+def test_document_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
+    assert document_ids_from_positions(pos).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4], [1] * 8]
+
+
+def test_packed_equals_one_by_one_with_grads():
+    torch.manual_seed(0)
+    model = build_model("tiny", seed=1)
+    seqs, packed, pos = _packed([5, 11, 7])
+    out = model(packed, pos, attn=DocumentAttention(pos))
+    ref = torch.cat([model(s) for s in seqs], dim=1)
+    assert (out - ref).abs().max() <= 1e-5
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), list(model.parameters()))
+    ref_grads = torch.autograd.grad((ref * g).sum(), list(model.parameters()))
+    for a, b in zip(grads, ref_grads):  # fp32 sums over different reduction orders: relative check
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_two_rows_and_critic():
+    critic = LlamaForValue(preset_config("tiny"))
+    torch.nn.init.normal_(critic.score.weight, std=0.1)
+    seqs_a, row_a, pos_a = _packed([4, 9], seed=2)
+    seqs_b, row_b, pos_b = _packed([13], seed=3)
+    ids, pos = torch.cat([row_a, row_b]), torch.cat([pos_a, pos_b])
+    with torch.no_grad():
+        values = critic(ids, pos, attn=DocumentAttention(pos))
+        ref = torch.cat([torch.cat([critic(s) for s in seqs_a], dim=1), critic(seqs_b[0])])
+    assert values.shape == (2, 13) and (values - ref).abs().max() <= 1e-5
+
+
+def test_varlen_backend_needs_cuda():
+    with pytest.raises(ValueError, match="needs CUDA"):
+        DocumentAttention(torch.arange(4)[None], backend="varlen")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_equals_mask_on_gpu(dtype):
+    model = build_model("tiny", dtype=dtype, device="cuda", seed=4)
+    seqs, packed, pos = _packed([37, 5, 100, 64, 50], device="cuda")  # 256 tokens, uneven documents
+    outs, grads = {}, {}
+    for backend in ("varlen", "mask"):
+        out = model(packed, pos, attn=DocumentAttention(pos, backend=backend))
+        grads[backend] = torch.autograd.grad(out.float().square().mean(), list(model.parameters()))
+        outs[backend] = out.float()
+    assert (outs["varlen"] - outs["mask"]).abs().max() <= 0.05
+    for a, b in zip(grads["varlen"], grads["mask"]):
+        assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
+    auto = DocumentAttention(pos)
+    assert auto._varlen is not None  # the probe accepted varlen on this GPU
