@@ -60,7 +60,13 @@ class GpuMonitor:
     """Background NVML sampler writing util.jsonl and summarising each step.
 
     `nvml` injects an object with the pynvml functions (tests use a fake replaying a trace);
-    `stage_fn` returns the current stage name, an alternative to `set_stage`/`stage`.
+    `stage_fn` returns the current stage name, an alternative to `set_stage`/`stage`;
+    `tags` (e.g. {"rank": 3, "host": "node07"}) are added to every record.
+
+    One monitor per rank watching its own GPU (`device_indices=[nvml index of local_rank]`,
+    `tags={"rank": rank}`) tags each GPU with the stage *its* rank runs, which is what split
+    placement needs; one monitor per node on local rank 0 is cheaper when all ranks run the
+    same stage (colocated). `launcher.report` reads every `util*.jsonl` of the run dir.
     """
 
     def __init__(
@@ -72,12 +78,14 @@ class GpuMonitor:
         stage_fn: Callable[[], str] | None = None,
         nvml: Any | None = None,
         flush_interval_s: float = 5.0,
+        tags: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.path = Path(path)
         self.interval_s = interval_s
         self.flush_interval_s = flush_interval_s
         self._stage_fn = stage_fn
+        self._tags = dict(tags or {})
         self._stage = "idle"
         self._clock = clock
         self._lock = threading.Lock()
@@ -85,7 +93,7 @@ class GpuMonitor:
         self._last_flush = 0.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._file = None
+        self._fd: int | None = None
         self._reset_summary()
         self.enabled = False
         self.disabled_reason: str | None = None
@@ -141,9 +149,9 @@ class GpuMonitor:
             self._thread.join(timeout=10 * self.interval_s + 5)
             self._thread = None
         self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.enabled and not self._shut_down:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
@@ -183,7 +191,7 @@ class GpuMonitor:
                 power_w = None
             records.append({"t": round(t, 4), "gpu": idx, "stage": stage, "sm_util": util,
                             "mem_used_gb": round(mem.used / _GB, 4), "mem_total_gb": round(mem.total / _GB, 4),
-                            "power_w": power_w})
+                            "power_w": power_w, **self._tags})
         lines = [json.dumps(r) for r in records]
         with self._lock:
             self._buffer.extend(lines)
@@ -204,11 +212,14 @@ class GpuMonitor:
         with self._lock:
             lines, self._buffer = self._buffer, []
         if lines:
-            if self._file is None:  # opened on first data, so a monitor that never sampled leaves no file
+            if self._fd is None:  # opened on first data, so a monitor that never sampled leaves no file
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in stop()
-            self._file.write("\n".join(lines) + "\n")
-            self._file.flush()
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # one O_APPEND write of whole lines: monitors of several ranks can share a file on a
+            # local file system without interleaving (use one file per node on NFS/Lustre)
+            data = ("\n".join(lines) + "\n").encode()
+            while data:
+                data = data[os.write(self._fd, data):]
         self._last_flush = time.monotonic()
 
     def _reset_summary(self) -> None:

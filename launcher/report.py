@@ -3,7 +3,7 @@
     python -m launcher.report runs/<name> [--out DIR]
 
 Reads `metrics.jsonl` (one JSON object per step, DESIGN.md "Contracts") and `util.jsonl`
-(GpuMonitor samples) and writes:
+(GpuMonitor samples; also `util.<anything>.jsonl` files of per-rank/per-node monitors) and writes:
   utilization.png  SM utilization and memory per GPU over time, stage bands shaded
   stages.png       stacked time per stage for every step (timing_s/<stage>), step total as dots
   throughput.png   perf/samples_per_s, perf/tokens_per_s (and MFU, GPU util when logged) over steps
@@ -76,17 +76,28 @@ def stage_spans(times: list[float], stages: list[str]) -> list[tuple[float, floa
     return spans
 
 
+def gpu_label(r: dict[str, Any]) -> str:
+    """'GPU 3'; 'node07 GPU 3' or 'rank 11 GPU 3' when samples carry host / rank tags (multi-node)."""
+    if "host" in r:
+        return f"{r['host']} GPU {r['gpu']}"
+    return f"rank {r['rank']} GPU {r['gpu']}" if "rank" in r else f"GPU {r['gpu']}"
+
+
 def plot_utilization(util: list[dict[str, Any]], out: Path) -> None:
     t0 = min(r["t"] for r in util)
-    gpus = sorted({r["gpu"] for r in util})
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(util, key=lambda r: r["t"]):
+        series.setdefault(gpu_label(r), []).append(r)
+    labels = sorted(series, key=lambda k: (series[k][0].get("host", ""), series[k][0].get("rank", -1),
+                                          series[k][0]["gpu"]))
+    many = len(labels) > 16  # a 64-GPU run: keep the lines, drop the per-GPU legend
     fig, (ax_u, ax_m) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, height_ratios=[2, 1])
-    for g in gpus:
-        rows = sorted((r for r in util if r["gpu"] == g), key=lambda r: r["t"])
-        ts = [r["t"] - t0 for r in rows]
-        ax_u.plot(ts, [r["sm_util"] for r in rows], lw=1.0, label=f"GPU {g}")
-        ax_m.plot(ts, [r["mem_used_gb"] for r in rows], lw=1.0)
-    # stage bands from the first GPU's samples (all GPUs of a host share the stage field)
-    ref = sorted((r for r in util if r["gpu"] == gpus[0]), key=lambda r: r["t"])
+    for k in labels:
+        ts = [r["t"] - t0 for r in series[k]]
+        ax_u.plot(ts, [r["sm_util"] for r in series[k]], lw=0.6 if many else 1.0, label=None if many else k)
+        ax_m.plot(ts, [r["mem_used_gb"] for r in series[k]], lw=0.6 if many else 1.0)
+    # stage bands from the first GPU's samples (under split placement other GPUs may run other stages)
+    ref = series[labels[0]]
     spans = stage_spans([r["t"] - t0 for r in ref], [r.get("stage", "?") for r in ref])
     for a, b, s in spans:
         if s in ("idle", "?"):
@@ -99,7 +110,7 @@ def plot_utilization(util: list[dict[str, Any]], out: Path) -> None:
     handles += [Patch(color=_stage_color(s), alpha=0.35, label=s) for s in shown]
     ax_u.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     mean = sum(r["sm_util"] for r in util) / len(util)
-    ax_u.set_title(f"SM utilization per GPU (mean {mean:.0f}%), stages shaded")
+    ax_u.set_title(f"SM utilization of {len(labels)} GPU(s) (mean {mean:.0f}%), stages of {labels[0]} shaded")
     ax_u.set_ylabel("SM util (%)")
     ax_u.set_ylim(0, 105)
     total = max(r.get("mem_total_gb", 0.0) for r in util)
@@ -194,13 +205,14 @@ def render_report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> 
     out = Path(out_dir) if out_dir is not None else run
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    util_path, metrics_path = run / "util.jsonl", run / "metrics.jsonl"
-    util = read_jsonl(util_path) if util_path.exists() else []
+    metrics_path = run / "metrics.jsonl"
+    util = [r for p in sorted(run.glob("util*.jsonl")) for r in read_jsonl(p)
+            if isinstance(r.get("t"), int | float) and "gpu" in r and "sm_util" in r]
     if util:
         plot_utilization(util, out / "utilization.png")
         written.append(out / "utilization.png")
     else:
-        print(f"skip utilization.png: {util_path} missing or empty (no GPU monitor on this run?)")
+        print(f"skip utilization.png: no util*.jsonl samples in {run} (GPU monitor off: no NVML on this run?)")
     metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
     if not metrics:
         print(f"skip stages.png, throughput.png, reward.png: {metrics_path} missing or empty")

@@ -170,3 +170,17 @@ def test_selfcheck_cli_prints_one_json_line(capsys):
         assert last["n_gpus"] >= 1 and last["sample_ms"] > 0
     else:
         assert "NVML" in last["reason"] or "GPU" in last["reason"]
+
+
+def test_per_rank_monitors_share_one_file(tmp_path):
+    path = tmp_path / "util.jsonl"
+    mons = [GpuMonitor(path, nvml=FakeNvml({r: [(10 * r, 1.0)]}), device_indices=[r], tags={"rank": r},
+                       interval_s=0.001, flush_interval_s=0.005) for r in range(3)]
+    for m in mons:
+        m.start()
+    time.sleep(0.3)
+    for m in mons:
+        m.stop()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]  # every line whole: no interleaving
+    assert {r["rank"] for r in rows} == {0, 1, 2}
+    assert all(r["gpu"] == r["rank"] and r["sm_util"] == 10 * r["rank"] for r in rows)

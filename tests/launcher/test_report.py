@@ -61,7 +61,7 @@ def test_missing_inputs_are_skipped_with_a_message(tmp_path, capsys):
     written = render_report(run, out_dir=tmp_path / "png")
     assert sorted(p.name for p in written) == ["stages.png", "throughput.png"]
     out = capsys.readouterr().out
-    assert "skip utilization.png" in out and "skip reward.png: no reward/mean" in out
+    assert "skip utilization.png: no util*.jsonl" in out and "skip reward.png: no reward/mean" in out
     empty = tmp_path / "empty"
     empty.mkdir()
     assert render_report(empty) == []
@@ -87,3 +87,23 @@ def test_stage_spans_and_torn_jsonl(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "x"')
     assert read_jsonl(p) == [{"step": 1}, {"step": 2}]
+
+
+def test_per_node_util_files_are_merged(tmp_path):
+    run = make_run(tmp_path / "r", util=False)
+    for host in ("node0", "node1"):
+        rows = [{"t": 10.0 + i, "gpu": g, "host": host, "stage": "gen" if i < 5 else "update_actor",
+                 "sm_util": 50.0 + g, "mem_used_gb": 10.0, "mem_total_gb": 80.0} for i in range(10) for g in range(2)]
+        (run / f"util.{host}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    from launcher import report
+
+    seen = {}
+    real = report.plot_utilization
+    report.plot_utilization = lambda util, out: (seen.setdefault("labels", {report.gpu_label(r) for r in util}),
+                                                 real(util, out))
+    try:
+        written = render_report(run)
+    finally:
+        report.plot_utilization = real
+    assert "utilization.png" in {p.name for p in written}
+    assert seen["labels"] == {"node0 GPU 0", "node0 GPU 1", "node1 GPU 0", "node1 GPU 1"}
