@@ -9,8 +9,11 @@
 
 A background thread samples every local GPU through nvidia-ml-py (`pynvml`): SM
 utilization, memory used/total and power. Each sample becomes one JSON line of
-`util.jsonl` (`{"t", "gpu", "stage", "sm_util", "mem_used_gb", "mem_total_gb", "power_w"}`,
-`sm_util` in percent as NVML reports it). Lines are buffered and flushed every
+`util.jsonl` (`{"t", "gpu", "stage", "sm_util", "mem_used_gb", "mem_total_gb", "power_w"}`).
+`sm_util` is NVML's utilization.gpu in percent: the share of the last sample period in which
+at least one kernel ran. It is a busy fraction, not SM occupancy (one tiny kernel reads as
+100%), so it exposes idle gaps (stalls between stages) but not under-filled kernels; the
+FLOP-based `useful_utilization` below is the number that does. Lines are buffered and flushed every
 `flush_interval_s`, so the training threads never wait on the file system.
 
 Without NVML (CPU machines, no driver) the monitor logs one line
@@ -100,6 +103,7 @@ class GpuMonitor:
         self._nvml = None
         self._handles: list[tuple[int, Any]] = []
         self._shut_down = False
+        self.sample_failures = 0
         try:
             self._nvml = nvml if nvml is not None else _load_pynvml()
             self._nvml.nvmlInit()
@@ -164,14 +168,20 @@ class GpuMonitor:
         self.stop()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        failures = 0
+        while True:
+            stopping = self._stop.wait(self.interval_s)  # one last sample on stop: short runs get a reading
             try:
                 self.sample_once()
             except Exception as err:  # noqa: BLE001 - a flaky read must not kill training
-                log.warning("GPU monitor sample failed: %s", err)
+                failures += 1
+                if failures == 1:  # warn once; a lost GPU would otherwise log twice a second
+                    log.warning("GPU monitor sample failed (further failures are counted, not logged): %s", err)
+            if stopping:
+                break
             if time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self.flush()
-        self.sample_once()  # one last sample so short runs still get a reading
+        self.sample_failures = failures
 
     # ---- sampling ----
     def sample_once(self) -> list[dict[str, Any]]:

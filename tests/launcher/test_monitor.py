@@ -184,3 +184,16 @@ def test_per_rank_monitors_share_one_file(tmp_path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]  # every line whole: no interleaving
     assert {r["rank"] for r in rows} == {0, 1, 2}
     assert all(r["gpu"] == r["rank"] and r["sm_util"] == 10 * r["rank"] for r in rows)
+
+
+def test_failing_reads_warn_once_and_never_raise(tmp_path, caplog):
+    class Lost(FakeNvml):
+        def nvmlDeviceGetUtilizationRates(self, h):
+            raise RuntimeError("GPU is lost")
+
+    with caplog.at_level(logging.WARNING, logger="launcher.monitor"):
+        with GpuMonitor(tmp_path / "u.jsonl", nvml=Lost(), interval_s=0.005) as mon:
+            time.sleep(0.1)
+    assert mon.sample_failures > 3
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+        "GPU monitor sample failed (further failures are counted, not logged): GPU is lost"]
