@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterable
 
 import torch
@@ -44,7 +45,7 @@ class NativeEngine:
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same keys
         self._source: LlamaForCausalLM | None = None
         self.asleep = False
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0}
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -126,9 +127,11 @@ class NativeEngine:
     def _run(self, sched: Scheduler) -> None:
         while sched.has_work():
             step = sched.schedule()
+            t0 = time.perf_counter()  # every runner call ends in a D2H copy, so wall time is device time
             if isinstance(step, PrefillBatch):
                 seqs, (tokens, logprobs) = step.seqs, self.runner.prefill(step)
                 self.stats["prefill_steps"] += 1
+                self.stats["prefill_s"] += time.perf_counter() - t0
             else:
                 moves = sched.compaction()
                 if moves:
@@ -138,4 +141,5 @@ class NativeEngine:
                     step = sched.schedule()
                 seqs, (tokens, logprobs) = step.seqs, self.runner.decode(step)
                 self.stats["decode_steps"] += 1
+                self.stats["decode_s"] += time.perf_counter() - t0
             sched.update(seqs, tokens, logprobs)

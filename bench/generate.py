@@ -1,0 +1,200 @@
+"""Generation throughput: native engine vs Hugging Face generate, against the HBM roofline.
+
+    python -m bench.generate --model llama-1b --batches 32,64,256 --prompt-len 128 --new-tokens 256 \
+        --engine both --device cuda --dtype bfloat16
+    python -m bench.generate --model tiny --device cpu --batches 4 --new-tokens 16 --engine both   # CPU check
+
+Random-init weights, random prompts, ignore_eos (fixed lengths), temperature 1 sampling. The roofline
+of one decode step is (bytes of all weights read + KV bytes of every active context) / 4.3 TB/s,
+summed over the decode steps; `roofline_fraction` = measured new tokens/s over roofline tokens/s
+(the measured time includes prefill). The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from models import build_model, preset_config
+from models.config import ModelConfig
+from rollout import NativeEngine, RolloutConfig, SamplingParams
+from rollout.hf_engine import HFEngine
+from rollout.kv_cache import kv_bytes_per_token
+
+HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (DESIGN.md)
+
+
+def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> dict:
+    """HBM-roofline tokens/s of generating `new_tokens` for `batch` sequences of `prompt_len`.
+
+    Decode step s (1..new_tokens-1) reads every weight once (the embedding table only for B rows:
+    not counted, unless tied to lm_head) and the KV of prompt_len + s positions per sequence."""
+    item = torch.empty((), dtype=dtype).element_size()
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    weight_bytes = (cfg.num_params() - embed) * item
+    per_tok = kv_bytes_per_token(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                                 head_dim=cfg.head_dim, dtype=dtype)
+    steps = range(1, new_tokens)
+    kv_bytes = sum(batch * (prompt_len + s) * per_tok for s in steps)
+    total = len(steps) * weight_bytes + kv_bytes
+    seconds = total / HBM_BYTES_PER_S
+    return {"roofline_tokens_per_s": batch * new_tokens / seconds if seconds else float("inf"),
+            "bytes_per_decode_step_gb": total / max(1, len(steps)) / 1e9,
+            "weight_gb": weight_bytes / 1e9, "kv_gb_per_token_x1e6": per_tok * 1e6 / 1e9}
+
+
+def random_model(name: str, *, device, dtype, seed: int):
+    """Random-init model built directly on the device (normal(0, 0.02), norms at 1)."""
+    model = build_model(preset_config(name), dtype=dtype, device=device, init=False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.model.inv_freq = model.model.inv_freq.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(engine, prompts, params, device) -> tuple[list, float, float | None]:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 1e9 if torch.device(device).type == "cuda" else None
+    return outs, wall, peak
+
+
+def check_against_trainer(engine, model, prompts, *, new_tokens: int) -> dict:
+    """Greedy agreement (engine token == trainer argmax, teacher-forced) and max |log-prob diff| of
+    greedy and T=1 sampled tokens against the trainer forward in the same dtype."""
+    out = {}
+    for tag, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)),
+                        ("sampled", SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True,
+                                                   seed=0))):
+        comps = engine.generate(prompts, params)
+        agree, diffs = [], []
+        for c in comps:
+            ids = torch.tensor([c.prompt_ids + c.token_ids], device=next(model.parameters()).device)
+            with torch.no_grad():
+                logits = model(ids)[0, len(c.prompt_ids) - 1: -1].float()
+            toks = torch.tensor(c.token_ids, device=logits.device)
+            ref = torch.log_softmax(logits, -1).gather(1, toks[:, None])[:, 0].cpu()
+            diffs.append((ref - torch.tensor(c.logprobs)).abs().max().item())
+            agree.append((logits.argmax(-1) == toks).float().mean().item())
+        out[f"{tag}_logprob_maxdiff"] = max(diffs)
+        if tag == "greedy":
+            out["greedy_agreement"] = sum(agree) / len(agree)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", default=None, help="comma list, overrides --batch (e.g. 32,64,256)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--engine", choices=["native", "hf", "both"], default="both")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--hf-cache", default="dynamic,static", help="HF cache implementations to run")
+    ap.add_argument("--decode-attn", default="sdpa", help="native decode attention(s): sdpa,bmm")
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--no-check", action="store_true", help="skip the log-prob check against the trainer")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    device = args.device
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+    cfg = preset_config(args.model)
+    model = random_model(args.model, device=device, dtype=dtype, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    max_len = args.prompt_len + args.new_tokens
+    results, checks = [], {}
+
+    def record(engine_name, batch, wall, peak, outs, extra):
+        new = sum(len(c.token_ids) for c in outs)
+        roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=dtype)
+        tps = new / wall
+        row = {"engine": engine_name, "batch": batch, "new_tokens": new, "wall_s": round(wall, 4),
+               "new_tokens_per_s": round(tps, 1), "peak_mem_gb": None if peak is None else round(peak, 3),
+               "roofline_tokens_per_s": round(roof["roofline_tokens_per_s"], 1),
+               "roofline_fraction": round(tps / roof["roofline_tokens_per_s"], 4),
+               "bytes_per_decode_step_gb": round(roof["bytes_per_decode_step_gb"], 4), **extra}
+        results.append(row)
+        print(f"{engine_name:>14} B={batch:<4} {tps:>10.0f} tok/s  {wall:7.3f} s  "
+              f"{row['roofline_fraction'] * 100:5.1f}% of HBM roofline ({roof['roofline_tokens_per_s']:.0f} tok/s)"
+              f"  peak {row['peak_mem_gb']} GB", flush=True)
+
+    if args.engine in ("native", "both"):
+        for mode in args.decode_attn.split(","):
+            config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches), block_size=64,
+                                   max_num_batched_tokens=max(16384, max_len), decode_attention=mode,
+                                   enable_cuda_graph=not args.no_cuda_graph,
+                                   gpu_memory_fraction=args.gpu_memory_fraction,
+                                   kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
+            engine = NativeEngine.from_model(model, config=config)
+            name = f"native-{mode}"
+            for batch in batches:
+                prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+                params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
+                engine.generate(prompts, params)  # warm-up: captures this batch's decode graphs
+                engine.stats.update(prefill_s=0.0, decode_s=0.0, decode_steps=0, prefill_steps=0)
+                outs, wall, peak = timed_generate(engine, prompts, params, device)
+                st = engine.stats
+                decode_tokens = batch * (args.new_tokens - 1)
+                record(name, batch, wall, peak, outs,
+                       {"prefill_s": round(st["prefill_s"], 4), "decode_s": round(st["decode_s"], 4),
+                        "decode_steps": st["decode_steps"], "graphs": len(engine.runner.graphs),
+                        "decode_only_tokens_per_s": round(decode_tokens / max(st["decode_s"], 1e-9), 1)})
+            if not args.no_check:
+                prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len),
+                                        generator=gen).tolist()
+                checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
+            engine.sleep()
+            del engine
+
+    if args.engine in ("hf", "both"):
+        for cache in args.hf_cache.split(","):
+            engine = HFEngine.from_model(model, cache_implementation=cache, max_model_len=max_len + 1)
+            for batch in batches:
+                prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+                params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1)
+                warm = SamplingParams(temperature=1.0, max_tokens=min(8, args.new_tokens), ignore_eos=True)
+                engine.generate(prompts, warm)
+                outs, wall, peak = timed_generate(engine, prompts, params, device)
+                record(f"hf-{cache}", batch, wall, peak, outs, {})
+            if not args.no_check:
+                prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len),
+                                        generator=gen).tolist()
+                checks[f"hf-{cache}"] = check_against_trainer(engine, model, prompts,
+                                                              new_tokens=min(32, args.new_tokens))
+            engine.sleep()
+            del engine
+
+    summary = {"bench": "generate", "model": args.model, "device": device,
+               "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+               "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "hbm_bytes_per_s": HBM_BYTES_PER_S, "results": results,
+               "checks": checks}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
