@@ -2,7 +2,8 @@
 
     ctl = BatchController(rollout_tokens=65536, micro_batch_tokens=16384)
     ...                                               # one full PPO step runs with ctl's budgets
-    d = ctl.decide(summary.get("gpu/util_mean"), cuda_peak_mem_frac())
+    util, mem = agree_feedback(summary.get("gpu/util_mean"), cuda_peak_mem_frac(), group=world)
+    d = ctl.decide(util, mem)
     next_rollout, next_micro = d.rollout_tokens, d.micro_batch_tokens
 
 `decide` is called at step boundaries only, never inside a step. Within a step the old
@@ -10,6 +11,10 @@ log-probs are recomputed with the same micro-batch shapes as the PPO update, so 
 first update's ratio is exactly 1 (same kernels, same reduction order, same padding);
 changing the micro-batch budget between the recompute and the update would make the
 ratio drift from 1 by numerical noise and bias the first clipped update.
+
+Every rank must get the same decision, or ranks would disagree on micro-batch counts and
+hang in a collective: call `agree_feedback` (mean utilization, max memory over the group)
+before `decide`, so all ranks feed identical numbers to identical controllers.
 
 `run_with_oom_backoff(stage_fn, budget=...)` runs one stage with a token budget and,
 on CUDA OOM, frees memory, halves the budget and reruns the stage on the same input.
@@ -193,6 +198,26 @@ def cuda_peak_mem_frac(device: torch.device | int | None = None, *, reset: bool 
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
     return frac
+
+
+def agree_feedback(
+    util_mean: float | None, mem_frac: float | None, *, group: Any = None
+) -> tuple[float | None, float | None]:
+    """The same (utilization, memory) on every rank of `group`: the mean utilization over the ranks
+    that have a reading and the max memory fraction (the fullest GPU decides). Identity without
+    torch.distributed. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return util_mean, mem_frac
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    util = torch.tensor([util_mean or 0.0, float(util_mean is not None)], dtype=torch.float64, device=device)
+    mem = torch.tensor([-1.0 if mem_frac is None else mem_frac], dtype=torch.float64, device=device)
+    dist.all_reduce(util, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
+    u_sum, n = util.tolist()
+    m = mem.item()
+    return (u_sum / n if n > 0 else None), (m if m >= 0 else None)
 
 
 def is_cuda_oom(err: BaseException) -> bool:

@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo.controller import BatchController, OOMBackoffExhausted, is_cuda_oom, run_with_oom_backoff
+from ppo.controller import (
+    BatchController,
+    OOMBackoffExhausted,
+    agree_feedback,
+    is_cuda_oom,
+    run_with_oom_backoff,
+)
+from tests.dist_utils import run_world
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -135,3 +142,21 @@ def test_non_oom_errors_pass_through_and_default_predicate():
         return budget
 
     assert run_with_oom_backoff(real_type_oom, budget=16, min_budget=1) == (4, 4)
+
+
+def _agree_body(rank, world_size):
+    readings = [(0.4, 0.5), (None, 0.8), (0.6, None)]
+    util, mem = agree_feedback(*readings[rank])
+    nothing = agree_feedback(None, None)
+    ctl = BatchController(rollout_tokens=1000, micro_batch_tokens=100, hysteresis_steps=1)
+    return util, mem, nothing, ctl.decide(util, mem).action
+
+
+@pytest.mark.distributed
+def test_agree_feedback_gives_every_rank_the_same_inputs():
+    out = run_world(_agree_body, 3)
+    assert all(o == out[0] for o in out)
+    util, mem, nothing, action = out[0]
+    assert util == pytest.approx(0.5) and mem == pytest.approx(0.8) and nothing == (None, None)
+    assert action == "hold"  # 0.8 x 1.2 would pass high_mem on the fullest GPU
+    assert agree_feedback(0.3, 0.2) == (0.3, 0.2)  # no process group: identity
