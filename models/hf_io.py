@@ -186,11 +186,15 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             model.init_missing(sorted(init_ok & set(missing)))
         for name in hard_missing:
             init_weights(model.get_submodule(name.rpartition(".")[0]))
-    present = [n for n in own if n in shapes]
-    loaded = load_tensors(path, names=present)
+    index = checkpoint_index(path)
+    by_file: dict[Path, list[str]] = {}
+    for name in own:
+        if name in shapes:  # a tied head's stage copy lives under the embedding's name on disk
+            by_file.setdefault(index[name if name in index else EMBED], []).append(name)
     with torch.no_grad():
-        for name in present:
-            own[name].copy_(loaded.pop(name))  # pop: free each CPU copy as soon as it is placed
+        for names in by_file.values():  # one shard at a time: host memory peaks at one file, not the model
+            for name, t in load_tensors(path, names=names).items():
+                own[name].copy_(t)
 
 
 def load_pretrained(
@@ -276,8 +280,15 @@ def save_tensors(
             t = t.to(dtype)
         cpu[name] = t.contiguous()
     if config.tie_word_embeddings and LM_HEAD in cpu:
+        # state merged from pipeline stages carries the last stage's copy of the tied head: it must
+        # still equal the embedding, else the two copies' gradients were never summed
         if EMBED in cpu and not torch.equal(cpu[LM_HEAD], cpu[EMBED]):
-            raise ModelConfigError("tie_word_embeddings=true but lm_head.weight differs from the embedding")
+            diff = (cpu[LM_HEAD].float() - cpu[EMBED].float()).abs().max().item()
+            raise ModelConfigError(
+                f"tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight (max |diff| "
+                f"{diff:.3g}): with pp > 1 all-reduce the tied weight's gradient between the first and last stage "
+                "(or untie the config); refusing to write a checkpoint that silently drops one copy"
+            )
         del cpu[LM_HEAD]  # HF tied checkpoints carry the embedding only
     shards = _plan_shards(cpu, max_shard_size_bytes)
     final.parent.mkdir(parents=True, exist_ok=True)

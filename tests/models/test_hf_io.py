@@ -17,6 +17,7 @@ from models import (
     preset_config,
     read_config,
     save_pretrained,
+    save_tensors,
     tensor_shapes,
 )
 from models.llama import LlamaForCausalLM
@@ -198,3 +199,17 @@ def test_save_rejects_pipeline_stage(tmp_path):
     del model.model.layers["0"]
     with pytest.raises(ModelConfigError, match="needs the whole model"):
         save_pretrained(model, tmp_path / "m")
+
+
+def test_save_tensors_merged_pipeline_stages_of_tied_model(tmp_path):
+    cfg = preset_config("tiny", model_type="qwen2", tie_word_embeddings=True)
+    model = build_model(cfg, seed=10)
+    merged = {n: t.detach().clone() for n, t in model.state_dict().items()}  # stage 0 + last stage's head copy
+    assert "lm_head.weight" in merged
+    save_tensors(merged, cfg, tmp_path / "m")
+    assert "lm_head.weight" not in tensor_shapes(tmp_path / "m")
+    _same_state(model, load_pretrained(tmp_path / "m"))
+    merged["lm_head.weight"] += 1e-3
+    with pytest.raises(ModelConfigError, match="all-reduce the tied weight's gradient"):
+        save_tensors(merged, cfg, tmp_path / "m2")
+    assert not (tmp_path / "m2").exists()

@@ -92,3 +92,18 @@ def test_hidden_states_then_lm_head_equal_forward(hf_models):
     ids = random_ids(2, 9, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_head(ours.hidden_states(ids)), ours(ids), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_bfloat16_cuda_close_to_transformers(hf_models, kind):
+    _, path = hf_models(kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.cuda().eval()
+    ours = load_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    assert ours.model.inv_freq.dtype == torch.float32  # RoPE frequencies are never rounded to bf16
+    ids = random_ids(2, 200, seed=5).cuda()  # long enough that bf16 RoPE frequencies would show
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits.float(), -1)
+        out = torch.log_softmax(ours(ids).float(), -1)
+    assert (out - ref).norm() <= 2e-2 * ref.norm()
