@@ -1,0 +1,289 @@
+"""Run a reshard plan (parallel/reshard.py) over real process groups: gloo in tests, NCCL on GPU.
+
+    groups = build_reshard_groups((train, gen), ranks=list(range(world)))   # collective, every rank
+    plan = plan_reshard(train, gen, specs, only_rank=groups.local_rank)
+    gen_weights = execute_reshard(plan, training_shards(model), groups=groups, bucket_bytes=256 << 20)
+
+Transfers go as batched point-to-point ops inside this rank's micro-DP gather group (together
+they are one all-gather per group, all groups at once, but with no padding and no duplicate
+norms, so every rank receives exactly the plan's lower bound). The plan is cut into buckets
+of dim-0 slabs; bucket k is in flight while bucket k-1 is unpacked, so copies overlap
+communication. Boxes contiguous in their tensor are sent from the training shard and received
+into the generation tensor directly; only the rest (row-parallel column blocks, dtype casts)
+is staged, at most bucket_bytes // 2 per bucket, so staging never exceeds bucket_bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallel.reshard import (
+    GenAssignment,
+    GenLayout,
+    ParamSpec,
+    ReshardPlan,
+    TrainLayout,
+    assign_generation_ranks,
+    box_numel,
+    box_slices,
+    gen_box,
+    intersect,
+    plan_buckets,
+    train_box,
+)
+
+
+@dataclass(slots=True)
+class ReshardGroups:
+    """Process groups of one actor group's hybrid engine; every rank builds all of them."""
+
+    ranks: list[int]  # global ranks of the actor group, in local-rank order
+    local_rank: int | None  # this process's index in `ranks`; None if it is not an actor rank
+    assignment: GenAssignment
+    gather_group: dist.ProcessGroup | None  # this rank's micro-DP group (holds one gen TP shard)
+    gen_tp_group: dist.ProcessGroup | None  # this rank's generation TP group (for the rollout engine)
+    actor_group: dist.ProcessGroup | None
+    warmed: set[int] = field(default_factory=set)  # ids of groups that ran their first collective
+
+    @property
+    def gen_tp_rank(self) -> int:
+        return self.assignment.gen_tp_rank[self.local_rank]
+
+    @property
+    def gen_dp_rank(self) -> int:
+        return self.assignment.gen_dp_rank[self.local_rank]
+
+    @property
+    def gen_tp_ranks(self) -> list[int]:
+        """Global ranks of this rank's generation TP group, in gen TP order."""
+        return [self.ranks[r] for r in self.assignment.gen_tp_groups[self.gen_dp_rank]]
+
+    @property
+    def transfer_group(self) -> dist.ProcessGroup | None:
+        return self.gather_group if self.assignment.gather_is_closed else self.actor_group
+
+
+def build_reshard_groups(plan_or_layouts: ReshardPlan | tuple[TrainLayout, GenLayout], ranks: list[int], *,
+                         backend: str | None = None) -> ReshardGroups:
+    """Create the gather groups, generation TP groups and the actor group. Collective on the world."""
+    if isinstance(plan_or_layouts, ReshardPlan):
+        asg = plan_or_layouts.assignment
+    else:
+        train, gen = plan_or_layouts
+        asg = assign_generation_ranks(train, gen)
+    if len(ranks) != len(asg.gen_tp_rank):
+        raise ValueError(f"{len(ranks)} actor ranks given for a layout of {len(asg.gen_tp_rank)} ranks")
+    me = dist.get_rank()
+    local = ranks.index(me) if me in ranks else None
+
+    def make(members_list: list[list[int]]) -> dist.ProcessGroup | None:
+        mine = None
+        for members in members_list:  # same order on every rank: new_group is collective
+            pg = dist.new_group([ranks[m] for m in members], backend=backend)
+            if local in members:
+                mine = pg
+        return mine
+
+    gather = make(asg.gather_groups)
+    gen_tp = make(asg.gen_tp_groups)
+    actor = dist.new_group(list(ranks), backend=backend)
+    return ReshardGroups(ranks=list(ranks), local_rank=local, assignment=asg, gather_group=gather,
+                         gen_tp_group=gen_tp, actor_group=actor if local is not None else None)
+
+
+# ---------------------------------------------------------------- shards in and out
+
+_WRAPPERS = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
+
+
+def training_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> this rank's local training shard (`to_local()` of DTensor params, TP+FSDP2).
+
+    The tensors share storage with the parameters (detached, no copy). Call with FSDP2 in its
+    resharded state (after the optimizer step), where `to_local()` is the dp chunk.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        out[_WRAPPERS.sub("", name)] = t.detach()
+    return out
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], train: TrainLayout, rank: int, *,
+                     num_layers: int) -> dict[str, torch.Tensor]:
+    """Training shards of `rank` cut from a full state dict per the layout rules (benchmarks)."""
+    out = {}
+    for name, t in full.items():
+        box = train_box(ParamSpec(name, tuple(t.shape), t.element_size()), train, rank, num_layers=num_layers)
+        if box is not None:
+            out[name] = t[box_slices(box)].contiguous()
+    return out
+
+
+@dataclass(slots=True)
+class ReshardStats:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    bytes_copied_local: int = 0
+    gen_alloc_bytes: int = 0  # the generation shard itself (aliased parameters excluded)
+    staging_bytes: int = 0  # live now
+    peak_staging_bytes: int = 0
+    aliased: int = 0  # parameters handed out as the training tensors themselves
+    buckets: int = 0
+
+    def alloc(self, n: int) -> None:
+        self.staging_bytes += n
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+
+    def free(self, n: int) -> None:
+        self.staging_bytes -= n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _clip_rows(box, start: int, stop: int):
+    return intersect(box, ((start, stop),) + tuple(box[1:]))
+
+
+def _warm_up(groups: ReshardGroups, pg: dist.ProcessGroup, device: torch.device) -> None:
+    # NCCL: the first p2p batch on a group must involve all its ranks; a collective makes it exist
+    if id(pg) in groups.warmed:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=pg)
+    groups.warmed.add(id(pg))
+
+
+def execute_reshard(plan: ReshardPlan, shards: dict[str, torch.Tensor], *, groups: ReshardGroups,
+                    bucket_bytes: int, dtype: torch.dtype | None = None,
+                    stats: ReshardStats | None = None) -> dict[str, torch.Tensor]:
+    """Training shards (HF name -> local tensor) -> generation shards (HF name -> gen TP shard).
+
+    Collective over the actor group. dtype: generation dtype (default: the shards' dtype); a
+    parameter whose training shard already is its generation shard in that dtype is returned
+    as the very same tensor, so gen layout == training layout copies nothing.
+    """
+    stats = stats if stats is not None else ReshardStats()
+    me = groups.local_rank
+    if me is None or me not in plan.planned_ranks:
+        raise ValueError(f"plan covers ranks {plan.planned_ranks[:8]}..., not this rank ({me}); "
+                         f"plan with only_rank=groups.local_rank")
+    if not shards:
+        raise ValueError("no training shards given")
+    first = next(iter(shards.values()))
+    device, dtype = first.device, dtype or first.dtype
+    g = plan.assignment.gen_tp_rank[me]
+    known = {s.name for s in plan.specs}
+    unknown = sorted(set(shards) - known)
+    if unknown:
+        raise KeyError(f"training shards {unknown[:4]} are not in the plan's parameter specs")
+
+    out: dict[str, torch.Tensor] = {}
+    tboxes, gboxes = [], []
+    for spec in plan.specs:
+        tbox = train_box(spec, plan.train, me, num_layers=plan.num_layers)
+        gbox = gen_box(spec, gen_tp=plan.gen.tp, gen_tp_rank=g)
+        tboxes.append(tbox)
+        gboxes.append(gbox)
+        if tbox is not None:
+            want = tuple(b - a for a, b in tbox)
+            have = shards.get(spec.name)
+            if have is None or tuple(have.shape) != want:
+                raise ValueError(
+                    f"rank {me}: training shard of {spec.name} has shape "
+                    f"{None if have is None else tuple(have.shape)}, the layout tp({plan.train.tp}) pp("
+                    f"{plan.train.pp}) dp({plan.train.dp}) says {want}; pass what param.to_local() gives")
+            if tbox == gbox and have.dtype == dtype:
+                out[spec.name] = have
+                stats.aliased += 1
+                continue
+        t = torch.empty(tuple(b - a for a, b in gbox), dtype=dtype, device=device)
+        out[spec.name] = t
+        stats.gen_alloc_bytes += _nbytes(t)
+        inter = intersect(tbox, gbox) if tbox is not None else None
+        if inter is not None:
+            t[box_slices(inter, origin=gbox)].copy_(shards[spec.name][box_slices(inter, origin=tbox)])
+            stats.bytes_copied_local += box_numel(inter) * t.element_size()
+
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    for tr in sorted(plan.sends[me], key=lambda t: (t.param, t.dst, t.box)):
+        sends.setdefault(tr.param, []).append(tr)
+    for tr in sorted(plan.recvs[me], key=lambda t: (t.param, t.src, t.box)):
+        recvs.setdefault(tr.param, []).append(tr)
+    if not sends and not recvs:
+        return out
+    pg = groups.transfer_group
+    _warm_up(groups, pg, device)
+    tags: dict[tuple[int, int], int] = {}
+
+    def tag(src: int, dst: int) -> int:
+        # gloo matches messages by (peer, tag); NCCL by order, which is the same order here
+        k = tags.get((src, dst), 0)
+        tags[(src, dst)] = k + 1
+        return k
+
+    pending = None
+    for bucket in plan_buckets(plan, bucket_bytes=bucket_bytes):
+        ops, unpack, staged = [], [], 0
+        for slab in bucket:
+            spec = plan.specs[slab.param]
+            packed: dict = {}
+            for tr in sends.get(slab.param, ()):
+                sub = _clip_rows(tr.box, slab.start, slab.stop)
+                if sub is None:
+                    continue
+                buf = packed.get(sub)
+                if buf is None:
+                    view = shards[spec.name][box_slices(sub, origin=tboxes[slab.param])]
+                    if view.is_contiguous() and view.dtype == dtype:
+                        buf = view
+                    else:
+                        buf = torch.empty(view.shape, dtype=dtype, device=device)
+                        buf.copy_(view)
+                        staged += _nbytes(buf)
+                        stats.alloc(_nbytes(buf))
+                    packed[sub] = buf
+                ops.append(dist.P2POp(dist.isend, buf, peer=groups.ranks[tr.dst], group=pg, tag=tag(me, tr.dst)))
+                stats.bytes_sent += _nbytes(buf)
+            for tr in recvs.get(slab.param, ()):
+                sub = _clip_rows(tr.box, slab.start, slab.stop)
+                if sub is None:
+                    continue
+                view = out[spec.name][box_slices(sub, origin=gboxes[slab.param])]
+                if view.is_contiguous():
+                    buf = view
+                else:
+                    buf = torch.empty(view.shape, dtype=dtype, device=device)
+                    staged += _nbytes(buf)
+                    stats.alloc(_nbytes(buf))
+                    unpack.append((view, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, peer=groups.ranks[tr.src], group=pg, tag=tag(tr.src, me)))
+                stats.bytes_received += _nbytes(buf)
+        if not ops:
+            continue
+        stats.buckets += 1
+        works = dist.batch_isend_irecv(ops)
+        if pending is not None:
+            _finish(pending, stats)  # overlaps with the bucket just issued
+        pending = (works, unpack, staged, ops)
+    if pending is not None:
+        _finish(pending, stats)
+    return out
+
+
+def _finish(pending, stats: ReshardStats) -> None:
+    works, unpack, staged, _ops = pending
+    for w in works:
+        w.wait()
+    for view, buf in unpack:
+        view.copy_(buf)
+    unpack.clear()
+    stats.free(staged)
