@@ -14,14 +14,15 @@ Layout of a complete checkpoint:
     step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
     step_N/<role>/model*.safetensors  full weights in HF names, sharded like save_pretrained
 
-Protocol (all ranks call `save_checkpoint`): rank 0 creates `step_N.tmp-<pid>/`; barrier; every
-rank writes and fsyncs its files there; barrier; rank 0 checks all rank files arrived, writes
-the manifest last, fsyncs and renames the directory to `step_N` (rename is atomic on POSIX);
-barrier. A crash anywhere before the rename leaves only a `*.tmp-*` directory, which is never
-picked and is removed by the next successful save; existing checkpoints are never touched
-except by `keep_last` pruning of older ones. Multi-node runs need `run_dir` on a shared
-file system. A rank that fails mid-save leaves the others waiting in the barrier until the
-process group's timeout ends the job; the previous checkpoint stays intact.
+Protocol (all ranks call `save_checkpoint`): rank 0 clears debris of an earlier crashed save;
+barrier; every rank creates `step_N.tmp-staging/` and writes and fsyncs its files there;
+barrier; rank 0 checks all rank files arrived, writes the manifest last, fsyncs and renames
+the directory to `step_N` (rename is atomic on POSIX); barrier. A crash anywhere before the
+rename leaves only a `*.tmp-*` directory, which is never picked and is removed by the next
+successful save; existing checkpoints are never touched except by `keep_last` pruning of
+older ones. Multi-node runs need `run_dir` on a shared file system. A rank that fails
+mid-save leaves the others waiting in the barrier until the process group's timeout ends
+the job; the previous checkpoint stays intact.
 """
 
 from __future__ import annotations
@@ -257,17 +258,15 @@ def save_checkpoint(
     barrier = barrier or _default_barrier(world_size, group)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
+    # one staging name every rank knows without communicating (pids differ per rank) and without
+    # listing directories (NFS caches listings; mkdir and open by name go to the server)
+    tmp = root / f"step_{step}.tmp-staging"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"step_{step}.tmp-*"):  # left by a crashed save of this step
-            shutil.rmtree(stale, ignore_errors=True)
-        (root / f"step_{step}.tmp-{os.getpid()}").mkdir()
+            shutil.rmtree(stale)
     barrier()
-    staging = sorted(root.glob(f"step_{step}.tmp-*"))
-    if len(staging) != 1:
-        raise RuntimeError(f"rank {rank}: expected one staging dir for step {step} under {root}, found "
-                           f"{[p.name for p in staging]}; is {root} on a file system shared by all ranks?")
-    tmp = staging[0]
+    tmp.mkdir(parents=True, exist_ok=True)
     _torch_save_synced(per_rank_state, tmp / f"rank_{rank}.pt")
     if rank == 0:
         _torch_save_synced(shared_state or {}, tmp / "shared.pt")
