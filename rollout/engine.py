@@ -27,9 +27,9 @@ from rollout.base import (
     error_completions,
     expand_sampling,
 )
-from rollout.model_runner import ModelRunner
+from rollout.model_runner import ModelRunner, any_filtered
 from rollout.sampler import request_key
-from rollout.scheduler import PrefillBatch, Scheduler, Sequence
+from rollout.scheduler import DecodeBatch, PrefillBatch, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -125,21 +125,56 @@ class NativeEngine:
         return [c for i in range(len(prompts)) for c in results[i]]
 
     def _run(self, sched: Scheduler) -> None:
-        while sched.has_work():
-            step = sched.schedule()
-            t0 = time.perf_counter()  # every runner call ends in a D2H copy, so wall time is device time
-            if isinstance(step, PrefillBatch):
-                seqs, (tokens, logprobs) = step.seqs, self.runner.prefill(step)
-                self.stats["prefill_steps"] += 1
-                self.stats["prefill_s"] += time.perf_counter() - t0
-            else:
+        """Prefill-first continuous batching. Decode is pipelined one step ahead: while step k runs, step
+        k+1 is already enqueued (its inputs are produced on the device by step k), so host bookkeeping
+        overlaps the GPU. A sequence that finishes at step k costs one discarded row in step k+1."""
+        updates: dict[int, tuple] = {}  # decode rows to (re)write before the next launch
+        pending: tuple[list[Sequence], object] | None = None
+        while sched.has_work() or pending is not None:
+            t0 = time.perf_counter()
+            if pending is None:
+                step = sched.schedule()
+                if isinstance(step, PrefillBatch):
+                    tokens, logprobs = self.runner.prefill(step)
+                    sched.update(step.seqs, tokens, logprobs)
+                    for s in step.seqs:
+                        updates[s.slot] = _PAD if s.finish_reason else _row(s)
+                    self.stats["prefill_steps"] += 1
+                    self.stats["prefill_s"] += time.perf_counter() - t0
+                    continue
                 moves = sched.compaction()
                 if moves:
                     # the KV of positions [0, length - 1) is in the cache; the last token is written next step
                     self.runner.move_slots(moves, lengths=[sched.running[dst].length - 1 for _, dst in moves])
+                    for src, dst in moves:
+                        updates[src], updates[dst] = _PAD, _row(sched.running[dst])
                     self.stats["slot_moves"] += len(moves)
                     step = sched.schedule()
-                seqs, (tokens, logprobs) = step.seqs, self.runner.decode(step)
-                self.stats["decode_steps"] += 1
-                self.stats["decode_s"] += time.perf_counter() - t0
-            sched.update(seqs, tokens, logprobs)
+                pending = (step.seqs, self._launch(step, updates))
+            seqs, handle = pending
+            pending = None
+            if not sched.can_admit() and not sched.needs_compaction():
+                ahead = [s for s in seqs if s.finish_reason is None and not sched.surely_finishes_next(s)]
+                if ahead:
+                    pending = (ahead, self._launch(sched.decode_batch(ahead, lookahead=1), updates))
+            tokens, logprobs = self.runner.collect(handle)
+            live = [s for s in seqs if s.finish_reason is None]  # rows that finished a step ago are discarded
+            for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
+                updates[s.slot] = _PAD
+            self.stats["decode_steps"] += 1
+            self.stats["decode_s"] += time.perf_counter() - t0
+        self.runner.set_rows(updates)  # leave every row inactive for the next generate()
+
+    def _launch(self, step: DecodeBatch, updates: dict[int, tuple]):
+        self.runner.set_rows(updates)
+        updates.clear()
+        return self.runner.launch_decode(step.num_rows, step.kv_len, any_filtered(step.seqs))
+
+
+_PAD = ((0, 0, 0, 0, 0), (0.0, 1.0))  # inactive row: greedy on token 0 at position 0 of a free slot
+
+
+def _row(seq: Sequence) -> tuple[tuple[int, ...], tuple[float, float]]:
+    """Device decode row of a running sequence: its last token goes at position length - 1."""
+    p = seq.params
+    return (seq.token_ids[-1], seq.length - 1, seq.key, p.top_k, 1), (float(p.temperature), float(p.top_p))

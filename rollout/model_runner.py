@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,21 @@ from models.llama import LlamaForCausalLM, compute_inv_freq
 from rollout.base import RolloutConfig
 from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
 from rollout.sampler import sample
-from rollout.scheduler import DecodeBatch, PrefillBatch, Sequence
+from rollout.scheduler import PrefillBatch, Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DecodeHandle:
+    buf: torch.Tensor  # host [2, slots] float64: tokens, logprobs
+    num_rows: int
+    event: object | None  # torch.cuda.Event on CUDA
+
+
+def any_filtered(seqs: list[Sequence]) -> bool:
+    """Whether any sampled (T > 0) row needs the sorted top-k/top-p path."""
+    return any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
 
 
 class RowParallelLinear(nn.Linear):
@@ -136,10 +149,14 @@ class ModelRunner:
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
                              dtype=self.dtype, device=self.device)
         self.decode_attn = DecodeAttention(self.cache, mode=self.config.decode_attention)
-        # static decode inputs: rows ids, positions, keys, top_k (int64) / temperature, top_p (fp32)
-        self.meta_i = torch.zeros(4, slots, dtype=torch.int64, device=self.device)
+        # static decode rows per slot: token, position, key, top_k, active (int64) / temperature, top_p (fp32)
+        self.meta_i = torch.zeros(5, slots, dtype=torch.int64, device=self.device)
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
         self.out = torch.zeros(2, slots, dtype=torch.float64, device=self.device)
+        # two host buffers: step k's result is read while step k+1 (launched before) runs
+        pin = self.device.type == "cuda"
+        self._host_out = [torch.zeros(2, slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
 
@@ -154,7 +171,7 @@ class ModelRunner:
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = self.decode_attn = self.meta_i = self.meta_f = self.out = None
+        self.cache = self.decode_attn = self.meta_i = self.meta_f = self.out = self._host_out = None
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -211,15 +228,6 @@ class ModelRunner:
             dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
-    @staticmethod
-    def _sampling_rows(seqs: list[Sequence]) -> tuple[list[int], list[int], list[float], list[float], bool]:
-        keys = [s.key for s in seqs]
-        top_k = [s.params.top_k for s in seqs]
-        temp = [float(s.params.temperature) for s in seqs]
-        top_p = [float(s.params.top_p) for s in seqs]
-        filtered = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
-        return keys, top_k, temp, top_p, filtered
-
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float]]:
         """Run the prompts (plus any tokens already generated) of each row; sample the next token of
@@ -240,55 +248,73 @@ class ModelRunner:
         h = self.model.hidden_states(ids, pos, attn=attn)
         h_last = h[torch.arange(len(batch.rows), device=dev), torch.tensor(last, device=dev)]
         logits = self._logits(h_last)[rows]
-        keys, top_k, temp, top_p, filtered = self._sampling_rows(seqs)
-        tok, lp = sample(logits, temperature=torch.tensor(temp, device=dev),
-                         top_k=torch.tensor(top_k, device=dev), top_p=torch.tensor(top_p, device=dev),
-                         keys=torch.tensor(keys, device=dev),
-                         positions=torch.tensor([s.length for s in seqs], device=dev), filtered=filtered)
+        f = torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs], device=dev)
+        i = torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs], device=dev)
+        tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
+                         positions=i[:, 2], filtered=any_filtered(seqs))
         out = torch.stack([tok.double(), lp.double()]).cpu()
         return [int(t) for t in out[0]], out[1].tolist()
 
+    # ---- decode: device-resident rows, advanced inside the graph ----
+    def set_rows(self, rows: dict[int, tuple[tuple[int, ...], tuple[float, float]]]) -> None:
+        """Overwrite decode rows: slot -> ((token, position, key, top_k, active), (temperature, top_p))."""
+        if not rows:
+            return
+        slots = list(rows)
+        idx = torch.tensor(slots, device=self.device)
+        self.meta_i[:, idx] = torch.tensor([rows[s][0] for s in slots], dtype=torch.int64).T.to(self.device)
+        self.meta_f[:, idx] = torch.tensor([rows[s][1] for s in slots], dtype=torch.float32).T.to(self.device)
+
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
-        """One graph-capturable decode over cache rows [0, b): static buffers in, self.out[:, :b] out."""
-        ids, pos = self.meta_i[0, :b], self.meta_i[1, :b]
+        """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:, :b],
+        then advances every active row in place (token <- sampled, position += 1) for the next step."""
+        ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
         self.decode_attn.prepare(pos, kv_len)
         h = self.model.hidden_states(ids[:, None], pos[:, None], attn=self.decode_attn)[:, 0]
         tok, lp = sample(self._logits(h), temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b],
                          keys=self.meta_i[2, :b], top_k=self.meta_i[3, :b], positions=pos + 1, filtered=filtered)
         self.out[0, :b].copy_(tok)
         self.out[1, :b].copy_(lp)
+        # clamp: a row that finished on the step before runs once more (pipelining) and must stay in its slot
+        next_pos = torch.clamp(pos + active, max=self.cache.slot_len - 1)
+        ids.copy_(torch.where(active > 0, tok, torch.zeros_like(tok)))
+        pos.copy_(next_pos)
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch) -> tuple[list[int], list[float]]:
-        b = batch.num_rows
-        rows_i = [[0] * b for _ in range(4)]
-        rows_f = [[0.0] * b, [1.0] * b]  # padding rows: greedy on token 0 at position 0 of a free slot
-        keys, top_k, temp, top_p, filtered = self._sampling_rows(batch.seqs)
-        for j, s in enumerate(batch.seqs):
-            r = s.slot
-            rows_i[0][r] = s.token_ids[-1] if s.token_ids else s.prompt_ids[-1]
-            rows_i[1][r], rows_i[2][r], rows_i[3][r] = s.length - 1, keys[j], top_k[j]
-            rows_f[0][r], rows_f[1][r] = temp[j], top_p[j]
-        self.meta_i[:, :b].copy_(torch.tensor(rows_i), non_blocking=True)
-        self.meta_f[:, :b].copy_(torch.tensor(rows_f), non_blocking=True)
-        key = (b, batch.kv_len, filtered)
+    def launch_decode(self, num_rows: int, kv_len: int, filtered: bool) -> DecodeHandle:
+        """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result."""
+        key = (num_rows, kv_len, filtered)
         if not self.use_graphs:
             self._decode_step(*key)
         elif key in self.graphs:
             self.graphs[key].replay()
         else:
             self._capture(key)
-        out = self.out[:, :b].cpu()
-        slots = [s.slot for s in batch.seqs]
-        return [int(t) for t in out[0, slots]], out[1, slots].tolist()
+        buf = self._host_out[self._flip]
+        self._flip ^= 1
+        buf[:, :num_rows].copy_(self.out[:, :num_rows], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return DecodeHandle(buf, num_rows, event)
+
+    def collect(self, handle: DecodeHandle) -> tuple[list[int], list[float]]:
+        """Wait for a launched step; tokens and logprobs of rows [0, num_rows) (padding rows included)."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        out = handle.buf[:, : handle.num_rows]
+        return [int(t) for t in out[0].tolist()], out[1].tolist()
 
     def _capture(self, key: tuple[int, int, bool]) -> None:
-        """Run the step eagerly (warm-up: real work, idempotent), capture it, then replay it once."""
+        """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once."""
+        saved = self.meta_i.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._decode_step(*key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.meta_i.copy_(saved)
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

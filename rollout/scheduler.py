@@ -105,10 +105,25 @@ class Scheduler:
             return self._admit()
         if not self.running:
             raise RuntimeError("schedule() called with no work; check has_work() first")
-        seqs = sorted(self.running.values(), key=lambda s: s.slot)
+        return self.decode_batch(sorted(self.running.values(), key=lambda s: s.slot))
+
+    def decode_batch(self, seqs: list[Sequence], *, lookahead: int = 0) -> DecodeBatch:
+        """Decode shape for `seqs` (ascending slots) when `lookahead` earlier steps are still in flight
+        (each writes one more position than the host-side lengths show)."""
         num_rows = bucket_of(seqs[-1].slot + 1, self.buckets)
-        kv_len = length_bucket(max(s.length for s in seqs), granule=self.granule, cap=self.slot_len)
+        kv_len = length_bucket(max(s.length for s in seqs) + lookahead, granule=self.granule, cap=self.slot_len)
         return DecodeBatch(seqs, num_rows, kv_len)
+
+    def can_admit(self) -> bool:
+        return bool(self.waiting and self._free)
+
+    def needs_compaction(self) -> bool:
+        return bool(not self.waiting and self.running
+                    and max(self.running) >= bucket_of(len(self.running), self.buckets))
+
+    def surely_finishes_next(self, seq: Sequence) -> bool:
+        """True when the next token ends `seq` by length, whatever it is (no need to decode it further)."""
+        return len(seq.token_ids) + 1 >= seq.params.max_tokens or seq.length + 1 >= self.max_model_len
 
     def _admit(self) -> PrefillBatch:
         rows: dict[tuple[int, int], list[Sequence]] = {}
@@ -131,7 +146,7 @@ class Scheduler:
 
     def compaction(self) -> list[tuple[int, int]]:
         """Slot moves (src, dst) that shrink the decode bucket; applied here, the caller copies the KV."""
-        if self.waiting or not self.running:
+        if not self.needs_compaction():
             return []
         moves = []
         target = bucket_of(len(self.running), self.buckets)

@@ -191,3 +191,21 @@ def test_from_model_sleep_wake_realiases(model):
     assert model.lm_head.weight.numel() > 0  # the trainer's weights are untouched
     engine.wake_up()
     assert [c.token_ids for c in engine.generate(PROMPTS[:2], p)] == [c.token_ids for c in before]
+
+
+def test_data_dependent_stops_with_pipelined_decode_and_slot_reuse(model):
+    """Stops the host learns one step late (the next step is already in flight) must not leak junk tokens,
+    and the freed slots are reused by waiting requests."""
+    prompts = [[1, 7 * i + 3, 11 * i + 2, i + 1] for i in range(8)]
+    free = [naive_greedy(model, q, 14) for q in prompts]
+    stop = sorted({t for f in free for t in f[2:8]}, key=lambda t: -sum(t in f[2:8] for f in free))[:2]
+    engine = NativeEngine.from_model(model, config=config(kv_cache_tokens=96 * 3, max_num_seqs=3))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14, stop_token_ids=stop))
+    stopped = 0
+    for c, f in zip(outs, free):
+        cut = next((k + 1 for k, t in enumerate(f) if t in stop), None)
+        assert c.token_ids == f[:cut] and c.finish_reason == ("stop" if cut else "length")
+        stopped += cut is not None and cut < 14
+        ref = trainer_logprobs(model, c.prompt_ids, c.token_ids, 0.0)
+        assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-5
+    assert stopped >= 2
