@@ -3,8 +3,9 @@
 The plan follows parallel/sharding.py (the table training, generation and resharding
 share): q/k/v/gate/up are column parallel (output features, weight and bias dim 0),
 o/down row parallel (input features, dim 1), embed_tokens and lm_head are vocab
-parallel (dim 0), norms replicated. Between the column and row projections activations
-stay local tensors of heads/tp heads, so the model's `-1`-heads reshapes run unchanged;
+parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor).
+Between the column and row projections activations stay local tensors of heads/tp
+heads, so the model's `-1`-heads reshapes run unchanged;
 the only collectives are one all-reduce after o_proj, one after down_proj, one after the
 embedding lookup and (unless loss_parallel) an all-gather of the logits.
 
@@ -16,11 +17,39 @@ head and call parallel.vocab_parallel.vocab_parallel_token_logprobs on
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from parallel.sharding import tp_shard_dim
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicated parameters (norms) as Replicate DTensors, local tensors in and out.
+
+    Keeps every parameter of a TP model a DTensor, so foreach/fused optimizers and grad-norm
+    code never see a mix of Tensor and DTensor; the norm math itself runs on the local tensors
+    of identical replicas, so no collective is added.
+    """
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+    @staticmethod
+    def _inputs(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                     and not isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _outputs(module, outputs, mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
 
 
 def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, object]:
@@ -39,6 +68,10 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
             plan[f"{p}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"{p}.{name}"] = RowwiseParallel()
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            plan[f"{p}.{name}"] = ReplicateParallel()
+    if trunk.norm is not None:
+        plan["model.norm"] = ReplicateParallel()
     if getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
@@ -47,8 +80,6 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
 
 def _check_plan_matches_table(model: nn.Module) -> None:
     """Every parameter's DTensor shard dim must be the one parallel/sharding.py promises."""
-    from torch.distributed.tensor import DTensor
-
     for name, p in model.named_parameters():
         want = tp_shard_dim(name)
         if isinstance(p, DTensor):

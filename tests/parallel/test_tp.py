@@ -44,6 +44,7 @@ def _tp_body(rank, world):
     placements = {n: ([pl.dim for pl in p.placements if isinstance(pl, Shard)] if isinstance(p, DTensor) else [])
                   for n, p in model.named_parameters()}
     local_q = model.model.layers["0"].self_attn.q_proj.weight.to_local().shape
+    all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())  # foreach optimizers need no mix
     logits = model(ids)
     _lm_loss(logits, ids).backward()
     grads = _grads(model)
@@ -61,7 +62,7 @@ def _tp_body(rank, world):
     mesh1 = build_mesh(ParallelDims(dp=2), [0, 1], device_type="cpu")
     model1 = apply_tp(build_model("tiny", seed=0), mesh1["tp"])
     logits1 = model1(ids)
-    return dict(placements=placements, local_q=tuple(local_q), logits=logits.detach(), grads=grads,
+    return dict(all_dtensor=all_dtensor, placements=placements, local_q=tuple(local_q), logits=logits.detach(), grads=grads,
                 logp=logp.detach(), ent=ent.detach(), vp_grads=vp_grads, start=start, logits1=logits1.detach())
 
 
@@ -85,6 +86,7 @@ def test_tp2_equals_tp1():
         for name, dims in o["placements"].items():
             want = tp_shard_dim(name)
             assert dims == ([] if want is None else [want]), (name, dims, want)
+        assert o["all_dtensor"]
         assert o["local_q"] == (ref.config.num_attention_heads * ref.config.head_dim // 2, ref.config.hidden_size)
         assert o["start"] == r * ref.config.vocab_size // 2
         torch.testing.assert_close(o["logits"], ref_logits.detach(), rtol=1e-5, atol=1e-5)

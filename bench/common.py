@@ -1,0 +1,125 @@
+"""Shared benchmark helpers: device/dtype arguments, timing, peak memory, the JSON result line.
+
+    from bench.common import add_device_args, resolve_device, emit_json, H200_BF16_FLOPS
+    args = add_device_args(argparse.ArgumentParser()).parse_args()
+    device, dtype = resolve_device(args)
+    ...
+    emit_json({"bench": "x", "mfu": flops / s / H200_BF16_FLOPS, **run_info(device)})
+
+Ceilings are the measured H200 numbers of DESIGN.md ("Honest numbers"). Every bench
+prints exactly one JSON object as its last stdout line (`emit_json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+H200_BF16_FLOPS = 790e12  # dense bf16 matmul, measured
+H200_HBM_BYTES_PER_S = 4.3e12  # copy bandwidth, measured
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on cuda, fp32 on cpu)")
+    return parser
+
+
+def resolve_device(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """(device, compute dtype) from --device/--dtype; under torchrun the device is cuda:LOCAL_RANK."""
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but torch.cuda.is_available() is False; use --device cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    default = "bfloat16" if device.type == "cuda" else "float32"
+    key = (args.dtype or default).lower()
+    if key not in DTYPES:
+        raise SystemExit(f"--dtype {args.dtype!r} unknown; choose one of {sorted(DTYPES)}")
+    return device, DTYPES[key]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """Peak allocated GPU memory since the last reset, in GB (1e9 bytes); None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def time_steps(step: Callable[[], object], *, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Run `step` warmup + steps times; wall seconds of each timed step (device-synchronised)."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size); starts a process group (under torchrun, or a world of one) if none exists.
+
+    A world of one still gets a real group so size-1 DeviceMeshes (FSDP/TP wrappers) work.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def git_commit() -> str | None:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_info(device: torch.device) -> dict:
+    """Where and on what a result was measured (goes into every JSON line)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "git": git_commit(), "argv": " ".join(sys.argv[1:])}
+
+
+def emit_json(result: dict) -> None:
+    """Print the result as the single JSON object on the last stdout line."""
+    sys.stdout.flush()
+    print(json.dumps(result, default=str), flush=True)

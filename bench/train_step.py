@@ -1,0 +1,301 @@
+"""Training-step throughput of the parallelized model: LM loss or the PPO update's shape, MFU on H200.
+
+    python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --compile --device cuda
+    python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep          # 4 configs, one process
+    python -m bench.train_step --model llama-1b --sweep lm:compile:none:bf16,ppo:compile:selective:fp32
+    torchrun --nproc_per_node 2 -m bench.train_step --model llama-1b --tp 2 --compile  # or --dp 2
+    python -m bench.train_step --model tiny --device cpu --steps 2 --sweep             # CPU check
+
+One step = forward + backward + AdamW step on `--batch` rows of `--seq` tokens per
+data-parallel rank. The loss never forms [N, V] fp32 logits: final hidden states go
+through the chunked (vocab-parallel under TP) log-prob kernel of parallel/vocab_parallel.py.
+
+- lm: next-token NLL over every position, plain causal SDPA (flash, is_causal, no mask).
+- ppo: rows packed with several prompt+response sequences of uneven length (positions
+  restart per sequence; on CUDA varlen flash attention over document boundaries,
+  elsewhere a masked SDPA), loss = clipped-ratio policy loss (ppo.core_algos.policy_loss)
+  on response tokens, entropy as a metric. Also times the forward-only log-prob
+  recompute (`logprob_tokens_per_s`), the PPO step's other trainer stage.
+
+Weights (`--master`): bf16 = bf16 parameters, grads and AdamW moments (fused AdamW);
+fp32 = fp32 master parameters/moments, FSDP2 mixed precision all-gathers bf16 compute
+copies and reduces fp32 gradients (FSDP applied even on one GPU for that).
+
+MFU = FLOPs / (step time x GPUs x 790 TFLOP/s), FLOPs per token = 6 N + 12 L H C (PaLM),
+N = parameters without the input embedding (the lookup does no matmul; the head counts),
+C = attention context per token: seq for lm, sum(len^2)/sum(len) over the packed
+sequences for ppo (a token attends only inside its own sequence). Last stdout line: one
+JSON object with every config's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bench.common import (
+    H200_BF16_FLOPS,
+    add_device_args,
+    emit_json,
+    init_distributed,
+    peak_memory_gb,
+    reset_peak_memory,
+    resolve_device,
+    run_info,
+    synchronize,
+    time_steps,
+)
+from models import build_model, preset_config
+from models.config import ModelConfig
+from models.llama import DocumentAttention, document_ids_from_positions
+from parallel.apply import forward_hidden, head_shard, parallelize_model
+from parallel.dims import ParallelDims, build_mesh
+from parallel.vocab_parallel import vocab_parallel_token_logprobs
+from ppo.core_algos import policy_loss
+
+DEFAULT_SWEEP = "lm:eager:none:bf16,lm:compile:none:bf16,lm:compile:none:fp32,ppo:compile:none:bf16"
+
+
+@dataclass(slots=True)
+class RunSpec:
+    mode: str = "lm"  # lm | ppo
+    compile: bool = False
+    ac: str = "none"  # none | full | selective
+    master: str = "bf16"  # bf16 | fp32
+
+    @classmethod
+    def parse(cls, text: str) -> RunSpec:
+        """'ppo:compile:selective:fp32' (fields mode:eager|compile:ac:master; trailing ones optional)."""
+        parts = text.strip().split(":")
+        spec = cls()
+        if len(parts) > 4 or parts[0] not in ("lm", "ppo"):
+            raise SystemExit(f"bad sweep entry {text!r}; expected mode:eager|compile:none|full|selective:bf16|fp32")
+        spec.mode = parts[0]
+        if len(parts) > 1:
+            spec.compile = parts[1] == "compile"
+        if len(parts) > 2:
+            spec.ac = parts[2]
+        if len(parts) > 3:
+            spec.master = parts[3]
+        return spec
+
+
+class VarlenDocumentAttention:
+    """Causal attention inside each packed sequence via flash varlen (no [T, T] mask). CUDA only.
+
+    Built once per batch from [B, T] position ids; q/k/v [B, H, T, D] are viewed as the
+    [B*T, H, D] token stream of all sequences back to back.
+    """
+
+    def __init__(self, position_ids: torch.Tensor):
+        b, t = position_ids.shape
+        doc = document_ids_from_positions(position_ids)
+        starts = torch.ones_like(doc, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        idx = torch.nonzero(starts.reshape(-1)).squeeze(1)
+        end = torch.tensor([b * t], device=idx.device)
+        self.cu_seqlens = torch.cat([idx, end]).to(torch.int32)
+        self.max_len = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        b, hq, t, d = q.shape
+        flat = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)
+        out = varlen_attn(flat(q), flat(k), flat(v), self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len,
+                          window_size=(-1, 0), enable_gqa=hq != k.shape[1])
+        return out.view(b, t, hq, d).transpose(1, 2)
+
+
+def flops_per_token(cfg: ModelConfig, *, context: float) -> float:
+    """6 N + 12 L H C (PaLM appendix B), N without the input embedding."""
+    n = cfg.num_params(include_embedding=True) - cfg.vocab_size * cfg.hidden_size
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
+
+
+def pack_rows(batch: int, seq: int, *, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of `seq` tokens holding sequences of seq/8 .. seq/2 tokens (the last one cut to fit).
+
+    Returns position_ids [B, T], response mask [B, T] (the second part of each sequence,
+    minus its last token, which has no next token), and all sequence lengths.
+    """
+    pos = torch.empty(batch, seq, dtype=torch.long)
+    resp = torch.zeros(batch, seq, dtype=torch.bool)
+    lengths = []
+    lo, hi = max(2, seq // 8), max(3, seq // 2)
+    for r in range(batch):
+        t = 0
+        while t < seq:
+            n = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), seq - t)
+            pos[r, t:t + n] = torch.arange(n)
+            prompt = max(1, n // 4)
+            resp[r, t + prompt:t + n - 1] = True
+            lengths.append(n)
+            t += n
+    return pos, resp, lengths
+
+
+def _init_on_device(model: torch.nn.Module, *, seed: int) -> None:
+    """normal(0, 0.02) matrices, ones for norms, generated where the weights live (fast for 1B+)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+
+
+def _build(spec: RunSpec, args, *, device, dtype, mesh, dims):
+    cfg = preset_config(args.model)
+    mixed = spec.master == "fp32" and dtype != torch.float32
+    storage = torch.float32 if spec.master == "fp32" else dtype
+    model = build_model(cfg, dtype=storage, device=device, init=False)
+    _init_on_device(model, seed=0)
+    model = parallelize_model(model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile,
+                              param_dtype=dtype if mixed else None, fsdp=True if mixed else None)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
+    return cfg, model, opt
+
+
+def _make_batch(spec: RunSpec, args, *, cfg, device, dp_rank):
+    gen = torch.Generator().manual_seed(1234 + dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
+    targets = torch.roll(ids, -1, dims=1)
+    if spec.mode == "lm":
+        mask = torch.ones(args.batch, args.seq, dtype=torch.bool)
+        mask[:, -1] = False
+        return dict(ids=ids.to(device), pos=None, targets=targets.to(device), mask=mask.to(device),
+                    context=float(args.seq))
+    pos, resp, lengths = pack_rows(args.batch, args.seq, gen=gen)
+    context = sum(n * n for n in lengths) / sum(lengths)
+    adv = torch.randn(args.batch, args.seq, generator=gen)
+    return dict(ids=ids.to(device), pos=pos.to(device), targets=targets.to(device), mask=resp.to(device),
+                adv=adv.to(device), context=context, n_seqs=len(lengths))
+
+
+def _attn(spec: RunSpec, args, batch, device):
+    if spec.mode == "lm":
+        return None
+    kind = args.attn if args.attn != "auto" else ("varlen" if device.type == "cuda" else "mask")
+    return VarlenDocumentAttention(batch["pos"]) if kind == "varlen" else DocumentAttention(batch["pos"])
+
+
+def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict:
+    cfg, model, opt = _build(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims)
+    batch = _make_batch(spec, args, cfg=cfg, device=device, dp_rank=mesh.get_local_rank("dp"))
+    attn = _attn(spec, args, batch, device)
+
+    def token_logprobs(with_entropy: bool):
+        hidden = forward_hidden(model, batch["ids"], batch["pos"], attn=attn)
+        w, start = head_shard(model)
+        return vocab_parallel_token_logprobs(hidden, w, batch["targets"], tp_group=tp_group, vocab_start=start,
+                                             chunk_size=args.chunk, with_entropy=with_entropy)
+
+    if spec.mode == "ppo":
+        with torch.no_grad():
+            # behaviour log-probs near the current policy, so ratios and clip fractions look like a real update
+            old, _ = token_logprobs(False)
+            batch["old"] = old + 0.05 * torch.randn_like(old)
+    metrics: dict = {}
+
+    def step():
+        if spec.mode == "lm":
+            logp, _ = token_logprobs(False)
+            m = batch["mask"]
+            loss = -(logp * m).sum() / m.sum()
+        else:
+            logp, ent = token_logprobs(True)
+            loss, pm = policy_loss(logp, batch["old"], batch["adv"], batch["mask"])
+            metrics.update(pm)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        metrics["loss"] = loss.detach()
+
+    reset_peak_memory(device)
+    times = time_steps(step, device=device, warmup=args.warmup, steps=args.steps)
+    peak = peak_memory_gb(device)
+    step_s = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
+    world = dims.world_size
+    tokens = args.batch * args.seq * dims.dp
+    fpt = flops_per_token(cfg, context=batch["context"])
+    res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
+               peak_mem_gb=peak, mfu=tokens * fpt / step_s / (world * H200_BF16_FLOPS),
+               flops_per_token=fpt, loss=float(metrics["loss"]))
+    if spec.mode == "ppo":
+        res["clipfrac"] = metrics.get("clipfrac")
+        res["seqs_per_row"] = batch["n_seqs"] / args.batch
+        with torch.no_grad():
+            fwd = time_steps(lambda: token_logprobs(False), device=device, warmup=1, steps=args.steps)
+        res["logprob_tokens_per_s"] = tokens / sorted(fwd)[len(fwd) // 2]
+    if not math.isfinite(res["loss"]):
+        raise RuntimeError(f"{spec}: non-finite loss {res['loss']}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = add_device_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4, help="rows per data-parallel rank per step")
+    p.add_argument("--mode", choices=("lm", "ppo"), default="lm")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
+    p.add_argument("--master", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="default: world size / tp")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=None, help="log-prob token chunk (default 4096 cuda, 256 cpu)")
+    p.add_argument("--attn", choices=("auto", "varlen", "mask"), default="auto", help="ppo attention backend")
+    p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
+                   help=f"comma list of mode:eager|compile:ac:master (default list: {DEFAULT_SWEEP})")
+    args = p.parse_args(argv)
+    device, dtype = resolve_device(args)
+    if args.chunk is None:
+        args.chunk = 4096 if device.type == "cuda" else 256
+    torch.set_float32_matmul_precision("high")
+    rank, world = init_distributed(device)
+    dp = args.dp or world // args.tp
+    dims = ParallelDims(tp=args.tp, dp=dp)
+    if dims.world_size != world:
+        raise SystemExit(f"tp({args.tp}) x dp({dp}) = {dims.world_size} != world size {world}; fix --tp/--dp")
+    mesh = build_mesh(dims, list(range(world)), device_type=device.type)
+    tp_group = mesh["tp"].get_group() if args.tp > 1 else None
+    specs = ([RunSpec.parse(s) for s in args.sweep.split(",")] if args.sweep
+             else [RunSpec(args.mode, args.compile, args.ac, args.master)])
+    results = []
+    for spec in specs:
+        try:
+            results.append(run_one(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims, tp_group=tp_group))
+        except torch.OutOfMemoryError as e:
+            results.append(dict(asdict(spec), error=f"OOM: {str(e).splitlines()[0]}"))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        if rank == 0:
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[-1].items()}, flush=True)
+    synchronize(device)
+    ok = [r for r in results if "mfu" in r]
+    best = max(ok, key=lambda r: r["mfu"]) if ok else {}
+    summary = dict(bench="train_step", model=args.model, seq=args.seq, batch=args.batch, tp=args.tp, dp=dp,
+                   world=world, dtype=str(dtype).removeprefix("torch."), ceiling_flops_per_gpu=H200_BF16_FLOPS,
+                   best_mfu=best.get("mfu"), best_tokens_per_s=best.get("tokens_per_s"),
+                   best_config={k: best[k] for k in ("mode", "compile", "ac", "master")} if best else None,
+                   results=results, **run_info(device))
+    if rank == 0:
+        emit_json(summary)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    main()
