@@ -1,6 +1,7 @@
 """Export one model role of a checkpoint as a Hugging Face directory.
 
     python -m launcher.export runs/<name>/checkpoints/step_N <out_dir> [--role actor|critic] [--dtype bf16]
+                              [--tokenizer <base model dir>]
     python -m launcher.export runs/<name> <out_dir>          # the newest complete checkpoint of the run
 
 Checkpoints already store each role as an HF directory (config.json + safetensors, see
@@ -29,6 +30,8 @@ from models.hf_io import load_tensors, save_tensors, tensor_shapes
 from models.llama import LlamaForCausalLM
 from ppo.checkpoint import find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CLASSES = {"ForCausalLM": LlamaForCausalLM, "ForSequenceClassification": LlamaForSequenceClassification}
 
@@ -94,10 +97,26 @@ def validate_hf_dir(model_dir: Path) -> tuple[str, int]:
     return suffix, len(have)
 
 
+def tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> list[Path]:
+    """The Hugging Face tokenizer files present in `tokenizer_dir` (e.g. the base model's directory)."""
+    if tokenizer_dir is None:
+        return []
+    files = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
+    if not files:
+        raise ExportError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...) in {tokenizer_dir}")
+    return files
+
+
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, role: str = "actor", dtype: torch.dtype | None = None
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    role: str = "actor",
+    dtype: torch.dtype | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """Write `role` of a checkpoint (or of a run's newest checkpoint) to `out_dir` as an HF directory."""
+    """Write `role` of a checkpoint (or of a run's newest checkpoint) to `out_dir` as an HF directory,
+    with the tokenizer files of `tokenizer_dir` copied in when given."""
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     if role not in manifest["roles"]:
@@ -107,9 +126,10 @@ def export_checkpoint(
         raise ExportError(f"{out} exists and is not empty; choose a new directory or remove it")
     src = ckpt / role
     suffix, n_tensors = validate_hf_dir(src)
+    extra = tokenizer_files(tokenizer_dir)
     if dtype is not None:
         cfg = ModelConfig.from_hf(json.loads((src / "config.json").read_text()))
-        save_tensors(load_tensors(src, dtype=dtype), cfg, out, architecture=suffix)
+        save_tensors(load_tensors(src, dtype=dtype), cfg, out, architecture=suffix, extra_files=extra)
     else:
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -118,6 +138,8 @@ def export_checkpoint(
             for f in src.rglob("*"):
                 if f.is_file() and (tmp / f.relative_to(src)).stat().st_size != f.stat().st_size:
                     raise ExportError(f"copy of {f} is incomplete (disk full?); nothing was exported")
+            for f in extra:
+                shutil.copy2(f, tmp / f.name)
             if out.exists():
                 out.rmdir()  # empty (checked above); rename onto it needs it gone
             os.rename(tmp, out)
@@ -134,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--role", default="actor", help="model role to export (actor, critic, ...)")
     ap.add_argument("--dtype", default="keep", choices=sorted(DTYPES), help="re-encode floating weights")
+    ap.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied in")
     args = ap.parse_args(argv)
     try:
-        export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=DTYPES[args.dtype])
+        export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=DTYPES[args.dtype],
+                          tokenizer_dir=args.tokenizer)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -45,7 +45,12 @@ def test_export_actor_loads_in_transformers_and_matches(tmp_path):
 
 def test_export_critic_with_dtype(tmp_path):
     ckpt, _, states = _checkpoint(tmp_path / "run")
-    out = export_checkpoint(ckpt, tmp_path / "hf_critic", role="critic", dtype=torch.bfloat16)
+    tok = tmp_path / "base"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "README.md").write_text("not copied")
+    out = export_checkpoint(ckpt, tmp_path / "hf_critic", role="critic", dtype=torch.bfloat16, tokenizer_dir=tok)
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer_config.json"}
     from models.hf_io import load_tensors
 
     got = load_tensors(out)
@@ -64,6 +69,8 @@ def test_export_errors(tmp_path, capsys):
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(ExportError, match="not empty"):
         export_checkpoint(ckpt, tmp_path / "busy")
+    with pytest.raises(ExportError, match="no tokenizer files"):
+        export_checkpoint(ckpt, tmp_path / "o5", tokenizer_dir=tmp_path)
     (tmp_path / "empty").mkdir()
     assert export_checkpoint(ckpt, tmp_path / "empty").name == "empty"  # an empty dir is fine
 
@@ -87,10 +94,14 @@ def test_export_errors(tmp_path, capsys):
 
 def test_cli_subprocess(tmp_path):
     _checkpoint(tmp_path / "run", critic=False)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     proc = subprocess.run([sys.executable, "-m", "launcher.export", str(tmp_path / "run" / "checkpoints"),
-                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "exported actor" in proc.stdout and (tmp_path / "out" / "config.json").exists()
+    assert (tmp_path / "out" / "tokenizer.json").exists()
     proc = subprocess.run([sys.executable, "-m", "launcher.export", str(tmp_path / "run"), str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not empty" in proc.stderr
