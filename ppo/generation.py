@@ -7,8 +7,6 @@ as `Sample`s, so each sample enters the step's experience exactly once.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from launcher.config import Config
@@ -31,9 +29,8 @@ def build_rollout_groups(cfg: Config, plan):
 
 class RolloutRole:
     def __init__(self, cfg: Config, *, plan, actor, env, model_config, tokenizer, layouts):
-        from rollout.hybrid import HybridEngine
-
         from rollout.engine import NativeEngine
+        from rollout.hybrid import HybridEngine
 
         self.cfg, self.tokenizer = cfg, tokenizer
         r = cfg.rollout
@@ -51,7 +48,7 @@ class RolloutRole:
                                    device=env.device, dtype=dtype, eos_token_ids=eos)
         self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
-                                   optimizer=actor.optimizer)
+                                   optimizer=actor.optimizer, gen_dtype=dtype)
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
@@ -64,13 +61,9 @@ class RolloutRole:
         sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                    max_tokens=r.max_response_length, n=r.n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
-        t0 = time.perf_counter()
         completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
-        if timer is not None:
-            reshard = getattr(self.hybrid, "last_reshard_s", None)
-            if reshard is not None:
-                timer.times["reshard"] = timer.times.get("reshard", 0.0) + reshard
-        self.last_gen_s = time.perf_counter() - t0
+        if timer is not None:  # the hybrid engine's gather is reported as its own stage
+            timer.times["reshard"] = timer.times.get("reshard", 0.0) + self.hybrid.timings["reshard"]
         if self.gen_tp_rank != 0:
             return []
         out = []

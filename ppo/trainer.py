@@ -85,6 +85,7 @@ class PPOTrainer:
         if roles.rollout is not None:
             with timer("gen"):
                 mine = roles.rollout.generate(batch, step=step, seed=cfg.trainer.seed, timer=timer)
+            timer.times["gen"] -= timer.times.get("reshard", 0.0)  # gen is decoding; reshard its own stage
         exp = Experience(share_samples(mine))
 
         # 2. scoring: each group over its DP shard (concurrently in split placement)
