@@ -64,10 +64,11 @@ class GpuMonitor:
 
     `nvml` injects an object with the pynvml functions (tests use a fake replaying a trace);
     `stage_fn` returns the current stage name, an alternative to `set_stage`/`stage`;
-    `tags` (e.g. {"rank": 3, "host": "node07"}) are added to every record.
+    `tags` (e.g. {"host": "node07"}) are added to every record, and `rank` (the global rank of
+    the process running the monitor) as {"rank": rank}, so GPUs of different nodes stay apart.
 
     One monitor per rank watching its own GPU (`device_indices=[nvml index of local_rank]`,
-    `tags={"rank": rank}`) tags each GPU with the stage *its* rank runs, which is what split
+    `rank=rank`) tags each GPU with the stage *its* rank runs, which is what split
     placement needs; one monitor per node on local rank 0 is cheaper when all ranks run the
     same stage (colocated). `launcher.report` reads every `util*.jsonl` of the run dir.
     """
@@ -82,6 +83,7 @@ class GpuMonitor:
         nvml: Any | None = None,
         flush_interval_s: float = 5.0,
         tags: dict[str, Any] | None = None,
+        rank: int | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.path = Path(path)
@@ -89,6 +91,8 @@ class GpuMonitor:
         self.flush_interval_s = flush_interval_s
         self._stage_fn = stage_fn
         self._tags = dict(tags or {})
+        if rank is not None:
+            self._tags["rank"] = rank
         self._stage = "idle"
         self._clock = clock
         self._lock = threading.Lock()

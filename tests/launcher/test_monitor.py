@@ -174,7 +174,7 @@ def test_selfcheck_cli_prints_one_json_line(capsys):
 
 def test_per_rank_monitors_share_one_file(tmp_path):
     path = tmp_path / "util.jsonl"
-    mons = [GpuMonitor(path, nvml=FakeNvml({r: [(10 * r, 1.0)]}), device_indices=[r], tags={"rank": r},
+    mons = [GpuMonitor(path, nvml=FakeNvml({r: [(10 * r, 1.0)]}), device_indices=[r], rank=r, tags={"host": "n0"},
                        interval_s=0.001, flush_interval_s=0.005) for r in range(3)]
     for m in mons:
         m.start()
@@ -182,7 +182,7 @@ def test_per_rank_monitors_share_one_file(tmp_path):
     for m in mons:
         m.stop()
     rows = [json.loads(x) for x in path.read_text().splitlines()]  # every line whole: no interleaving
-    assert {r["rank"] for r in rows} == {0, 1, 2}
+    assert {r["rank"] for r in rows} == {0, 1, 2} and {r["host"] for r in rows} == {"n0"}
     assert all(r["gpu"] == r["rank"] and r["sm_util"] == 10 * r["rank"] for r in rows)
 
 
