@@ -122,7 +122,9 @@ class BatchController:
         self.step += 1
         action, reason = "hold", "no utilization reading"
         if mem_frac is not None and mem_frac >= self.high_mem:
-            self.ceiling = {"rollout_tokens": self.rollout_tokens, "micro_batch_tokens": self.micro_batch_tokens}
+            for key in self.ceiling:  # keep the lowest budget known to be too big (an OOM's may be lower)
+                cur = getattr(self, key)
+                self.ceiling[key] = cur if self.ceiling[key] is None else min(cur, self.ceiling[key])
             new_r = self._clamp("rollout_tokens", self.rollout_tokens * self.shrink)
             new_m = self._clamp("micro_batch_tokens", self.micro_batch_tokens * self.shrink)
             self.low_streak = 0
@@ -248,6 +250,8 @@ def run_with_oom_backoff(
 
     `stage_fn` must be re-runnable: it gets the full input again on every call (the caller
     closes over the whole batch and only the micro-batch budget changes), so no sample is lost.
+    For the actor, wrap old-log-prob recompute and the update in one stage function: a retry
+    then recomputes the old log-probs with the halved micro-batches too, and ratio == 1 holds.
     `on_oom(old_budget, new_budget)` is called before each retry (e.g. `BatchController.record_oom`).
     """
     if min_budget < 1 or budget < min_budget:

@@ -114,6 +114,8 @@ def test_oom_backoff_halves_and_reruns_on_full_input():
     assert calls == [(512, 256), (256, 128), (128, 64)] and seen == [64]
     assert ctl.micro_batch_tokens == 64 and ctl.ceiling["micro_batch_tokens"] == 128
     assert [h["action"] for h in ctl.history] == ["oom"] * 3
+    ctl.decide(0.5, 0.95)  # a later memory shrink keeps the lower OOM ceiling
+    assert ctl.micro_batch_tokens == 32 and ctl.ceiling["micro_batch_tokens"] == 64
 
 
 def test_oom_backoff_gives_up_with_clear_message():
