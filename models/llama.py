@@ -252,6 +252,13 @@ class LlamaModel(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", compute_inv_freq(cfg), persistent=False)
 
+    def __setattr__(self, name, value):
+        # RoPE frequencies stay fp32 whatever is assigned: a bf16 copy would put rounded angles into one
+        # engine (e.g. the rollout's) and exact ones into the trainer, so PPO's on-policy ratio != 1
+        if name == "inv_freq" and isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+            value = compute_inv_freq(self.config).to(value.device)
+        super().__setattr__(name, value)
+
     def _apply(self, fn, recurse=True):
         # .to(bf16) would round the RoPE frequencies (angle errors of tens of radians at position 4k) and
         # to_empty() would leave them uninitialised: recompute them in fp32 on the new device instead

@@ -1,4 +1,4 @@
-"""Packed rows (several sequences per row, positions restarting at 0) equal one-by-one forwards."""
+"""Llama trunk: packed rows (positions restarting at 0) equal one-by-one forwards; RoPE kept in fp32."""
 
 import pytest
 import torch
@@ -65,3 +65,13 @@ def test_varlen_equals_mask_on_gpu(dtype):
         assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
     auto = DocumentAttention(pos)
     assert auto._varlen is not None  # the probe accepted varlen on this GPU
+
+
+def test_rope_frequencies_stay_fp32():
+    model = build_model("tiny", dtype=torch.bfloat16)
+    exact = model.model.inv_freq.clone()
+    assert exact.dtype == torch.float32
+    model.model.inv_freq = exact.to(torch.bfloat16)  # what a caller "matching the model dtype" might do
+    assert model.model.inv_freq.dtype == torch.float32 and torch.equal(model.model.inv_freq, exact)
+    model.to(torch.float16)
+    assert torch.equal(model.model.inv_freq, exact)
