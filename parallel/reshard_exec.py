@@ -97,21 +97,29 @@ def build_reshard_groups(plan_or_layouts: ReshardPlan | tuple[TrainLayout, GenLa
 
 # ---------------------------------------------------------------- shards in and out
 
-_WRAPPERS = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
+_WRAPPERS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
 
 
-def training_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def training_shards(model) -> dict[str, torch.Tensor]:
     """HF name -> this rank's local training shard (`to_local()` of DTensor params, TP+FSDP2).
 
-    The tensors share storage with the parameters (detached, no copy). Call with FSDP2 in its
-    resharded state (after the optimizer step), where `to_local()` is the dp chunk.
+    model: a module, or a parallel.pipeline.PipelineRunner (its stage modules are read). FSDP
+    modules are put back to their sharded state first, where `to_local()` is the dp chunk. The
+    tensors share storage with the parameters (detached, no copy).
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    stages = getattr(model, "stages", None)
+    modules = [m for _, m in stages] if stages is not None else [model]
     out = {}
-    for name, p in model.named_parameters():
-        t = p.to_local() if isinstance(p, DTensor) else p
-        out[_WRAPPERS.sub("", name)] = t.detach()
+    for mod in modules:
+        for m in mod.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()  # a root left gathered after forward would otherwise hand out full tensors
+        for name, p in mod.named_parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            out[_WRAPPERS.sub("", name)] = t.detach()
     return out
 
 

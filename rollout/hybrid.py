@@ -1,0 +1,197 @@
+"""`HybridEngine`: the actor's weights serve generation in place, then training resumes.
+
+    groups = build_reshard_groups((train, gen), ranks)                  # collective, once
+    engine = NativeEngine(cfg, config=rcfg, tp_group=groups.gen_tp_group, device=dev, dtype=torch.bfloat16)
+    hybrid = HybridEngine(actor, engine, train_layout=train, gen_layout=gen, groups=groups,
+                          bucket_bytes=256 << 20, offload_optimizer=True, optimizer=opt,
+                          gen_dtype=torch.bfloat16)
+    completions = hybrid.generate(prompts, SamplingParams(max_tokens=256))  # every actor rank calls it
+
+One `generate` is the HybridFlow cycle, each step logged with its memory in `memory_log`:
+gather the generation shard (parallel/reshard_exec.py) -> release training-only state (grads
+to None; optimizer states to pinned CPU when offload_optimizer) -> engine.wake_up() (KV cache)
+-> engine.update_weights(gen shard) -> engine.generate -> engine.sleep() -> drop the generation
+copy -> restore the optimizer states. The training shards are never written, so going back is
+just dropping the copy and the next training step sees exactly the parameters it left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallel.reshard import GenLayout, ParamSpec, TrainLayout, param_specs, plan_reshard
+from parallel.reshard_exec import ReshardGroups, ReshardStats, execute_reshard, training_shards
+
+
+@dataclass(slots=True)
+class MemoryRecord:
+    step: str  # "start", "gather", "release_training", "wake_up", "update_weights", "generate", ...
+    allocated: int  # CUDA: torch.cuda.memory_allocated; CPU: bytes of the buffers this engine tracks
+    reserved: int  # CUDA: torch.cuda.memory_reserved; CPU: same as allocated
+    peak: int  # CUDA: max allocated since the previous record; CPU: same as allocated
+    seconds: float  # since generate() began
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _modules(actor) -> list[nn.Module]:
+    """The actor's modules: a model, or the stage modules of a parallel.pipeline.PipelineRunner."""
+    stages = getattr(actor, "stages", None)
+    return [m for _, m in stages] if stages is not None else [actor]
+
+
+class HybridEngine:
+    def __init__(self, actor_model, engine, *, train_layout: TrainLayout, gen_layout: GenLayout,
+                 groups: ReshardGroups, bucket_bytes: int, offload_optimizer: bool,
+                 optimizer: torch.optim.Optimizer | None = None, logger: logging.Logger | None = None,
+                 gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None):
+        """actor_model: the parallelized actor (module, or PipelineRunner when pp > 1); engine: a
+        rollout.base.RolloutEngine whose TP group is groups.gen_tp_group. gen_dtype: dtype of the
+        generation shard (default: the training shards' dtype; bf16 halves the bytes moved when the
+        masters are fp32). specs: full parameter shapes (default: from the actor's config)."""
+        if offload_optimizer and optimizer is None:
+            raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
+        self.actor = actor_model
+        self.modules = _modules(actor_model)
+        self.engine = engine
+        self.groups = groups
+        self.bucket_bytes = bucket_bytes
+        self.offload_optimizer = offload_optimizer
+        self.optimizer = optimizer
+        self.log = logger
+        self.gen_dtype = gen_dtype
+        first = next(p for m in self.modules for p in m.parameters())
+        local = first.to_local() if hasattr(first, "to_local") else first
+        self.device = local.device
+        dtype = gen_dtype or local.dtype
+        if specs is None:
+            specs = param_specs(self.modules[0].config, itemsize=torch.empty(0, dtype=dtype).element_size())
+        self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
+        self.memory_log: list[MemoryRecord] = []
+        self.timings: dict[str, float] = {}
+        self.last_stats: ReshardStats | None = None
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._gen: dict[str, torch.Tensor] | None = None
+        self._alias_sources: list[torch.Tensor] = []  # training shards, which the gen dict may alias
+        self._t0 = 0.0
+        engine.sleep()  # training owns the memory until the first generate
+
+    # ---- memory bookkeeping ----
+    def _cpu_live_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: torch.Tensor | None) -> None:
+            nonlocal total
+            if t is None or id(t) in seen:
+                return
+            seen.add(id(t))
+            total += _tensor_bytes(t)
+
+        for m in self.modules:
+            for p in m.parameters():
+                add(p)
+                add(p.grad)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        add(v)  # offloaded states read 0 bytes here: their device storage is gone
+        if self._gen is not None:
+            shards = {id(t) for t in self._alias_sources}
+            for t in self._gen.values():
+                if id(t) not in shards:
+                    add(t)
+        return total
+
+    def _record(self, step: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            alloc = torch.cuda.memory_allocated(self.device)
+            rec = MemoryRecord(step, alloc, torch.cuda.memory_reserved(self.device),
+                               torch.cuda.max_memory_allocated(self.device), time.perf_counter() - self._t0)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            live = self._cpu_live_bytes()
+            rec = MemoryRecord(step, live, live, live, time.perf_counter() - self._t0)
+        self.memory_log.append(rec)
+        if self.log is not None:
+            self.log.info("hybrid %-16s allocated %.3f GB reserved %.3f GB peak %.3f GB at %.3f s", step,
+                          rec.allocated / 1e9, rec.reserved / 1e9, rec.peak / 1e9, rec.seconds)
+
+    # ---- training-only state ----
+    def _release_training_state(self) -> None:
+        for m in self.modules:
+            for p in m.parameters():
+                p.grad = None
+        if not self.offload_optimizer:
+            return
+        pin = torch.cuda.is_available() and self.device.type == "cuda"
+        with torch.no_grad():
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if not torch.is_tensor(v) or v.dim() == 0:
+                        continue  # the step counter stays put
+                    local = v.to_local() if hasattr(v, "to_local") else v
+                    host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+                    host.copy_(local, non_blocking=pin)
+                    self._offloaded.append((local, host))
+            if pin:
+                torch.cuda.synchronize(self.device)  # host copies done before the device storage goes
+            for local, _host in self._offloaded:
+                # swap the storage out, keep the tensor object (a DTensor's local tensor stays its own)
+                local.data = torch.empty(0, dtype=local.dtype, device=local.device)
+
+    def _restore_training_state(self) -> None:
+        with torch.no_grad():
+            for local, host in self._offloaded:
+                local.data = host.to(self.device, non_blocking=True)
+        self._offloaded.clear()
+
+    # ---- the cycle ----
+    def generate(self, prompts: list[list[int]], sampling):
+        """Completions of `prompts` (rollout.base.Completion list); collective over the actor ranks."""
+        cuda = self.device.type == "cuda"
+        self._t0 = time.perf_counter()
+        self.memory_log.clear()
+        self._record("start")
+        shards = training_shards(self.actor)
+        self._alias_sources = list(shards.values())
+        stats = ReshardStats()
+        t = time.perf_counter()
+        self._gen = execute_reshard(self.plan, shards, groups=self.groups, bucket_bytes=self.bucket_bytes,
+                                    dtype=self.gen_dtype, stats=stats)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.timings["reshard"] = time.perf_counter() - t
+        self.last_stats = stats
+        self._record("gather")
+        self._release_training_state()
+        self._record("release_training")
+        self.engine.wake_up()
+        self._record("wake_up")
+        self.engine.update_weights(self._gen.items())
+        self._record("update_weights")
+        t = time.perf_counter()
+        completions = self.engine.generate(prompts, sampling)
+        self.timings["gen"] = time.perf_counter() - t
+        self._record("generate")
+        self.engine.sleep()
+        self._record("sleep")
+        self._gen = None
+        del shards
+        self._alias_sources = []
+        self._record("drop_gen")
+        self._restore_training_state()
+        self._record("restore_training")
+        return completions
