@@ -75,3 +75,35 @@ def test_rope_frequencies_stay_fp32():
     assert model.model.inv_freq.dtype == torch.float32 and torch.equal(model.model.inv_freq, exact)
     model.to(torch.float16)
     assert torch.equal(model.model.inv_freq, exact)
+
+
+def test_varlen_layout_with_reference_kernel(monkeypatch):
+    """The flatten / cu_seqlens / unflatten around varlen_attn, with a CPU stand-in kernel whose
+    arguments must also bind to the real varlen_attn signature."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_mod
+    import torch.nn.functional as F
+
+    real_sig = inspect.signature(varlen_mod.varlen_attn)
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        real_sig.bind(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        assert kw["window_size"] == (-1, 0) and cu_q.dtype == torch.int32 and q.dim() == 3
+        out = torch.empty_like(q)
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            assert e - s <= max_q
+            qs, ks, vs = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=kw["enable_gqa"])[0]\
+                .transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1]])
+    cu, max_len = DocumentAttention._cu_seqlens(pos)
+    assert cu.tolist() == [0, 3, 7, 8, 14, 16] and max_len == 6
+    attn = DocumentAttention(pos, backend="mask")
+    attn._varlen = (cu, max_len)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 8, 16, generator=gen) for h in (4, 2, 2))
+    torch.testing.assert_close(attn._varlen_attention(q, k, v), attn(0, q, k, v), rtol=0, atol=1e-6)
