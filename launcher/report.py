@@ -4,7 +4,8 @@
 
 Reads `metrics.jsonl` (one JSON object per step, DESIGN.md "Contracts") and `util.jsonl`
 (GpuMonitor samples; also `util.<anything>.jsonl` files of per-rank/per-node monitors) and writes:
-  utilization.png  SM utilization and memory per GPU over time, stage bands shaded
+  utilization.png  SM utilization and memory per GPU over time, stage bands shaded; mean
+                   utilization and time share of every stage
   stages.png       stacked time per stage for every step (timing_s/<stage>), step total as dots
   throughput.png   perf/samples_per_s, perf/tokens_per_s (and MFU, GPU util when logged) over steps
   reward.png       reward/mean over steps (with a moving average)
@@ -91,7 +92,11 @@ def plot_utilization(util: list[dict[str, Any]], out: Path) -> None:
     labels = sorted(series, key=lambda k: (series[k][0].get("host", ""), series[k][0].get("rank", -1),
                                           series[k][0]["gpu"]))
     many = len(labels) > 16  # a 64-GPU run: keep the lines, drop the per-GPU legend
-    fig, (ax_u, ax_m) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, height_ratios=[2, 1])
+    fig = plt.figure(figsize=(12, 9))
+    grid = fig.add_gridspec(3, 1, height_ratios=[2, 1, 1.1])
+    ax_u = fig.add_subplot(grid[0])
+    ax_m = fig.add_subplot(grid[1], sharex=ax_u)
+    ax_s = fig.add_subplot(grid[2])
     for k in labels:
         ts = [r["t"] - t0 for r in series[k]]
         ax_u.plot(ts, [r["sm_util"] for r in series[k]], lw=0.6 if many else 1.0, label=None if many else k)
@@ -119,11 +124,35 @@ def plot_utilization(util: list[dict[str, Any]], out: Path) -> None:
         ax_m.axhline(total, color="k", ls="--", lw=0.8)
         ax_m.set_ylim(0, total * 1.05)
     ax_m.set_xlabel("time since first sample (s)")
+    plot_stage_util(util, ax_s)
     for ax in (ax_u, ax_m):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def stage_util(util: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """{stage: (mean SM util %, share of samples)} over all GPUs, each sample under its own tag."""
+    acc: dict[str, list[float]] = {}
+    for r in util:
+        acc.setdefault(r.get("stage", "?"), []).append(r["sm_util"])
+    return {s: (sum(v) / len(v), len(v) / len(util)) for s, v in acc.items()}
+
+
+def plot_stage_util(util: list[dict[str, Any]], ax: Any) -> None:
+    """Horizontal bars: how busy the GPUs are in each stage, and how much of the time it takes."""
+    stats = stage_util(util)
+    order = sorted(stats, key=lambda s: (STAGES.index(s) if s in STAGES else len(STAGES), s))
+    ys = list(range(len(order)))[::-1]
+    ax.barh(ys, [stats[s][0] for s in order], color=["0.7" if s in ("idle", "?") else _stage_color(s) for s in order])
+    for y, s in zip(ys, order):
+        ax.text(stats[s][0] + 1, y, f"{stats[s][0]:.0f}%  ({100 * stats[s][1]:.0f}% of time)", va="center",
+                fontsize=8)
+    ax.set_yticks(ys, order, fontsize=8)
+    ax.set_xlim(0, 125)
+    ax.set_xlabel("mean SM util (%) while in stage")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def plot_stages(metrics: list[dict[str, Any]], out: Path) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 
-from launcher.report import main, read_jsonl, render_report, stage_spans
+from launcher.report import main, read_jsonl, render_report, stage_spans, stage_util
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_TIMES = {"gen": 4.0, "reshard": 0.3, "old_log_prob": 0.8, "ref": 0.7, "reward": 0.2, "values": 0.6,
@@ -84,6 +84,9 @@ def test_cli_exit_codes(tmp_path, capsys):
 def test_stage_spans_and_torn_jsonl(tmp_path):
     assert stage_spans([0, 1, 2, 3, 4], ["gen", "gen", "ref", "ref", "gen"]) == [
         (0, 2, "gen"), (2, 4, "ref"), (4, 4, "gen")]
+    util = [{"stage": "gen", "sm_util": 40}, {"stage": "gen", "sm_util": 60}, {"stage": "ref", "sm_util": 90},
+            {"stage": "idle", "sm_util": 0}]
+    assert stage_util(util) == {"gen": (50.0, 0.5), "ref": (90.0, 0.25), "idle": (0.0, 0.25)}
     p = tmp_path / "m.jsonl"
     p.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "x"')
     assert read_jsonl(p) == [{"step": 1}, {"step": 2}]
