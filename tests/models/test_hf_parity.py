@@ -5,7 +5,14 @@ import json
 import pytest
 import torch
 
-from models import DocumentAttention, LlamaForCausalLM, load_pretrained, read_config, save_pretrained
+from models import (
+    DocumentAttention,
+    LlamaForCausalLM,
+    compute_token_logprobs,
+    load_pretrained,
+    read_config,
+    save_pretrained,
+)
 from tests.models.hf_fixtures import hf_causal_lm, random_ids, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -84,6 +91,18 @@ def test_packed_rows_equal_one_by_one(hf_models):
         ref_hf = torch.cat([hf(s).logits for s in seqs], dim=1)
     assert (out - ref).abs().max().item() <= 1e-5
     assert (out - ref_hf).abs().max().item() <= 1e-4
+
+
+def test_trainer_logprobs_equal_transformers(hf_dir):
+    """The PPO path (hidden states -> chunked log-probs) against log_softmax of HF's logits."""
+    _, hf, path = hf_dir
+    ours = load_pretrained(path)
+    ids = random_ids(2, 30, seed=6)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        got, _ = compute_token_logprobs(ours.hidden_states(ids)[:, :-1], ours.lm_head.weight, ids[:, 1:],
+                                        chunk_size=7)
+    assert got.shape == (2, 29) and (got - ref).abs().max().item() <= 1e-4
 
 
 def test_hidden_states_then_lm_head_equal_forward(hf_models):
