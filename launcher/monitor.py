@@ -283,19 +283,20 @@ def ppo_stage_flops(
     trained_tokens: int,
     generated_tokens: int,
     ppo_epochs: int,
+    prefill_tokens: int = 0,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
     The dense-transformer rule of DESIGN.md "Honest numbers": a forward costs 2N FLOP per
     token, forward+backward 6N. `trained_tokens` is prompt+response tokens of the batch as fed
-    to the trainer; `generated_tokens` the decoded tokens (2N each; prefill is in the trained
-    forwards' order of magnitude and ignored). Attention's O(T^2) term is ignored too, so
+    to the trainer; `generated_tokens` the decoded tokens and `prefill_tokens` the prompt tokens
+    the engine prefilled (2N each; counted under "gen"). Attention's O(T^2) term is ignored, so
     long sequences make these numbers a slight underestimate, never an overestimate.
     A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
     """
     t = float(trained_tokens)
     out = {
-        "gen": 2.0 * n_params_actor * generated_tokens,
+        "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens),
         "old_log_prob": 2.0 * n_params_actor * t,
         "ref": 2.0 * n_params_ref * t if n_params_ref else 0.0,
         "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,
@@ -315,12 +316,14 @@ def ppo_step_flops(
     trained_tokens: int,
     generated_tokens: int,
     ppo_epochs: int,
+    prefill_tokens: int = 0,
 ) -> float:
     """Total model FLOPs of one PPO step: sum of `ppo_stage_flops` (about 20N per trained
-    token for full PPO with one epoch, plus 2N per generated token)."""
+    token for full PPO with one epoch, plus 2N per generated or prefilled token)."""
     return sum(ppo_stage_flops(n_params_actor=n_params_actor, n_params_critic=n_params_critic,
                                n_params_ref=n_params_ref, n_params_rm=n_params_rm, trained_tokens=trained_tokens,
-                               generated_tokens=generated_tokens, ppo_epochs=ppo_epochs).values())
+                               generated_tokens=generated_tokens, ppo_epochs=ppo_epochs,
+                               prefill_tokens=prefill_tokens).values())
 
 
 def _matmul_tflops(seconds: float, *, n: int = 8192) -> float:
