@@ -70,7 +70,9 @@ def test_roundtrip_states_weights_and_rng(tmp_path):
 def test_actor_dir_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model, cfg = _tiny()
+    cfg["architectures"] = ["LlamaCausalLM"]  # a malformed class name is repaired, not propagated
     path = _save(tmp_path, 1, model_states={"actor": model.state_dict()}, model_configs={"actor": cfg})
+    assert json.loads((path / "actor" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path / "actor", dtype=torch.float32)
     ids = torch.randint(0, 512, (2, 12))
     with torch.no_grad():
