@@ -1,6 +1,6 @@
 """Model-side kernels of the PPO update: chunked log-probs vs full logits, packed-row attention.
 
-    python -m bench.logprobs --model llama-1b --tokens 16384 --device cuda
+    python -m bench.logprobs --model llama-1b --tokens 16384 --device cuda --chunks 1024,4096
     python -m bench.logprobs --model llama3-8b --tokens 16384 --device cuda --parts logprobs
     python -m bench.logprobs --model tiny --tokens 512 --device cpu          # CPU smoke run
 
@@ -40,17 +40,16 @@ def _naive(hidden, weight, targets):
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def bench_logprobs(cfg, *, tokens: int, chunk: int, device, dtype, steps: int) -> dict:
+def bench_logprobs(cfg, *, tokens: int, chunks: list[int], device, dtype, steps: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     h, v = cfg.hidden_size, cfg.vocab_size
     hidden = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen).requires_grad_()
     weight = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * h**-0.5).requires_grad_()
     targets = torch.randint(0, v, (tokens,), device=device, generator=gen)
     coef = torch.randn(tokens, device=device, generator=gen)
-    impls = {
-        "chunked": lambda: compute_token_logprobs(hidden, weight, targets, chunk_size=chunk, with_entropy=True),
-        "naive": lambda: _naive(hidden, weight, targets),
-    }
+    impls = {f"chunked_{c}": (lambda c=c: compute_token_logprobs(hidden, weight, targets, chunk_size=c,
+                                                                 with_entropy=True)) for c in chunks}
+    impls["naive"] = lambda: _naive(hidden, weight, targets)
     out, results = {}, {}
     for name, fn in impls.items():
         def step(fn=fn):
@@ -69,11 +68,12 @@ def bench_logprobs(cfg, *, tokens: int, chunk: int, device, dtype, steps: int) -
         sec = sorted(times)[len(times) // 2]
         results[name] = {"ms": sec * 1e3, "peak_gb": peak_memory_gb(device),
                          "mfu": 6 * tokens * v * h / sec / H200_BF16_FLOPS}
-    if len(out) == 2:
+    chunked = f"chunked_{chunks[0]}"
+    if chunked in out and "naive" in out:
         names = ("logprobs", "entropy", "grad_hidden", "grad_weight")
         results["max_abs_diff"] = {n: (a.float() - b.float()).abs().max().item()
-                                   for n, a, b in zip(names, out["chunked"], out["naive"])}
-    return {"tokens": tokens, "vocab": v, "hidden": h, "chunk": chunk, **results}
+                                   for n, a, b in zip(names, out[chunked], out["naive"])}
+    return {"tokens": tokens, "vocab": v, "hidden": h, **results}
 
 
 def _packed_batch(cfg, *, tokens: int, device, seed: int = 0):
@@ -130,7 +130,7 @@ def main() -> None:
     p = add_device_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per log-prob batch / packed row")
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunks", default="1024", help="comma list of chunk sizes to time, e.g. 512,1024,4096")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--parts", default="logprobs,packed", help="comma list of: logprobs, packed")
     args = p.parse_args()
@@ -140,7 +140,8 @@ def main() -> None:
     parts = set(args.parts.split(","))
     result = {"bench": "logprobs", "model": args.model, "dtype": str(dtype).removeprefix("torch.")}
     if "logprobs" in parts:
-        result["logprobs"] = bench_logprobs(cfg, tokens=args.tokens, chunk=args.chunk, device=device, dtype=dtype,
+        chunks = [int(c) for c in args.chunks.split(",")]
+        result["logprobs"] = bench_logprobs(cfg, tokens=args.tokens, chunks=chunks, device=device, dtype=dtype,
                                             steps=args.steps)
         print("logprobs:", result["logprobs"], flush=True)
     if "packed" in parts:
