@@ -120,7 +120,10 @@ def export_checkpoint(
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     if role not in manifest["roles"]:
-        raise ExportError(f"{ckpt} has no {role!r} weights; roles saved: {manifest['roles'] or 'none'}")
+        with_role = [c.name for c in list_checkpoints(ckpt.parent.parent) if role in read_manifest(c)["roles"]]
+        raise ExportError(f"{ckpt} has no {role!r} weights; roles saved: {manifest['roles'] or 'none'}; "
+                          f"checkpoints of this run with {role!r} weights: {with_role or 'none'} "
+                          "(full weights are written only by saves given model_states, e.g. the final one)")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty; choose a new directory or remove it")

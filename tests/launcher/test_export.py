@@ -65,6 +65,10 @@ def test_export_errors(tmp_path, capsys):
     ckpt, _, _ = _checkpoint(tmp_path / "run", critic=False)
     with pytest.raises(ExportError, match=r"no 'critic' weights; roles saved: \['actor'\]"):
         export_checkpoint(ckpt, tmp_path / "o1", role="critic")
+    shards_only = save_checkpoint(tmp_path / "run", 6, rank=0, world_size=1, per_rank_state={})
+    with pytest.raises(ExportError, match=r"roles saved: none; checkpoints of this run with 'actor' weights: "
+                                          r"\['step_4'\]"):
+        export_checkpoint(shards_only, tmp_path / "o1")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(ExportError, match="not empty"):
