@@ -72,13 +72,41 @@ class _TokenLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = g @ weight
             if need_w:
-                if weight.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w.add_(g.t() @ h)
+                _accumulate_outer(grad_w, g, h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
+
+
+def _accumulate_outer(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (fp32 [V, H]) += g^T @ h for g [c, V], h [c, H] in the weight dtype."""
+    if g.dtype == torch.float32:
+        acc.addmm_(g.t(), h)
+    elif g.is_cuda and _fp32_addmm_ok(g.device, g.dtype):
+        # one GEMM with bf16 inputs accumulating straight into the fp32 buffer (no [V, H] temporary)
+        torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(g.t() @ h)
+
+
+_FP32_ADDMM_OK: dict[tuple[int, torch.dtype], bool] = {}
+
+
+def _fp32_addmm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does addmm(out_dtype=fp32, out=acc) with half inputs work in place on this GPU (probed once)?"""
+    key = (device.index or 0, dtype)
+    if key not in _FP32_ADDMM_OK:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 96, device=device, generator=gen).to(dtype)
+            b = torch.randn(64, 80, device=device, generator=gen).to(dtype)
+            acc = torch.randn(96, 80, device=device, generator=gen)
+            want = acc + a.float().t() @ b.float()
+            torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+            _FP32_ADDMM_OK[key] = bool((acc - want).abs().max() < 1e-2)
+        except (RuntimeError, TypeError, NotImplementedError):  # op missing for this device / build
+            _FP32_ADDMM_OK[key] = False
+    return _FP32_ADDMM_OK[key]
 
 
 def compute_token_logprobs(

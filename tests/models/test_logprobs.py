@@ -80,14 +80,19 @@ def test_only_one_input_needs_grad():
     torch.testing.assert_close(gh, rh, atol=1e-5, rtol=0)
 
 
-def test_bfloat16_close_to_fp32():
+def test_bfloat16_matches_naive_bfloat16():
     hidden, weight, targets = _inputs(seed=5)
-    lp, ent = compute_token_logprobs(hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16(),
-                                     targets, with_entropy=True)
-    ref_lp, ref_ent = naive_logprobs(hidden.detach().bfloat16(), weight.detach().bfloat16(), targets)
+    hidden, weight = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
+    lp, ent = compute_token_logprobs(hidden, weight, targets, chunk_size=4, with_entropy=True)
+    ref_lp, ref_ent = naive_logprobs(hidden, weight, targets)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)  # same bf16 matmul, fp32 after it
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    gh, gw = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad(ref_lp.sum() + ref_ent.sum(), (hidden, weight))
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    for a, b in ((gh, rh), (gw, rw)):  # bf16 rounding of the logit gradients: relative check
+        assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()
 
 
 def test_bad_shapes_raise():
