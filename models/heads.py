@@ -15,6 +15,7 @@ Pipeline stages without the head set `score` to None and return hidden states, l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -82,7 +83,8 @@ class LlamaForValue(_ScoredTrunk):
     checkpoint_init_if_missing = ("score.weight",)
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, 1)
+        # a critic is a 1-label classifier whatever id2label an actor's config.json happens to carry
+        super().__init__(dataclasses.replace(cfg, num_labels=1) if cfg.num_labels != 1 else cfg, 1)
 
     def init_missing(self, names: Sequence[str]) -> None:
         """Called by the loader for a checkpoint without `score.weight` (an actor checkpoint)."""
