@@ -104,6 +104,7 @@ class ReshardPlan:
     planned_ranks: tuple[int, ...]  # ranks whose sends and receives are complete in this plan
     recvs: dict[int, list[Transfer]] = field(default_factory=dict)  # dst -> transfers
     sends: dict[int, list[Transfer]] = field(default_factory=dict)  # src -> transfers
+    schedules: dict = field(default_factory=dict, repr=False)  # executor's cache: (rank, bucket_bytes) -> ops
 
     def bytes_received(self, rank: int) -> int:
         return sum(box_numel(t.box) * self.specs[t.param].itemsize for t in self.recvs.get(rank, []))

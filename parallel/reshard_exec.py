@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.reshard import (
+    Box,
     GenAssignment,
     GenLayout,
     ParamSpec,
@@ -157,16 +158,59 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _clip_rows(box, start: int, stop: int):
-    return intersect(box, ((start, stop),) + tuple(box[1:]))
-
-
 def _warm_up(groups: ReshardGroups, pg: dist.ProcessGroup, device: torch.device) -> None:
     # NCCL: the first p2p batch on a group must involve all its ranks; a collective makes it exist
     if id(pg) in groups.warmed:
         return
     dist.all_reduce(torch.zeros(1, device=device), group=pg)
     groups.warmed.add(id(pg))
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    send: bool
+    param: int
+    peer: int  # local rank of the other side
+    box: Box  # full-tensor coordinates, clipped to the bucket's slab
+    tag: int  # position in the (src, dst) message stream: gloo matches on it, NCCL on order
+
+
+def _schedule(plan: ReshardPlan, me: int, bucket_bytes: int) -> list[list[_Op]]:
+    """This rank's ops per bucket, in an order both sides of every pair agree on (cached on the plan)."""
+    key = (me, bucket_bytes)
+    if key in plan.schedules:
+        return plan.schedules[key]
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    for tr in sorted(plan.sends[me], key=lambda t: (t.param, t.dst, t.box)):
+        sends.setdefault(tr.param, []).append(tr)
+    for tr in sorted(plan.recvs[me], key=lambda t: (t.param, t.src, t.box)):
+        recvs.setdefault(tr.param, []).append(tr)
+    tags: dict[tuple[int, int], int] = {}
+
+    def tag(src: int, dst: int) -> int:
+        k = tags.get((src, dst), 0)
+        tags[(src, dst)] = k + 1
+        return k
+
+    out = []
+    if sends or recvs:
+        for bucket in plan_buckets(plan, bucket_bytes=bucket_bytes):
+            ops = []
+            for slab in bucket:
+                rows = ((slab.start, slab.stop),)
+                for tr in sends.get(slab.param, ()):
+                    sub = intersect(tr.box, rows + tr.box[1:])
+                    if sub is not None:
+                        ops.append(_Op(True, slab.param, tr.dst, sub, tag(me, tr.dst)))
+                for tr in recvs.get(slab.param, ()):
+                    sub = intersect(tr.box, rows + tr.box[1:])
+                    if sub is not None:
+                        ops.append(_Op(False, slab.param, tr.src, sub, tag(tr.src, me)))
+            if ops:
+                out.append(ops)
+    plan.schedules[key] = out
+    return out
 
 
 def execute_reshard(plan: ReshardPlan, shards: dict[str, torch.Tensor], *, groups: ReshardGroups,
@@ -188,8 +232,7 @@ def execute_reshard(plan: ReshardPlan, shards: dict[str, torch.Tensor], *, group
     first = next(iter(shards.values()))
     device, dtype = first.device, dtype or first.dtype
     g = plan.assignment.gen_tp_rank[me]
-    known = {s.name for s in plan.specs}
-    unknown = sorted(set(shards) - known)
+    unknown = sorted(set(shards) - {s.name for s in plan.specs})
     if unknown:
         raise KeyError(f"training shards {unknown[:4]} are not in the plan's parameter specs")
 
@@ -220,75 +263,53 @@ def execute_reshard(plan: ReshardPlan, shards: dict[str, torch.Tensor], *, group
             t[box_slices(inter, origin=gbox)].copy_(shards[spec.name][box_slices(inter, origin=tbox)])
             stats.bytes_copied_local += box_numel(inter) * t.element_size()
 
-    sends: dict[int, list] = {}
-    recvs: dict[int, list] = {}
-    for tr in sorted(plan.sends[me], key=lambda t: (t.param, t.dst, t.box)):
-        sends.setdefault(tr.param, []).append(tr)
-    for tr in sorted(plan.recvs[me], key=lambda t: (t.param, t.src, t.box)):
-        recvs.setdefault(tr.param, []).append(tr)
-    if not sends and not recvs:
+    schedule = _schedule(plan, me, bucket_bytes)
+    if not schedule:
         return out
     pg = groups.transfer_group
     _warm_up(groups, pg, device)
-    tags: dict[tuple[int, int], int] = {}
-
-    def tag(src: int, dst: int) -> int:
-        # gloo matches messages by (peer, tag); NCCL by order, which is the same order here
-        k = tags.get((src, dst), 0)
-        tags[(src, dst)] = k + 1
-        return k
-
+    names = [s.name for s in plan.specs]
     pending = None
-    for bucket in plan_buckets(plan, bucket_bytes=bucket_bytes):
-        ops, unpack, staged = [], [], 0
-        for slab in bucket:
-            spec = plan.specs[slab.param]
-            packed: dict = {}
-            for tr in sends.get(slab.param, ()):
-                sub = _clip_rows(tr.box, slab.start, slab.stop)
-                if sub is None:
-                    continue
-                buf = packed.get(sub)
+    for ops in schedule:
+        p2p, unpack, staged, packed = [], [], 0, {}
+        for op in ops:
+            name = names[op.param]
+            if op.send:
+                buf = packed.get((op.param, op.box))
                 if buf is None:
-                    view = shards[spec.name][box_slices(sub, origin=tboxes[slab.param])]
+                    view = shards[name][box_slices(op.box, origin=tboxes[op.param])]
                     if view.is_contiguous() and view.dtype == dtype:
-                        buf = view
+                        buf = view  # zero copy: straight from the training shard
                     else:
                         buf = torch.empty(view.shape, dtype=dtype, device=device)
                         buf.copy_(view)
                         staged += _nbytes(buf)
                         stats.alloc(_nbytes(buf))
-                    packed[sub] = buf
-                ops.append(dist.P2POp(dist.isend, buf, peer=groups.ranks[tr.dst], group=pg, tag=tag(me, tr.dst)))
+                    packed[(op.param, op.box)] = buf
+                p2p.append(dist.P2POp(dist.isend, buf, peer=groups.ranks[op.peer], group=pg, tag=op.tag))
                 stats.bytes_sent += _nbytes(buf)
-            for tr in recvs.get(slab.param, ()):
-                sub = _clip_rows(tr.box, slab.start, slab.stop)
-                if sub is None:
-                    continue
-                view = out[spec.name][box_slices(sub, origin=gboxes[slab.param])]
+            else:
+                view = out[name][box_slices(op.box, origin=gboxes[op.param])]
                 if view.is_contiguous():
-                    buf = view
+                    buf = view  # zero copy: straight into the generation tensor
                 else:
                     buf = torch.empty(view.shape, dtype=dtype, device=device)
                     staged += _nbytes(buf)
                     stats.alloc(_nbytes(buf))
                     unpack.append((view, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, peer=groups.ranks[tr.src], group=pg, tag=tag(tr.src, me)))
+                p2p.append(dist.P2POp(dist.irecv, buf, peer=groups.ranks[op.peer], group=pg, tag=op.tag))
                 stats.bytes_received += _nbytes(buf)
-        if not ops:
-            continue
         stats.buckets += 1
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(p2p)
         if pending is not None:
-            _finish(pending, stats)  # overlaps with the bucket just issued
-        pending = (works, unpack, staged, ops)
-    if pending is not None:
-        _finish(pending, stats)
+            _finish(pending, stats)  # unpack the previous bucket while this one is on the wire
+        pending = (works, unpack, staged)
+    _finish(pending, stats)
     return out
 
 
 def _finish(pending, stats: ReshardStats) -> None:
-    works, unpack, staged, _ops = pending
+    works, unpack, staged = pending
     for w in works:
         w.wait()
     for view, buf in unpack:
