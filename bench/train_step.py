@@ -58,7 +58,8 @@ from parallel.dims import ParallelDims, build_mesh
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.core_algos import policy_loss
 
-DEFAULT_SWEEP = "lm:eager:none:bf16,lm:compile:none:bf16,lm:compile:none:fp32,ppo:compile:none:bf16"
+DEFAULT_SWEEP = ("lm:eager:none:bf16,lm:compile:none:bf16,lm:compile:none:fp32,"
+                 "ppo:compile:none:bf16:auto,ppo:compile:none:bf16:mask")
 
 
 @dataclass(slots=True)
@@ -67,21 +68,25 @@ class RunSpec:
     compile: bool = False
     ac: str = "none"  # none | full | selective
     master: str = "bf16"  # bf16 | fp32
+    attn: str = "auto"  # ppo only: auto (varlen on cuda) | varlen | mask
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
-        """'ppo:compile:selective:fp32' (fields mode:eager|compile:ac:master; trailing ones optional)."""
+        """'ppo:compile:selective:fp32:varlen' (mode:eager|compile:ac:master:attn; trailing fields optional)."""
         parts = text.strip().split(":")
-        spec = cls()
-        if len(parts) > 4 or parts[0] not in ("lm", "ppo"):
-            raise SystemExit(f"bad sweep entry {text!r}; expected mode:eager|compile:none|full|selective:bf16|fp32")
-        spec.mode = parts[0]
+        allowed = (("lm", "ppo"), ("eager", "compile"), ("none", "full", "selective"), ("bf16", "fp32"),
+                   ("auto", "varlen", "mask"))
+        if len(parts) > len(allowed) or any(v not in ok for v, ok in zip(parts, allowed)):
+            raise SystemExit(f"bad sweep entry {text!r}; expected " + ":".join("|".join(a) for a in allowed))
+        spec = cls(mode=parts[0])
         if len(parts) > 1:
             spec.compile = parts[1] == "compile"
         if len(parts) > 2:
             spec.ac = parts[2]
         if len(parts) > 3:
             spec.master = parts[3]
+        if len(parts) > 4:
+            spec.attn = parts[4]
         return spec
 
 
@@ -177,17 +182,30 @@ def _make_batch(spec: RunSpec, args, *, cfg, device, dp_rank):
                 adv=adv.to(device), context=context, n_seqs=len(lengths))
 
 
-def _attn(spec: RunSpec, args, batch, device):
+def _attn(spec: RunSpec, batch, *, cfg, device, dtype):
+    """(backend, max |varlen - masked SDPA| on random q/k/v or None)."""
     if spec.mode == "lm":
-        return None
-    kind = args.attn if args.attn != "auto" else ("varlen" if device.type == "cuda" else "mask")
-    return VarlenDocumentAttention(batch["pos"]) if kind == "varlen" else DocumentAttention(batch["pos"])
+        return None, None
+    kind = spec.attn if spec.attn != "auto" else ("varlen" if device.type == "cuda" else "mask")
+    if kind == "mask":
+        return DocumentAttention(batch["pos"]), None
+    varlen = VarlenDocumentAttention(batch["pos"])
+    # check the fast path against the reference masked SDPA before timing it
+    b, t = batch["pos"].shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, cfg.num_attention_heads, t, cfg.head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(b, cfg.num_key_value_heads, t, cfg.head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn_like(k)
+    diff = (varlen(0, q, k, v).float() - DocumentAttention(batch["pos"])(0, q, k, v).float()).abs().max().item()
+    if diff > 0.05:
+        raise RuntimeError(f"varlen attention differs from masked SDPA by {diff:.3g}; rerun with attn 'mask'")
+    return varlen, diff
 
 
 def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict:
     cfg, model, opt = _build(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims)
     batch = _make_batch(spec, args, cfg=cfg, device=device, dp_rank=mesh.get_local_rank("dp"))
-    attn = _attn(spec, args, batch, device)
+    attn, attn_diff = _attn(spec, batch, cfg=cfg, device=device, dtype=dtype)
 
     def token_logprobs(with_entropy: bool):
         hidden = forward_hidden(model, batch["ids"], batch["pos"], attn=attn)
@@ -228,6 +246,7 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
                flops_per_token=fpt, loss=float(metrics["loss"]))
     if spec.mode == "ppo":
         res["clipfrac"] = metrics.get("clipfrac")
+        res["attn_check_maxdiff"] = attn_diff
         res["seqs_per_row"] = batch["n_seqs"] / args.batch
         with torch.no_grad():
             fwd = time_steps(lambda: token_logprobs(False), device=device, warmup=1, steps=args.steps)
@@ -251,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunk", type=int, default=None, help="log-prob token chunk (default 4096 cuda, 256 cpu)")
-    p.add_argument("--attn", choices=("auto", "varlen", "mask"), default="auto", help="ppo attention backend")
+    p.add_argument("--attn", choices=("auto", "varlen", "mask"), default="auto",
+                   help="ppo attention: varlen flash (cuda) or masked SDPA")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
                    help=f"comma list of mode:eager|compile:ac:master (default list: {DEFAULT_SWEEP})")
     args = p.parse_args(argv)
@@ -267,13 +287,16 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = build_mesh(dims, list(range(world)), device_type=device.type)
     tp_group = mesh["tp"].get_group() if args.tp > 1 else None
     specs = ([RunSpec.parse(s) for s in args.sweep.split(",")] if args.sweep
-             else [RunSpec(args.mode, args.compile, args.ac, args.master)])
+             else [RunSpec(args.mode, args.compile, args.ac, args.master, args.attn)])
     results = []
     for spec in specs:
         try:
             results.append(run_one(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims, tp_group=tp_group))
-        except torch.OutOfMemoryError as e:
-            results.append(dict(asdict(spec), error=f"OOM: {str(e).splitlines()[0]}"))
+        except Exception as e:  # noqa: BLE001 - one failing config must not cost the other measurements
+            if world > 1:
+                raise  # the other ranks may be stuck in a collective: fail loudly instead of hanging
+            msg = (str(e).strip().splitlines() or [""])[0][:300]
+            results.append(dict(asdict(spec), error=f"{type(e).__name__}: {msg}"))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

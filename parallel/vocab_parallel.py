@@ -85,12 +85,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 logits = logits / temperature
             p = torch.exp(logits - lse_all[sl, None])
             # d logp / d logit_j = [j == target] - p_j
-            g = -p * (g_logp[sl, None] if g_logp is not None else 0.0)
             if g_logp is not None:
+                g = -p * g_logp[sl, None]
                 local_t = targets[sl] - vocab_start
                 owned = (local_t >= 0) & (local_t < vl)
-                rows = torch.nonzero(owned).squeeze(1)
-                g[rows, local_t[rows]] += g_logp[sl][rows]
+                # scatter with a 0/1 weight instead of indexing owned rows: no host sync on GPU
+                g.scatter_add_(1, local_t.clamp(0, vl - 1)[:, None], (g_logp[sl] * owned)[:, None])
+            else:
+                g = torch.zeros_like(p)
             if with_entropy and g_ent is not None:
                 # d H / d logit_j = -p_j * (logit_j - E_p[logit])
                 g = g - g_ent[sl, None] * p * (logits - mean_all[sl, None])
