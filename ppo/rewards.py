@@ -1,0 +1,253 @@
+"""Rule-based rewards, user reward functions, and the batch scorer that never stops a run.
+
+    fn = load_reward_function("my_rewards.py:score")      # fn(response, ground_truth, **extra) -> float
+    manager = RewardManager(fn, default_score=0.0, logger=log)
+    result = manager.score([RewardSample("s0", prompt, response, "42")])
+    result.scores, result.num_failed
+
+Built-ins: `math_answer_reward` (GSM8K `#### 42` / `\\boxed{42}` answers), `format_reward`
+(regex), `length_penalty` (DAPO's soft over-long punishment).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+_log = logging.getLogger(__name__)
+
+
+class RewardFunctionError(ValueError):
+    """A user reward function that cannot be loaded; the launcher exits with code 2 on it."""
+
+
+# ---------------------------------------------------------------- answer extraction
+
+_GSM8K = re.compile(r"####\s*(-?[$0-9.,]+)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) with nested braces balanced; None if absent
+    or unclosed."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def extract_answer(text: str, *, method: str = "strict") -> str | None:
+    """Final answer of a solution text, or None.
+
+    strict: the last `#### <number>` (GSM8K) or the last `\\boxed{...}`, whichever comes later.
+    flexible: as strict, else the last number anywhere in the text.
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"extract_answer method must be 'strict' or 'flexible' (got {method!r})")
+    gsm = list(_GSM8K.finditer(text))
+    boxed_at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    boxed = last_boxed(text)
+    if gsm and (boxed is None or gsm[-1].start() > boxed_at):
+        return gsm[-1].group(1).rstrip(".,")
+    if boxed is not None:
+        return boxed.strip()
+    if method == "flexible":
+        nums = _NUMBER.findall(text)
+        return nums[-1] if nums else None
+    return None
+
+
+def normalize_answer(ans: str) -> str:
+    """Canonical text of an answer: no whitespace, '$', '%', thousands commas, '\\text{}' or trailing
+    '.', and numbers as exact fractions in lowest terms ('3.0' -> '3', '0.5' and '\\frac{1}{2}' ->
+    '1/2', '1,000.50' -> '2001/2'); anything else is compared as the cleaned text."""
+    s = ans.strip()
+    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
+    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = s.replace("$", "").replace("\\!", "").replace("\\%", "").replace("%", "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}(\D|$))", "", s)
+    value = _as_number(s)
+    if value is None:
+        return s
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _as_number(s: str) -> Fraction | None:
+    m = re.fullmatch(r"\(?(\+?-?[\d.]+)\)?(?:/\(?(\+?-?[\d.]+)\)?)?", s)
+    if not m:
+        return None
+    try:
+        num = Fraction(m.group(1).lstrip("+"))
+        return num / Fraction(m.group(2).lstrip("+")) if m.group(2) else num
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_answer_reward(response: str, ground_truth: Any, *, method: str = "strict", correct: float = 1.0,
+                       incorrect: float = 0.0, **extra: Any) -> float:
+    """`correct` if the response's extracted final answer equals the ground truth after
+    normalisation (numbers compared exactly as fractions), else `incorrect`. The ground truth may
+    itself be a full GSM8K solution ending in '#### 42'."""
+    got = extract_answer(response, method=method)
+    if got is None:
+        return incorrect
+    gt = str(ground_truth)
+    gt = extract_answer(gt, method="strict") or gt
+    return correct if normalize_answer(got) == normalize_answer(gt) else incorrect
+
+
+def format_reward(response: str, *, pattern: str, score: float = 1.0, match: str = "fullmatch") -> float:
+    """`score` when the response matches the regex `pattern` (DOTALL; match='fullmatch' or
+    'search'), else 0. e.g. pattern=r"<think>.*</think>\\s*<answer>.*</answer>"."""
+    if match not in ("fullmatch", "search"):
+        raise ValueError(f"format_reward match must be 'fullmatch' or 'search' (got {match!r})")
+    f = re.fullmatch if match == "fullmatch" else re.search
+    return score if f(pattern, response.strip(), flags=re.DOTALL) else 0.0
+
+
+def length_penalty(response_length: int, *, max_length: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft over-long punishment (<= 0): 0 up to max_length - buffer, then linear down to
+    -penalty at max_length, -penalty beyond."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"length_penalty needs 0 < buffer({buffer}) <= max_length({max_length})")
+    free = max_length - buffer
+    if response_length <= free:
+        return 0.0
+    if response_length <= max_length:
+        return (free - response_length) / buffer * penalty
+    return -penalty
+
+
+# ---------------------------------------------------------------- user functions
+
+
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """"path/to/file.py:fn" (or "package.module:fn") -> the callable fn(response, ground_truth, **extra).
+
+    Raises RewardFunctionError naming the file and function on any problem (no colon, missing
+    file, the file failing to import, no such function, not callable).
+    """
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise RewardFunctionError(f"reward function {spec!r} must look like 'path/to/file.py:function_name'")
+    if path.endswith(".py") or os.sep in path:
+        if not os.path.isfile(path):
+            raise RewardFunctionError(f"reward function file {path!r} does not exist (from {spec!r}; "
+                                      f"relative paths are from {os.getcwd()})")
+        mod_name = "hybridrl_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
+        try:
+            mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise RewardFunctionError(f"importing reward file {path!r} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(path)
+        except Exception as e:
+            raise RewardFunctionError(f"importing reward module {path!r} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RewardFunctionError(f"{path!r} has no function {name!r}; callables defined there: {public}")
+    if not callable(fn):
+        raise RewardFunctionError(f"{path}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ---------------------------------------------------------------- batch scoring
+
+
+@dataclass(slots=True)
+class RewardSample:
+    sample_id: Any
+    prompt: str
+    response: str
+    ground_truth: Any
+    extra: dict[str, Any] = field(default_factory=dict)  # data_source, extra_info, response_length, ...
+
+
+@dataclass(slots=True)
+class RewardResult:
+    scores: list[float]
+    num_failed: int
+    failures: dict[Any, str]  # sample_id -> "ExcType: message" for this batch
+
+
+class RewardManager:
+    """Scores batches with `fn(response, ground_truth, **extra)`; a sample whose call raises (or
+    returns a non-number / NaN) gets `default_score` and is logged once by id, and the run goes on.
+
+    fn may return a float or a dict with a "score" key (verl style). Only the extras fn accepts
+    are passed (prompt, sample_id and the sample's extra dict), so plain fn(response, gt) works.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
+                 logger: logging.Logger | None = None):
+        self.fn = fn
+        self.default_score = float(default_score)
+        self.logger = logger or _log
+        self.total_failed = 0
+        self.total_scored = 0
+        self._logged: set[Any] = set()
+        self._accepts = _accepted_kwargs(fn)
+
+    def _call(self, s: RewardSample) -> float:
+        extra = {"prompt": s.prompt, "sample_id": s.sample_id, **s.extra}
+        if self._accepts is not None:
+            extra = {k: v for k, v in extra.items() if k in self._accepts}
+        out = self.fn(s.response, s.ground_truth, **extra)
+        if isinstance(out, dict):
+            if "score" not in out:
+                raise TypeError(f"reward dict has no 'score' key (keys: {sorted(out)})")
+            out = out["score"]
+        value = float(out)  # bools and numpy scalars are fine; strings / None raise here
+        if not math.isfinite(value):
+            raise ValueError(f"reward is {value}")
+        return value
+
+    def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
+        scores: list[float] = []
+        failures: dict[Any, str] = {}
+        for s in samples:
+            if not isinstance(s, RewardSample):
+                s = RewardSample(*s)
+            try:
+                scores.append(self._call(s))
+            except Exception as e:  # a user function must not be able to kill the run
+                scores.append(self.default_score)
+                failures[s.sample_id] = f"{type(e).__name__}: {e}"
+                if s.sample_id not in self._logged:
+                    self._logged.add(s.sample_id)
+                    self.logger.warning("reward function failed on sample %s (%s: %s); using default score %s",
+                                        s.sample_id, type(e).__name__, e, self.default_score)
+        self.total_failed += len(failures)
+        self.total_scored += len(scores)
+        return RewardResult(scores=scores, num_failed=len(failures), failures=failures)
+
+
+def _accepted_kwargs(fn: Callable[..., Any]) -> set[str] | None:
+    """Keyword names fn takes beyond its first two, or None if it takes **kwargs (pass all)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
