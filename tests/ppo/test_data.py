@@ -1,0 +1,146 @@
+"""ppo/data.py: JSONL/Parquet prompt datasets, chat templates, filtering, and the resumable sampler."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ppo.data import DataError, PromptDataset, PromptSampler
+from ppo.tasks import get_task
+from ppo.tokenizer import load_tokenizer
+
+ROWS = [
+    {"prompt": [{"role": "user", "content": "What is 2+3?"}], "data_source": "openai/gsm8k",
+     "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"split": "train", "index": 0}},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7*6?"}],
+     "data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": "42"},
+     "extra_info": {"split": "train", "index": 1}},
+    {"prompt": [{"role": "user", "content": "x" * 200}], "data_source": "openai/gsm8k",
+     "reward_model": {"style": "rule", "ground_truth": "0"}, "extra_info": {"split": "train", "index": 2}},
+]
+
+
+class _TemplateTok:
+    """The char tokenizer plus a trivial chat template, to see that messages go through it."""
+
+    def __init__(self):
+        self.inner = load_tokenizer("builtin:char")
+        self.chat_template = "<t>"
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True):
+        body = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return body + ("[assistant]" if add_generation_prompt else "")
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_jsonl_and_parquet_agree(tmp_path, caplog):
+    tok = load_tokenizer("builtin:char")
+    _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    with caplog.at_level(logging.WARNING):
+        a = PromptDataset.from_file(str(tmp_path / "d.jsonl"), tokenizer=tok, max_prompt_length=64)
+        b = PromptDataset.from_file(str(tmp_path / "d.parquet"), tokenizer=tok, max_prompt_length=64)
+    for ds in (a, b):
+        assert len(ds) == 2 and ds.num_dropped == 1
+        assert [r.ground_truth for r in ds.records] == ["5", "42"]
+        assert ds[1].index == 1 and ds[1].data_source == "openai/gsm8k" and ds[1].extra_info["index"] == 1
+        # no chat template in builtin:char: message contents joined
+        assert ds[1].prompt_text == "Be brief.\n7*6?"
+        assert tok.decode(ds[1].prompt_ids) == ds[1].prompt_text
+    assert [r.prompt_ids for r in a.records] == [r.prompt_ids for r in b.records]
+    assert "dropped 1 of 3 prompts longer than max_prompt_length=64" in caplog.text
+    both = PromptDataset.from_file([str(tmp_path / "d.jsonl"), str(tmp_path / "d.parquet")], tokenizer=tok)
+    assert len(both) == 6 and both.num_dropped == 0
+
+
+def test_chat_template_applied_to_messages_only():
+    tok = _TemplateTok()
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}, {"prompt": "plain text", "answer": "2"}]
+    ds = PromptDataset.from_rows(rows, tokenizer=tok)
+    assert ds[0].prompt_text == "[user]hi[assistant]"
+    assert ds[1].prompt_text == "plain text"
+    assert [r.ground_truth for r in ds.records] == ["1", "2"]  # the `answer` column
+
+
+def test_ground_truth_keys():
+    tok = load_tokenizer("builtin:char")
+    rows = [{"prompt": "a", "ground_truth": "1", "answer": "wrong"}, {"prompt": "b", "meta": {"gold": 7}}]
+    assert PromptDataset.from_rows(rows[:1], tokenizer=tok)[0].ground_truth == "1"
+    assert PromptDataset.from_rows(rows[1:], tokenizer=tok, ground_truth_key="meta.gold")[0].ground_truth == 7
+    flat = [{"question": "q", "reward_model.ground_truth": "3"}]
+    assert PromptDataset.from_rows(flat, tokenizer=tok, prompt_key="question")[0].ground_truth == "3"
+
+
+def test_clear_errors(tmp_path):
+    tok = load_tokenizer("builtin:char")
+    with pytest.raises(DataError, match="does not exist"):
+        PromptDataset.from_file(str(tmp_path / "missing.parquet"), tokenizer=tok)
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported format"):
+        PromptDataset.from_file(str(tmp_path / "x.csv"), tokenizer=tok)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{oops\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        PromptDataset.from_file(str(tmp_path / "bad.jsonl"), tokenizer=tok)
+    with pytest.raises(DataError, match=r"row 0: no prompt column 'question'.*data.prompt_key"):
+        PromptDataset.from_rows([{"prompt": "a", "answer": "1"}], tokenizer=tok, prompt_key="question")
+    with pytest.raises(DataError, match=r"row 1: no ground truth at reward_model.ground_truth / ground_truth / answer"):
+        PromptDataset.from_rows([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], tokenizer=tok)
+    with pytest.raises(DataError, match="raise data.max_prompt_length"):
+        PromptDataset.from_rows([{"prompt": "abcdef", "answer": "1"}], tokenizer=tok, max_prompt_length=3)
+    with pytest.raises(DataError, match="string or a list"):
+        PromptDataset.from_rows([{"prompt": 5, "answer": "1"}], tokenizer=tok)
+
+
+def test_from_task():
+    tok = load_tokenizer("builtin:char")
+    ds = PromptDataset.from_task("reverse:3", 20, seed=1, tokenizer=tok)
+    rows = get_task("reverse:3").generate(20, seed=1)
+    assert len(ds) == 20 and ds[0].data_source == "reverse:3"
+    assert [r.prompt_text for r in ds.records] == [r["prompt"] for r in rows]
+    assert [r.ground_truth for r in ds.records] == [r["ground_truth"] for r in rows]
+
+
+def test_sampler_epochs_cover_dataset():
+    s = PromptSampler(10, batch_size=3, seed=5)
+    assert s.batches_per_epoch == 3
+    e0 = [s.next_batch() for _ in range(3)]
+    e1 = [s.next_batch() for _ in range(3)]
+    for ep in (e0, e1):
+        flat = [i for b in ep for i in b]
+        assert len(set(flat)) == 9 and all(len(b) == 3 for b in ep)
+    assert e0 != e1 and s.epoch == 1
+    other = PromptSampler(10, batch_size=3, seed=6)
+    assert [other.next_batch() for _ in range(3)] != e0  # the seed matters
+    keep = PromptSampler(7, batch_size=3, seed=0, drop_last=False, shuffle=False)
+    assert [keep.next_batch() for _ in range(4)] == [[0, 1, 2], [3, 4, 5], [6], [0, 1, 2]]
+
+
+def test_sampler_resume_mid_epoch_gives_identical_future():
+    a = PromptSampler(23, batch_size=4, seed=11)
+    for _ in range(7):  # into the second epoch (5 batches per epoch)
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))  # survives a JSON round trip (checkpoint files)
+    future = [a.next_batch() for _ in range(12)]
+    b = PromptSampler(23, batch_size=4, seed=11)
+    b.load_state_dict(state)
+    assert [b.next_batch() for _ in range(12)] == future
+    with pytest.raises(ValueError, match="batch_size=4 but this run has batch_size=5"):
+        PromptSampler(23, batch_size=5, seed=11).load_state_dict(state)
+
+
+def test_sampler_validation():
+    with pytest.raises(ValueError, match="cannot fill a batch"):
+        PromptSampler(3, batch_size=4, seed=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        PromptSampler(3, batch_size=0, seed=0)
+    assert PromptSampler(3, batch_size=4, seed=0, drop_last=False).next_batch().__len__() == 3
