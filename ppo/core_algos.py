@@ -238,15 +238,22 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
 # ---------------------------------------------------------------- losses
 
 
+def _metrics(keys: tuple[str, ...], stats: torch.Tensor, sync: bool) -> dict[str, Any]:
+    # one device sync for all metrics (not one .item() each), or none at all
+    return dict(zip(keys, stats.tolist() if sync else stats.unbind()))
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip_c: float | None = 3.0,
-                agg: str = "token-mean", denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                agg: str = "token-mean", denom: float | None = None,
+                sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate (decoupled clip range, DAPO's clip-higher) with optional dual clip.
 
     logp, old_logp, advantages, mask: [B, T] -> (loss scalar, metrics). Dual clip (Ye et al. 2020)
     bounds the loss of negative-advantage tokens by -A * c, c > 1, so a token whose ratio exploded
     cannot dominate. metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (k1 of old
-    vs new), ratio_mean/min/max.
+    vs new), ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
+    (no device sync inside the micro-batch loop: accumulate them and call .item() once per step).
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1.0 (got {dual_clip_c}); use None to disable dual clip")
@@ -266,24 +273,25 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = agg_loss(pg, m, agg, denom=denom)
     with torch.no_grad():
         big = torch.finfo(ratio.dtype).max
-        metrics = {
-            "clipfrac": masked_mean((loss2 > loss1).float(), m).item(),
-            "clipfrac_lower": masked_mean(lower, m).item(),
-            "approx_kl": masked_mean(-log_ratio, m).item(),
-            "ratio_mean": masked_mean(ratio, m).item(),
-            "ratio_min": torch.where(m > 0, ratio, torch.full_like(ratio, big)).min().item() if m.any() else 1.0,
-            "ratio_max": torch.where(m > 0, ratio, torch.full_like(ratio, -big)).max().item() if m.any() else 1.0,
-        }
+        lo = torch.where(m > 0, ratio, torch.full_like(ratio, big)).min()
+        hi = torch.where(m > 0, ratio, torch.full_like(ratio, -big)).max()
+        empty = lo > hi
+        stats = torch.stack([
+            masked_mean((loss2 > loss1).float(), m), masked_mean(lower, m), masked_mean(-log_ratio, m),
+            masked_mean(ratio, m), torch.where(empty, 1.0, lo), torch.where(empty, 1.0, hi),
+        ])
+    metrics = _metrics(("clipfrac", "clipfrac_lower", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"), stats,
+                       sync_metrics)
     return loss, metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
                clip: float | None = 0.2, agg: str = "token-mean",
-               denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               denom: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2), aggregated.
 
     values (new predictions), old_values, returns, mask: [B, T] -> (loss, {vf_clipfrac, vpred_mean}).
-    clip=None gives the plain squared error.
+    clip=None gives the plain squared error. sync_metrics as in policy_loss.
     """
     m = mask.float()
     v, r = values.float(), returns.float()
@@ -296,7 +304,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         per_token = torch.maximum(l1, l2)
     loss = 0.5 * agg_loss(per_token, m, agg, denom=denom)
     with torch.no_grad():
-        metrics = {"vf_clipfrac": masked_mean((l2 > l1).float(), m).item(), "vpred_mean": masked_mean(v, m).item()}
+        stats = torch.stack([masked_mean((l2 > l1).float(), m), masked_mean(v, m)])
+    metrics = _metrics(("vf_clipfrac", "vpred_mean"), stats, sync_metrics)
     return loss, metrics
 
 

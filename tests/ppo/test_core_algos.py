@@ -313,3 +313,17 @@ def test_logprobs_and_entropy_from_logits():
             assert ent[b, t].item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-5)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     assert ca.entropy_bonus(ent, mask).item() == pytest.approx((ent * mask).sum().item() / 3, rel=1e-6)
+
+
+def test_loss_metrics_without_sync_are_tensors():
+    g, mask = _batch(4, 5, seed=13)
+    lp, old, adv = (torch.randn(mask.shape, generator=g) for _ in range(3))
+    _, floats = ca.policy_loss(lp, old, adv, mask)
+    _, tensors = ca.policy_loss(lp, old, adv, mask, sync_metrics=False)
+    assert set(floats) == set(tensors)
+    for k, v in tensors.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and v.item() == pytest.approx(floats[k])
+    _, empty = ca.policy_loss(lp, old, adv, torch.zeros_like(mask))
+    assert empty["ratio_min"] == empty["ratio_max"] == 1.0 and empty["clipfrac"] == 0.0
+    _, vf = ca.value_loss(lp, old, adv, mask, sync_metrics=False)
+    assert isinstance(vf["vf_clipfrac"], torch.Tensor)
