@@ -131,7 +131,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], train: TrainLayout, rank: in
     for name, t in full.items():
         box = train_box(ParamSpec(name, tuple(t.shape), t.element_size()), train, rank, num_layers=num_layers)
         if box is not None:
-            out[name] = t[box_slices(box)].contiguous()
+            out[name] = t[box_slices(box)].clone()  # own storage: the full tensor can be freed
     return out
 
 
@@ -311,7 +311,8 @@ def execute_reshard(plan: ReshardPlan, shards: dict[str, torch.Tensor], *, group
 def _finish(pending, stats: ReshardStats) -> None:
     works, unpack, staged = pending
     for w in works:
-        w.wait()
+        if w is not None:  # NCCL may return one work for the whole coalesced batch
+            w.wait()
     for view, buf in unpack:
         view.copy_(buf)
     unpack.clear()

@@ -81,6 +81,7 @@ class HybridEngine:
         self.timings: dict[str, float] = {}
         self.last_stats: ReshardStats | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._host: dict[int, torch.Tensor] = {}  # pinned buffers, reused: cudaHostAlloc is slow
         self._gen: dict[str, torch.Tensor] | None = None
         self._alias_sources: list[torch.Tensor] = []  # training shards, which the gen dict may alias
         self._t0 = 0.0
@@ -143,7 +144,10 @@ class HybridEngine:
                     if not torch.is_tensor(v) or v.dim() == 0:
                         continue  # the step counter stays put
                     local = v.to_local() if hasattr(v, "to_local") else v
-                    host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+                    host = self._host.get(id(local))
+                    if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                        host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+                        self._host[id(local)] = host
                     host.copy_(local, non_blocking=pin)
                     self._offloaded.append((local, host))
             if pin:

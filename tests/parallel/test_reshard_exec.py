@@ -18,6 +18,10 @@ CASES_4 = [(2, 2, 1, 1, 2048, None), (2, 2, 1, 1, BIG, None), (2, 1, 2, 1, BIG, 
            (1, 2, 2, 1, BIG, None), (1, 1, 4, 1, 16384, None), (1, 2, 2, 2, 4096, None), (4, 1, 1, 4, BIG, None),
            (2, 2, 1, 1, 8192, torch.bfloat16), (4, 1, 1, 4, BIG, torch.bfloat16)]
 CASES_8 = [(2, 2, 2, 2, 4096, None), (2, 2, 2, 1, BIG, None), (1, 2, 4, 4, 8192, None)]
+# uneven FSDP chunks and empty shards: k_proj has 2 rows, vocab 100, intermediate 18
+ODD = dict(vocab_size=100, hidden_size=8, intermediate_size=18, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=1)
+CASES_8_ODD = [(1, 1, 8, 1, BIG, None), (1, 2, 4, 2, 1024, None), (2, 1, 4, 2, BIG, None)]
 
 
 def _slice_training(full: dict, tp: int, pp: int, dp: int, rank: int, num_layers: int) -> dict:
@@ -35,15 +39,20 @@ def _slice_training(full: dict, tp: int, pp: int, dp: int, rank: int, num_layers
     return out
 
 
-def _body(rank, world, cases):
+def _body(rank, world, suites):
+    """suites: [(ModelConfig overrides or None for the tiny preset, cases)]."""
+    return [r for overrides, cases in suites for r in _cases(rank, world, cases, overrides)]
+
+
+def _cases(rank, world, cases, model_overrides):
     import torch.distributed as dist
 
-    from models import build_model
+    from models import ModelConfig, build_model
     from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
     from parallel.reshard_exec import ReshardStats, build_reshard_groups, execute_reshard
     from parallel.sharding import tp_slices
 
-    model = build_model("tiny", seed=0)
+    model = build_model(ModelConfig(**model_overrides) if model_overrides else "tiny", seed=0)
     full = {k: v.detach() for k, v in model.state_dict().items()}
     nl = model.config.num_hidden_layers
     results = []
@@ -81,7 +90,7 @@ def _body(rank, world, cases):
 
 @pytest.mark.distributed
 def test_reshard_world_4_bit_exact():
-    res = run_world(_body, 4, (CASES_4,))
+    res = run_world(_body, 4, ([(None, CASES_4)],))
     # a small bucket really splits the transition into many buckets and stages column blocks
     small = [r for r in res[0] if r[:5] == (2, 2, 1, 1, 2048)]
     assert small and small[0][5] > 10 and small[0][6] > 0
@@ -89,4 +98,4 @@ def test_reshard_world_4_bit_exact():
 
 @pytest.mark.distributed
 def test_reshard_world_8_bit_exact():
-    run_world(_body, 8, (CASES_8,))
+    run_world(_body, 8, ([(None, CASES_8), (ODD, CASES_8_ODD)],))

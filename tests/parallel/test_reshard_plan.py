@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from models.config import preset_config
+from models.config import ModelConfig, preset_config
 from parallel.dims import TopologyError
 from parallel.reshard import (
     GenLayout,
@@ -125,6 +125,18 @@ def test_plan_exact_cover_world_8(tp, pp, dp, gen_tp):
 @pytest.mark.parametrize("tp,pp,dp,gen_tp", [(4, 2, 2, 2), (2, 4, 4, 1), (8, 2, 2, 4), (4, 4, 4, 4), (2, 2, 16, 2)])
 def test_plan_exact_cover_16_to_64(tp, pp, dp, gen_tp):
     _check_full(TrainLayout(tp=tp, pp=pp, dp=dp), gen_tp, _wide_specs(8))
+
+
+ODD = param_specs(ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=18, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=1), itemsize=2)
+
+
+@pytest.mark.parametrize("tp,pp,dp,gen_tp", [
+    (1, 1, 6, 2), (2, 1, 3, 1), (1, 3, 2, 2), (1, 1, 8, 1), (2, 1, 4, 2), (1, 2, 6, 1), (2, 3, 2, 2),
+])
+def test_plan_uneven_and_empty_fsdp_chunks(tp, pp, dp, gen_tp):
+    """k_proj has 2 rows, vocab 100: torch.chunk leaves short and empty shards on the last dp ranks."""
+    _check_full(TrainLayout(tp=tp, pp=pp, dp=dp), gen_tp, ODD)
 
 
 @pytest.mark.parametrize("tp,pp,dp,gen_tp", [(8, 8, 4, 4), (16, 16, 4, 8)])
