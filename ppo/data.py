@@ -106,14 +106,21 @@ class PromptDataset:
     def batch(self, indices: Sequence[int]) -> list[PromptRecord]:
         return [self.records[i] for i in indices]
 
+    def row(self, i: int) -> dict[str, Any]:
+        """Record i as a plain dict (prompt_ids, ground_truth, data_source, extra_info), e.g. to broadcast."""
+        r = self.records[i]
+        return {"prompt_ids": r.prompt_ids, "ground_truth": r.ground_truth, "data_source": r.data_source,
+                "extra_info": r.extra_info}
+
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, Any]], *, tokenizer: Any, max_prompt_length: int | None = None,
-                  prompt_key: str = "prompt", ground_truth_key: str | None = None,
+                  prompt_key: str = "prompt", answer_key: str | None = None,
                   data_source_key: str = "data_source", extra_info_key: str = "extra_info",
                   source: str = "<rows>", logger: logging.Logger | None = None) -> PromptDataset:
-        """Rows (dicts) -> dataset. ground_truth_key=None tries GROUND_TRUTH_KEYS in order."""
+        """Rows (dicts) -> dataset. The ground truth is looked up at answer_key (a dotted path), then at
+        GROUND_TRUTH_KEYS in order."""
         logger = logger or _log
-        gt_keys = (ground_truth_key,) if ground_truth_key else GROUND_TRUTH_KEYS
+        gt_keys = tuple(dict.fromkeys(((answer_key,) if answer_key else ()) + GROUND_TRUTH_KEYS))
         records, dropped, longest = [], 0, 0
         for n, row in enumerate(rows):
             try:
@@ -130,7 +137,7 @@ class PromptDataset:
                     continue
             if gt is _MISSING:
                 raise DataError(f"{source} row {n}: no ground truth at {' / '.join(gt_keys)} "
-                                f"(columns: {sorted(row)}); set data.ground_truth_key")
+                                f"(columns: {sorted(row)}); set data.answer_key")
             text = render_prompt(prompt, tokenizer)
             ids = tokenizer.encode(text)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
@@ -158,6 +165,8 @@ class PromptDataset:
         rows = [r for p in paths for r in _read_rows(p)]
         return cls.from_rows(rows, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
                              source=",".join(paths), **kw)
+
+    from_files = from_file  # the name the config's `data.train_files` reads naturally with
 
     @classmethod
     def from_task(cls, task: str, n: int, seed: int = 0, *, tokenizer: Any,

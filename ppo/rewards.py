@@ -137,12 +137,19 @@ def length_penalty(response_length: int, *, max_length: int, buffer: int, penalt
 # ---------------------------------------------------------------- user functions
 
 
+BUILTIN_REWARDS = ("builtin:math", "builtin:math_flexible", "builtin:task:<task>")
+
+
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """"path/to/file.py:fn" (or "package.module:fn") -> the callable fn(response, ground_truth, **extra).
 
+    Built-ins: "builtin:math" (math_answer_reward, strict extraction), "builtin:math_flexible",
+    "builtin:task:<task>" (exact match for a ppo/tasks.py task, e.g. builtin:task:reverse:3).
     Raises RewardFunctionError naming the file and function on any problem (no colon, missing
     file, the file failing to import, no such function, not callable).
     """
+    if spec.startswith("builtin:"):
+        return _builtin_reward(spec)
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise RewardFunctionError(f"reward function {spec!r} must look like 'path/to/file.py:function_name'")
@@ -169,6 +176,21 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     if not callable(fn):
         raise RewardFunctionError(f"{path}:{name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _builtin_reward(spec: str) -> Callable[..., Any]:
+    if spec == "builtin:math":
+        return math_answer_reward
+    if spec == "builtin:math_flexible":
+        return lambda response, ground_truth, **extra: math_answer_reward(response, ground_truth, method="flexible")
+    if spec.startswith("builtin:task:"):
+        from ppo.tasks import task_reward_fn
+
+        try:
+            return task_reward_fn(spec[len("builtin:task:"):])
+        except ValueError as e:
+            raise RewardFunctionError(f"reward function {spec!r}: {e}") from None
+    raise RewardFunctionError(f"unknown built-in reward {spec!r}; built-ins: {', '.join(BUILTIN_REWARDS)}")
 
 
 # ---------------------------------------------------------------- batch scoring
@@ -240,6 +262,10 @@ class RewardManager:
         self.total_failed += len(failures)
         self.total_scored += len(scores)
         return RewardResult(scores=scores, num_failed=len(failures), failures=failures)
+
+    def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
+        """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""
+        return self.score(samples).scores
 
 
 def _accepted_kwargs(fn: Callable[..., Any]) -> set[str] | None:

@@ -59,7 +59,7 @@ def test_jsonl_and_parquet_agree(tmp_path, caplog):
         assert tok.decode(ds[1].prompt_ids) == ds[1].prompt_text
     assert [r.prompt_ids for r in a.records] == [r.prompt_ids for r in b.records]
     assert "dropped 1 of 3 prompts longer than max_prompt_length=64" in caplog.text
-    both = PromptDataset.from_file([str(tmp_path / "d.jsonl"), str(tmp_path / "d.parquet")], tokenizer=tok)
+    both = PromptDataset.from_files([str(tmp_path / "d.jsonl"), str(tmp_path / "d.parquet")], tokenizer=tok)
     assert len(both) == 6 and both.num_dropped == 0
 
 
@@ -76,7 +76,9 @@ def test_ground_truth_keys():
     tok = load_tokenizer("builtin:char")
     rows = [{"prompt": "a", "ground_truth": "1", "answer": "wrong"}, {"prompt": "b", "meta": {"gold": 7}}]
     assert PromptDataset.from_rows(rows[:1], tokenizer=tok)[0].ground_truth == "1"
-    assert PromptDataset.from_rows(rows[1:], tokenizer=tok, ground_truth_key="meta.gold")[0].ground_truth == 7
+    assert PromptDataset.from_rows(rows[1:], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == 7
+    # an explicit key that a row lacks falls back to the standard ones
+    assert PromptDataset.from_rows(rows[:1], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == "1"
     flat = [{"question": "q", "reward_model.ground_truth": "3"}]
     assert PromptDataset.from_rows(flat, tokenizer=tok, prompt_key="question")[0].ground_truth == "3"
 
@@ -95,6 +97,8 @@ def test_clear_errors(tmp_path):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}], tokenizer=tok, prompt_key="question")
     with pytest.raises(DataError, match=r"row 1: no ground truth at reward_model.ground_truth / ground_truth / answer"):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], tokenizer=tok)
+    with pytest.raises(DataError, match=r"no ground truth at gold / reward_model.*data.answer_key"):
+        PromptDataset.from_rows([{"prompt": "b"}], tokenizer=tok, answer_key="gold")
     with pytest.raises(DataError, match="raise data.max_prompt_length"):
         PromptDataset.from_rows([{"prompt": "abcdef", "answer": "1"}], tokenizer=tok, max_prompt_length=3)
     with pytest.raises(DataError, match="string or a list"):
@@ -108,6 +112,8 @@ def test_from_task():
     assert len(ds) == 20 and ds[0].data_source == "reverse:3"
     assert [r.prompt_text for r in ds.records] == [r["prompt"] for r in rows]
     assert [r.ground_truth for r in ds.records] == [r["ground_truth"] for r in rows]
+    assert ds.row(3) == {"prompt_ids": tok.encode(rows[3]["prompt"]), "ground_truth": rows[3]["ground_truth"],
+                         "data_source": "reverse:3", "extra_info": {}}
 
 
 def test_sampler_epochs_cover_dataset():

@@ -102,6 +102,19 @@ def test_load_reward_function_from_file(tmp_path):
     assert load_reward_function("ppo.rewards:math_answer_reward") is math_answer_reward
 
 
+def test_builtin_reward_functions():
+    assert load_reward_function("builtin:math")("#### 4", "4") == 1.0
+    assert load_reward_function("builtin:math")("it is 4", "4") == 0.0
+    assert load_reward_function("builtin:math_flexible")("it is 4", "4") == 1.0
+    task_fn = load_reward_function("builtin:task:reverse:3")
+    assert task_fn("321", "321") == 1.0 and task_fn("123", "321") == 0.0
+    assert load_reward_function("builtin:task:add")("7", "7", prompt="3+4=") == 1.0
+    with pytest.raises(RewardFunctionError, match="built-in tasks"):
+        load_reward_function("builtin:task:mul")
+    with pytest.raises(RewardFunctionError, match="builtin:task:<task>"):
+        load_reward_function("builtin:gsm8k")
+
+
 def test_load_reward_function_errors(tmp_path):
     with pytest.raises(RewardFunctionError, match="path/to/file.py:function_name"):
         load_reward_function("no_colon.py")
@@ -149,6 +162,7 @@ def test_reward_manager_survives_failures(caplog):
     assert sum("id-1" in m for m in msgs) == 1
     assert any("kaboom" in m for m in msgs)
     assert mgr.total_failed == 4 and mgr.total_scored == 6
+    assert mgr.score_batch(batch[:2]) == [1.0, -1.0] and mgr.total_failed == 5
 
 
 def test_reward_manager_passes_only_accepted_extras():
