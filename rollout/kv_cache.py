@@ -57,38 +57,45 @@ class PrefillAttention:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-class DecodeAttention:
-    """One new token per cache row: write K/V at `positions`, attend over the first kv_len positions.
+@torch.library.custom_op("hybridrl_rollout::write_kv", mutates_args=("cache",))
+def write_kv(cache: torch.Tensor, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0] for rows b < B. An opaque op so torch.compile
+    mutates the cache in place instead of functionalising (copying) a multi-GB tensor."""
+    b, hkv, _, d = k.shape
+    index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+    cache[layer, 0, :b].scatter_(2, index, k)
+    cache[layer, 1, :b].scatter_(2, index, v)
 
-    `prepare(positions, kv_len)` runs once per forward (inside the CUDA graph) and builds the
-    length mask; every layer then only indexes views of the cache, no KV copy.
+
+@write_kv.register_fake
+def _write_kv_fake(cache, layer, positions, k, v) -> None:
+    return None
+
+
+class DecodeAttention:
+    """One new token per cache row [0, B): write K/V at `positions`, attend over the first kv_len positions.
+
+    Built once per forward (inside the CUDA graph / compiled region) from `kv_index` = arange(kv_len),
+    whose length carries the KV bucket as a tensor shape (a dynamic dim for torch.compile, not a
+    recompile per bucket). Each layer then only indexes views of the cache: no KV copy.
     """
 
-    def __init__(self, cache: KVCache, *, mode: str = "sdpa"):
-        self.cache, self.mode = cache, mode
-        self.kv_len = 0
-        self.index = self.mask = None
-
-    def prepare(self, positions: torch.Tensor, kv_len: int) -> None:
-        """positions [B] int64: where each row's new token goes (rows attend to [0, position])."""
-        self.kv_len = kv_len
-        b = positions.shape[0]
-        _, _, _, hkv, _, d = self.cache.data.shape
-        self.index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
-        valid = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]  # [B, L]
-        if self.mode == "sdpa":
+    def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa"):
+        self.cache, self.positions, self.mode = cache, positions, mode
+        self.kv_len = kv_index.shape[0]
+        valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
+        if mode == "sdpa":
             self.mask = valid[:, None, None, :]
         else:
-            self.mask = torch.zeros(valid.shape, dtype=torch.float32, device=positions.device)
-            self.mask = self.mask.masked_fill(~valid, float("-inf"))[:, None, None, :]
+            zeros = torch.zeros(valid.shape, dtype=torch.float32, device=positions.device)
+            self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, hq, _, d = q.shape
         hkv = k.shape[1]
-        kc, vc = self.cache.layer(layer_idx)
-        kc[:b].scatter_(2, self.index, k)
-        vc[:b].scatter_(2, self.index, v)
-        keys, values = kc[:b, :, : self.kv_len], vc[:b, :, : self.kv_len]  # views: [B, Hkv, L, D]
+        write_kv(self.cache, layer_idx, self.positions, k, v)
+        keys = self.cache[layer_idx, 0, :b, :, : self.kv_len]  # views: [B, Hkv, L, D]
+        values = self.cache[layer_idx, 1, :b, :, : self.kv_len]
         # GQA without repeating KV: the G query heads of a KV head become G "query positions"
         qg = q.reshape(b, hkv, hq // hkv, d)
         if self.mode == "sdpa":

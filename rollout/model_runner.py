@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class DecodeHandle:
-    buf: torch.Tensor  # host [2, slots] float64: tokens, logprobs
+    buf: torch.Tensor  # host [2 * slots] float64: tokens [:num_rows], then logprobs
     num_rows: int
     event: object | None  # torch.cuda.Event on CUDA
 
@@ -43,6 +44,21 @@ class DecodeHandle:
 def any_filtered(seqs: list[Sequence]) -> bool:
     """Whether any sampled (T > 0) row needs the sorted top-k/top-p path."""
     return any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+
+
+class _DynamicRows:
+    """Calls a compiled decode function with the row dim (B) and the KV-length dim marked dynamic, and
+    without duck sizing (B == kv_len on the first call must not become a guard)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.mark_dynamic(a, 0)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.fn(*args)
 
 
 class RowParallelLinear(nn.Linear):
@@ -115,7 +131,14 @@ class ModelRunner:
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
+        self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
+        self._decode = self._decode_fn
+        if config.compile:
+            # one graph per filtered variant, dynamic in rows and KV length (marked per call); a bigger
+            # cache limit so a surprise recompile never silently falls back to eager
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._decode = _DynamicRows(torch.compile(self._decode_fn))
         self.cache: KVCache | None = None
         self._allocate_runtime()
 
@@ -148,14 +171,14 @@ class ModelRunner:
         self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots, slot_len=slot_len,
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
                              dtype=self.dtype, device=self.device)
-        self.decode_attn = DecodeAttention(self.cache, mode=self.config.decode_attention)
         # static decode rows per slot: token, position, key, top_k, active (int64) / temperature, top_p (fp32)
         self.meta_i = torch.zeros(5, slots, dtype=torch.int64, device=self.device)
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
-        self.out = torch.zeros(2, slots, dtype=torch.float64, device=self.device)
+        self.out = torch.zeros(2 * slots, dtype=torch.float64, device=self.device)
+        self.kv_index = torch.arange(slot_len, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
-        self._host_out = [torch.zeros(2, slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_out = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._flip = 0
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
@@ -171,11 +194,12 @@ class ModelRunner:
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = self.decode_attn = self.meta_i = self.meta_f = self.out = self._host_out = None
+        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = None
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
             self.loaded.clear()
+            self.shared.clear()
 
     def wake(self, *, allocate_weights: bool = True) -> None:
         for name, p in self.params.items():
@@ -186,6 +210,7 @@ class ModelRunner:
     # ---- weights ----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, share: bool = False) -> None:
         """Copy (or alias, when `share` and device/dtype match) HF-named local shards into the model."""
+        changed = False  # new storage under a parameter invalidates the captured graphs' pointers
         for name, t in named_tensors:
             p = self.params.get(name)
             if p is None:
@@ -199,12 +224,18 @@ class ModelRunner:
                                  f"rank={self.tp_rank}, world={self.tp}) of the full tensor")
             with torch.no_grad():
                 if share and t.device == self.device and t.dtype == self.dtype:
-                    p.data = t.detach()
+                    if p.data_ptr() != t.data_ptr():
+                        p.data, changed = t.detach(), True
+                    self.shared.add(id(p))
+                elif p.numel() == 0 or id(p) in self.shared:
+                    # own storage again (never write through an alias into the trainer's weights)
+                    p.data, changed = t.detach().to(device=self.device, dtype=self.dtype, copy=True), True
+                    self.shared.discard(id(p))
                 else:
-                    if p.numel() == 0:
-                        p.data = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
                     p.data.copy_(t.detach())
             self.loaded.add(id(p))
+        if changed:
+            self.graphs.clear()
 
     def check_loaded(self) -> None:
         missing = [n for n, p in self.params.items() if id(p) not in self.loaded]
@@ -265,16 +296,23 @@ class ModelRunner:
         self.meta_i[:, idx] = torch.tensor([rows[s][0] for s in slots], dtype=torch.int64).T.to(self.device)
         self.meta_f[:, idx] = torch.tensor([rows[s][1] for s in slots], dtype=torch.float32).T.to(self.device)
 
+    def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, temperature: torch.Tensor,
+                   top_p: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor,
+                   filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward of one token per row [B] + sampling -> tokens [B], logprobs [B]; what torch.compile sees."""
+        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self.config.decode_attention)
+        h = self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0]
+        return sample(self._logits(h), temperature=temperature, top_p=top_p, keys=keys, top_k=top_k,
+                      positions=pos + 1, filtered=filtered)
+
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
-        """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:, :b],
-        then advances every active row in place (token <- sampled, position += 1) for the next step."""
+        """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:2b]
+        (tokens then logprobs), then advances every active row in place (token <- sampled, position += 1)."""
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
-        self.decode_attn.prepare(pos, kv_len)
-        h = self.model.hidden_states(ids[:, None], pos[:, None], attn=self.decode_attn)[:, 0]
-        tok, lp = sample(self._logits(h), temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b],
-                         keys=self.meta_i[2, :b], top_k=self.meta_i[3, :b], positions=pos + 1, filtered=filtered)
-        self.out[0, :b].copy_(tok)
-        self.out[1, :b].copy_(lp)
+        tok, lp = self._decode(ids, pos, self.kv_index[:kv_len], self.meta_f[0, :b], self.meta_f[1, :b],
+                               self.meta_i[2, :b], self.meta_i[3, :b], filtered)
+        self.out[:b].copy_(tok)
+        self.out[b: 2 * b].copy_(lp)
         # clamp: a row that finished on the step before runs once more (pipelining) and must stay in its slot
         next_pos = torch.clamp(pos + active, max=self.cache.slot_len - 1)
         ids.copy_(torch.where(active > 0, tok, torch.zeros_like(tok)))
@@ -292,7 +330,7 @@ class ModelRunner:
             self._capture(key)
         buf = self._host_out[self._flip]
         self._flip ^= 1
-        buf[:, :num_rows].copy_(self.out[:, :num_rows], non_blocking=True)
+        buf[: 2 * num_rows].copy_(self.out[: 2 * num_rows], non_blocking=True)  # contiguous: truly async
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -303,8 +341,8 @@ class ModelRunner:
         """Wait for a launched step; tokens and logprobs of rows [0, num_rows) (padding rows included)."""
         if handle.event is not None:
             handle.event.synchronize()
-        out = handle.buf[:, : handle.num_rows]
-        return [int(t) for t in out[0].tolist()], out[1].tolist()
+        b = handle.num_rows
+        return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist()
 
     def _capture(self, key: tuple[int, int, bool]) -> None:
         """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once."""

@@ -209,3 +209,14 @@ def test_data_dependent_stops_with_pipelined_decode_and_slot_reuse(model):
         ref = trainer_logprobs(model, c.prompt_ids, c.token_ids, 0.0)
         assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-5
     assert stopped >= 2
+
+
+def test_update_weights_never_writes_through_to_the_aliased_model(model):
+    source = peaked_model(seed=4)
+    before = source.lm_head.weight.clone()
+    engine = NativeEngine.from_model(source, config=config())
+    other = peaked_model(seed=5)
+    engine.update_weights(other.state_dict().items())
+    assert torch.equal(source.lm_head.weight, before)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert [c.token_ids for c in engine.generate(PROMPTS[:2], p)] == [naive_greedy(other, q, 6) for q in PROMPTS[:2]]
