@@ -165,6 +165,32 @@ def micro_batches_by_tokens(lengths: Sequence[int], *, max_tokens: int, min_coun
     return _finish(chosen + [[i] for i in over])
 
 
+def dp_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
+                     equal_size: bool = True) -> list[list[list[int]]]:
+    """Every DP rank's micro-batches, with the same micro-batch count on all ranks.
+
+    Returns out[r] = rank r's list of micro-batches (indices into `lengths`). FSDP / DP collectives
+    run once per micro-batch, so ranks with different counts would hang; every rank holds all
+    lengths, so each computes the whole plan locally (pure and deterministic, no communication):
+    balance_across_dp, then micro_batches_by_tokens per rank, then min_count = the largest count.
+    """
+    parts = balance_across_dp(lengths, dp, equal_size=equal_size)
+    subs = [[lengths[i] for i in p] for p in parts]
+    local = [micro_batches_by_tokens(sub, max_tokens=max_tokens) if sub else [] for sub in subs]
+    k = max(len(m) for m in local)
+    short = [r for r, p in enumerate(parts) if len(p) < k]
+    if short:
+        raise ValueError(f"DP rank(s) {short} hold fewer sequences ({min(len(parts[r]) for r in short)}) than the "
+                         f"{k} micro-batches another rank needs under max_tokens={max_tokens}; use equal_size "
+                         "partitioning (batch size divisible by dp) or raise the token budget")
+    out = []
+    for p, sub, mbs in zip(parts, subs, local):
+        if len(mbs) < k:
+            mbs = micro_batches_by_tokens(sub, max_tokens=max_tokens, min_count=k)
+        out.append([[p[j] for j in mb] for mb in mbs])
+    return out
+
+
 # ---------------------------------------------------------------- packing
 
 

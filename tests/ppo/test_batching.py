@@ -13,6 +13,7 @@ from models.build import build_model
 from models.llama import DocumentAttention
 from ppo.batching import (
     balance_across_dp,
+    dp_micro_batches,
     imbalance,
     karmarkar_karp,
     lpt,
@@ -129,6 +130,23 @@ def test_min_count_forces_more_micro_batches():
     _covers(mbs, 5)
     with pytest.raises(ValueError, match="min_count"):
         micro_batches_by_tokens(lengths, max_tokens=1000, min_count=6)
+
+
+def test_dp_micro_batches_equal_counts_across_ranks():
+    for seed in range(10):
+        lengths = _lengths(32, seed, hi=400)
+        lengths[seed] = 3000  # one very long sequence makes its rank need more micro-batches
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the 3000-token sequence exceeds some budgets
+            plan = dp_micro_batches(lengths, dp=4, max_tokens=1500)
+        assert len({len(mbs) for mbs in plan}) == 1
+        _covers([mb for mbs in plan for mb in mbs], 32)
+        assert [sorted(i for mb in mbs for i in mb) for mbs in plan] == balance_across_dp(lengths, 4)
+        for mbs in plan:
+            assert all(mbs)
+            assert all(sum(lengths[i] for i in mb) <= 1500 or len(mb) == 1 for mb in mbs)
+    with pytest.raises(ValueError, match="fewer sequences"):
+        dp_micro_batches([300, 10, 10, 10], dp=2, max_tokens=15, equal_size=False)
 
 
 def test_pack_unpack_round_trip():
