@@ -140,6 +140,8 @@ class PromptDataset:
                                 f"(columns: {sorted(row)}); set data.answer_key")
             text = render_prompt(prompt, tokenizer)
             ids = tokenizer.encode(text)
+            if isinstance(prompt, str) and getattr(tokenizer, "add_bos", False) and ids[:1] != [tokenizer.bos_token_id]:
+                ids = [tokenizer.bos_token_id] + ids  # as transformers' tokenizer(text) does for Llama
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 dropped += 1
                 longest = max(longest, len(ids))

@@ -29,6 +29,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     vocab_size: int
     chat_template: str | None
+    add_bos: bool  # plain-text prompts start with bos (chat templates write their own)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -54,6 +55,7 @@ class CharTokenizer:
         self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2, 3
         self.vocab_size = len(self.SPECIALS) + len(chars)
         self.chat_template: str | None = None
+        self.add_bos = False
 
     def encode(self, text: str) -> list[int]:
         return [self._id.get(c, self.unk_token_id) for c in text]
@@ -114,6 +116,8 @@ class HFTokenizer:
         if self.pad_token_id is None:
             self.pad_token_id = self.eos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Llama-style tokenizers prepend bos to plain text (add_bos_token); Qwen-style ones do not
+        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
         self.chat_template = _pick_template(cfg.get("chat_template"))
         jinja_path = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(jinja_path):

@@ -145,7 +145,7 @@ def test_dp_micro_batches_equal_counts_across_ranks():
         for mbs in plan:
             assert all(mbs)
             assert all(sum(lengths[i] for i in mb) <= 1500 or len(mb) == 1 for mb in mbs)
-    with pytest.raises(ValueError, match="fewer sequences"):
+    with pytest.raises(ValueError, match="fewer sequences"), pytest.warns(UserWarning, match="longer than"):
         dp_micro_batches([300, 10, 10, 10], dp=2, max_tokens=15, equal_size=False)
 
 

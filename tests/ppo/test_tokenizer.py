@@ -7,6 +7,7 @@ import json
 import pytest
 
 from models.config import preset_config
+from ppo.data import PromptDataset
 from ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 # a ChatML-style template like Qwen2's, exercising loops, conditionals and the generation prompt
@@ -35,7 +36,7 @@ def test_char_tokenizer_round_trip_and_fits_tiny():
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def _make_hf_dir(tmp_path, *, template=CHATML, pad=True):
+def _make_hf_dir(tmp_path, *, template=CHATML, pad=True, **extra):
     from tokenizers import Tokenizer as T
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -50,7 +51,7 @@ def _make_hf_dir(tmp_path, *, template=CHATML, pad=True):
     tok.decoder = decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))
     cfg = {"eos_token": {"content": "<|im_end|>", "special": True}, "bos_token": None,
-           "chat_template": template}
+           "chat_template": template, **extra}
     if pad:
         cfg["pad_token"] = "<pad>"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -63,7 +64,7 @@ def test_hf_tokenizer_dir(tmp_path):
     assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
     assert tok.eos_token_id == raw.token_to_id("<|im_end|>")
     assert tok.pad_token_id == raw.token_to_id("<pad>")
-    assert tok.bos_token_id is None
+    assert tok.bos_token_id is None and not tok.add_bos
     assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
     text = "the sum of 12 and 34 is 46"
     assert tok.decode(tok.encode(text)) == text
@@ -88,6 +89,17 @@ def test_hf_tokenizer_template_helpers_and_errors(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "a<b"}]) == '{"role": "user", "content": "a<b"}'
     with pytest.raises(TokenizerError, match="bad role system"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_hf_tokenizer_add_bos(tmp_path):
+    _make_hf_dir(tmp_path, bos_token="<|endoftext|>", add_bos_token=True)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.add_bos and tok.bos_token_id is not None
+    # plain-text prompts get bos (as transformers' tokenizer(text) would); templated ones keep the template's
+    ds = PromptDataset.from_rows([{"prompt": "hello", "answer": "1"},
+                                  {"prompt": [{"role": "user", "content": "hello"}], "answer": "1"}], tokenizer=tok)
+    assert ds[0].prompt_ids == [tok.bos_token_id] + tok.encode("hello")
+    assert ds[1].prompt_ids == tok.encode(ds[1].prompt_text) and ds[1].prompt_ids[0] != tok.bos_token_id
 
 
 def test_load_tokenizer_errors(tmp_path):
