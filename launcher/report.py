@@ -26,6 +26,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # fixed stage order and colours so every report reads the same (DESIGN.md stage names)
 STAGES = ["gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic"]
@@ -177,6 +178,7 @@ def plot_stages(metrics: list[dict[str, Any]], out: Path) -> bool:
     top = ", ".join(f"{s} {100 * v:.0f}%" for s, v in sorted(share.items(), key=lambda kv: -kv[1])[:4])
     ax.set_title(f"time per stage per step (largest shares: {top})", fontsize=10)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(alpha=0.3, axis="y")
@@ -201,6 +203,7 @@ def plot_throughput(metrics: list[dict[str, Any]], out: Path) -> bool:
         ax.set_ylim(0, max(max(ys) * 1.1, 1e-9))
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -219,6 +222,7 @@ def plot_reward(metrics: list[dict[str, Any]], out: Path, *, window: int = 10) -
         ax.plot(xs, avg, lw=2.2, label=f"moving average ({w} steps)")
     ax.set_title(f"reward/mean: first {ys[0]:.3f}, last {ys[-1]:.3f}, best {max(ys):.3f}")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("mean reward")
     ax.legend()
     ax.grid(alpha=0.3)
