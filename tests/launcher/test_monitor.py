@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -200,3 +201,24 @@ def test_failing_reads_warn_once_and_never_raise(tmp_path, caplog):
     assert mon.sample_failures > 3
     assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
         "GPU monitor sample failed (further failures are counted, not logged): GPU is lost"]
+
+
+@pytest.mark.gpu
+def test_real_nvml_sees_a_matmul_load(tmp_path):
+    import torch
+
+    idx = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+    mon = GpuMonitor(tmp_path / "util.jsonl", interval_s=0.1, device_indices=[idx])
+    assert mon.enabled, mon.disabled_reason
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with mon:
+        with mon.stage("load"):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                for _ in range(20):
+                    a @ a
+                torch.cuda.synchronize()
+    s = mon.step_summary()
+    assert s["gpu/util_mean/load"] > 0.5 and s["mem/peak_gb"] > 0.1, s
+    rows = [json.loads(x) for x in (tmp_path / "util.jsonl").read_text().splitlines()]
+    assert len(rows) >= 5 and all(r["gpu"] == idx for r in rows)

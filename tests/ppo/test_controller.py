@@ -162,3 +162,21 @@ def test_agree_feedback_gives_every_rank_the_same_inputs():
     assert util == pytest.approx(0.5) and mem == pytest.approx(0.8) and nothing == (None, None)
     assert action == "hold"  # 0.8 x 1.2 would pass high_mem on the fullest GPU
     assert agree_feedback(0.3, 0.2) == (0.3, 0.2)  # no process group: identity
+
+
+@pytest.mark.gpu
+def test_real_cuda_oom_backoff_on_gpu():
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch.cuda.memory_allocated(0)
+
+    def stage(budget_gib):  # asks for budget_gib GiB; the first tries exceed any GPU
+        x = torch.empty(budget_gib * 2**30, dtype=torch.uint8, device="cuda")
+        x[-1] = 1  # touch it so the allocation is real
+        return int(x.numel())
+
+    n, final = run_with_oom_backoff(stage, budget=4096, min_budget=1, max_retries=8, name="oom_probe")
+    # halved until it fit: fits, and within 4x of the device (one halving of slack for the CUDA context)
+    assert final * 2**30 <= total < 4 * final * 2**30
+    assert n == final * 2**30
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated(0) == before  # nothing leaked across the failed attempts
