@@ -156,9 +156,10 @@ class BatchController:
         d = Decision(step=self.step, action=action, reason=reason, rollout_tokens=self.rollout_tokens,
                      micro_batch_tokens=self.micro_batch_tokens, util_mean=util_mean, mem_frac=mem_frac)
         self.history.append(asdict(d))
-        if action != "hold":
-            log.info("batch controller step %d: %s -> rollout_tokens=%d micro_batch_tokens=%d (%s)",
-                     d.step, action, d.rollout_tokens, d.micro_batch_tokens, reason)
+        # every decision is logged; holds at DEBUG so a steady run's log is not one line per step
+        log.log(logging.DEBUG if action == "hold" else logging.INFO,
+                "batch controller step %d: %s -> rollout_tokens=%d micro_batch_tokens=%d (%s)",
+                d.step, action, d.rollout_tokens, d.micro_batch_tokens, reason)
         return d
 
     def record_oom(self, *, failed: int, new: int, key: str = "micro_batch_tokens") -> None:

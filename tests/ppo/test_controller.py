@@ -1,6 +1,7 @@
 """BatchController on utilization traces (tests/ppo/traces/*.json) and OOM back-off with a fake OOM."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,11 @@ def replay(name, ctl):
     return [ctl.decide(s["util_mean"], s["mem_frac"]) for s in steps]
 
 
-def test_low_util_trace_grows_after_hysteresis():
+def test_low_util_trace_grows_after_hysteresis(caplog):
     ctl = BatchController(rollout_tokens=10_000, micro_batch_tokens=2_000)
-    ds = replay("low_util_grow", ctl)
+    with caplog.at_level(logging.DEBUG, logger="ppo.controller"):
+        ds = replay("low_util_grow", ctl)
+    assert len(caplog.records) == 10 and sum(r.levelno == logging.INFO for r in caplog.records) == 4
     assert [d.step for d in ds if d.action == "grow"] == [2, 4, 6, 8]  # every 2nd low step; none at util >= 0.6
     assert ds[0].action == "hold" and "for 1 step" in ds[0].reason
     assert ctl.rollout_tokens == int(int(int(int(10_000 * 1.2) * 1.2) * 1.2) * 1.2)
