@@ -50,12 +50,13 @@ def _allgather_seconds(nbytes: int, *, group, group_size: int, device, iters: in
     chunk = max(1, -(-nbytes // max(group_size - 1, 1)))
     src = torch.ones(chunk, dtype=torch.uint8, device=device)
     dst = torch.empty(chunk * group_size, dtype=torch.uint8, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     times = []
     for i in range(iters + 1):
         dist.barrier(group=group)
         _sync(device)
         t = time.perf_counter()
-        dist.all_gather_into_tensor(dst, src, group=group)
+        gather(dst, src, group=group)
         _sync(device)
         if i:  # the first one warms the communicator up
             times.append(time.perf_counter() - t)

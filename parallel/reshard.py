@@ -178,7 +178,8 @@ def param_specs(model_cfg, *, itemsize: int) -> list[ParamSpec]:
 
     with torch.device("meta"):
         m = LlamaForCausalLM(model_cfg)
-    return [ParamSpec(n, tuple(p.shape), itemsize) for n, p in m.named_parameters()]
+    # tied heads keep both names: a pipeline's last stage holds lm_head.weight on its own
+    return [ParamSpec(n, tuple(p.shape), itemsize) for n, p in m.named_parameters(remove_duplicate=False)]
 
 
 def num_layers_of(specs: list[ParamSpec]) -> int:

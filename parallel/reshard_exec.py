@@ -118,7 +118,7 @@ def training_shards(model) -> dict[str, torch.Tensor]:
         for m in mod.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()  # a root left gathered after forward would otherwise hand out full tensors
-        for name, p in mod.named_parameters():
+        for name, p in mod.named_parameters(remove_duplicate=False):  # tied head: both names, one tensor
             t = p.to_local() if isinstance(p, DTensor) else p
             out[_WRAPPERS.sub("", name)] = t.detach()
     return out

@@ -195,3 +195,10 @@ def test_buckets_cover_every_row_once_within_budget(bucket_bytes):
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     if bucket_bytes >= 1 << 30:
         assert len(buckets) == 1
+
+
+def test_tied_head_is_planned_under_both_names():
+    specs = param_specs(preset_config("tiny", tie_word_embeddings=True), itemsize=4)
+    names = [s.name for s in specs]
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    _check_full(TrainLayout(tp=2, pp=2, dp=1), 1, specs)
