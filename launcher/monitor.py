@@ -368,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     mon.stop()
     if args.load:
         # the load runs on CUDA device 0 only: watch that GPU, so the mean is not diluted by idle ones
-        off = _matmul_tflops(args.seconds)
+        _matmul_tflops(1.0)  # warm-up: clocks ramp and cuBLAS picks its kernel
+        off_before = _matmul_tflops(args.seconds)
         with GpuMonitor(args.out, interval_s=args.interval, device_indices=[mon._handles[0][0]]) as busy:
             with busy.stage("matmul"):
                 on = _matmul_tflops(args.seconds)
+        off = (off_before + _matmul_tflops(args.seconds)) / 2  # off-on-off: cancels a slow clock drift
         summary = busy.step_summary()
         out.update({"matmul_tflops_monitor_off": round(off, 1), "matmul_tflops_monitor_on": round(on, 1),
                     "overhead_frac": round(1 - on / off, 4), "frac_of_peak": round(on * 1e12 / H200_PEAK_BF16_FLOPS, 4),
