@@ -2,7 +2,8 @@
 
     python -m bench.generate --model llama-1b --batches 32,64,256 --prompt-len 128 --new-tokens 256 \
         --engine both --device cuda --dtype bfloat16
-    python -m bench.generate --model tiny --device cpu --batches 4 --new-tokens 16 --engine both   # CPU check
+    python -m bench.generate --model tiny --device cpu --batches 4 --new-tokens 16 --engine both \
+        --native-variants sdpa,bmm   # CPU check (add sdpa+compile to check compile; slow on CPU)
 
 Random-init weights, random prompts, ignore_eos (fixed lengths), temperature 1 sampling. The roofline
 of one decode step is (bytes of all weights read + KV bytes of every active context) / 4.3 TB/s,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 
 import torch
 
@@ -42,6 +44,7 @@ def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens
     total = len(steps) * weight_bytes + kv_bytes
     seconds = total / HBM_BYTES_PER_S
     return {"roofline_tokens_per_s": batch * new_tokens / seconds if seconds else float("inf"),
+            "roofline_decode_s": seconds,
             "bytes_per_decode_step_gb": total / max(1, len(steps)) / 1e9,
             "weight_gb": weight_bytes / 1e9, "kv_gb_per_token_x1e6": per_tok * 1e6 / 1e9}
 
@@ -100,6 +103,55 @@ def check_against_trainer(engine, model, prompts, *, new_tokens: int) -> dict:
     return out
 
 
+def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
+    """One native-engine variant: '<sdpa|bmm>[+compile][+eager]' (eager = no CUDA graphs)."""
+    parts = variant.split("+")
+    max_len = args.prompt_len + args.new_tokens
+    config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches), block_size=64,
+                           max_num_batched_tokens=max(args.prefill_tokens, max_len), decode_attention=parts[0],
+                           enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
+                           compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,
+                           kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
+    engine = NativeEngine.from_model(model, config=config)
+    for batch in batches:
+        prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)  # warm-up: compiles and captures this batch's decode graphs
+        warm = time.perf_counter() - t0
+        engine.stats.update(prefill_s=0.0, decode_s=0.0, decode_steps=0, prefill_steps=0)
+        outs, wall, peak = timed_generate(engine, prompts, params, device)
+        st = engine.stats
+        roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                               dtype=engine.runner.dtype)
+        decode_tps = batch * (args.new_tokens - 1) / max(st["decode_s"], 1e-9)
+        roof_decode_tps = batch * (args.new_tokens - 1) / max(roof["roofline_decode_s"], 1e-12)
+        record(name, batch, wall, peak, outs,
+               {"warmup_s": round(warm, 2), "prefill_s": round(st["prefill_s"], 4),
+                "decode_s": round(st["decode_s"], 4), "decode_steps": st["decode_steps"],
+                "graphs": len(engine.runner.graphs), "decode_only_tokens_per_s": round(decode_tps, 1),
+                "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
+                "kv_slots": engine.runner.num_slots})
+    if not args.no_check:
+        prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
+        checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
+    engine.sleep()
+
+
+def run_hf(args, cache: str, model, cfg, batches, gen, record, checks, device) -> None:
+    engine = HFEngine.from_model(model, cache_implementation=cache, max_model_len=args.prompt_len + args.new_tokens + 1)
+    for batch in batches:
+        prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1)
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=min(8, args.new_tokens), ignore_eos=True))
+        outs, wall, peak = timed_generate(engine, prompts, params, device)
+        record(f"hf-{cache}", batch, wall, peak, outs, {})
+    if not args.no_check:
+        prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
+        checks[f"hf-{cache}"] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
+    engine.sleep()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-1b")
@@ -111,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--hf-cache", default="dynamic,static", help="HF cache implementations to run")
-    ap.add_argument("--decode-attn", default="sdpa", help="native decode attention(s): sdpa,bmm")
+    ap.add_argument("--native-variants", default="sdpa,sdpa+compile",
+                    help="comma list of <sdpa|bmm>[+compile][+eager], e.g. sdpa,bmm,sdpa+compile")
+    ap.add_argument("--prefill-tokens", type=int, default=16384, help="native max_num_batched_tokens")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.5)
     ap.add_argument("--no-check", action="store_true", help="skip the log-prob check against the trainer")
@@ -124,7 +178,6 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = preset_config(args.model)
     model = random_model(args.model, device=device, dtype=dtype, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    max_len = args.prompt_len + args.new_tokens
     results, checks = [], {}
 
     def record(engine_name, batch, wall, peak, outs, extra):
@@ -142,56 +195,37 @@ def main(argv: list[str] | None = None) -> dict:
               f"  peak {row['peak_mem_gb']} GB", flush=True)
 
     if args.engine in ("native", "both"):
-        for mode in args.decode_attn.split(","):
-            config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches), block_size=64,
-                                   max_num_batched_tokens=max(16384, max_len), decode_attention=mode,
-                                   enable_cuda_graph=not args.no_cuda_graph,
-                                   gpu_memory_fraction=args.gpu_memory_fraction,
-                                   kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
-            engine = NativeEngine.from_model(model, config=config)
-            name = f"native-{mode}"
-            for batch in batches:
-                prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-                params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
-                engine.generate(prompts, params)  # warm-up: captures this batch's decode graphs
-                engine.stats.update(prefill_s=0.0, decode_s=0.0, decode_steps=0, prefill_steps=0)
-                outs, wall, peak = timed_generate(engine, prompts, params, device)
-                st = engine.stats
-                decode_tokens = batch * (args.new_tokens - 1)
-                record(name, batch, wall, peak, outs,
-                       {"prefill_s": round(st["prefill_s"], 4), "decode_s": round(st["decode_s"], 4),
-                        "decode_steps": st["decode_steps"], "graphs": len(engine.runner.graphs),
-                        "decode_only_tokens_per_s": round(decode_tokens / max(st["decode_s"], 1e-9), 1)})
-            if not args.no_check:
-                prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len),
-                                        generator=gen).tolist()
-                checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
-            engine.sleep()
-            del engine
+        for variant in args.native_variants.split(","):
+            name = f"native-{variant}"
+            try:
+                run_native(args, variant, name, model, cfg, batches, gen, record, checks, device)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the whole GPU run
+                traceback.print_exc()
+                results.append({"engine": name, "error": f"{type(e).__name__}: {e}"[:800]})
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
 
     if args.engine in ("hf", "both"):
         for cache in args.hf_cache.split(","):
-            engine = HFEngine.from_model(model, cache_implementation=cache, max_model_len=max_len + 1)
-            for batch in batches:
-                prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-                params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1)
-                warm = SamplingParams(temperature=1.0, max_tokens=min(8, args.new_tokens), ignore_eos=True)
-                engine.generate(prompts, warm)
-                outs, wall, peak = timed_generate(engine, prompts, params, device)
-                record(f"hf-{cache}", batch, wall, peak, outs, {})
-            if not args.no_check:
-                prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len),
-                                        generator=gen).tolist()
-                checks[f"hf-{cache}"] = check_against_trainer(engine, model, prompts,
-                                                              new_tokens=min(32, args.new_tokens))
-            engine.sleep()
-            del engine
+            try:
+                run_hf(args, cache, model, cfg, batches, gen, record, checks, device)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                results.append({"engine": f"hf-{cache}", "error": f"{type(e).__name__}: {e}"[:800]})
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
 
+    speedup = {}
+    for batch in batches:
+        best = {kind: max((r["new_tokens_per_s"] for r in results if r.get("batch") == batch
+                           and r["engine"].startswith(kind)), default=None) for kind in ("native", "hf")}
+        if best["native"] and best["hf"]:
+            speedup[str(batch)] = round(best["native"] / best["hf"], 2)
     summary = {"bench": "generate", "model": args.model, "device": device,
                "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens, "hbm_bytes_per_s": HBM_BYTES_PER_S, "results": results,
-               "checks": checks}
+               "checks": checks, "native_over_hf_speedup": speedup}
     print(json.dumps(summary))
     return summary
 
