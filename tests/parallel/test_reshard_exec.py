@@ -39,12 +39,14 @@ def _slice_training(full: dict, tp: int, pp: int, dp: int, rank: int, num_layers
     return out
 
 
-def _body(rank, world, suites):
-    """suites: [(ModelConfig overrides or None for the tiny preset, cases)]."""
-    return [r for overrides, cases in suites for r in _cases(rank, world, cases, overrides)]
+def _body(rank, world, suites, device="cpu"):
+    """suites: [(ModelConfig overrides or None for the tiny preset, cases)]. device "cuda": NCCL groups."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    return [r for overrides, cases in suites for r in _cases(rank, world, cases, overrides, device)]
 
 
-def _cases(rank, world, cases, model_overrides):
+def _cases(rank, world, cases, model_overrides, device):
     import torch.distributed as dist
 
     from models import ModelConfig, build_model
@@ -53,13 +55,14 @@ def _cases(rank, world, cases, model_overrides):
     from parallel.sharding import tp_slices
 
     model = build_model(ModelConfig(**model_overrides) if model_overrides else "tiny", seed=0)
-    full = {k: v.detach() for k, v in model.state_dict().items()}
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    full = {k: v.detach().to(dev) for k, v in model.state_dict().items()}
     nl = model.config.num_hidden_layers
     results = []
     for tp, pp, dp, gen_tp, bucket, gen_dtype in cases:
         train = TrainLayout(tp=tp, pp=pp, dp=dp)
         gen = GenLayout.for_world(world, tp=gen_tp)
-        groups = build_reshard_groups((train, gen), list(range(world)))
+        groups = build_reshard_groups((train, gen), list(range(world)), backend="nccl" if device == "cuda" else None)
         dtype = gen_dtype or torch.float32
         specs = param_specs(model.config, itemsize=torch.empty(0, dtype=dtype).element_size())
         plan = plan_reshard(train, gen, specs, only_rank=rank)
@@ -68,6 +71,8 @@ def _cases(rank, world, cases, model_overrides):
         for _repeat in range(2):  # a second transition through the same groups and plan
             stats = ReshardStats()
             out = execute_reshard(plan, shards, groups=groups, bucket_bytes=bucket, dtype=gen_dtype, stats=stats)
+            if device == "cuda":
+                torch.cuda.synchronize()
             g = groups.gen_tp_rank
             assert set(out) == set(full)
             for name, t in full.items():
@@ -99,3 +104,12 @@ def test_reshard_world_4_bit_exact():
 @pytest.mark.distributed
 def test_reshard_world_8_bit_exact():
     run_world(_body, 8, ([(None, CASES_8), (ODD, CASES_8_ODD)],))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_reshard_nccl_world_4_bit_exact():
+    cases = [(2, 2, 1, 1, 1 << 16, None), (2, 1, 2, 1, BIG, None), (4, 1, 1, 2, 1 << 14, None),
+             (1, 2, 2, 2, BIG, None), (2, 2, 1, 1, 1 << 16, torch.bfloat16), (4, 1, 1, 4, BIG, None)]
+    run_world(_body, 4, ([(None, cases)], "cuda"))

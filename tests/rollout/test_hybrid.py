@@ -128,3 +128,47 @@ def _body(rank, world):
 def test_hybrid_engine_cycle_world_4():
     res = run_world(_body, 4, ())
     assert all(r["tp_fsdp_gen1"] > r["tp_fsdp_gen2"] > 0 for r in res)
+
+
+def _gpu_body(rank, world):
+    from models import build_model
+    from parallel.dims import ParallelDims
+    from parallel.reshard import GenLayout
+    from parallel.reshard_exec import build_reshard_groups
+    from rollout.base import SamplingParams
+    from rollout.engine import NativeEngine
+    from rollout.hybrid import HybridEngine
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    ids = [torch.randint(3, 512, (4, 17), generator=torch.Generator().manual_seed(i)).to(dev) for i in range(3)]
+    models = [build_model("tiny", seed=0, device=dev) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    assert _train_step(models[0], opts[0], ids[0]) == _train_step(models[1], opts[1], ids[0])
+    dims, gen = ParallelDims(), GenLayout(tp=1, dp=1)
+    groups = build_reshard_groups((dims, gen), [0])
+    engine = NativeEngine(models[0].config, config=_engine_config(), device=dev, dtype=torch.bfloat16)
+    hybrid = HybridEngine(models[0], engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=1 << 20,
+                          offload_optimizer=True, optimizer=opts[0], gen_dtype=torch.bfloat16)
+    ref = build_model("tiny", seed=0)
+    ref.load_state_dict(models[0].state_dict())
+    ref = ref.to(device=dev, dtype=torch.bfloat16)
+    prompts, greedy = [[1, 5, 9, 22], [1, 300, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = NativeEngine.from_model(ref, config=_engine_config()).generate(prompts, greedy)
+    got = hybrid.generate(prompts, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.logprobs for c in got] == [c.logprobs for c in want]
+    recs = {r.step: r for r in hybrid.memory_log}
+    states = sum(v.numel() * v.element_size() for s in opts[0].state.values() for v in s.values() if v.dim() > 0)
+    assert recs["gather"].allocated - recs["release_training"].allocated >= states  # moved to pinned host memory
+    assert recs["restore_training"].allocated == recs["start"].allocated
+    for x in ids[1:]:  # CUDA reductions may reorder: equal to float rounding, not bitwise
+        a, b = _train_step(models[0], opts[0], x), _train_step(models[1], opts[1], x)
+        assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    return [r.step for r in hybrid.memory_log]
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_hybrid_engine_cycle_cuda():
+    assert run_world(_gpu_body, 1, ())[0] == STEPS
