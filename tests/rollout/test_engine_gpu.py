@@ -1,0 +1,72 @@
+"""GPU-only checks of the native engine: CUDA graphs and torch.compile change nothing but speed.
+
+    pytest -m gpu tests/rollout/test_engine_gpu.py
+"""
+
+import pytest
+import torch
+
+from models import build_model, preset_config
+from rollout import NativeEngine, RolloutConfig, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9], [3] * 40, [1, 2, 3]]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+          SamplingParams(temperature=1.0, max_tokens=25, n=3, seed=1, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=20, seed=2, ignore_eos=True),
+          SamplingParams(temperature=1.0, max_tokens=33, seed=3, stop_token_ids=[7, 8, 9]),
+          SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
+
+
+def _model(dtype):
+    model = build_model(preset_config("tiny"), seed=0, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def _config(**kw):
+    return RolloutConfig(**{**dict(max_model_len=128, kv_cache_tokens=128 * 8, max_num_seqs=8, block_size=16), **kw})
+
+
+def _trainer_logprobs(model, c, temperature):
+    ids = torch.tensor([c.prompt_ids + c.token_ids], device="cuda")
+    with torch.no_grad():
+        logits = model(ids)[0, len(c.prompt_ids) - 1: -1].float()
+    t = temperature if temperature > 0 else 1.0
+    lp = torch.log_softmax(logits / t, -1).gather(1, torch.tensor(c.token_ids, device="cuda")[:, None])[:, 0]
+    return lp.cpu()
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(compile=True), dict(decode_attention="bmm")])
+def test_graphs_match_eager_fp32(variant):
+    model = _model(torch.float32)
+    eager = NativeEngine.from_model(model, config=_config(enable_cuda_graph=False)).generate(PROMPTS, PARAMS)
+    engine = NativeEngine.from_model(model, config=_config(**variant))
+    graphed = engine.generate(PROMPTS, PARAMS)
+    assert len(engine.runner.graphs) > 0
+    for a, b in zip(eager, graphed):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        p = PARAMS[a.prompt_index]
+        assert (_trainer_logprobs(model, b, p.temperature) - torch.tensor(b.logprobs)).abs().max() < 1e-4
+
+
+def test_bf16_logprobs_close_to_trainer_and_sleep_frees_memory():
+    model = _model(torch.bfloat16)
+    engine = NativeEngine(model.config, config=_config(), device="cuda", dtype=torch.bfloat16)
+    engine.update_weights(model.state_dict().items())
+    outs = engine.generate(PROMPTS, PARAMS)
+    for c in outs:
+        diff = (_trainer_logprobs(model, c, PARAMS[c.prompt_index].temperature) - torch.tensor(c.logprobs)).abs()
+        assert diff.max() < 0.1  # bf16: different kernels round differently
+    before = torch.cuda.memory_allocated()
+    engine.sleep()
+    freed = before - torch.cuda.memory_allocated()
+    cache_bytes = 128 * 8 * 2 * 4 * 2 * 16 * 2  # tokens x (k, v) x layers x kv heads x head_dim x bf16
+    assert freed >= cache_bytes
+    engine.wake_up()
+    engine.update_weights(model.state_dict().items())
+    again = engine.generate(PROMPTS, PARAMS)
+    assert [c.token_ids for c in again] == [c.token_ids for c in outs]
