@@ -12,8 +12,8 @@ through the chunked (vocab-parallel under TP) log-prob kernel of parallel/vocab_
 
 - lm: next-token NLL over every position, plain causal SDPA (flash, is_causal, no mask).
 - ppo: rows packed with several prompt+response sequences of uneven length (positions
-  restart per sequence; on CUDA varlen flash attention over document boundaries,
-  elsewhere a masked SDPA), loss = clipped-ratio policy loss (ppo.core_algos.policy_loss)
+  restart per sequence; models.llama.DocumentAttention: varlen flash attention on CUDA,
+  masked SDPA elsewhere), loss = clipped-ratio policy loss (ppo.core_algos.policy_loss)
   on response tokens, entropy as a metric. Also times the forward-only log-prob
   recompute (`logprob_tokens_per_s`), the PPO step's other trainer stage.
 
@@ -52,7 +52,7 @@ from bench.common import (
 )
 from models import build_model, preset_config
 from models.config import ModelConfig
-from models.llama import DocumentAttention, document_ids_from_positions
+from models.llama import DocumentAttention
 from parallel.apply import forward_hidden, head_shard, parallelize_model
 from parallel.dims import ParallelDims, build_mesh
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
@@ -68,7 +68,7 @@ class RunSpec:
     compile: bool = False
     ac: str = "none"  # none | full | selective
     master: str = "bf16"  # bf16 | fp32
-    attn: str = "auto"  # ppo only: auto (varlen on cuda) | varlen | mask
+    attn: str = "auto"  # ppo only, DocumentAttention backend: auto (varlen on cuda) | varlen | mask
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
@@ -88,33 +88,6 @@ class RunSpec:
         if len(parts) > 4:
             spec.attn = parts[4]
         return spec
-
-
-class VarlenDocumentAttention:
-    """Causal attention inside each packed sequence via flash varlen (no [T, T] mask). CUDA only.
-
-    Built once per batch from [B, T] position ids; q/k/v [B, H, T, D] are viewed as the
-    [B*T, H, D] token stream of all sequences back to back.
-    """
-
-    def __init__(self, position_ids: torch.Tensor):
-        b, t = position_ids.shape
-        doc = document_ids_from_positions(position_ids)
-        starts = torch.ones_like(doc, dtype=torch.bool)
-        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-        idx = torch.nonzero(starts.reshape(-1)).squeeze(1)
-        end = torch.tensor([b * t], device=idx.device)
-        self.cu_seqlens = torch.cat([idx, end]).to(torch.int32)
-        self.max_len = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-
-        b, hq, t, d = q.shape
-        flat = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)
-        out = varlen_attn(flat(q), flat(k), flat(v), self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len,
-                          window_size=(-1, 0), enable_gqa=hq != k.shape[1])
-        return out.view(b, t, hq, d).transpose(1, 2)
 
 
 def flops_per_token(cfg: ModelConfig, *, context: float) -> float:
@@ -183,23 +156,24 @@ def _make_batch(spec: RunSpec, args, *, cfg, device, dp_rank):
 
 
 def _attn(spec: RunSpec, batch, *, cfg, device, dtype):
-    """(backend, max |varlen - masked SDPA| on random q/k/v or None)."""
+    """(models.llama.DocumentAttention backend, max |varlen - masked SDPA| on random q/k/v or None)."""
     if spec.mode == "lm":
         return None, None
-    kind = spec.attn if spec.attn != "auto" else ("varlen" if device.type == "cuda" else "mask")
-    if kind == "mask":
-        return DocumentAttention(batch["pos"]), None
-    varlen = VarlenDocumentAttention(batch["pos"])
-    # check the fast path against the reference masked SDPA before timing it
+    backend = DocumentAttention(batch["pos"], backend=spec.attn)
+    if device.type != "cuda" or spec.attn == "mask":
+        return backend, None
+    # check the fast path against the reference masked SDPA on this batch's packing before timing it
     b, t = batch["pos"].shape
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, cfg.num_attention_heads, t, cfg.head_dim, device=device, dtype=dtype, generator=g)
     k = torch.randn(b, cfg.num_key_value_heads, t, cfg.head_dim, device=device, dtype=dtype, generator=g)
     v = torch.randn_like(k)
-    diff = (varlen(0, q, k, v).float() - DocumentAttention(batch["pos"])(0, q, k, v).float()).abs().max().item()
+    with torch.no_grad():
+        ref = DocumentAttention(batch["pos"], backend="mask")(0, q, k, v).float()
+        diff = (backend(0, q, k, v).float() - ref).abs().max().item()
     if diff > 0.05:
-        raise RuntimeError(f"varlen attention differs from masked SDPA by {diff:.3g}; rerun with attn 'mask'")
-    return varlen, diff
+        raise RuntimeError(f"document attention ({spec.attn}) differs from masked SDPA by {diff:.3g}")
+    return backend, diff
 
 
 def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict:
