@@ -107,7 +107,7 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
     """One native-engine variant: '<sdpa|bmm>[+compile][+eager]' (eager = no CUDA graphs)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
-    config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches), block_size=64,
+    config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
                            max_num_batched_tokens=max(args.prefill_tokens, max_len), decode_attention=parts[0],
                            enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
                            compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,

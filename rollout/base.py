@@ -52,7 +52,7 @@ class RolloutConfig:
     max_num_seqs: int = 256  # running sequences (KV slots) at most
     max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    block_size: int = 64  # granule of the decode KV-length buckets (and of the slot length)
+    block_size: int = 32  # granule of the decode KV-length buckets (and of the slot length)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)

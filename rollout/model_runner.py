@@ -182,6 +182,7 @@ class ModelRunner:
         self._flip = 0
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
     @property
     def num_slots(self) -> int:
@@ -345,19 +346,25 @@ class ModelRunner:
         return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist()
 
     def _capture(self, key: tuple[int, int, bool]) -> None:
-        """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once."""
+        """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once.
+
+        capture_begin/end directly rather than `torch.cuda.graph`, whose gc.collect + empty_cache per
+        capture would cost ~100 ms per graph; sleep() drops the graphs, so they are recaptured often."""
         saved = self.meta_i.clone()
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._decode_step(*key)
+            self._decode_step(*key)  # warm-up: compiles / loads every kernel outside the capture
+            self.meta_i.copy_(saved)
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.graph_pool)
+            try:
+                self._decode_step(*key)
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.meta_i.copy_(saved)
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            self._decode_step(*key)
         self.graphs[key] = graph
         graph.replay()
 
