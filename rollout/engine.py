@@ -65,10 +65,12 @@ class NativeEngine:
             self.runner.model.model.inv_freq = self._source.model.inv_freq.to(self.runner.device)
 
     # ---- RolloutEngine protocol ----
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, share: bool = False) -> None:
+        """Load HF-named local TP shards. `share=True` aliases tensors already on the engine's device and
+        dtype instead of copying (zero-copy; the caller must keep them unchanged until sleep())."""
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
-        self.runner.load_weights(named_tensors)
+        self.runner.load_weights(named_tensors, share=share)
 
     def sleep(self) -> None:
         if self.asleep:

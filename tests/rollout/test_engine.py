@@ -220,3 +220,12 @@ def test_update_weights_never_writes_through_to_the_aliased_model(model):
     assert torch.equal(source.lm_head.weight, before)
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert [c.token_ids for c in engine.generate(PROMPTS[:2], p)] == [naive_greedy(other, q, 6) for q in PROMPTS[:2]]
+
+
+def test_update_weights_share_aliases_without_copy(model):
+    engine = NativeEngine(model.config, config=config())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.update_weights(state.items(), share=True)
+    assert engine.runner.params["model.norm.weight"].data_ptr() == state["model.norm.weight"].data_ptr()
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert [c.token_ids for c in engine.generate(PROMPTS[:2], p)] == [naive_greedy(model, q, 5) for q in PROMPTS[:2]]
