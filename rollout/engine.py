@@ -87,7 +87,7 @@ class NativeEngine:
         if not self.asleep:
             return
         before = self._mem()
-        self.runner.wake(allocate_weights=self._source is None)
+        self.runner.wake()
         if self._source is not None:
             self._load_source()
         self.asleep = False

@@ -55,7 +55,7 @@ class _DynamicRows:
 
     def __call__(self, *args):
         for a in args:
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, torch.Tensor) and a.shape[0] > 1:  # size 0/1 is always specialised: can't be marked
                 torch._dynamo.mark_dynamic(a, 0)
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return self.fn(*args)
@@ -202,10 +202,8 @@ class ModelRunner:
             self.loaded.clear()
             self.shared.clear()
 
-    def wake(self, *, allocate_weights: bool = True) -> None:
-        for name, p in self.params.items():
-            if allocate_weights and p.numel() == 0 and self.shapes[name] != (0,):
-                p.data = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+    def wake(self) -> None:
+        """Re-allocate the KV cache and decode buffers; dropped weights come back with load_weights."""
         self._allocate_runtime()
 
     # ---- weights ----
