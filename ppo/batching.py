@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # ---------------------------------------------------------------- partitioning
@@ -45,33 +46,60 @@ def karmarkar_karp(lengths: Sequence[int], k: int, *, equal_size: bool = False) 
     spread (max - min subset sum) are repeatedly merged by pairing the heaviest subset of one with
     the lightest of the other. equal_size=True starts from groups of k consecutive sorted items,
     one per subset, so every part gets exactly n/k indices. Returns k lists of indices.
+
+    A state is two [k] arrays (subset sums, subset ids), so a merge is a few numpy ops; subset
+    membership is a union-find over items (id = smallest item index, -1 = empty), resolved once
+    at the end: O(n k) numpy work instead of copying item lists (4096 items into 264 parts: ~0.1 s).
     """
     n = len(lengths)
     _check_k(n, k, equal_size)
-    order = sorted(range(n), key=lambda i: (lengths[i], i))
-    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    if n == 0:
+        return [[] for _ in range(k)]
+    lens = np.asarray(lengths, dtype=np.int64)
+    order = np.lexsort((np.arange(n), lens))  # ascending (length, index)
+    heap: list[tuple[int, int, np.ndarray, np.ndarray]] = []
     counter = 0
+    parent = np.arange(n)
 
-    def push(state: list[tuple[int, list[int]]]) -> None:
+    def push(sums: np.ndarray, ids: np.ndarray, *, presorted: bool = False) -> None:
         nonlocal counter
-        state.sort(key=lambda s: (-s[0], s[1][0] if s[1] else n))
-        heapq.heappush(heap, (-(state[0][0] - state[-1][0]), counter, state))
+        if not presorted:
+            # heaviest first, ties by smallest item (empty last); one int64 key sorts 3x faster than lexsort
+            o = np.argsort(np.where(ids < 0, n, ids) - sums * (n + 1), kind="stable")
+            sums, ids = sums[o], ids[o]
+        heapq.heappush(heap, (int(sums[-1] - sums[0]), counter, sums, ids))
         counter += 1
 
     if equal_size:
         for g in range(0, n, k):
-            push([(lengths[i], [i]) for i in order[g:g + k]])
+            grp = order[g:g + k]
+            push(lens[grp], grp.astype(np.int64))
     else:
-        for i in order:
-            push([(lengths[i], [i])] + [(0, []) for _ in range(k - 1)])
-    if not heap:
-        return [[] for _ in range(k)]
+        zeros, empty = np.zeros(k, np.int64), np.full(k, -1, np.int64)
+        for i in order.tolist():
+            sums, ids = zeros.copy(), empty.copy()
+            sums[0], ids[0] = lens[i], i
+            push(sums, ids, presorted=True)  # one item then empties: already in order
     while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
+        _, _, sa, ia = heapq.heappop(heap)
+        _, _, sb, ib = heapq.heappop(heap)
         # heaviest of a with lightest of b: the difference cancels out
-        push([(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))])
-    return _finish([items for _, items in heap[0][2]])
+        sb, ib = sb[::-1], ib[::-1]
+        both = (ia >= 0) & (ib >= 0)
+        lo, hi = np.minimum(ia, ib), np.maximum(ia, ib)
+        parent[hi[both]] = lo[both]  # each id is a root until merged once, so this is a plain link
+        push(sa + sb, np.where(both, lo, np.maximum(ia, ib)))
+    # pointer jumping: every item's root (= its part's id) in O(log n) vectorised rounds
+    while True:
+        nxt = parent[parent]
+        if np.array_equal(nxt, parent):
+            break
+        parent = nxt
+    ids = heap[0][3]
+    by_root: dict[int, list[int]] = {int(r): [] for r in ids if r >= 0}
+    for i, r in enumerate(parent.tolist()):
+        by_root[r].append(i)
+    return _finish([by_root[int(r)] if r >= 0 else [] for r in ids])
 
 
 def lpt(lengths: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
@@ -143,26 +171,30 @@ def micro_batches_by_tokens(lengths: Sequence[int], *, max_tokens: int, min_coun
                       f"{max(lengths[i] for i in over)}) each get their own micro-batch; raise the token budget "
                       "to pack them", stacklevel=2)
     rest = [i for i in range(n) if lengths[i] <= max_tokens]
-    want = max(min_count - len(over), 1 if rest else 0)
     sub = [lengths[i] for i in rest]
-    ffd = _first_fit_decreasing(lengths, rest, max_tokens)
+    want = max(min_count - len(over), 1 if rest else 0)
+    k = max(math.ceil(sum(sub) / max_tokens), want)
     chosen: list[list[int]] | None = None
-    k = max(math.ceil(sum(sub) / max_tokens), want) if rest else 0
-    while rest and chosen is None and k <= max(len(ffd), want):
+    ffd: list[list[int]] | None = None
+    while rest and chosen is None:
+        if ffd is None and k >= max(math.ceil(sum(sub) / max_tokens), want) + 2:
+            # the balanced methods missed twice: first-fit-decreasing bounds the count from above
+            ffd = _first_fit_decreasing(lengths, rest, max_tokens)
+        if ffd is not None and k > max(len(ffd), want):
+            chosen = ffd
+            # more micro-batches requested than FFD made: split the fullest bins (never breaks the budget)
+            while len(chosen) < want:
+                chosen.sort(key=lambda p: (-len(p), p))
+                big = sorted(chosen.pop(0))
+                chosen += [big[: len(big) // 2], big[len(big) // 2:]]
+            break
         for method in (karmarkar_karp, lpt):
             parts = method(sub, k)
             if max(part_sums(sub, parts)) <= max_tokens and all(parts):
                 chosen = [[rest[j] for j in p] for p in parts]
                 break
         k += 1
-    if chosen is None:
-        chosen = ffd
-        # more micro-batches requested than FFD made: split the fullest bins (never breaks the budget)
-        while len(chosen) < want:
-            chosen.sort(key=lambda p: (-len(p), p))
-            big = sorted(chosen.pop(0))
-            chosen += [big[: len(big) // 2], big[len(big) // 2:]]
-    return _finish(chosen + [[i] for i in over])
+    return _finish((chosen or []) + [[i] for i in over])
 
 
 def dp_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,

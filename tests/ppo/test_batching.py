@@ -68,6 +68,41 @@ def test_kk_beats_or_equals_lpt_on_random_cases():
     assert wins >= 5 * losses and kk_total < 0.7 * lpt_total, (wins, losses, kk_total, lpt_total)
 
 
+def _naive_kk(lengths, k, equal_size):
+    """The differencing method with explicit item lists (the obvious O(n^2) version)."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    heap, counter = [], 0
+
+    def push(state):
+        nonlocal counter
+        state.sort(key=lambda s: (-s[0], min(s[1]) if s[1] else n))
+        heap.append((state[-1][0] - state[0][0], counter, state))
+        counter += 1
+
+    if equal_size:
+        for g in range(0, n, k):
+            push([(lengths[i], [i]) for i in order[g:g + k]])
+    else:
+        for i in order:
+            push([(lengths[i], [i])] + [(0, []) for _ in range(k - 1)])
+    while len(heap) > 1:
+        heap.sort(key=lambda h: (h[0], h[1]))
+        _, _, a = heap.pop(0)
+        _, _, b = heap.pop(0)
+        push([(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))])
+    parts = [sorted(items) for _, items in heap[0][2]]
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+@pytest.mark.parametrize("equal_size", [False, True])
+def test_kk_matches_naive_implementation(equal_size):
+    for seed in range(40):
+        k = 1 + seed % 7
+        lengths = _lengths(k * (1 + seed % 6), seed, hi=50 + 200 * (seed % 2))  # small range: many ties
+        assert karmarkar_karp(lengths, k, equal_size=equal_size) == _naive_kk(lengths, k, equal_size), seed
+
+
 def test_kk_textbook_results():
     # the differencing method's known answers (not the optimum 15/15 for the first)
     assert sorted(part_sums([8, 7, 6, 5, 4], karmarkar_karp([8, 7, 6, 5, 4], 2))) == [14, 16]
