@@ -274,12 +274,11 @@ def pack(sequences: Sequence[torch.Tensor | Sequence[int]], *, pad_id: int, prom
     num_pad = t - total
     ids = torch.cat([s.to("cpu") for s in seqs] + [torch.full((num_pad,), pad_id, dtype=torch.long)])
     pos = torch.cat([torch.arange(n) for n in lens] + [torch.arange(num_pad)])
-    labels = torch.full((t,), pad_id, dtype=torch.long)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    for i, n in enumerate(lens):
-        s = int(cu[i])
-        labels[s:s + n - 1] = ids[s + 1:s + n]
+    labels = torch.roll(ids, -1)
+    labels[cu[1:].long() - 1] = pad_id  # a sequence's last token has no next token in its document
+    labels[total:] = pad_id
     resp_idx = resp_mask = None
     if prompt_lens is not None:
         if len(prompt_lens) != len(lens):

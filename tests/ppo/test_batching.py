@@ -230,3 +230,20 @@ def test_unpack_responses_is_differentiable():
     x = torch.randn(1, 5, requires_grad=True)
     unpack_responses(x, p).sum().backward()
     assert x.grad.tolist() == [[1.0, 1.0, 0.0, 1.0, 0.0]]
+
+
+@pytest.mark.gpu
+def test_packed_forward_on_cuda_equals_per_sequence():
+    model = build_model("tiny", seed=0, device="cuda").eval()
+    g = torch.Generator().manual_seed(2)
+    lens, plens = [9, 4, 15, 6, 1], [3, 2, 4, 6, 1]
+    seqs = [torch.randint(3, 500, (n,), generator=g) for n in lens]
+    p = pack(seqs, pad_id=0, prompt_lens=plens, pad_to_multiple=16, device="cuda")
+    assert p.input_ids.is_cuda and p.response_index.is_cuda
+    with torch.no_grad():
+        logits = model(p.input_ids, p.position_ids, attn=DocumentAttention(p.position_ids))
+        lp = unpack_responses(logprobs_from_logits(logits, p.labels), p)
+        for i, s in enumerate(seqs):
+            ref = model(s[None].cuda())[0]
+            want = logprobs_from_logits(ref[:-1], s[1:].cuda())[plens[i] - 1:]
+            torch.testing.assert_close(lp[i, : len(want)], want, rtol=1e-4, atol=1e-4)

@@ -327,3 +327,20 @@ def test_loss_metrics_without_sync_are_tensors():
     assert empty["ratio_min"] == empty["ratio_max"] == 1.0 and empty["clipfrac"] == 0.0
     _, vf = ca.value_loss(lp, old, adv, mask, sync_metrics=False)
     assert isinstance(vf["vf_clipfrac"], torch.Tensor)
+
+
+@pytest.mark.gpu
+def test_losses_on_cuda_match_cpu():
+    g, mask = _batch(8, 16, seed=14)
+    lp, old, adv, v, ov, ret = (torch.randn(mask.shape, generator=g) for _ in range(6))
+    cpu_pg, cpu_m = ca.policy_loss(lp, old, adv, mask)
+    gpu_pg, gpu_m = ca.policy_loss(lp.cuda(), old.cuda(), adv.cuda(), mask.cuda())
+    assert gpu_pg.is_cuda and gpu_pg.item() == pytest.approx(cpu_pg.item(), rel=1e-5)
+    assert gpu_m == pytest.approx(cpu_m, rel=1e-5)
+    a_cpu, r_cpu = ca.compute_gae(ret, v, mask, gamma=0.99, lam=0.95)
+    a_gpu, r_gpu = ca.compute_gae(ret.cuda(), v.cuda(), mask.cuda(), gamma=0.99, lam=0.95)
+    torch.testing.assert_close(a_gpu.cpu(), a_cpu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(r_gpu.cpu(), r_cpu, rtol=1e-4, atol=1e-5)
+    grpo_gpu, _ = ca.compute_grpo_advantages(ret[:, 0].cuda(), torch.arange(8).cuda() // 2, mask.cuda())
+    grpo_cpu, _ = ca.compute_grpo_advantages(ret[:, 0], torch.arange(8) // 2, mask)
+    torch.testing.assert_close(grpo_gpu.cpu(), grpo_cpu)
