@@ -103,6 +103,24 @@ def check_against_trainer(engine, model, prompts, *, new_tokens: int) -> dict:
     return out
 
 
+def profile_decode(engine, prompts, *, new_tokens: int, top: int = 15) -> list[dict]:
+    """Top device kernels of one generate (eager launches, so each kernel is attributed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.use_graphs
+    engine.runner.use_graphs = False
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params)
+            torch.cuda.synchronize()
+    finally:
+        engine.runner.use_graphs = graphs
+    # kernels carry self device time; the aten ops that launch them only aggregate it
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
+    return [{"name": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count} for e in rows]
+
+
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
     """One native-engine variant: '<sdpa|bmm>[+compile][+eager]' (eager = no CUDA graphs)."""
     parts = variant.split("+")
@@ -135,6 +153,9 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
     if not args.no_check:
         prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
         checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
+    if args.profile and device.startswith("cuda"):
+        prompts = torch.randint(3, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
+        checks[name + "/profile_top_kernels"] = profile_decode(engine, prompts, new_tokens=min(32, args.new_tokens))
     engine.sleep()
 
 
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.5)
     ap.add_argument("--no-check", action="store_true", help="skip the log-prob check against the trainer")
+    ap.add_argument("--profile", action="store_true", help="add the top CUDA kernels of each native variant")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
