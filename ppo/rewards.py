@@ -18,6 +18,8 @@ import logging
 import math
 import os
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -218,17 +220,36 @@ class RewardManager:
 
     fn may return a float or a dict with a "score" key (verl style). Only the extras fn accepts
     are passed (prompt, sample_id and the sample's extra dict), so plain fn(response, gt) works.
+    timeout_s bounds each call (SIGALRM; main thread on Unix only) so a hanging rule costs one
+    sample, not the run.
     """
 
     def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
-                 logger: logging.Logger | None = None):
+                 logger: logging.Logger | None = None, timeout_s: float | None = None):
         self.fn = fn
+        self.timeout_s = timeout_s
         self.default_score = float(default_score)
         self.logger = logger or _log
         self.total_failed = 0
         self.total_scored = 0
         self._logged: set[Any] = set()
         self._accepts = _accepted_kwargs(fn)
+
+    def _call_bounded(self, s: RewardSample) -> float:
+        if not self.timeout_s or threading.current_thread() is not threading.main_thread() \
+                or not hasattr(signal, "setitimer"):
+            return self._call(s)
+
+        def expire(signum, frame):
+            raise TimeoutError(f"reward function ran longer than timeout_s={self.timeout_s}")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        try:
+            return self._call(s)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
     def _call(self, s: RewardSample) -> float:
         extra = {"prompt": s.prompt, "sample_id": s.sample_id, **s.extra}
@@ -251,7 +272,7 @@ class RewardManager:
             if not isinstance(s, RewardSample):
                 s = RewardSample(*s)
             try:
-                scores.append(self._call(s))
+                scores.append(self._call_bounded(s))
             except Exception as e:  # a user function must not be able to kill the run
                 scores.append(self.default_score)
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"

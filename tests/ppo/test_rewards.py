@@ -165,6 +165,21 @@ def test_reward_manager_survives_failures(caplog):
     assert mgr.score_batch(batch[:2]) == [1.0, -1.0] and mgr.total_failed == 5
 
 
+def _slow(response, ground_truth):
+    if response == "hang":
+        import time
+
+        time.sleep(30)
+    return 1.0
+
+
+def test_reward_manager_timeout():
+    mgr = RewardManager(_slow, default_score=0.0, timeout_s=0.2)
+    res = mgr.score([("a", "p", "ok", "x"), ("b", "p", "hang", "x"), ("c", "p", "ok", "x")])
+    assert res.scores == [1.0, 0.0, 1.0]
+    assert "TimeoutError" in res.failures["b"] and "timeout_s=0.2" in res.failures["b"]
+
+
 def test_reward_manager_passes_only_accepted_extras():
     seen = {}
 
