@@ -103,7 +103,7 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, *, agg: str = "toke
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """logits [..., V], labels [...] -> log p(label) [...] in fp32 (no [.., V] log-softmax kept)."""
-    logits = logits.float()
+    logits = logits.float()  # bf16 log-softmax loses ~2 digits; the PPO ratio needs them
     picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -137,9 +137,11 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         for i in reversed(range(t)):
             delta = rewards[:, i] + gamma * next_value - values[:, i]
             gae = delta + gamma * lam * last_gae
+            # a masked step is invisible: V(s_{t+1}) and the running GAE carry over it unchanged
             next_value = m[:, i] * values[:, i] + (1 - m[:, i]) * next_value
             last_gae = m[:, i] * gae + (1 - m[:, i]) * last_gae
             adv[:, i] = last_gae
+        # returns come from the raw advantages: the critic regresses onto unscaled value targets
         returns = (adv + values) * m
         if whiten_advantages:
             adv = whiten(adv, m)
@@ -179,8 +181,8 @@ def compute_grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequ
     """
     s = scores.float()
     idx = _group_index(group_ids, s.shape[0], s.device)
-    _, mean, std = _group_stats(s, idx)
-    count = torch.bincount(idx)[idx]
+    count, mean, std = _group_stats(s, idx)
+    # a lone sample has no baseline to compare with: keep its raw score rather than zeroing it
     mean = torch.where(count > 1, mean, torch.zeros_like(mean))
     adv = (s - mean) / (std + eps) if norm_by_std else s - mean
     out = adv[:, None] * mask.float()
@@ -366,7 +368,7 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        err = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        err = min(max(current_kl / self.target - 1.0, -0.2), 0.2)  # clipped so one noisy batch moves it little
         self.value *= 1.0 + err * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, float]:
@@ -387,6 +389,7 @@ def apply_kl_penalty(token_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: 
     """
     m = mask.float()
     kl = kl_estimate(logp, ref_logp, kind=kind) * m
+    # per-token penalty (not one per sequence): GAE then credits each token with its own KL cost
     rewards = token_rewards.float() - kl_coef * kl
     seq_kl = masked_mean(kl, m, -1)
     current = seq_kl.mean().item() if seq_kl.numel() else 0.0

@@ -142,6 +142,7 @@ class PromptDataset:
             ids = tokenizer.encode(text)
             if isinstance(prompt, str) and getattr(tokenizer, "add_bos", False) and ids[:1] != [tokenizer.bos_token_id]:
                 ids = [tokenizer.bos_token_id] + ids  # as transformers' tokenizer(text) does for Llama
+            # truncating a prompt would cut the question (or its template's generation prompt): drop it
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 dropped += 1
                 longest = max(longest, len(ids))
@@ -212,6 +213,7 @@ class PromptSampler:
     def _epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.dataset_len))
+        # a private generator: the global RNG state (model init, sampling) never shifts the data order
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
         return torch.randperm(self.dataset_len, generator=g).tolist()
 
@@ -238,4 +240,5 @@ class PromptSampler:
             if state[k] != getattr(self, k):
                 raise ValueError(f"cannot resume the prompt sampler: checkpoint has {k}={state[k]} but this run has "
                                  f"{k}={getattr(self, k)}; use the same data and batch size as the checkpointed run")
+        # the permutation is recomputed from (seed, epoch), so the state is two integers
         self.epoch, self.batch_in_epoch, self._order = int(state["epoch"]), int(state["batch_in_epoch"]), None

@@ -83,6 +83,7 @@ def normalize_answer(ans: str) -> str:
     s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
     s = s.replace("$", "").replace("\\!", "").replace("\\%", "").replace("%", "")
     s = re.sub(r"\s+", "", s).rstrip(".")
+    # only thousands separators: "1,000" -> "1000", but a list "1,2" stays (it is not a number)
     s = re.sub(r"(?<=\d),(?=\d{3}(\D|$))", "", s)
     value = _as_number(s)
     if value is None:
@@ -159,6 +160,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         if not os.path.isfile(path):
             raise RewardFunctionError(f"reward function file {path!r} does not exist (from {spec!r}; "
                                       f"relative paths are from {os.getcwd()})")
+        # a unique module name per file: two reward files both called rewards.py must not collide
         mod_name = "hybridrl_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
         try:
             mod_spec = importlib.util.spec_from_file_location(mod_name, path)
