@@ -91,13 +91,34 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
         groups = build_role_groups(plan, rank=env.rank, device_type=env.device.type)
         logger.info("rank %d: roles %s, groups built", env.rank, ",".join(plan.roles_of(env.rank)))
 
+        monitor = None
+        if cfg.monitor.enabled and env.local_rank == 0:  # one sampler per node, for all its GPUs
+            from launcher.monitor import GpuMonitor
+
+            monitor = GpuMonitor(run_dir / "util.jsonl", interval_s=cfg.monitor.interval_s, rank=env.rank).start()
         from ppo.trainer import run_training
 
-        run_training(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_cfg)
+        try:
+            run_training(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_cfg,
+                         monitor=monitor)
+        finally:
+            if monitor is not None:
+                monitor.stop()
         return 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Each layer's own bad-input errors: they exit with 2 and a message, never a traceback."""
+    from models.config import ModelConfigError
+    from parallel.dims import TopologyError
+    from ppo.data import DataError
+    from ppo.rewards import RewardFunctionError
+    from ppo.tokenizer import TokenizerError
+
+    return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         path, overrides = _parse(argv)
         cfg = load_config(path, overrides)
         return run(cfg, rank=rank, world_size=world_size)
-    except UserError as e:
+    except _user_errors() as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return UserError.exit_code
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted", file=sys.stderr)
         return 130

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from launcher.config import Config
 from ppo.experience import Sample
 from ppo.roles import request_seed
 from rollout.base import RolloutConfig as EngineConfig
 from rollout.base import SamplingParams
 
 
-def build_rollout_groups(cfg: Config, plan):
+def build_rollout_groups(cfg, plan):
     """The hybrid engine's process groups (collective: every rank of the world calls this)."""
     from parallel.reshard import GenLayout, TrainLayout
     from parallel.reshard_exec import build_reshard_groups
@@ -28,7 +27,7 @@ def build_rollout_groups(cfg: Config, plan):
 
 
 class RolloutRole:
-    def __init__(self, cfg: Config, *, plan, actor, env, model_config, tokenizer, layouts):
+    def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
         from rollout.engine import NativeEngine
         from rollout.hybrid import HybridEngine
 
@@ -76,3 +75,8 @@ class RolloutRole:
                               behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
                               ground_truth=row.get("ground_truth")))
         return out
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Batch-controller hook, applied at a step boundary: the prefill token budget of the next
+        generate (the KV cache itself is sized at wake_up from rollout.gpu_memory_fraction)."""
+        self.engine.config.max_num_batched_tokens = max(int(tokens), self.engine.config.max_model_len)

@@ -4,12 +4,11 @@ and the loss functions the updates use. The trainer composes these objects (STYL
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from launcher.config import Config
-from launcher.log import get_logger
 from models.config import ModelConfig
 from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
@@ -90,9 +89,14 @@ class RewardModelWorker(ShardedWorker):
         return out
 
 
+def _modules(worker) -> list:
+    return worker.model.modules if worker.pp > 1 else [worker.model]
+
+
 @dataclass
 class Roles:
-    cfg: Config
+    cfg: object  # launcher.config.Config (duck-typed: ppo does not import the launcher)
+    model_config: ModelConfig | None = None
     actor: PolicyWorker | None = None
     ref: PolicyWorker | None = None
     critic: CriticWorker | None = None
@@ -116,7 +120,15 @@ class Roles:
         return self._minibatches(self.critic, exp, self.cfg.critic.mini_batch_size)
 
     # -- updates
-    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    def rollout_token_budget(self) -> int:
+        """The generation engine's prefill token budget (what the batch controller scales)."""
+        if self.rollout is not None:
+            return self.rollout.engine.config.max_num_batched_tokens
+        from rollout.base import RolloutConfig
+
+        return RolloutConfig().max_num_batched_tokens
+
+    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         a = self.cfg.actor
         keys = ["old_logp", "advantages", "mask"] + (["ref_logp"] if a.use_kl_loss else [])
 
@@ -124,66 +136,97 @@ class Roles:
             loss, m = algos.policy_loss(logp, t["old_logp"], t["advantages"], t["mask"], clip_low=a.clip_low,
                                         clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
                                         denom=denom)
-            m["pg_loss"] = float(loss)
+            m["pg_loss"] = float(loss.detach())
             if entropy is not None and a.entropy_coef:
                 loss = loss - a.entropy_coef * algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
             if a.use_kl_loss:
                 kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
                 kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
                 loss = loss + a.kl_loss_coef * kl_loss
-                m["kl_loss"] = float(kl_loss)
+                m["kl_loss"] = float(kl_loss.detach())
             return loss, m
 
         loss_fn.needs_entropy = bool(a.entropy_coef)
         return self.actor.update(exp, self.actor_minibatches(exp), {k: tensors[k] for k in keys},
-                                 max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, loss_fn=loss_fn)
+                                 max_tokens=max_tokens, epochs=a.ppo_epochs, loss_fn=loss_fn)
 
-    def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         c = self.cfg.critic
 
         def loss_fn(values, t, denom):
             loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=c.value_clip,
                                        agg=c.loss_agg, denom=denom)
-            m["vf_loss"] = float(loss)
+            m["vf_loss"] = float(loss.detach())
             return loss, m
 
         return self.critic.update(exp, self.critic_minibatches(exp),
                                   {k: tensors[k] for k in ("values", "returns", "mask")},
-                                  max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, loss_fn=loss_fn)
+                                  max_tokens=max_tokens, epochs=c.ppo_epochs, loss_fn=loss_fn)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
-    def sft_warmup(self, state, *, steps: int) -> None:
-        if self.actor is None:
-            return
-        log = get_logger()
+    def sft_warmup(self, state, *, steps: int, run_dir) -> None:
+        """Train the actor on the task's answers, then make the warmed-up policy the reference and
+        the critic's trunk (RL starts from the SFT model, and the KL is measured against it)."""
+        if self.actor is not None:
+            self._sft_actor(state, steps=steps)
+        path = self._export_actor(run_dir)
+        from parallel.loading import load_sharded_weights
+
+        if self.ref is not None:
+            for m in _modules(self.ref):
+                load_sharded_weights(m, path, strict=False)
+        if self.critic is not None:
+            for m in _modules(self.critic):  # trunk only: the value head keeps its init
+                load_sharded_weights(m, path, strict=False)
+
+    def _sft_actor(self, state, *, steps: int) -> None:
+        log = logging.getLogger("hybridrl")
         opt = self.actor.optimizer
         saved = [g["lr"] for g in opt.param_groups]
         for g in opt.param_groups:
             g["lr"] = self.cfg.trainer.sft_lr
+
+        def nll(logp, entropy, t, denom):
+            loss = -(logp * t["mask"]).sum() / denom
+            return loss, {"sft_loss": float(loss.detach())}
+
         for i in range(steps):
             pairs = state.sft_batch(i)
-            samples = [Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
-                              finish_reason="stop") for j, (p, r) in enumerate(pairs)]
-            exp = Experience(samples)
-            mask = exp.response_mask()
-
-            def nll(logp, entropy, t, denom):
-                loss = -(logp * t["mask"]).sum() / denom
-                return loss, {"sft_loss": float(loss)}
-
-            m = self.actor.update(exp, self.actor_minibatches(exp), {"mask": mask}, epochs=1, loss_fn=nll,
-                                  max_tokens=self.cfg.actor.max_tokens_per_micro_batch, step_scheduler=False)
-            if i % 10 == 0 or i == steps - 1:
+            exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
+                                     finish_reason="stop") for j, (p, r) in enumerate(pairs)])
+            m = self.actor.update(exp, self.actor_minibatches(exp), {"mask": exp.response_mask()}, epochs=1,
+                                  loss_fn=nll, max_tokens=self.cfg.actor.max_tokens_per_micro_batch,
+                                  step_scheduler=False)
+            if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
                 log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
         for g, lr in zip(opt.param_groups, saved):
             g["lr"] = lr
 
+    def _export_actor(self, run_dir):
+        """The actor's full weights as an HF directory `<run_dir>/sft_warmup` (collective on the world)."""
+        import torch.distributed as dist
 
-def build_roles(cfg: Config, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
+        from models.hf_io import save_tensors
+        from parallel.loading import full_state_dict
+        from ppo.experience import all_gather_objects
+
+        mine = {}
+        if self.actor is not None:
+            sds = [full_state_dict(m) for m in _modules(self.actor)]  # collective within the actor group
+            if self.actor.dp_idx == 0 and self.actor.tp_idx == 0:
+                mine = {k: v for sd in sds for k, v in sd.items()}
+        merged = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+        path = run_dir / "sft_warmup"
+        if dist.get_rank() == 0:
+            save_tensors(merged, self.model_config, path)
+        dist.barrier()
+        return path
+
+def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
     """Construct the workers of every role this rank hosts."""
     from ppo.rewards import RewardManager, load_reward_function
 
-    roles = Roles(cfg)
+    roles = Roles(cfg, model_config=model_config)
     rank, seed = env.rank, cfg.trainer.seed
     dtype = model_dtype(cfg.model.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -212,7 +255,7 @@ def build_roles(cfg: Config, *, plan, groups, env, model_config: ModelConfig, to
         else:
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
-            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=get_logger())
+            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"))
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))

@@ -4,31 +4,32 @@ save/resume, and the FLOP accounting behind `perf/mfu/actor`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from launcher.config import Config, to_dict
-from launcher.log import get_logger
 from ppo import core_algos as algos
 
 H200_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling (DESIGN.md, "Honest numbers")
 
 
 class TrainState:
-    def __init__(self, cfg: Config, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl):
+    def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl):
         self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
         self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
-        self.log = get_logger()
+        self.log = logging.getLogger("hybridrl")
         self._tb = None
         self._wandb = None
         self.model_params: int | None = None
+        self.controller = None
 
     @classmethod
-    def create(cls, cfg: Config, *, run_dir: Path, rank: int) -> TrainState:
+    def create(cls, cfg, *, run_dir: Path, rank: int) -> TrainState:
         from ppo.data import PromptDataset, PromptSampler
         from ppo.tokenizer import load_tokenizer
 
@@ -41,9 +42,9 @@ class TrainState:
             dataset = PromptDataset.from_task(d.task, d.task_size, seed=cfg.trainer.seed, tokenizer=tok,
                                               max_prompt_length=d.max_prompt_length)
         if len(dataset) < d.batch_size:
-            from launcher.errors import UserError
+            from ppo.data import DataError
 
-            raise UserError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
+            raise DataError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
                             f"({d.batch_size})")
         sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
         a = cfg.algorithm
@@ -105,7 +106,7 @@ class TrainState:
             return
         if self._wandb is None:
             self._wandb = wandb.init(project=self.cfg.trainer.wandb_project, name=self.cfg.trainer.experiment_name,
-                                     config=to_dict(self.cfg), dir=str(self.run_dir))
+                                     config=dataclasses.asdict(self.cfg), dir=str(self.run_dir))
         if self._wandb:
             wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
 
@@ -123,11 +124,13 @@ class TrainState:
             self._wandb.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, roles, *, final: bool) -> Path:
+    def save(self, step: int, roles, *, final: bool, pending=None) -> Path:
         from ppo.checkpoint import capture_rng_state, save_checkpoint
 
         per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
-        shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                  "pending": pending.samples if pending is not None else None,
+                  "controller": self.controller.state_dict() if self.controller is not None else None}
         model_states, configs = export_weights(roles) if final else ({}, {})
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared, model_states=model_states,
@@ -136,26 +139,31 @@ class TrainState:
             self.log.info("checkpoint %s", path)
         return path
 
-    def maybe_resume(self, roles) -> int:
-        """Restore the newest complete checkpoint when trainer.resume asks; returns the start step."""
+    def maybe_resume(self, roles):
+        """Restore the newest complete checkpoint when trainer.resume asks.
+        Returns (start step, the async batch generated ahead or None)."""
         from ppo.checkpoint import find_latest_checkpoint, load_checkpoint, restore_rng_state
+        from ppo.experience import Experience
 
         mode = self.cfg.trainer.resume
         if mode == "never":
-            return 0
+            return 0, None
         path = find_latest_checkpoint(self.run_dir) if mode == "auto" else Path(mode)
         if path is None:
             if self.rank == 0:
                 self.log.info("trainer.resume=auto: no complete checkpoint in %s, starting fresh", self.run_dir)
-            return 0
+            return 0, None
         per_rank, shared = load_checkpoint(path, rank=self.rank)
         load_roles_state(roles, per_rank["workers"])
         self.sampler.load_state_dict(shared["sampler"])
         self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
         restore_rng_state(per_rank["rng"])
+        if self.controller is not None and shared.get("controller"):
+            self.controller.load_state_dict(shared["controller"])
         if self.rank == 0:
             self.log.info("resumed from %s at step %d", path, shared["step"])
-        return int(shared["step"])
+        pending = Experience(shared["pending"]) if shared.get("pending") else None
+        return int(shared["step"]), pending
 
 
 # ---------------------------------------------------------------------- worker state
@@ -173,7 +181,9 @@ def _to_local(obj):
 
 
 def _params_of(worker) -> dict[str, torch.nn.Parameter]:
-    mods = worker.model.modules if worker.pp > 1 else [worker.model]
+    from ppo.roles import _modules
+
+    mods = _modules(worker)
     return {f"{i}.{n}": p for i, m in enumerate(mods) for n, p in m.named_parameters()}
 
 

@@ -14,6 +14,7 @@ placement the groups work concurrently and meet at two exchanges):
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.config import Config, uses_critic, uses_ref
-from launcher.log import get_logger
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample, all_gather_objects, merge_results, share_samples
 from ppo.roles import build_roles
@@ -54,56 +53,82 @@ class StageTimer:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: Config, *, plan, groups, env, run_dir: Path, model_config):
+    def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None):
         self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, Path(run_dir)
-        self.log = get_logger()
+        self.log = logging.getLogger("hybridrl")
         self.rank = env.rank
         self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank)
         self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
-        self.monitor = self._start_monitor()
+        self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
         self.state.model_params = model_config.num_params()
+        self.pending: Experience | None = None  # async: the batch generated one step ahead
+        self.base_budgets = {"actor": cfg.actor.max_tokens_per_micro_batch, "ref": cfg.ref.max_tokens_per_micro_batch,
+                             "critic": cfg.critic.max_tokens_per_micro_batch}
+        self.budgets = dict(self.base_budgets)
+        self.controller = self.controller_base = None
+        if cfg.controller.enabled:
+            from ppo.controller import BatchController
 
-    # ------------------------------------------------------------------ set-up
-    def _start_monitor(self):
-        if not self.cfg.monitor.enabled or self.env.local_rank != 0:
-            return None
-        from launcher.monitor import GpuMonitor
-
-        return GpuMonitor(self.run_dir / "util.jsonl", interval_s=self.cfg.monitor.interval_s,
-                          device_indices=None, rank=self.rank).start()
+            c = cfg.controller
+            self.controller_base = cfg.actor.max_tokens_per_micro_batch
+            self.controller = BatchController(
+                rollout_tokens=self.roles.rollout_token_budget(), micro_batch_tokens=self.controller_base,
+                low_util=c.low_util, high_mem=c.high_mem, grow=c.grow, shrink=c.shrink,
+                hysteresis_steps=c.hysteresis_steps)
+        self.state.controller = self.controller
 
     # ------------------------------------------------------------------ one step
-    def step(self, step: int) -> dict[str, float]:
-        cfg, roles = self.cfg, self.roles
-        timer = StageTimer(self.env.device, self.monitor)
-        t_step = time.perf_counter()
+    def generate(self, step: int, timer: StageTimer) -> Experience:
+        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank."""
         batch = self.state.next_prompts()
-
-        # 1. generation on the actor ranks, then every rank holds every sample
         mine: list[Sample] = []
-        if roles.rollout is not None:
+        if self.roles.rollout is not None:
             with timer("gen"):
-                mine = roles.rollout.generate(batch, step=step, seed=cfg.trainer.seed, timer=timer)
+                mine = self.roles.rollout.generate(batch, step=step, seed=self.cfg.trainer.seed, timer=timer)
             timer.times["gen"] -= timer.times.get("reshard", 0.0)  # gen is decoding; reshard its own stage
-        exp = Experience(share_samples(mine))
+        return Experience(share_samples(mine))
 
-        # 2. scoring: each group over its DP shard (concurrently in split placement)
-        results: dict[str, dict[int, torch.Tensor]] = {}
-        if roles.actor is not None:
+    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool) -> dict:
+        """Each role group over its DP shard (concurrently in split placement)."""
+        roles, results = self.roles, {}
+        if roles.actor is not None and old_logp:
             with timer("old_log_prob"):
-                r = roles.actor.compute_logprobs(exp, roles.actor_minibatches(exp), with_entropy=True)
+                r = self.budgeted("old_log_prob", lambda b: roles.actor.compute_logprobs(
+                    exp, roles.actor_minibatches(exp), max_tokens=b, with_entropy=True), "actor")
                 results.update(old_logp=r["logp"], entropy=r["entropy"])
         if roles.ref is not None:
             with timer("ref"):
-                results["ref_logp"] = roles.ref.compute_logprobs(exp, roles.ref_minibatches(exp))["logp"]
+                results["ref_logp"] = self.budgeted("ref", lambda b: roles.ref.compute_logprobs(
+                    exp, roles.ref_minibatches(exp), max_tokens=b), "ref")["logp"]
         if roles.critic is not None:
             with timer("values"):
-                results.update(roles.critic.compute_values(exp, roles.critic_minibatches(exp)))
+                results.update(self.budgeted("values", lambda b: roles.critic.compute_values(
+                    exp, roles.critic_minibatches(exp), max_tokens=b), "critic"))
         if roles.reward is not None:
             with timer("reward"):
                 results["score"] = roles.reward.score(exp)
+        return results
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, roles = self.cfg, self.roles
+        is_async = cfg.trainer.async_rollout
+        timer = StageTimer(self.env.device, self.monitor)
+        t_step = time.perf_counter()
+
+        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy)
+        exp = self.pending if self.pending is not None else self.generate(step, timer)
+        self.pending = None
+
+        # 2. scoring; async skips the old-log-prob recompute: the behaviour log-probs recorded at
+        #    generation are the importance-ratio denominators
+        results = self.score(exp, timer, old_logp=not is_async)
+        if is_async and step + 1 < cfg.trainer.total_steps:
+            # the actor ranks generate batch k+1 while the other groups score batch k
+            self.pending = self.generate(step + 1, timer)
         merged = merge_results(results)
+        if is_async:
+            merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
 
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv"):
@@ -113,12 +138,57 @@ class PPOTrainer:
         actor_m, critic_m = {}, {}
         if roles.actor is not None:
             with timer("update_actor"):
-                actor_m = roles.update_actor(exp, tensors)
+                actor_m = self.budgeted("update_actor", lambda b: roles.update_actor(exp, tensors, max_tokens=b),
+                                        "actor", retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
         if roles.critic is not None:
             with timer("update_critic"):
-                critic_m = roles.update_critic(exp, tensors)
+                critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),
+                                         "critic", retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
         timer.times["step"] = time.perf_counter() - t_step
         return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times)
+
+    def budgeted(self, stage: str, fn, role: str, *, retry_safe=None):
+        """Run a stage with its role's micro-batch token budget; on CUDA OOM halve it and rerun
+        (no sample is lost: fn re-reads the whole batch). Updates retry only before their first
+        optimizer step, so no mini-batch is applied twice."""
+        from ppo.controller import is_cuda_oom, run_with_oom_backoff
+
+        def safe_oom(err: BaseException) -> bool:
+            return is_cuda_oom(err) and (retry_safe is None or retry_safe())
+
+        def record(old: int, new: int) -> None:
+            self.log.warning("%s: CUDA out of memory at %d tokens per micro-batch; retrying with %d", stage, old, new)
+            self.budgets[role] = new
+            if self.controller is not None:
+                self.controller.record_oom(failed=old, new=new)
+
+        out, self.budgets[role] = run_with_oom_backoff(
+            fn, budget=self.budgets[role], min_budget=min(256, self.budgets[role]),
+            max_retries=self.cfg.controller.max_oom_retries, on_oom=record, is_oom=safe_oom, name=stage)
+        return out
+
+    def control(self, metrics: dict[str, float]) -> None:
+        """Step boundary only: the batch controller resizes token budgets from utilization/memory."""
+        from ppo.controller import agree_feedback
+
+        util = metrics.get("gpu/util_mean")
+        util = None if util is None else util / 100.0
+        mem = None
+        if self.env.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.env.device).total_memory
+            mem = min(1.0, torch.cuda.max_memory_reserved(self.env.device) / total)
+        util, mem = agree_feedback(util, mem)
+        d = self.controller.decide(util, mem)
+        scale = d.micro_batch_tokens / self.controller_base
+        for role, base in self.base_budgets.items():
+            self.budgets[role] = max(256, int(base * scale))
+        if self.roles.rollout is not None:
+            self.roles.rollout.set_token_budget(d.rollout_tokens)
+        metrics["controller/micro_batch_tokens"] = d.micro_batch_tokens
+        metrics["controller/rollout_tokens"] = d.rollout_tokens
+        if self.rank == 0 and d.action != "hold":
+            self.log.info("batch controller: %s (%s) -> micro-batch %d tokens, rollout %d tokens",
+                          d.action, d.reason, d.micro_batch_tokens, d.rollout_tokens)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]]):
         """[B, R] tensors for the updates: mask, old_logp, advantages, (returns, values, ref_logp)."""
@@ -128,6 +198,11 @@ class PPOTrainer:
         token_rewards = algos.scores_to_token_rewards(scores, mask)
         t = {"mask": mask, "old_logp": exp.stack(merged["old_logp"]), "scores": scores}
         metrics: dict[str, float] = {}
+        if not self.cfg.trainer.async_rollout:
+            # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
+            diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
+            metrics["rollout/logprob_diff_max"] = float(diff.max())
+            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
         if merged.get("entropy"):
             metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
         if "ref_logp" in merged:
@@ -201,25 +276,29 @@ class PPOTrainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> None:
         cfg = self.cfg
-        start = self.state.maybe_resume(self.roles)
+        start, self.pending = self.state.maybe_resume(self.roles)
         if start == 0 and cfg.trainer.sft_warmup_steps:
-            self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps)
+            self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
         bar = self.state.progress(start)
         for step in range(start, cfg.trainer.total_steps):
             metrics = self.step(step)
             if self.monitor is not None:
-                metrics.update(self.monitor.step_summary())
+                gpu = self.monitor.step_summary()
+                # NVML's memory includes the allocator's cache: keep it apart from torch's mem/peak_gb
+                if "mem/peak_gb" in gpu:
+                    gpu["gpu/mem_peak_gb"] = gpu.pop("mem/peak_gb")
+                metrics.update(gpu)
+            if self.controller is not None:
+                self.control(metrics)
             self.state.log_metrics(metrics)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == cfg.trainer.total_steps
             if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
-                self.state.save(step + 1, self.roles, final=last)
+                self.state.save(step + 1, self.roles, final=last, pending=self.pending)
         if bar is not None:
             bar.close()
-        if self.monitor is not None:
-            self.monitor.stop()
         self.state.close()
 
 
@@ -230,16 +309,18 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
 
 
 def _rename(k: str) -> str:
-    return {"loss": "pg_loss", "vf_loss": "vf_loss"}.get(k, k)
+    return k
 
 
-def run_training(cfg: Config, *, plan, groups, env, run_dir, model_config) -> None:
-    trainer = PPOTrainer(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_config)
+def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None) -> None:
+    """cfg: launcher.config.Config; monitor: an optional GPU monitor with set_stage/step_summary/stop."""
+    trainer = PPOTrainer(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_config,
+                         monitor=monitor)
     trainer.fit()
     if env.rank == 0:
-        get_logger().info("done: %s", json.dumps({"run_dir": str(run_dir)}))
+        logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))
     if dist.is_initialized():
         dist.barrier()
 
 
-__all__ = ["PPOTrainer", "run_training", "STAGES", "uses_critic", "uses_ref"]
+__all__ = ["PPOTrainer", "run_training", "STAGES"]

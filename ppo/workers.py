@@ -83,6 +83,7 @@ class ShardedWorker:
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
         self.n_microbatches = n_mb
         self.grad_clip = 1.0
+        self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
 
     @property
     def is_owner(self) -> bool:
@@ -234,6 +235,7 @@ class PolicyWorker(ShardedWorker):
         need_ent = getattr(loss_fn, "needs_entropy", False)
         sums: dict[str, float] = {}
         count = 0
+        self.optimizer_steps_in_update = 0
         for _ in range(epochs):
             for mini in mini_batches:
                 mbs = self.micro_batches(exp, mini, max_tokens)
@@ -257,6 +259,7 @@ class PolicyWorker(ShardedWorker):
                     count += 1
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(metrics_list)
                 self.optimizer.step()
+                self.optimizer_steps_in_update += 1
         if step_scheduler:
             self.scheduler.step()
         out = {k: v / max(count, 1) for k, v in sums.items()}
@@ -314,6 +317,7 @@ class CriticWorker(ShardedWorker):
                max_tokens: int, epochs: int, loss_fn) -> dict[str, float]:
         sums: dict[str, float] = {}
         count = 0
+        self.optimizer_steps_in_update = 0
         for _ in range(epochs):
             for mini in mini_batches:
                 mbs = self.micro_batches(exp, mini, max_tokens)
@@ -330,6 +334,7 @@ class CriticWorker(ShardedWorker):
                     count += 1
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(mbs)
                 self.optimizer.step()
+                self.optimizer_steps_in_update += 1
         self.scheduler.step()
         return {k: v / max(count, 1) for k, v in sums.items()}
 
