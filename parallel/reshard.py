@@ -306,23 +306,25 @@ class Slab:
     stop: int
 
 
-def _row_cost(spec: ParamSpec, train: TrainLayout, gen: GenLayout) -> int:
-    """Bytes per dim-0 row that one rank may stage: a generation-shard row plus a training-cell row."""
+def _row_cost(spec: ParamSpec, train: TrainLayout, gen: GenLayout, *, send_copies: int) -> int:
+    """Bytes per dim-0 row one rank may stage: a generation-shard row plus send_copies training-cell rows."""
     if not spec.shape:
-        return spec.itemsize
+        return spec.itemsize * (1 + send_copies)
     row = spec.numel // max(spec.shape[0], 1)
     dim = tp_shard_dim(spec.name)
     gen_row = row // gen.tp if dim is not None and dim > 0 else row
     cell_row = row // train.tp if dim is not None and dim > 0 else row
-    return (gen_row + cell_row) * spec.itemsize
+    return (gen_row + send_copies * cell_row) * spec.itemsize
 
 
-def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int) -> list[list[Slab]]:
+def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int, send_copies: int = 1) -> list[list[Slab]]:
     """Cut every parameter into dim-0 slabs and group them into buckets, identically on every rank.
 
     The executor double-buffers (one bucket in flight while the previous one is unpacked), so a
     bucket may stage at most bucket_bytes // 2: peak staging stays within bucket_bytes. The cost
     is a rank-independent upper bound, so all ranks cut the same buckets without talking.
+    send_copies: how many staged copies of one training row a rank may send (1 when each distinct
+    piece is packed once; the gather-group size - 1 when every peer gets its own packed copy).
     """
     half = bucket_bytes // 2
     if half <= 0:
@@ -332,7 +334,10 @@ def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int) -> list[list[Slab]]:
     room = half
     for pi, spec in enumerate(plan.specs):
         rows = spec.shape[0] if spec.shape else 1
-        cost = _row_cost(spec, plan.train, plan.gen)
+        cost = _row_cost(spec, plan.train, plan.gen, send_copies=send_copies)
+        if cost > half:
+            raise ValueError(f"bucket_bytes({bucket_bytes}) is too small: one row of {spec.name} may stage {cost} "
+                             f"bytes and a bucket holds half the budget; use bucket_bytes >= {2 * cost}")
         start = 0
         while start < rows:
             fit = room // cost
@@ -340,7 +345,7 @@ def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int) -> list[list[Slab]]:
                 buckets.append(cur)
                 cur, room = [], half
                 continue
-            take = min(rows - start, max(fit, 1))  # a single row larger than half a bucket goes alone
+            take = min(rows - start, fit)
             cur.append(Slab(pi, start, start + take))
             room -= take * cost
             start += take

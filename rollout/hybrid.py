@@ -54,11 +54,13 @@ class HybridEngine:
     def __init__(self, actor_model, engine, *, train_layout: TrainLayout, gen_layout: GenLayout,
                  groups: ReshardGroups, bucket_bytes: int, offload_optimizer: bool,
                  optimizer: torch.optim.Optimizer | None = None, logger: logging.Logger | None = None,
-                 gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None):
+                 gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None,
+                 method: str = "alltoall"):
         """actor_model: the parallelized actor (module, or PipelineRunner when pp > 1); engine: a
         rollout.base.RolloutEngine whose TP group is groups.gen_tp_group. gen_dtype: dtype of the
         generation shard (default: the training shards' dtype; bf16 halves the bytes moved when the
-        masters are fp32). specs: full parameter shapes (default: from the actor's config)."""
+        masters are fp32). specs: full parameter shapes (default: from the actor's config). method:
+        how buckets move (parallel/reshard_exec.py: "alltoall" or "p2p")."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.actor = actor_model
@@ -70,6 +72,7 @@ class HybridEngine:
         self.optimizer = optimizer
         self.log = logger
         self.gen_dtype = gen_dtype
+        self.method = method
         first = next(p for m in self.modules for p in m.parameters())
         local = first.to_local() if hasattr(first, "to_local") else first
         self.device = local.device
@@ -174,7 +177,7 @@ class HybridEngine:
         stats = ReshardStats()
         t = time.perf_counter()
         self._gen = execute_reshard(self.plan, shards, groups=self.groups, bucket_bytes=self.bucket_bytes,
-                                    dtype=self.gen_dtype, stats=stats)
+                                    dtype=self.gen_dtype, method=self.method, stats=stats)
         if cuda:
             torch.cuda.synchronize(self.device)
         self.timings["reshard"] = time.perf_counter() - t

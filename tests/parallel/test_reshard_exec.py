@@ -14,14 +14,14 @@ from tests.dist_utils import run_world
 # (tp, pp, dp, gen_tp) per world size; several layouts share one world (spawning is the slow part)
 # (tp, pp, dp, gen_tp, bucket bytes, generation dtype or None = training dtype)
 BIG = 1 << 28
-CASES_4 = [(2, 2, 1, 1, 2048, None), (2, 2, 1, 1, BIG, None), (2, 1, 2, 1, BIG, None), (4, 1, 1, 2, 8192, None),
-           (1, 2, 2, 1, BIG, None), (1, 1, 4, 1, 16384, None), (1, 2, 2, 2, 4096, None), (4, 1, 1, 4, BIG, None),
-           (2, 2, 1, 1, 8192, torch.bfloat16), (4, 1, 1, 4, BIG, torch.bfloat16)]
-CASES_8 = [(2, 2, 2, 2, 4096, None), (2, 2, 2, 1, BIG, None), (1, 2, 4, 4, 8192, None)]
+CASES_4 = [(2, 2, 1, 1, 16384, None), (2, 2, 1, 1, BIG, None), (2, 1, 2, 1, BIG, None), (4, 1, 1, 2, 16384, None),
+           (1, 2, 2, 1, BIG, None), (1, 1, 4, 1, 16384, None), (1, 2, 2, 2, 16384, None), (4, 1, 1, 4, BIG, None),
+           (2, 2, 1, 1, 16384, torch.bfloat16), (4, 1, 1, 4, BIG, torch.bfloat16)]
+CASES_8 = [(2, 2, 2, 2, 16384, None), (2, 2, 2, 1, BIG, None), (1, 2, 4, 4, 16384, None)]
 # uneven FSDP chunks and empty shards: k_proj has 2 rows, vocab 100, intermediate 18
 ODD = dict(vocab_size=100, hidden_size=8, intermediate_size=18, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=1)
-CASES_8_ODD = [(1, 1, 8, 1, BIG, None), (1, 2, 4, 2, 1024, None), (2, 1, 4, 2, BIG, None)]
+CASES_8_ODD = [(1, 1, 8, 1, BIG, None), (1, 2, 4, 2, 4096, None), (2, 1, 4, 2, BIG, None)]
 
 
 def _slice_training(full: dict, tp: int, pp: int, dp: int, rank: int, num_layers: int) -> dict:
@@ -51,7 +51,7 @@ def _cases(rank, world, cases, model_overrides, device):
 
     from models import ModelConfig, build_model
     from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
-    from parallel.reshard_exec import ReshardStats, build_reshard_groups, execute_reshard
+    from parallel.reshard_exec import METHODS, ReshardStats, build_reshard_groups, execute_reshard
     from parallel.sharding import tp_slices
 
     model = build_model(ModelConfig(**model_overrides) if model_overrides else "tiny", seed=0)
@@ -68,9 +68,10 @@ def _cases(rank, world, cases, model_overrides, device):
         plan = plan_reshard(train, gen, specs, only_rank=rank)
         shards = _slice_training(full, tp, pp, dp, rank, nl)
         before = {k: v.clone() for k, v in shards.items()}
-        for _repeat in range(2):  # a second transition through the same groups and plan
+        for method in METHODS:  # also: a second transition through the same groups and plan
             stats = ReshardStats()
-            out = execute_reshard(plan, shards, groups=groups, bucket_bytes=bucket, dtype=gen_dtype, stats=stats)
+            out = execute_reshard(plan, shards, groups=groups, bucket_bytes=bucket, dtype=gen_dtype, stats=stats,
+                                  method=method)
             if device == "cuda":
                 torch.cuda.synchronize()
             g = groups.gen_tp_rank
@@ -78,7 +79,7 @@ def _cases(rank, world, cases, model_overrides, device):
             for name, t in full.items():
                 want = t[tp_slices(name, tuple(t.shape), rank=g, world=gen_tp)].to(dtype)
                 assert out[name].dtype == dtype
-                assert torch.equal(out[name], want), f"{(tp, pp, dp, gen_tp)} rank {rank}: {name} differs"
+                assert torch.equal(out[name], want), f"{(tp, pp, dp, gen_tp)} {method} rank {rank}: {name} differs"
             # the training shards are untouched: going back is dropping the generation copy
             assert all(torch.equal(shards[k], before[k]) for k in shards)
             assert stats.bytes_received == plan.bytes_received(rank) == plan.lower_bound_bytes(rank)
@@ -87,7 +88,7 @@ def _cases(rank, world, cases, model_overrides, device):
                 # identity layout: the training tensors themselves, not copies
                 assert all(out[k].data_ptr() == shards[k].data_ptr() for k in shards)
                 assert stats.gen_alloc_bytes == 0 and stats.bytes_received == 0
-            results.append((tp, pp, dp, gen_tp, bucket, stats.buckets, stats.peak_staging_bytes))
+            results.append((tp, pp, dp, gen_tp, bucket, stats.buckets, stats.peak_staging_bytes, method))
             del out
         dist.barrier()
     return results
@@ -97,8 +98,8 @@ def _cases(rank, world, cases, model_overrides, device):
 def test_reshard_world_4_bit_exact():
     res = run_world(_body, 4, ([(None, CASES_4)],))
     # a small bucket really splits the transition into many buckets and stages column blocks
-    small = [r for r in res[0] if r[:5] == (2, 2, 1, 1, 2048)]
-    assert small and small[0][5] > 10 and small[0][6] > 0
+    small = [r for r in res[0] if r[:5] == (2, 2, 1, 1, 16384)]
+    assert {r[7] for r in small} == {"alltoall", "p2p"} and all(r[5] > 10 and r[6] > 0 for r in small)
 
 
 @pytest.mark.distributed
