@@ -133,6 +133,10 @@ class HFTokenizer:
         add_special_tokens=False (default) matches how transformers tokenizes a rendered template."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[list[int]]:
+        """Many texts at once (the tokenizers library parallelises over them)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

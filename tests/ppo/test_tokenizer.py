@@ -68,6 +68,7 @@ def test_hf_tokenizer_dir(tmp_path):
     assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
     text = "the sum of 12 and 34 is 46"
     assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_batch([text, "hello world"]) == [tok.encode(text), tok.encode("hello world")]
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     rendered = tok.apply_chat_template(msgs)
     assert rendered == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
