@@ -28,7 +28,9 @@ KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    # where, not x * mask: padding may hold -inf / NaN (log-probs of pad tokens) and NaN * 0 = NaN
+    y = torch.where(mask != 0, x * mask, torch.zeros((), dtype=x.dtype, device=x.device))
+    return y.sum() if dim is None else y.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -40,9 +42,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) ->
     """Variance of x over masked positions (Bessel-corrected when unbiased and n > 1)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
-    n = mask.sum()
-    if unbiased and n > 1:
-        var = var * n / (n - 1)
+    if unbiased:  # torch.where, not `if n > 1`: no host sync on GPU
+        n = mask.sum()
+        var = torch.where(n > 1, var * n / (n - 1).clamp_min(1), var)
     return var
 
 

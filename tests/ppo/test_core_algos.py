@@ -344,3 +344,19 @@ def test_losses_on_cuda_match_cpu():
     grpo_gpu, _ = ca.compute_grpo_advantages(ret[:, 0].cuda(), torch.arange(8).cuda() // 2, mask.cuda())
     grpo_cpu, _ = ca.compute_grpo_advantages(ret[:, 0], torch.arange(8) // 2, mask)
     torch.testing.assert_close(grpo_gpu.cpu(), grpo_cpu)
+
+
+def test_non_finite_padding_does_not_leak():
+    # log-probs at padding can be -inf / NaN; nothing outside the mask may reach the loss or grads
+    g, mask = _batch(4, 6, seed=15)
+    mask[0, -1] = 0
+    lp = (-torch.rand(mask.shape, generator=g)).masked_fill(mask == 0, float("nan")).requires_grad_()
+    old = (-torch.rand(mask.shape, generator=g)).masked_fill(mask == 0, float("-inf"))
+    adv = torch.randn(mask.shape, generator=g).masked_fill(mask == 0, float("inf"))
+    loss, met = ca.policy_loss(lp, old, adv, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in met.values())
+    assert torch.isfinite(lp.grad).all() and (lp.grad[mask == 0] == 0).all()
+    assert torch.isfinite(ca.whiten(adv, mask)[mask > 0]).all()
+    vl, _ = ca.value_loss(lp.detach(), old, adv, mask)
+    assert torch.isfinite(vl)
