@@ -36,7 +36,7 @@ def test_char_tokenizer_round_trip_and_fits_tiny():
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def _make_hf_dir(tmp_path, *, template=CHATML, pad=True, **extra):
+def _make_hf_dir(tmp_path, *, template=CHATML, pad=True, eos_dict=True, **extra):
     from tokenizers import Tokenizer as T
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -50,7 +50,8 @@ def _make_hf_dir(tmp_path, *, template=CHATML, pad=True, **extra):
 
     tok.decoder = decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))
-    cfg = {"eos_token": {"content": "<|im_end|>", "special": True}, "bos_token": None,
+    eos = {"content": "<|im_end|>", "special": True} if eos_dict else "<|im_end|>"
+    cfg = {"eos_token": eos, "bos_token": None,
            "chat_template": template, **extra}
     if pad:
         cfg["pad_token"] = "<pad>"
@@ -114,3 +115,52 @@ def test_load_tokenizer_errors(tmp_path):
     _make_hf_dir(tmp_path, template=None)
     with pytest.raises(TokenizerError, match="no chat_template"):
         load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# Qwen2.5's template shape: whitespace control, a tools branch with tojson, loop.first, attribute access
+QWEN25 = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n    {{- \"\\n\\n# Tools\\n\\n<tools>\" }}\n    {%- for tool in tools %}\n        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n    {%- endfor %}\n    {{- \"\\n</tools><|im_end|>\\n\" }}\n{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n    {%- endif %}\n"
+    "{%- endif %}\n{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+# Llama-3-style: bos_token variable, raise_exception, a default date, trim_blocks-sensitive newlines
+LLAMA3 = (
+    "{{- bos_token }}\n{%- if not date_string is defined %}\n    {%- set date_string = \"26 Jul 2024\" %}\n"
+    "{%- endif %}\n{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content']|trim %}\n    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n    {%- set system_message = \"\" %}\n{%- endif %}\n"
+    "{{- \"<|im_start|>system\\n\\n\" }}\n{{- \"Today Date: \" + date_string + \"\\n\\n\" }}\n"
+    "{{- system_message }}\n{{- \"<|im_end|>\" }}\n{% for message in messages %}\n"
+    "{% if message['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}\n"
+    "{{ '<|im_start|>' + message['role'] + '\\n\\n' + message['content'] | trim + '<|im_end|>' }}\n"
+    "{% endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n\\n' }}\n{%- endif %}\n"
+)
+
+
+@pytest.mark.parametrize("template", [CHATML, QWEN25, LLAMA3])
+def test_chat_template_rendering_matches_transformers(tmp_path, template):
+    transformers = pytest.importorskip("transformers")
+    _make_hf_dir(tmp_path, template=template, bos_token="<|endoftext|>", eos_dict=False)
+    ours = load_tokenizer(str(tmp_path))
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    conversations = [
+        [{"role": "user", "content": "What is 12+34?"}],
+        [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "hello world"},
+         {"role": "assistant", "content": "the sum"}, {"role": "user", "content": "and 46?"}],
+    ]
+    for msgs in conversations:
+        for gen in (True, False):
+            want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            got = ours.apply_chat_template(msgs, add_generation_prompt=gen)
+            assert got == want
+            assert ours.encode(got) == ref.encode(want, add_special_tokens=False)
