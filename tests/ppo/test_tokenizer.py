@@ -165,3 +165,6 @@ def test_chat_template_rendering_matches_transformers(tmp_path, template):
             got = ours.apply_chat_template(msgs, add_generation_prompt=gen)
             assert got == want
             assert ours.encode(got) == ref.encode(want, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "add", "description": "a<b", "parameters": {}}}]
+    want = ref.apply_chat_template(conversations[0], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(conversations[0], tools=tools) == want
