@@ -58,6 +58,7 @@ class RolloutConfig:
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
     drop_weights_on_sleep: bool = True  # the engine's weights only mirror the trainer's: free them on sleep
     decode_attention: str = "sdpa"  # "sdpa" (fused, fp32 scores) or "bmm" (two batched matmuls)
+    fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (weights copied, not aliased)
     compile: bool = False  # torch.compile the decode step (fuses norms/RoPE/SiLU/sampling; one dynamic-shape compile)
 
     def validate(self) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.llama import LlamaForCausalLM, compute_inv_freq
+from models.llama import MLP, Attention, LlamaForCausalLM, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
 from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
 from rollout.sampler import sample
@@ -90,6 +90,70 @@ class VocabParallelEmbedding(nn.Embedding):
         return out
 
 
+class FusedQKVAttention(Attention):
+    """models/llama.py's Attention with q/k/v as ONE GEMM: q_proj/k_proj/v_proj weights are views of
+    `qkv_weight`, so HF-named loading fills it (bigger GEMMs run closer to peak at decode batch sizes)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_split, dim=-1)
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+        out = attn(self.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FusedGateUpMLP(MLP):
+    """models/llama.py's MLP with gate/up as one GEMM over `gate_up_weight` (views, as above)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+@dataclass(slots=True)
+class FusedGroup:
+    module: nn.Module
+    attr: str  # the module attribute holding the fused tensor
+    members: list[nn.Parameter]  # views of it, concatenated along dim 0
+    shapes: list[tuple[int, ...]]
+
+    def bind(self, *, device, dtype) -> None:
+        """(Re)allocate the fused tensor and point every member parameter at its slice."""
+        fused = torch.empty(sum(s[0] for s in self.shapes), *self.shapes[0][1:], device=device, dtype=dtype)
+        start = 0
+        for p, shape in zip(self.members, self.shapes):
+            p.data = fused[start: start + shape[0]]
+            start += shape[0]
+        setattr(self.module, self.attr, fused)
+
+    def drop(self, *, device, dtype) -> None:
+        for p in self.members:
+            p.data = torch.empty(0, device=device, dtype=dtype)
+        setattr(self.module, self.attr, None)
+
+
+def fuse_projections(model: LlamaForCausalLM, *, device, dtype) -> list[FusedGroup]:
+    """Swap every layer's attention/MLP to the fused variants; returns the groups to (re)bind on load."""
+    groups = []
+    for layer in model.model.layers.values():
+        a, m = layer.self_attn, layer.mlp
+        projs = (a.q_proj, a.k_proj, a.v_proj)
+        a.__class__, m.__class__ = FusedQKVAttention, FusedGateUpMLP
+        a.qkv_split = [lin.out_features for lin in projs]
+        a.qkv_bias = None
+        members = [(a, "qkv_weight", [lin.weight for lin in projs]),
+                   (m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight])]
+        if projs[0].bias is not None:
+            members.append((a, "qkv_bias", [lin.bias for lin in projs]))
+        for mod, attr, params in members:
+            group = FusedGroup(mod, attr, params, [tuple(p.shape) for p in params])
+            group.bind(device=device, dtype=dtype)
+            groups.append(group)
+    return groups
+
+
 def build_local_model(cfg: ModelConfig, *, tp: int, tp_rank: int, tp_group, device, dtype) -> LlamaForCausalLM:
     """LlamaForCausalLM holding rank tp_rank's shards (uninitialised weights; load them by name)."""
     for name, size in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads",
@@ -128,6 +192,8 @@ class ModelRunner:
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.model = build_local_model(cfg, tp=self.tp, tp_rank=self.tp_rank, tp_group=tp_group,
                                        device=self.device, dtype=dtype)
+        self.fused = fuse_projections(self.model, device=self.device, dtype=dtype) if config.fuse_projections else []
+        self.fused_of = {id(p): g for g in self.fused for p in g.members}
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
@@ -199,6 +265,8 @@ class ModelRunner:
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            for g in self.fused:
+                g.drop(device=self.device, dtype=self.dtype)
             self.loaded.clear()
             self.shared.clear()
 
@@ -221,8 +289,14 @@ class ModelRunner:
                 raise ValueError(f"{name}: got shape {tuple(t.shape)}, this rank's tp({self.tp}) shard is "
                                  f"{self.shapes[name]}; pass parallel/sharding.tp_slices(name, full_shape, "
                                  f"rank={self.tp_rank}, world={self.tp}) of the full tensor")
+            group = self.fused_of.get(id(p))
             with torch.no_grad():
-                if share and t.device == self.device and t.dtype == self.dtype:
+                if group is not None:  # a view of a fused GEMM weight: always copied, never aliased
+                    if p.numel() == 0:
+                        group.bind(device=self.device, dtype=self.dtype)
+                        changed = True
+                    p.data.copy_(t.detach())
+                elif share and t.device == self.device and t.dtype == self.dtype:
                     if p.data_ptr() != t.data_ptr():
                         p.data, changed = t.detach(), True
                     self.shared.add(id(p))

@@ -60,8 +60,9 @@ def test_logprobs_equal_trainer_forward(model):
         assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-5
 
 
-def test_greedy_equals_naive_loop(model):
-    outs = NativeEngine.from_model(model, config=config()).generate(
+@pytest.mark.parametrize("fuse", [True, False])
+def test_greedy_equals_naive_loop(model, fuse):
+    outs = NativeEngine.from_model(model, config=config(fuse_projections=fuse)).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True))
     for c in outs:
         assert c.token_ids == naive_greedy(model, c.prompt_ids, 15)
