@@ -6,9 +6,14 @@ o_proj and down_proj (row parallel), a vocab-parallel embedding, and an all-gath
 logits so every rank samples the same token from the full [B, V] (no DTensor: too slow and not
 graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
 
-Decode runs as one CUDA graph per (batch bucket, KV-length bucket, filtered-sampling) key, captured
-lazily into one shared memory pool; inputs are copied into static buffers and the sampled tokens and
-log-probs come back in one [2, B] D2H copy per step.
+The engine's copy also runs q/k/v and gate/up as one GEMM each (FusedQKVAttention/FusedGateUpMLP,
+the HF-named parameters being views of the fused weight), reusing llama.py's RoPE.
+
+Decode rows (token, position, RNG key, sampling params, active flag) live on the device, one per KV
+slot; a step reads rows [0, B) and advances them in place, so consecutive steps need no host input and
+the engine can enqueue step k+1 before reading step k's tokens. Each step runs as one CUDA graph per
+(batch bucket, KV-length bucket, filtered-sampling) key, captured lazily into one shared pool (and
+optionally torch.compile'd once, dynamic in B and KV length); results come back in one async D2H copy.
 """
 
 from __future__ import annotations
