@@ -306,15 +306,17 @@ class Slab:
     stop: int
 
 
-def _row_cost(spec: ParamSpec, train: TrainLayout, gen: GenLayout, *, send_copies: int) -> int:
-    """Bytes per dim-0 row one rank may stage: a generation-shard row plus send_copies training-cell rows."""
-    if not spec.shape:
-        return spec.itemsize * (1 + send_copies)
-    row = spec.numel // max(spec.shape[0], 1)
+def _slab_cost(spec: ParamSpec, train: TrainLayout, gen: GenLayout, *, send_copies: int):
+    """n -> bytes one rank may stage for any n consecutive dim-0 rows of `spec`: the rows of its
+    generation shard among them, plus send_copies copies of the rows of its training cell among
+    them (a cell is at most ceil(tp-local rows / dp) consecutive rows)."""
+    rows = spec.shape[0] if spec.shape else 1
+    width = spec.numel // max(rows, 1)
     dim = tp_shard_dim(spec.name)
-    gen_row = row // gen.tp if dim is not None and dim > 0 else row
-    cell_row = row // train.tp if dim is not None and dim > 0 else row
-    return (gen_row + send_copies * cell_row) * spec.itemsize
+    gen_rows, gen_width = (rows // gen.tp, width) if dim == 0 else (rows, width // gen.tp if dim else width)
+    tp_rows, cell_width = (rows // train.tp, width) if dim == 0 else (rows, width // train.tp if dim else width)
+    cell_rows = -(-tp_rows // train.dp)
+    return lambda n: spec.itemsize * (min(n, gen_rows) * gen_width + send_copies * min(n, cell_rows) * cell_width)
 
 
 def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int, send_copies: int = 1) -> list[list[Slab]]:
@@ -327,28 +329,28 @@ def plan_buckets(plan: ReshardPlan, *, bucket_bytes: int, send_copies: int = 1) 
     piece is packed once; the gather-group size - 1 when every peer gets its own packed copy).
     """
     half = bucket_bytes // 2
-    if half <= 0:
-        raise ValueError(f"bucket_bytes({bucket_bytes}) must be at least 2")
     buckets: list[list[Slab]] = []
     cur: list[Slab] = []
     room = half
     for pi, spec in enumerate(plan.specs):
         rows = spec.shape[0] if spec.shape else 1
-        cost = _row_cost(spec, plan.train, plan.gen, send_copies=send_copies)
-        if cost > half:
-            raise ValueError(f"bucket_bytes({bucket_bytes}) is too small: one row of {spec.name} may stage {cost} "
-                             f"bytes and a bucket holds half the budget; use bucket_bytes >= {2 * cost}")
+        cost = _slab_cost(spec, plan.train, plan.gen, send_copies=send_copies)
+        if cost(1) > half:
+            raise ValueError(f"bucket_bytes({bucket_bytes}) is too small: one row of {spec.name} may stage "
+                             f"{cost(1)} bytes and a bucket holds half the budget; use bucket_bytes >= {2 * cost(1)}")
         start = 0
         while start < rows:
-            fit = room // cost
-            if fit <= 0 and cur:
+            lo, hi = 0, rows - start  # largest n with cost(n) <= room (cost is non-decreasing)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if cost(mid) <= room else (lo, mid - 1)
+            if lo == 0:
                 buckets.append(cur)
                 cur, room = [], half
                 continue
-            take = min(rows - start, fit)
-            cur.append(Slab(pi, start, start + take))
-            room -= take * cost
-            start += take
+            cur.append(Slab(pi, start, start + lo))
+            room -= cost(lo)
+            start += lo
     if cur:
         buckets.append(cur)
     return buckets

@@ -165,9 +165,23 @@ class HybridEngine:
                 local.data = host.to(self.device, non_blocking=True)
         self._offloaded.clear()
 
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics of the last generate() (DESIGN.md keys where they exist)."""
+        out = {f"timing_s/{k}": v for k, v in self.timings.items()}
+        if self.last_stats is not None:
+            out["reshard/bytes_received"] = float(self.last_stats.bytes_received)
+            out["reshard/peak_staging_bytes"] = float(self.last_stats.peak_staging_bytes)
+        if self.memory_log:
+            out["mem/hybrid_peak_gb"] = max(r.peak for r in self.memory_log) / 1e9
+        return out
+
     # ---- the cycle ----
     def generate(self, prompts: list[list[int]], sampling):
-        """Completions of `prompts` (rollout.base.Completion list); collective over the actor ranks."""
+        """Completions of `prompts` (rollout.base.Completion list); collective over the actor ranks.
+
+        prompts: this rank's generation replica's share of the batch (split by groups.gen_dp_rank),
+        the same on every rank of groups.gen_tp_group, which decode together.
+        """
         cuda = self.device.type == "cuda"
         self._t0 = time.perf_counter()
         self.memory_log.clear()

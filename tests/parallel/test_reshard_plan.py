@@ -204,3 +204,26 @@ def test_tied_head_is_planned_under_both_names():
     names = [s.name for s in specs]
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
     _check_full(TrainLayout(tp=2, pp=2, dp=1), 1, specs)
+
+
+@pytest.mark.parametrize("tp,pp,dp,gen_tp", [(2, 2, 2, 1), (2, 2, 2, 2), (1, 1, 8, 1), (1, 2, 4, 4), (4, 1, 2, 2)])
+def test_every_rank_stages_at_most_half_a_bucket(tp, pp, dp, gen_tp):
+    """The rank-independent bucket cost really bounds what each rank packs and receives per bucket."""
+    from parallel.reshard_exec import _group_members, _schedule
+
+    train = TrainLayout(tp=tp, pp=pp, dp=dp)
+    plan = plan_reshard(train, GenLayout.for_world(train.world_size, tp=gen_tp), TINY)
+    bucket = 1 << 15
+    for r in range(train.world_size):
+        copies = len(_group_members(plan, r)) - 1
+        for method_copies in (1, max(copies, 1)):
+            for ops in _schedule(plan, r, bucket, method_copies):
+                sent = {} if method_copies == 1 else []
+                for op in ops:
+                    if op.send and method_copies == 1:
+                        sent[(op.param, op.box)] = box_numel(op.box)  # p2p packs a distinct piece once
+                    elif op.send:
+                        sent.append(box_numel(op.box))  # all-to-all packs one copy per peer
+                recv = sum(box_numel(op.box) for op in ops if not op.send)
+                total = (sum(sent.values()) if method_copies == 1 else sum(sent)) + recv
+                assert total * 4 <= bucket // 2

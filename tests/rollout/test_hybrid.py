@@ -99,6 +99,8 @@ def _body(rank, world):
         assert states > 0 and recs["gather"].allocated - recs["release_training"].allocated == states
         assert recs["restore_training"].allocated == recs["start"].allocated
         assert hybrid.last_stats.bytes_received == hybrid.plan.lower_bound_bytes(rank)
+        m = hybrid.metrics()
+        assert m["timing_s/reshard"] > 0 and m["timing_s/gen"] > 0 and m["mem/hybrid_peak_gb"] > 0
         out[f"tp_fsdp_gen{gen_tp}"] = hybrid.last_stats.bytes_received
     # a step after two round trips equals the step without them (optimizer offload/restore exact)
     for ids in batches[1:]:
