@@ -112,9 +112,10 @@ class HFEngine:
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   generation_config=gen)
         new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float()  # [B * n, T, V]
         t = 1.0 if greedy else p.temperature
-        lps = torch.log_softmax(logits / t, dim=-1).gather(2, new[:, :, None])[:, :, 0].cpu()
+        # per step ([B * n, V] each): stacking all steps first would double the memory of the logits
+        lps = torch.stack([torch.log_softmax(lg.float() / t, dim=-1).gather(1, new[:, j, None])[:, 0]
+                           for j, lg in enumerate(out.logits)], dim=1).cpu()
         new = new.cpu()
         comps: list[list[Completion]] = [[] for _ in prompts]
         stop_set = set(stops)
