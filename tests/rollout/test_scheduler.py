@@ -86,3 +86,19 @@ def test_check_request_messages():
     assert "vocabulary" in check_request([10], ok, max_model_len=8, vocab_size=10)
     assert "temperature" in check_request([1], SamplingParams(temperature=float("nan")), max_model_len=8,
                                           vocab_size=10)
+
+
+def test_pipelining_helpers():
+    s = _sched(num_slots=4, max_model_len=20)
+    a, b = _seq(0, 0, 4, max_tokens=2), _seq(1, 1, 17, max_tokens=50)
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule().seqs, [5, 5], [0.0, 0.0])  # a: 1 of 2 tokens, b: length 18 of 20
+    assert s.surely_finishes_next(a) and not s.surely_finishes_next(b)
+    s.update([b], [5], [0.0])
+    assert s.surely_finishes_next(b)  # length 19: the next token reaches max_model_len
+    step = s.decode_batch([a, b], lookahead=1)
+    assert step.num_rows == 2 and step.kv_len == 32  # 19 + 1 in flight -> bucket of granule 16
+    assert not s.can_admit() and not s.needs_compaction()
+    s.update([a], [5], [0.0])  # a finishes: slot 0 free, b alone in slot 1
+    assert s.needs_compaction()
