@@ -169,13 +169,17 @@ class Roles:
         the critic's trunk (RL starts from the SFT model, and the KL is measured against it)."""
         if self.actor is not None:
             self._sft_actor(state, steps=steps)
-        path = self._export_actor(run_dir)
+        self.load_reference(self._export_actor(run_dir), critic_trunk=True)
+
+    def load_reference(self, path, *, critic_trunk: bool) -> None:
+        """Reference (and optionally the critic's trunk) from an HF directory, e.g. the SFT warm-up's;
+        on resume only the reference is reloaded (the critic comes back from the checkpoint)."""
         from parallel.loading import load_sharded_weights
 
         if self.ref is not None:
             for m in _modules(self.ref):
                 load_sharded_weights(m, path, strict=False)
-        if self.critic is not None:
+        if self.critic is not None and critic_trunk:
             for m in _modules(self.critic):  # trunk only: the value head keeps its init
                 load_sharded_weights(m, path, strict=False)
 

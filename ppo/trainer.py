@@ -279,6 +279,8 @@ class PPOTrainer:
         start, self.pending = self.state.maybe_resume(self.roles)
         if start == 0 and cfg.trainer.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
+        elif cfg.trainer.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
+            self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
         bar = self.state.progress(start)
         for step in range(start, cfg.trainer.total_steps):
             metrics = self.step(step)

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enabled=false",
-        "data.batch_size=8", "rollout.max_response_length=6", "data.task_size=256"]
+        "data.batch_size=8", "rollout.max_response_length=6", "data.task_size=256", "trainer.sft_warmup_steps=2",
+        "actor.mini_batch_size=0", "actor.ppo_epochs=1", "critic.mini_batch_size=0"]
 
 
 def launch(tmp_path: Path, nproc: int, config: str, *overrides: str, timeout: int = 300):
@@ -91,7 +92,8 @@ def test_bad_override_exits_2_on_every_rank(tmp_path, override, needle):
     assert res.returncode != 0
     assert "exitcode  : 2" in res.stderr and "exitcode  : 1" not in res.stderr
     assert needle in res.stderr
-    assert "Traceback" not in res.stderr.split("torch.distributed.elastic")[0]
+    # torchrun's own ChildFailedError traceback follows; none comes from our code
+    assert 'launcher/main.py", line' not in res.stderr and "hybridrl" not in res.stderr.lower().split("error:")[0]
     assert not (tmp_path / "ppo_tiny").exists()  # nothing created before validation
     # without torchrun the process exits with 2 itself
     env = dict(os.environ, PYTHONPATH=str(ROOT))
