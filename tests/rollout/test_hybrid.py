@@ -123,6 +123,23 @@ def _body(rank, world):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.logprobs for c in got] == [c.logprobs for c in want]  # same weights, same tp=1 numerics
     out["pp_fsdp_gen1"] = hybrid.last_stats.bytes_received
+
+    # ---- FSDP2 over 4 ranks of a model whose k_proj has 2 rows: uneven and empty dp shards ----
+    from models import ModelConfig
+
+    odd = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=18, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1)
+    fdims = ParallelDims(tp=1, pp=1, dp=4)
+    fmodel = parallelize_model(build_model(odd, seed=0), mesh=build_mesh(fdims, list(range(world)), device_type="cpu"),
+                               dims=fdims)
+    groups = build_reshard_groups((fdims, gen), list(range(world)))
+    engine = NativeEngine(odd, config=_engine_config())
+    hybrid = HybridEngine(fmodel, engine, train_layout=fdims, gen_layout=gen, groups=groups, bucket_bytes=1 << 16,
+                          offload_optimizer=False)
+    odd_prompts = [[1, 5, 9], [1, 77]]
+    got = hybrid.generate(odd_prompts, greedy)
+    want = _reference(build_model(odd, seed=0), odd_prompts, greedy)
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
     return out
 
 
