@@ -137,7 +137,7 @@ class RolloutConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
-    task: str = "add"  # built-in synthetic task when train_files is empty
+    task: str = "add:1"  # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty
     task_size: int = 4096
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"

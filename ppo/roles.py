@@ -78,7 +78,7 @@ class RewardModelWorker(ShardedWorker):
         from models.llama import DocumentAttention
 
         out: dict[int, torch.Tensor] = {}
-        for mb in self.micro_batches(exp, self.shard(exp), self.max_tokens):
+        for mb in [mb for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens) for mb in mini]:
             samples = [exp.samples[i] for i in mb]
             packed = self._pack(samples, self.pad_id)
             per_token = self.model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
@@ -103,21 +103,15 @@ class Roles:
     reward: object | None = None
     rollout: object | None = None
 
-    # -- mini-batches: the same partition for the old-log-prob recompute and the update
-    def _minibatches(self, worker, exp: Experience, mini_batch_size: int) -> list[list[int]]:
-        shard = worker.shard(exp)
-        per_rank = mini_batch_size // worker.dp if mini_batch_size else len(shard)
-        per_rank = max(per_rank, 1)
-        return [shard[i:i + per_rank] for i in range(0, len(shard), per_rank)]
+    # -- plans: the same partition for the old-log-prob recompute and the update
+    def actor_plan(self, exp, max_tokens: int):
+        return self.actor.plan(exp, mini_batch_size=self.cfg.actor.mini_batch_size, max_tokens=max_tokens)
 
-    def actor_minibatches(self, exp):
-        return self._minibatches(self.actor, exp, self.cfg.actor.mini_batch_size)
+    def ref_plan(self, exp, max_tokens: int):
+        return self.ref.plan(exp, mini_batch_size=0, max_tokens=max_tokens)
 
-    def ref_minibatches(self, exp):
-        return self._minibatches(self.ref, exp, 0)
-
-    def critic_minibatches(self, exp):
-        return self._minibatches(self.critic, exp, self.cfg.critic.mini_batch_size)
+    def critic_plan(self, exp, max_tokens: int):
+        return self.critic.plan(exp, mini_batch_size=self.cfg.critic.mini_batch_size, max_tokens=max_tokens)
 
     # -- updates
     def rollout_token_budget(self) -> int:
@@ -147,8 +141,8 @@ class Roles:
             return loss, m
 
         loss_fn.needs_entropy = bool(a.entropy_coef)
-        return self.actor.update(exp, self.actor_minibatches(exp), {k: tensors[k] for k in keys},
-                                 max_tokens=max_tokens, epochs=a.ppo_epochs, loss_fn=loss_fn)
+        return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
+                                 epochs=a.ppo_epochs, loss_fn=loss_fn)
 
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         c = self.cfg.critic
@@ -159,9 +153,9 @@ class Roles:
             m["vf_loss"] = float(loss.detach())
             return loss, m
 
-        return self.critic.update(exp, self.critic_minibatches(exp),
+        return self.critic.update(exp, self.critic_plan(exp, max_tokens),
                                   {k: tensors[k] for k in ("values", "returns", "mask")},
-                                  max_tokens=max_tokens, epochs=c.ppo_epochs, loss_fn=loss_fn)
+                                  epochs=c.ppo_epochs, loss_fn=loss_fn)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
     def sft_warmup(self, state, *, steps: int, run_dir) -> None:
@@ -198,9 +192,8 @@ class Roles:
             pairs = state.sft_batch(i)
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
-            m = self.actor.update(exp, self.actor_minibatches(exp), {"mask": exp.response_mask()}, epochs=1,
-                                  loss_fn=nll, max_tokens=self.cfg.actor.max_tokens_per_micro_batch,
-                                  step_scheduler=False)
+            m = self.actor.update(exp, self.actor_plan(exp, self.cfg.actor.max_tokens_per_micro_batch),
+                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
                 log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
         for g, lr in zip(opt.param_groups, saved):

@@ -95,16 +95,16 @@ class PPOTrainer:
         if roles.actor is not None and old_logp:
             with timer("old_log_prob"):
                 r = self.budgeted("old_log_prob", lambda b: roles.actor.compute_logprobs(
-                    exp, roles.actor_minibatches(exp), max_tokens=b, with_entropy=True), "actor")
+                    exp, roles.actor_plan(exp, b), with_entropy=True), "actor")
                 results.update(old_logp=r["logp"], entropy=r["entropy"])
         if roles.ref is not None:
             with timer("ref"):
                 results["ref_logp"] = self.budgeted("ref", lambda b: roles.ref.compute_logprobs(
-                    exp, roles.ref_minibatches(exp), max_tokens=b), "ref")["logp"]
+                    exp, roles.ref_plan(exp, b)), "ref")["logp"]
         if roles.critic is not None:
             with timer("values"):
                 results.update(self.budgeted("values", lambda b: roles.critic.compute_values(
-                    exp, roles.critic_minibatches(exp), max_tokens=b), "critic"))
+                    exp, roles.critic_plan(exp, b)), "critic"))
         if roles.reward is not None:
             with timer("reward"):
                 results["score"] = roles.reward.score(exp)
@@ -217,9 +217,9 @@ class PPOTrainer:
         group_ids = torch.tensor([s.prompt_index for s in exp.samples])
         if a.name == "ppo":
             t["values"] = exp.stack(merged["values"])
-            adv, ret = algos.compute_gae(token_rewards, t["values"], mask, gamma=a.gamma, lam=a.lam)
+            adv, ret = algos.compute_gae(token_rewards, t["values"], mask, gamma=a.gamma, lam=a.lam,
+                                         whiten_advantages=True)
             t["returns"] = ret
-            adv = algos.whiten(adv, mask)
             metrics["critic/explained_var"] = _explained_variance(t["values"], ret, mask)
         elif a.name == "grpo":
             adv = algos.compute_grpo_advantages(token_rewards.sum(-1), group_ids, mask,

@@ -94,20 +94,38 @@ class ShardedWorker:
         mods = self.model.modules if self.pp > 1 else [self.model]
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
-    def shard(self, exp: Experience) -> list[int]:
-        """Indices (into exp.samples) of this DP rank's share: balanced tokens, equal counts."""
+    def plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
+        """This DP rank's mini-batches, each a list of micro-batches (indices into exp.samples).
+
+        Every rank holds the whole batch and computes every rank's partition (pure, deterministic),
+        so all DP ranks agree on the number of micro-batches of each mini-batch: FSDP runs
+        collectives per micro-batch and unequal counts would hang. Balanced tokens per rank
+        (Karmarkar-Karp), token-budget micro-batches, or exactly n_microbatches rows under PP.
+        The same plan serves the old-log-prob recompute and the update (ratio == 1 on-policy).
+        """
         lengths = [s.length for s in exp.samples]
-        return balance_across_dp(lengths, self.dp, equal_size=len(lengths) % self.dp == 0)[self.dp_idx]
+        if len(lengths) % self.dp:
+            raise ValueError(f"{len(lengths)} samples do not split evenly over dp={self.dp}")
+        shards = balance_across_dp(lengths, self.dp, equal_size=True)
+        per_rank = max(1, mini_batch_size // self.dp) if mini_batch_size else len(shards[0])
+        out = []
+        for start in range(0, len(shards[0]), per_rank):
+            minis = [s[start:start + per_rank] for s in shards]
+            if self.pp > 1:  # the pipeline schedule wants exactly n_microbatches rows
+                from ppo.batching import karmarkar_karp
 
-    def micro_batches(self, exp: Experience, idx: list[int], max_tokens: int) -> list[list[int]]:
-        if self.pp > 1:  # the pipeline schedule wants exactly n_microbatches equal-shaped rows
-            from ppo.batching import karmarkar_karp
-
-            lens = [exp.samples[i].length for i in idx]
-            parts = karmarkar_karp(lens, min(self.n_microbatches, len(idx)))
-            return [[idx[j] for j in p] for p in parts]
-        lens = [exp.samples[i].length for i in idx]
-        return [[idx[j] for j in mb] for mb in micro_batches_by_tokens(lens, max_tokens=max_tokens)]
+                if len(minis[0]) < self.n_microbatches:
+                    raise ValueError(f"a mini-batch of {len(minis[0])} samples per DP rank cannot fill "
+                                     f"{self.n_microbatches} pipeline micro-batches; raise the mini-batch size")
+                mine = minis[self.dp_idx]
+                parts = karmarkar_karp([lengths[i] for i in mine], self.n_microbatches)
+                out.append([[mine[j] for j in p] for p in parts])
+                continue
+            count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
+            mine = minis[self.dp_idx]
+            mbs = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
+            out.append([[mine[j] for j in mb] for mb in mbs])
+        return out
 
     def _pack(self, samples: list[Sample], pad_id: int):
         seqs = [s.prompt_ids + s.response_ids for s in samples]
@@ -203,13 +221,13 @@ class PolicyWorker(ShardedWorker):
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, exp: Experience, mini_batches: list[list[int]], *, max_tokens: int,
+    def compute_logprobs(self, exp: Experience, plan: list[list[list[int]]], *,
                          with_entropy: bool = False) -> dict[str, dict[int, torch.Tensor]]:
         """{"logp": {uid: [R_i]}, "entropy": {uid: [R_i]}} for this rank's shard (owners only report).
         Uses the same mini-batch -> micro-batch partition as `update`, so the ratio is 1 on-policy."""
         out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
-        for mini in mini_batches:
-            groups = [[exp.samples[i] for i in mb] for mb in self.micro_batches(exp, mini, max_tokens)]
+        for mini in plan:
+            groups = [[exp.samples[i] for i in mb] for mb in mini]
             if self.pp > 1:
                 results = self._pp_logprobs(groups, with_entropy=with_entropy)
             else:
@@ -225,8 +243,8 @@ class PolicyWorker(ShardedWorker):
         return out
 
     # -- PPO update
-    def update(self, exp: Experience, mini_batches: list[list[int]], tensors: dict[str, torch.Tensor], *,
-               max_tokens: int, epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
+    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
@@ -237,11 +255,10 @@ class PolicyWorker(ShardedWorker):
         count = 0
         self.optimizer_steps_in_update = 0
         for _ in range(epochs):
-            for mini in mini_batches:
-                mbs = self.micro_batches(exp, mini, max_tokens)
+            for mbs in plan:
                 groups = [[exp.samples[i] for i in mb] for mb in mbs]
                 mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
-                denom = self._global_denominator(tensors["mask"][mini])
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.pp > 1:
                     metrics_list = self._pp_update(groups, mbts, denom, loss_fn, need_ent)
@@ -302,10 +319,10 @@ class CriticWorker(ShardedWorker):
         return unpack_responses(values.float(), packed)
 
     @torch.no_grad()
-    def compute_values(self, exp: Experience, mini_batches: list[list[int]], *, max_tokens: int):
+    def compute_values(self, exp: Experience, plan: list[list[list[int]]]):
         out: dict[int, torch.Tensor] = {}
-        for mini in mini_batches:
-            for mb in self.micro_batches(exp, mini, max_tokens):
+        for mini in plan:
+            for mb in mini:
                 samples = [exp.samples[i] for i in mb]
                 values = self._mb_values(self._pack(samples, self.pad_id))
                 if self.is_owner:
@@ -313,15 +330,14 @@ class CriticWorker(ShardedWorker):
                         out[s.uid] = values[j, : len(s.response_ids)].cpu()
         return {"values": out}
 
-    def update(self, exp: Experience, mini_batches: list[list[int]], tensors: dict[str, torch.Tensor], *,
-               max_tokens: int, epochs: int, loss_fn) -> dict[str, float]:
+    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, loss_fn) -> dict[str, float]:
         sums: dict[str, float] = {}
         count = 0
         self.optimizer_steps_in_update = 0
         for _ in range(epochs):
-            for mini in mini_batches:
-                mbs = self.micro_batches(exp, mini, max_tokens)
-                denom = self._global_denominator(tensors["mask"][mini])
+            for mbs in plan:
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, mb in enumerate(mbs):
                     gradients_synced(self.model, k == len(mbs) - 1)

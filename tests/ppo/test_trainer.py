@@ -34,7 +34,11 @@ def _ok(res):
 
 @pytest.mark.distributed
 def test_ppo_colocated_two_ranks(tmp_path):
-    res = launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=e2e")
+    # small token budgets split each DP shard into several micro-batches of uneven sizes: every DP rank
+    # must still run the same number of them (FSDP collectives), or this hangs
+    res = launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=e2e",
+                 "actor.max_tokens_per_micro_batch=20", "critic.max_tokens_per_micro_batch=30",
+                 "ref.max_tokens_per_micro_batch=16")
     _ok(res)
     run = tmp_path / "e2e"
     for f in ("config.yaml", "plan.json", "metrics.jsonl", "logs/rank_0.log", "logs/rank_1.log"):
