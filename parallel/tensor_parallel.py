@@ -17,7 +17,11 @@ head and call parallel.vocab_parallel.vocab_parallel_token_logprobs on
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -52,6 +56,43 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum of per-rank partials in forward; identity in backward (every rank needs the full gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _vocab_embed_forward(module: nn.Embedding, ids: torch.Tensor, *, mesh) -> torch.Tensor:
+    w = module.weight.to_local()  # differentiable: the gradient lands on the Shard(0) DTensor
+    rows = w.shape[0]
+    local = ids - mesh.get_local_rank() * rows
+    owned = (local >= 0) & (local < rows)
+    out = F.embedding(local.clamp(0, rows - 1), w) * owned[..., None].to(w.dtype)
+    return _AllReduceSum.apply(out, mesh.get_group())
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """Embedding rows split over the TP group (weight a Shard(0) DTensor), ids and output local.
+
+    Each rank looks up the ids it owns, zeros the rest and the partials are all-reduced. Hand
+    written instead of RowwiseParallel because a DTensor redistribute on this output fails in
+    backward when the decoder layers after it are torch.compiled (torch 2.13).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)])))
+        module.forward = functools.partial(_vocab_embed_forward, module, mesh=device_mesh)
+        return module
+
+
 def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, object]:
     """Fully qualified module name -> ParallelStyle for every present module of `model`.
 
@@ -61,7 +102,7 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
     trunk = model.model
     if trunk.embed_tokens is not None:
         # vocab-parallel lookup: each rank embeds the ids it owns, the partial sums are all-reduced
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["model.embed_tokens"] = VocabParallelEmbedding()
     for key in trunk.layers:
         p = f"model.layers.{key}"
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
