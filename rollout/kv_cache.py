@@ -26,13 +26,15 @@ def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dty
 class KVCache:
     def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, slot_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        # zeros, not empty: masked positions are multiplied by 0 in attention and NaN garbage would leak
-        self.data = torch.zeros(num_layers, 2, num_slots, num_kv_heads, slot_len, head_dim, dtype=dtype,
+        # zeros, not empty: masked positions are multiplied by 0 in attention and NaN garbage would leak.
+        # One spare slot and position: decode slices [:B] and [:kv_len] then never reach the full dim, so
+        # torch.compile never specialises B or kv_len to a constant (a slice to the end would).
+        self.data = torch.zeros(num_layers, 2, num_slots + 1, num_kv_heads, slot_len + 1, head_dim, dtype=dtype,
                                 device=device)
         self.num_slots, self.slot_len = num_slots, slot_len
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer, each [slots, Hkv, slot_len, D]."""
+        """(k, v) of one layer, each [slots + 1, Hkv, slot_len + 1, D] (the last slot/position spare)."""
         return self.data[layer_idx, 0], self.data[layer_idx, 1]
 
     def move_slots(self, moves: list[tuple[int, int]], *, lengths: list[int]) -> None:

@@ -52,18 +52,26 @@ def any_filtered(seqs: list[Sequence]) -> bool:
 
 
 class _DynamicRows:
-    """Calls a compiled decode function with the row dim (B) and the KV-length dim marked dynamic, and
-    without duck sizing (B == kv_len on the first call must not become a guard)."""
+    """Calls the compiled decode function with the row dim (B) and the KV-length dim marked dynamic and
+    without duck sizing (B == kv_len on the first call must not become a guard). If compilation fails the
+    engine keeps working eagerly (CUDA graphs still apply) and says so loudly."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, compiled, eager):
+        self.fn, self.eager, self.error = compiled, eager, None
 
     def __call__(self, *args):
+        if self.error is not None:
+            return self.eager(*args)
         for a in args:
-            if isinstance(a, torch.Tensor) and a.shape[0] > 1:  # size 0/1 is always specialised: can't be marked
-                torch._dynamo.mark_dynamic(a, 0)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return self.fn(*args)
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        try:
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return self.fn(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
+            self.error = f"{type(e).__name__}: {e}"[:500]
+            log.warning("torch.compile of the decode step failed; running eagerly: %s", self.error)
+            return self.eager(*args)
 
 
 class RowParallelLinear(nn.Linear):
@@ -209,7 +217,7 @@ class ModelRunner:
             # one graph per filtered variant, dynamic in rows and KV length (marked per call); a bigger
             # cache limit so a surprise recompile never silently falls back to eager
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._decode = _DynamicRows(torch.compile(self._decode_fn))
+            self._decode = _DynamicRows(torch.compile(self._decode_fn), self._decode_fn)
         self.cache: KVCache | None = None
         self._allocate_runtime()
 
@@ -236,8 +244,7 @@ class ModelRunner:
         return slots
 
     def _allocate_runtime(self) -> None:
-        g = self.config.block_size
-        slot_len = -(-self.config.max_model_len // g) * g
+        slot_len = self.config.max_model_len
         slots = self._num_slots(slot_len)
         self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots, slot_len=slot_len,
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
