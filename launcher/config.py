@@ -367,7 +367,8 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors")
-    if cfg.reward.type == "model" and not cfg.reward.model_path:
+    if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
+        # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
     for pool in cfg.placement.pools:
         for role in pool.roles:

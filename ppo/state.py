@@ -15,8 +15,6 @@ import torch.distributed as dist
 
 from ppo import core_algos as algos
 
-H200_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling (DESIGN.md, "Honest numbers")
-
 
 class TrainState:
     def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl):
@@ -65,14 +63,6 @@ class TrainState:
                             tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ metrics
-    def actor_mfu(self, exp, update_s: float, *, n_gpus: int) -> float:
-        """Actor update FLOPs (6N per trained token per epoch, DESIGN.md) over time x peak.
-        Meaningful on GPU only; on CPU it is reported against the same H200 peak (tiny)."""
-        if update_s <= 0 or self.model_params is None:
-            return 0.0
-        tokens = sum(s.length for s in exp.samples) * self.cfg.actor.ppo_epochs
-        return 6.0 * self.model_params * tokens / update_s / (n_gpus * H200_PEAK_FLOPS)
-
     def log_metrics(self, m: dict[str, float]) -> None:
         if self.rank != 0 or not m:
             return

@@ -17,13 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TASK_KINDS = ("add", "copy", "reverse")
+TASK_KINDS = ("add", "copy", "reverse", "random")
 
 
 @dataclass(slots=True, frozen=True)
 class Task:
     """kind: add (two numbers of `digits` digits -> their sum), copy / reverse (a digit string of
-    length `digits` -> itself / reversed)."""
+    length `digits` -> itself / reversed), random (a random letter string of exactly `digits`
+    characters, answer its first character: fixed-length prompts for throughput benchmarks)."""
 
     kind: str
     digits: int
@@ -36,6 +37,9 @@ class Task:
         if self.kind == "add":
             a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
             return {"prompt": f"{a}+{b}=", "ground_truth": str(a + b)}
+        if self.kind == "random":
+            s = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.digits - 1))
+            return {"prompt": s + "=", "ground_truth": s[0]}
         s = "".join(rng.choice("0123456789") for _ in range(self.digits))
         if self.kind == "copy":
             return {"prompt": f"c{s}=", "ground_truth": s}
@@ -74,7 +78,8 @@ DEFAULT_TASK = "reverse:3"
 DEMO_RECIPE = {"task": DEFAULT_TASK, "sft_steps": 45, "sft_batch_size": 64, "sft_lr": 3e-3,
                "prompts_per_step": 32, "samples_per_prompt": 4, "rl_lr": 3e-4, "ppo_epochs": 2,
                "max_new_tokens": 6, "grad_clip": 1.0}
-_DEFAULT_DIGITS = {"add": 2, "copy": 3, "reverse": 3}
+_DEFAULT_DIGITS = {"add": 2, "copy": 3, "reverse": 3, "random": 128}
+_MAX_DIGITS = {"random": 65536}
 
 
 def get_task(name: str) -> Task:
@@ -86,8 +91,9 @@ def get_task(name: str) -> Task:
         d = int(digits) if digits else _DEFAULT_DIGITS[kind]
     except ValueError:
         raise ValueError(f"task {name!r}: digits must be an integer, e.g. {kind}:3") from None
-    if not 1 <= d <= 12:
-        raise ValueError(f"task {name!r}: digits must be in 1..12 (got {d})")
+    hi = _MAX_DIGITS.get(kind, 12)
+    if not (2 if kind == "random" else 1) <= d <= hi:
+        raise ValueError(f"task {name!r}: size must be in {2 if kind == 'random' else 1}..{hi} (got {d})")
     return Task(kind, d)
 
 

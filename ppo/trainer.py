@@ -266,12 +266,36 @@ class PPOTrainer:
         n_tokens = float(sum(s.length for s in exp.samples))
         m["perf/samples_per_s"] = len(exp.samples) / step_s
         m["perf/tokens_per_s"] = n_tokens / step_s
-        m["perf/mfu/actor"] = self.state.actor_mfu(exp, m.get("timing_s/update_actor", 0.0),
-                                                   n_gpus=len(self.plan.groups["actor"].ranks))
+        m.update(self.flop_metrics(exp, m))
         peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
         if peaks:
             m["mem/peak_gb"] = max(peaks)
         return m
+
+    def flop_metrics(self, exp: Experience, m: dict[str, float]) -> dict[str, float]:
+        """Useful utilization (counted model FLOPs of the whole step over time x peak x GPUs) and the
+        actor update's MFU, per DESIGN.md "Honest numbers"; against the H200's measured peak."""
+        from ppo.flops import H200_PEAK_BF16_FLOPS, ppo_stage_flops
+
+        n = self.state.model_params
+        roles = self.plan.groups
+        trained = sum(s.length for s in exp.samples)
+        flops = ppo_stage_flops(
+            n_params_actor=n, n_params_critic=n if "critic" in roles else None,
+            n_params_ref=n if "ref" in roles else None,
+            n_params_rm=n if self.cfg.reward.type == "model" else None, trained_tokens=trained,
+            generated_tokens=sum(len(s.response_ids) for s in exp.samples),
+            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.cfg.rollout.n),
+            ppo_epochs=self.cfg.actor.ppo_epochs)
+        if self.cfg.trainer.async_rollout:
+            flops["old_log_prob"] = 0.0  # behaviour log-probs come from generation
+        actor_s = m.get("timing_s/update_actor", 0.0)
+        n_actor = len(roles["actor"].ranks)
+        return {"perf/flops": sum(flops.values()),
+                "perf/useful_util": sum(flops.values()) / m["timing_s/step"] / (self.plan.world_size
+                                                                                * H200_PEAK_BF16_FLOPS),
+                "perf/mfu/actor": flops["update_actor"] / actor_s / (n_actor * H200_PEAK_BF16_FLOPS)
+                if actor_s > 0 else 0.0}
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> None:

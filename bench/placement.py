@@ -1,0 +1,71 @@
+"""One workload in several placement/scheduling modes, printed as a table and one JSON line.
+
+    python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2          # workload (b), 2 GPUs
+    python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --modes colocated-sync,colocated-async
+
+Modes (each a set of overrides on the same config):
+    colocated-sync              every role on every GPU, on-policy
+    colocated-async             ... one step off-policy (no old-log-prob recompute)
+    split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
+    split-async                 ... batch k+1 generated while batch k is scored and trained
+    split-async+controller      ... with the NVML feedback batch controller
+Each row: NVML utilization, useful utilization (counted FLOPs / time / peak), samples/s, tokens/s
+per GPU, actor MFU, peak memory, and the speed-up over the first mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench.ppo_step import run_workload
+
+MODES = {
+    "colocated-sync": ["placement.mode=colocated", "trainer.async_rollout=false"],
+    "colocated-async": ["placement.mode=colocated", "trainer.async_rollout=true"],
+    "split-sync": ["placement.mode=split", "trainer.async_rollout=false"],
+    "split-async": ["placement.mode=split", "trainer.async_rollout=true"],
+    "split-async+controller": ["placement.mode=split", "trainer.async_rollout=true", "controller.enabled=true"],
+}
+
+
+def _fmt(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--modes", default="colocated-sync,split-sync,split-async,split-async+controller")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    rows = []
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        r = run_workload(args.config, nproc=args.nproc, overrides=[*MODES[mode], *args.overrides],
+                         warmup=args.warmup, name=mode.replace("+", "_"))
+        r["mode"] = mode
+        rows.append(r)
+    base = next((r for r in rows if r.get("ok")), None)
+    header = f"{'mode':24} {'nvml_util':>9} {'useful':>7} {'samples/s':>9} {'tok/s/gpu':>10} {'mfu':>6} " \
+             f"{'peak_GB':>8} {'speedup':>7}"
+    print(header)
+    for r in rows:
+        if not r.get("ok"):
+            print(f"{r['mode']:24} FAILED: {r.get('error')}")
+            continue
+        r["speedup"] = r["samples_per_s"] / base["samples_per_s"] if base else None
+        print(f"{r['mode']:24} {_fmt(r['nvml_util'], '.2f'):>9} {_fmt(r['useful_util']):>7} "
+              f"{_fmt(r['samples_per_s'], '.1f'):>9} {_fmt(r['tokens_per_s_per_gpu'], '.0f'):>10} "
+              f"{_fmt(r['mfu_actor']):>6} {_fmt(r['peak_mem_gb'], '.1f'):>8} {_fmt(r['speedup'], '.2f'):>7}")
+    from bench.common import git_commit
+
+    print(json.dumps({"bench": "placement", "config": args.config, "nproc": args.nproc,
+                      "overrides": args.overrides, "git_commit": git_commit(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

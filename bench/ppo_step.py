@@ -1,0 +1,86 @@
+"""One PPO/GRPO workload through the real launcher, summarised as one JSON line.
+
+    python -m bench.ppo_step --config conf/bench_grpo_1b.yaml --nproc 1
+    python -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 2 placement.mode=split
+    python -m bench.ppo_step --config conf/ppo_tiny.yaml --nproc 2 trainer.device=cpu trainer.total_steps=3
+
+Runs `torchrun launcher/main.py` (so every number comes from the production step loop), drops the
+first `--warmup` steps (CUDA graph capture, allocator growth), and averages the rest of
+metrics.jsonl: stage timings, samples/s, tokens/s (total and per GPU), the actor update's MFU,
+useful utilization (counted model FLOPs of the whole step / time / (GPUs x 790 TFLOP/s)), NVML
+utilization and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int = 1, runs_dir: str | None = None,
+                 name: str = "bench", timeout: int = 1800) -> dict:
+    runs = Path(runs_dir or tempfile.mkdtemp(prefix="hybridrl_bench_"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "launcher" / "main.py"), config, f"trainer.runs_dir={runs}",
+           f"trainer.experiment_name={name}", "trainer.overwrite=true", *overrides]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    wall = time.perf_counter() - t0
+    run_dir = runs / name
+    if res.returncode != 0:
+        tail = (res.stderr or "")[-3000:]
+        return {"ok": False, "error": f"exit {res.returncode}", "stderr_tail": tail, "cmd": " ".join(cmd)}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = rows[warmup:] or rows
+    keys = sorted({k for r in measured for k in r})
+    mean = {k: sum(r[k] for r in measured if r.get(k) is not None) / max(1, sum(r.get(k) is not None
+                                                                               for r in measured))
+            for k in keys}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    out = {"ok": True, "steps_measured": len(measured), "wall_s": round(wall, 1), "nproc": nproc,
+           "placement": plan["mode"], "groups": {r: g["ranks"] for r, g in plan["groups"].items()},
+           "samples_per_s": mean.get("perf/samples_per_s"), "tokens_per_s": mean.get("perf/tokens_per_s"),
+           "tokens_per_s_per_gpu": (mean.get("perf/tokens_per_s") or 0) / nproc,
+           "mfu_actor": mean.get("perf/mfu/actor"), "useful_util": mean.get("perf/useful_util"),
+           "nvml_util": mean.get("gpu/util_mean"), "peak_mem_gb": mean.get("mem/peak_gb"),
+           "step_s": mean.get("timing_s/step"), "reward_mean": mean.get("reward/mean"),
+           "response_length": mean.get("response_length/mean"),
+           "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
+           "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
+           "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
+           "run_dir": str(run_dir)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ppo_step", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--runs-dir", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    from bench.common import git_commit
+
+    result = run_workload(args.config, nproc=args.nproc, overrides=args.overrides, warmup=args.warmup,
+                          runs_dir=args.runs_dir)
+    import torch
+
+    result.update(bench="ppo_step", config=args.config, overrides=args.overrides, git_commit=git_commit(),
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  peak_flops_per_gpu=790e12)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
