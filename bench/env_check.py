@@ -27,6 +27,13 @@ def _time(fn, *, warmup: int = 3, iters: int = 10) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def _copy_bandwidth(dev: torch.device) -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read plus written, in TB/s."""
+    x = torch.empty(2**31 // 2, device=dev, dtype=torch.bfloat16).normal_()
+    y = torch.empty_like(x)
+    return round(2 * x.numel() * 2 / _time(lambda: y.copy_(x)) / 1e12, 2)
+
+
 def main() -> None:
     out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if not torch.cuda.is_available():
@@ -36,12 +43,10 @@ def main() -> None:
     dev = torch.device("cuda")
     out["gpu"] = torch.cuda.get_device_name()
     n = 8192
-    a, b = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     out["matmul_tflops"] = round(2 * n**3 / _time(lambda: a @ b) / 1e12, 1)
-    x = torch.empty(2**31 // 2, device=dev, dtype=torch.bfloat16).normal_()  # 2 GiB
-    y = torch.empty_like(x)
-    out["copy_tb_s"] = round(2 * x.numel() * 2 / _time(lambda: y.copy_(x)) / 1e12, 2)
-    del x, y
+    out["copy_tb_s"] = _copy_bandwidth(dev)
     # flash SDPA with GQA (enable_gqa) at the llama-1b shape
     q = torch.randn(4, 16, 2048, 128, device=dev, dtype=torch.bfloat16)
     k = torch.randn(4, 8, 2048, 128, device=dev, dtype=torch.bfloat16)
