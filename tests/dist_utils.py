@@ -73,7 +73,7 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0) 
             except _q.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and not errors:
-                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode} before reporting")
+                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode} before reporting") from None
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)

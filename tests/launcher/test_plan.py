@@ -70,10 +70,12 @@ def test_many_world_sizes_tiny(world, mode, algo):
     (["actor.pp=5"], "pp(5) must not exceed num_hidden_layers(4)"),
     (["actor.tp=2", "actor.pp=2", "rollout.gen_tp=4"], "gen_tp(4) must divide num_key_value_heads(2)"),
     (["actor.dp=3"], "actor.dp=3"),
-    (["placement.mode=split", "placement.pools=[{roles: [actor], size: 1}, {roles: [critic, ref, reward, rollout], size: 1}]"],
+    (["placement.mode=split",
+      "placement.pools=[{roles: [actor], size: 1}, {roles: [critic, ref, reward, rollout], size: 1}]"],
      "rollout must share the actor's pool"),
     (["placement.mode=split", "placement.pools=[{roles: [actor, rollout], size: 1}]"], "not placed"),
-    (["placement.mode=split", "placement.pools=[{roles: [actor, rollout], size: 3}, {roles: [critic, ref, reward], size: 2}]"],
+    (["placement.mode=split",
+      "placement.pools=[{roles: [actor, rollout], size: 3}, {roles: [critic, ref, reward], size: 2}]"],
      "must divide the world size"),
 ])
 def test_layout_errors_print_numbers(overrides, needle):
