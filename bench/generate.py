@@ -8,13 +8,15 @@
 Random-init weights, random prompts, ignore_eos (fixed lengths), temperature 1 sampling. The roofline
 of one decode step is (bytes of all weights read + KV bytes of every active context) / 4.3 TB/s,
 summed over the decode steps; `roofline_fraction` = measured new tokens/s over roofline tokens/s
-(the measured time includes prefill). The last stdout line is one JSON object.
+(the measured time includes prefill). The last stdout line is one JSON object; after each engine
+variant a partial one ("partial": true) goes to stderr, so a timeout still leaves the finished part.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 
@@ -174,6 +176,20 @@ def run_hf(args, cache: str, model, cfg, batches, gen, record, checks, device) -
     engine.sleep()
 
 
+def summarize(args, device, dtype, batches, results, checks, *, partial: bool) -> dict:
+    speedup = {}
+    for batch in batches:
+        best = {kind: max((r["new_tokens_per_s"] for r in results if r.get("batch") == batch
+                           and r["engine"].startswith(kind)), default=None) for kind in ("native", "hf")}
+        if best["native"] and best["hf"]:
+            speedup[str(batch)] = round(best["native"] / best["hf"], 2)
+    return {"bench": "generate", "partial": partial, "model": args.model, "device": device,
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "hbm_bytes_per_s": HBM_BYTES_PER_S, "results": results,
+            "checks": checks, "native_over_hf_speedup": speedup}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-1b")
@@ -217,38 +233,27 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['roofline_fraction'] * 100:5.1f}% of HBM roofline ({roof['roofline_tokens_per_s']:.0f} tok/s)"
               f"  peak {row['peak_mem_gb']} GB", flush=True)
 
-    if args.engine in ("native", "both"):
-        for variant in args.native_variants.split(","):
-            name = f"native-{variant}"
-            try:
-                run_native(args, variant, name, model, cfg, batches, gen, record, checks, device)
-            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the whole GPU run
-                traceback.print_exc()
-                results.append({"engine": name, "error": f"{type(e).__name__}: {e}"[:800]})
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-
-    if args.engine in ("hf", "both"):
-        for cache in args.hf_cache.split(","):
-            try:
-                run_hf(args, cache, model, cfg, batches, gen, record, checks, device)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                results.append({"engine": f"hf-{cache}", "error": f"{type(e).__name__}: {e}"[:800]})
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-
-    speedup = {}
-    for batch in batches:
-        best = {kind: max((r["new_tokens_per_s"] for r in results if r.get("batch") == batch
-                           and r["engine"].startswith(kind)), default=None) for kind in ("native", "hf")}
-        if best["native"] and best["hf"]:
-            speedup[str(batch)] = round(best["native"] / best["hf"], 2)
-    summary = {"bench": "generate", "model": args.model, "device": device,
-               "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-               "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "hbm_bytes_per_s": HBM_BYTES_PER_S, "results": results,
-               "checks": checks, "native_over_hf_speedup": speedup}
+    # order: cheap native variants, then HF, then compiled variants (slow to compile) last, so a
+    # timeout loses the least; a partial summary goes to stderr after every job
+    variants = args.native_variants.split(",") if args.engine in ("native", "both") else []
+    jobs = [("native", v) for v in variants if "compile" not in v]
+    jobs += [("hf", c) for c in args.hf_cache.split(",")] if args.engine in ("hf", "both") else []
+    jobs += [("native", v) for v in variants if "compile" in v]
+    for kind, what in jobs:
+        name = f"{kind}-{what}"
+        try:
+            if kind == "native":
+                run_native(args, what, name, model, cfg, batches, gen, record, checks, device)
+            else:
+                run_hf(args, what, model, cfg, batches, gen, record, checks, device)
+        except Exception as e:  # noqa: BLE001 - one failing variant must not lose the whole GPU run
+            traceback.print_exc()
+            results.append({"engine": name, "error": f"{type(e).__name__}: {e}"[:800]})
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(json.dumps(summarize(args, device, dtype, batches, results, checks, partial=True)),
+              file=sys.stderr, flush=True)
+    summary = summarize(args, device, dtype, batches, results, checks, partial=False)
     print(json.dumps(summary))
     return summary
 
