@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.llama import MLP, Attention, LlamaForCausalLM, apply_rotary, compute_inv_freq
+from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
 from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
 from rollout.sampler import sample
@@ -109,12 +109,22 @@ class FusedQKVAttention(Attention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_split, dim=-1)
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
-        out = attn(self.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        nq, nk, _ = self.qkv_split
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels)
+        qk = apply_rotary(qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+        hq = nq // self.head_dim
+        v = qkv[..., nq + nk:].view(b, t, -1, self.head_dim).transpose(1, 2)
+        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FusedRMSNorm(RMSNorm):
+    """llama.py's RMSNorm (fp32 normalise, scale in the input dtype) through F.rms_norm: same formula,
+    fewer kernels per norm in the eager/graphed decode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class FusedGateUpMLP(MLP):
@@ -148,8 +158,11 @@ class FusedGroup:
 
 
 def fuse_projections(model: LlamaForCausalLM, *, device, dtype) -> list[FusedGroup]:
-    """Swap every layer's attention/MLP to the fused variants; returns the groups to (re)bind on load."""
+    """Swap norms, attention and MLPs to the fused variants; returns the weight groups to (re)bind on load."""
     groups = []
+    for mod in model.modules():
+        if type(mod) is RMSNorm:
+            mod.__class__ = FusedRMSNorm
     for layer in model.model.layers.values():
         a, m = layer.self_attn, layer.mlp
         projs = (a.q_proj, a.k_proj, a.v_proj)
