@@ -8,8 +8,9 @@
     completions = hybrid.generate(prompts, SamplingParams(max_tokens=256))  # every actor rank calls it
 
 One `generate` is the HybridFlow cycle, each step logged with its memory in `memory_log`:
-gather the generation shard (parallel/reshard_exec.py) -> release training-only state (grads
-to None; optimizer states to pinned CPU when offload_optimizer) -> engine.wake_up() (KV cache)
+release training-only state (grads to None; optimizer states to pinned CPU when
+offload_optimizer), so it never coexists with the generation copy -> gather the generation shard
+(parallel/reshard_exec.py) -> engine.wake_up() (KV cache)
 -> engine.update_weights(gen shard) -> engine.generate -> engine.sleep() -> drop the generation
 copy -> restore the optimizer states. The training shards are never written, so going back is
 just dropping the copy and the next training step sees exactly the parameters it left.
@@ -186,6 +187,9 @@ class HybridEngine:
         self._t0 = time.perf_counter()
         self.memory_log.clear()
         self._record("start")
+        # training-only state goes first, so the generation shard never coexists with the optimizer states
+        self._release_training_state()
+        self._record("release_training")
         shards = training_shards(self.actor)
         self._alias_sources = list(shards.values())
         stats = ReshardStats()
@@ -197,8 +201,6 @@ class HybridEngine:
         self.timings["reshard"] = time.perf_counter() - t
         self.last_stats = stats
         self._record("gather")
-        self._release_training_state()
-        self._record("release_training")
         self.engine.wake_up()
         self._record("wake_up")
         self.engine.update_weights(self._gen.items())

@@ -12,7 +12,7 @@ import torch
 
 from tests.dist_utils import run_world
 
-STEPS = ["start", "gather", "release_training", "wake_up", "update_weights", "generate", "sleep", "drop_gen",
+STEPS = ["start", "release_training", "gather", "wake_up", "update_weights", "generate", "sleep", "drop_gen",
          "restore_training"]
 
 
@@ -96,7 +96,8 @@ def _body(rank, world):
         recs = {r.step: r for r in hybrid.memory_log}
         assert [r.step for r in hybrid.memory_log] == STEPS
         states = sum(v.to_local().numel() * 4 for s in opt.state.values() for v in s.values() if v.dim() > 0)
-        assert states > 0 and recs["gather"].allocated - recs["release_training"].allocated == states
+        # the optimizer states leave before the generation copy arrives
+        assert states > 0 and recs["start"].allocated - recs["release_training"].allocated == states
         assert recs["restore_training"].allocated == recs["start"].allocated
         assert hybrid.last_stats.bytes_received == hybrid.plan.lower_bound_bytes(rank)
         m = hybrid.metrics()
@@ -179,7 +180,7 @@ def _gpu_body(rank, world):
     assert [c.logprobs for c in got] == [c.logprobs for c in want]
     recs = {r.step: r for r in hybrid.memory_log}
     states = sum(v.numel() * v.element_size() for s in opts[0].state.values() for v in s.values() if v.dim() > 0)
-    assert recs["gather"].allocated - recs["release_training"].allocated >= states  # moved to pinned host memory
+    assert recs["start"].allocated - recs["release_training"].allocated >= states  # moved to pinned host memory
     assert recs["restore_training"].allocated == recs["start"].allocated
     for x in ids[1:]:  # CUDA reductions may reorder: equal to float rounding, not bitwise
         a, b = _train_step(models[0], opts[0], x), _train_step(models[1], opts[1], x)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
+#   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
+# Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
+# the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
+set -u
+OUT=${OUT:-/tmp/hybridrl_out}
+mkdir -p "$OUT/logs"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(env tests train gen reshard grpo ppo placement)
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+run() {  # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  local last; last=$(grep -E '^\{' "$OUT/logs/$name.log" | tail -1)
+  python3 - "$name" "$rc" "$((SECONDS - t0))" "$last" >> "$OUT/summary.jsonl" <<'PY'
+import json, sys
+name, rc, secs, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+try:
+    result = json.loads(last) if last else None
+except json.JSONDecodeError:
+    result = None
+print(json.dumps({"part": name, "rc": rc, "seconds": secs, "result": result}))
+PY
+  echo "== $name rc=$rc ${SECONDS}s: $(tail -c 300 "$OUT/logs/$name.log" | tr '\n' ' ')"
+}
+for p in "${parts[@]}"; do
+  case $p in
+    env) run env 90 python3 -m bench.env_check ;;
+    tests) run tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
+    train) run train_step 300 python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
+    gen) run generate 300 python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
+           --engine both --batches 32,64,256 ;;
+    reshard) [ "$ngpu" -ge 2 ] && run reshard 180 torchrun --standalone --nproc_per_node 2 -m bench.reshard \
+               --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
+    grpo) run grpo_a 420 python3 -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 \
+            --modes colocated-sync,colocated-async ;;
+    ppo) run ppo_1gpu 420 python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ;;
+    placement) [ "$ngpu" -ge 2 ] && run placement_b 600 python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
+                 --nproc 2 ;;
+    *) echo "unknown part $p" ;;
+  esac
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
