@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
+# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, PLACEMENT_MODES.
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -36,10 +37,11 @@ for p in "${parts[@]}"; do
     reshard) [ "$ngpu" -ge 2 ] && run reshard 180 torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
     grpo) run grpo_a 420 python3 -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 \
-            --modes colocated-sync,colocated-async ;;
-    ppo) run ppo_1gpu 420 python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ;;
+            --modes "${GRPO_MODES:-colocated-sync,colocated-async}" ${EXTRA:-} ;;
+    ppo) run ppo_1gpu 420 python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
     placement) [ "$ngpu" -ge 2 ] && run placement_b 600 python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
-                 --nproc 2 ;;
+                 --nproc 2 --modes "${PLACEMENT_MODES:-colocated-sync,split-sync,split-async,split-async+controller}" \
+                 ${EXTRA:-} ;;
     *) echo "unknown part $p" ;;
   esac
 done
