@@ -86,11 +86,11 @@ class DecodeAttention:
         self.cache, self.positions, self.mode = cache, positions, mode
         self.kv_len = kv_index.shape[0]
         valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
-        if mode == "sdpa":
-            self.mask = valid[:, None, None, :]
-        else:
-            zeros = torch.zeros(valid.shape, dtype=torch.float32, device=positions.device)
-            self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
+        # additive mask built once per forward (SDPA would convert a bool mask in every layer); fp32 for
+        # the bmm path's fp32 scores, the cache/query dtype for SDPA
+        dtype = cache.dtype if mode == "sdpa" else torch.float32
+        zeros = torch.zeros(valid.shape, dtype=dtype, device=positions.device)
+        self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, hq, _, d = q.shape
