@@ -33,7 +33,7 @@ from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
 from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
-from rollout.sampler import sample
+from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,7 @@ class ModelRunner:
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
         self.out = torch.zeros(2 * slots, dtype=torch.float64, device=self.device)
         self.kv_index = torch.arange(slot_len, device=self.device)
+        self.u_table = torch.full((slots + 1, slot_len + 1), 0.5, dtype=torch.float32, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
         self._host_out = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
@@ -286,7 +287,7 @@ class ModelRunner:
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = None
+        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -393,22 +394,26 @@ class ModelRunner:
         idx = torch.tensor(slots, device=self.device)
         self.meta_i[:, idx] = torch.tensor([rows[s][0] for s in slots], dtype=torch.int64).T.to(self.device)
         self.meta_f[:, idx] = torch.tensor([rows[s][1] for s in slots], dtype=torch.float32).T.to(self.device)
+        # the row's uniforms for every position, once per (re)assignment: ~40 tiny hash kernels per decode
+        # step become one gather
+        positions = torch.arange(self.u_table.shape[1], device=self.device)
+        self.u_table[idx] = uniform_from_counter(self.meta_i[2, idx][:, None], positions[None, :])
 
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, temperature: torch.Tensor,
-                   top_p: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor,
-                   filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   top_p: torch.Tensor, top_k: torch.Tensor, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward of one token per row [B] + sampling -> tokens [B], logprobs [B]; what torch.compile sees."""
         attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self.config.decode_attention)
         h = self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0]
-        return sample(self._logits(h), temperature=temperature, top_p=top_p, keys=keys, top_k=top_k,
-                      positions=pos + 1, filtered=filtered)
+        u = self.u_table[: pos.shape[0]].gather(1, (pos + 1)[:, None])[:, 0]  # the new token's position
+        return sample(self._logits(h), temperature=temperature, top_p=top_p, top_k=top_k, uniforms=u,
+                      filtered=filtered)
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
         """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:2b]
         (tokens then logprobs), then advances every active row in place (token <- sampled, position += 1)."""
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
         tok, lp = self._decode(ids, pos, self.kv_index[:kv_len], self.meta_f[0, :b], self.meta_f[1, :b],
-                               self.meta_i[2, :b], self.meta_i[3, :b], filtered)
+                               self.meta_i[3, :b], filtered)
         self.out[:b].copy_(tok)
         self.out[b: 2 * b].copy_(lp)
         # clamp: a row that finished on the step before runs once more (pipelining) and must stay in its slot

@@ -42,12 +42,15 @@ def request_key(seed: int, sample_index: int) -> int:
 
 
 def sample(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           keys: torch.Tensor, positions: torch.Tensor, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           keys: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+           uniforms: torch.Tensor | None = None, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits [B, V] (any float dtype; computed in fp32); temperature [B] float (0 -> greedy); top_k [B]
     int64 (<= 0 -> off); top_p [B] float in (0, 1]; keys, positions [B] int64 (the RNG counter is the
-    position of the token being sampled). `filtered=False` skips the sort when no row uses top-k/top-p
+    position of the token being sampled), or `uniforms` [B] = uniform_from_counter(keys, positions)
+    precomputed (the decode step gathers them from a per-slot table). `filtered=False` skips the sort when no
+    row uses top-k/top-p
     (same result as filtered with top_k<=0, top_p=1).
     Returns tokens [B] int64 and logprobs [B] float32 = log softmax(logits / T)[token], T = 1 when greedy.
     """
@@ -55,7 +58,7 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tens
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     logp = torch.log_softmax(logits / t[:, None], dim=-1)
-    u = uniform_from_counter(keys, positions)
+    u = uniforms if uniforms is not None else uniform_from_counter(keys, positions)
     if filtered:
         vocab = logits.shape[-1]
         sorted_logp, order = logp.sort(dim=-1, descending=True)
