@@ -41,7 +41,8 @@ def _selective_policy():
     aten = torch.ops.aten
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_flash_attention_forward"):
         if hasattr(aten, name):
             save.add(getattr(aten, name).default)
 
@@ -80,10 +81,33 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
     return model
 
 
+def _allow_per_layer_recompiles(model: nn.Module) -> None:
+    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager
+    n = len(model.model.layers) + 8
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), n))
+
+
 def apply_compile(model: nn.Module) -> nn.Module:
-    """torch.compile each decoder layer in place (all layers share one compiled graph)."""
+    """torch.compile each decoder layer in place (the layers share one compiled graph when their guards allow)."""
+    _allow_per_layer_recompiles(model)
     for layer in model.model.layers.values():
         layer.compile(fullgraph=False)
+    return model
+
+
+def apply_compile_then_full_ac(model: nn.Module) -> nn.Module:
+    """Full activation checkpointing *around* each compiled layer body (compile + ac="full").
+
+    Checkpointing inside a compiled layer fails for DTensor TP layers in torch 2.13 (the
+    checkpoint saves a DeviceMesh); compiling the body and checkpointing the call works for all
+    layouts and recomputes exactly the same thing.
+    """
+    _allow_per_layer_recompiles(model)
+    for layer in model.model.layers.values():
+        body = torch.compile(layer.forward)  # the class forward, bound to this layer
+        layer.forward = functools.partial(_checkpointed_forward, body, None)
     return model
 
 
@@ -96,9 +120,12 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
                  loss_parallel: bool, fsdp: bool | None) -> nn.Module:
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
-    apply_ac(model, ac)
-    if compile:
-        apply_compile(model)
+    if compile and ac == "full":
+        apply_compile_then_full_ac(model)
+    else:
+        apply_ac(model, ac)
+        if compile:
+            apply_compile(model)
     if _should_fsdp(dims, param_dtype, fsdp):
         apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model
