@@ -2,8 +2,9 @@
 
 One world checks, in order: sharded loading into the 2-D model (it starts from other
 weights), full_state_dict, gradients of the logits loss, gradients of the chunked
-vocab-parallel log-prob loss (the FSDP root keeps the head gathered after forward), and
-activation checkpointing (full, selective) leaving gradients unchanged.
+vocab-parallel log-prob loss (the FSDP root keeps the head gathered after forward),
+activation checkpointing (full, selective) leaving gradients unchanged, and a TP=2 x PP=2
+layout (1F1B) whose last stage computes the vocab-parallel loss from hidden states.
 """
 
 from __future__ import annotations
@@ -61,7 +62,35 @@ def _fsdp_body(rank, world, ckpt):
                                                     vocab_start=start, chunk_size=5)
             (-logp.mean()).backward()
             out["vp_grads"] = _full_grads(model)
+    out["pp_tp"] = _pp_tp(mesh_ranks=list(range(4)), ckpt=ckpt)
     return out
+
+
+def _pp_tp(*, mesh_ranks, ckpt):
+    """TP=2 x PP=2 over the same 4 ranks: per-stage gradients of the token-mean NLL of the full batch."""
+    from parallel.apply import head_shard, parallelize_model
+    from parallel.dims import ParallelDims, build_mesh
+    from parallel.loading import load_sharded_weights
+    from parallel.vocab_parallel import vocab_parallel_token_logprobs
+
+    dims = ParallelDims(tp=2, pp=2)
+    mesh = build_mesh(dims, mesh_ranks, device_type="cpu")
+    runner = parallelize_model(build_model("tiny", seed=7), mesh=mesh, dims=dims, n_microbatches=2)
+    for m in runner.modules:
+        load_sharded_weights(m, ckpt)
+    ids = _batch()
+    pos = torch.arange(T).expand(B, T).contiguous()
+    tp_group = mesh["tp"].get_group()
+
+    def loss_fn(hidden, mb):
+        w, start = head_shard(runner.last_module)
+        logp, _ = vocab_parallel_token_logprobs(hidden[:, :-1], w, mb["ids"][:, 1:], tp_group=tp_group,
+                                                vocab_start=start, chunk_size=8)
+        return -logp.sum() / (B * (T - 1))  # normalised by the whole batch: micro-batch losses add up
+
+    runner.forward_backward(ids if runner.has_first else None, position_ids=pos, extras={"ids": ids},
+                            loss_fn=loss_fn)
+    return {n: g for m in runner.modules for n, g in _full_grads(m).items()}
 
 
 @pytest.mark.distributed
@@ -76,6 +105,12 @@ def test_tp2_dp2_fsdp_equals_single_process(tmp_path):
 
     out = run_world(_fsdp_body, 4, (str(tmp_path / "ckpt"),))
     names = {n for n, _ in ref.named_parameters()}
+    pp_names = set()
+    for o in out:
+        for n, g in o["pp_tp"].items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"pp x tp {n}")
+            pp_names.add(n)
+    assert pp_names == names
     for o in out:
         assert set(o["loaded"]) == names
         for n, p in ref.named_parameters():
