@@ -127,7 +127,9 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
         if compile:
             apply_compile(model)
     if _should_fsdp(dims, param_dtype, fsdp):
-        apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # on a dp mesh of one, resharding after forward frees nothing worth a second cast-copy in backward
+        apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   reshard_after_forward=dims.dp > 1)
     return model
 
 

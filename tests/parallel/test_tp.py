@@ -69,13 +69,19 @@ def _tp_body(rank, world, ckpt):
     model1 = apply_tp(build_model("tiny", seed=0), mesh1["tp"])
     logits1 = model1(ids)
 
+    # FSDP2 on the size-1 dp dim of the same mesh, composed with TP=2, must change nothing
+    model_f = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, fsdp=True)
+    _lm_loss(model_f(ids), ids).backward()
+    fsdp1_grads = _grads(model_f)
+
     # sharded loading (parallel/loading.py) into a TP model that starts from other weights
     loaded_model = apply_tp(build_model("tiny", seed=3), mesh["tp"])
     load_sharded_weights(loaded_model, ckpt)
     loaded = {n: p.to_local().detach().clone() for n, p in loaded_model.named_parameters()}
     return dict(all_dtensor=all_dtensor, placements=placements, local_q=tuple(local_q), logits=logits.detach(),
                 grads=grads, logp=logp.detach(), ent=ent.detach(), vp_grads=vp_grads, start=start,
-                logits1=logits1.detach(), loaded=loaded, gathered=full_state_dict(loaded_model))
+                logits1=logits1.detach(), fsdp1_grads=fsdp1_grads, loaded=loaded,
+                gathered=full_state_dict(loaded_model))
 
 
 @pytest.mark.distributed
@@ -118,6 +124,7 @@ def test_tp2_equals_tp1(tmp_path):
         assert set(o["grads"]) == set(ref_grads)
         for name in ref_grads:
             torch.testing.assert_close(o["grads"][name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(o["fsdp1_grads"][name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             torch.testing.assert_close(o["vp_grads"][name], ref_vp_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
