@@ -4,6 +4,7 @@
     python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep          # 4 configs, one process
     python -m bench.train_step --model llama-1b --sweep lm:compile:none:bf16,ppo:compile:selective:fp32
     torchrun --nproc_per_node 2 -m bench.train_step --model llama-1b --tp 2 --compile  # or --dp 2
+    torchrun --nproc_per_node 2 -m bench.train_step --model llama-1b --pp 2 --batch 8 --microbatches 4
     python -m bench.train_step --model tiny --device cpu --steps 2 --sweep             # CPU check
 
 One step = forward + backward + AdamW step on `--batch` rows of `--seq` tokens per
@@ -31,6 +32,7 @@ JSON object with every config's result.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -127,15 +129,20 @@ def _init_on_device(model: torch.nn.Module, *, seed: int) -> None:
 
 
 def _build(spec: RunSpec, args, *, device, dtype, mesh, dims):
+    """(config, model or PipelineRunner when pp > 1, AdamW over this rank's parameters)."""
     cfg = preset_config(args.model)
     mixed = spec.master == "fp32" and dtype != torch.float32
     storage = torch.float32 if spec.master == "fp32" else dtype
     model = build_model(cfg, dtype=storage, device=device, init=False)
     _init_on_device(model, seed=0)
+    attn_factory = functools.partial(DocumentAttention, backend=spec.attn) if spec.mode == "ppo" else None
     model = parallelize_model(model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile,
-                              param_dtype=dtype if mixed else None, fsdp=True if mixed else None)
+                              param_dtype=dtype if mixed else None, fsdp=True if mixed else None,
+                              n_microbatches=args.microbatches, pp_schedule=args.pp_schedule,
+                              stages_per_rank=args.stages_per_rank, attn_factory=attn_factory)
+    params = [p for m in model.modules for p in m.parameters()] if dims.pp > 1 else list(model.parameters())
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
     return cfg, model, opt
 
 
@@ -176,9 +183,50 @@ def _attn(spec: RunSpec, batch, *, cfg, device, dtype):
     return backend, diff
 
 
+def _pipeline_step_fns(spec: RunSpec, args, runner, batch, *, tp_group, metrics):
+    """(train step, forward-only log-prob pass) for a PipelineRunner: the last stage owns the loss."""
+    pos = batch["pos"] if batch["pos"] is not None else torch.arange(args.seq, device=batch["ids"].device).expand(
+        args.batch, args.seq).contiguous()
+    ids = batch["ids"] if runner.has_first else None
+    denom = float(batch["mask"].sum())  # whole-batch token count: micro-batch losses add up to the batch loss
+
+    def head_logprobs(hidden, targets, with_entropy):
+        w, start = head_shard(runner.last_module)
+        return vocab_parallel_token_logprobs(hidden, w, targets, tp_group=tp_group, vocab_start=start,
+                                             chunk_size=args.chunk, with_entropy=with_entropy)
+
+    def loss_fn(hidden, mb):
+        logp, _ = head_logprobs(hidden, mb["targets"], spec.mode == "ppo")
+        if spec.mode == "lm":
+            return -(logp * mb["mask"]).sum() / denom
+        return policy_loss(logp, mb["old"], mb["adv"], mb["mask"], denom=denom)
+
+    def logprobs():
+        hidden = runner.forward(ids, position_ids=pos)
+        return head_logprobs(hidden, batch["targets"], False)[0] if runner.has_last else None
+
+    if spec.mode == "ppo":
+        with torch.no_grad():
+            old = logprobs()
+        batch["old"] = old + 0.05 * torch.randn_like(old) if old is not None else torch.zeros_like(batch["adv"])
+    extras = {k: batch[k] for k in ("targets", "mask", "old", "adv") if k in batch}
+
+    def step():
+        losses = runner.forward_backward(ids, position_ids=pos, extras=extras, loss_fn=loss_fn)
+        if losses:
+            metrics["loss"] = torch.stack([x.detach() for x in losses]).sum()
+            clip = [m["clipfrac"] for m in runner.last_metrics if "clipfrac" in m]
+            metrics["clipfrac"] = sum(clip) / len(clip) if clip else None
+
+    return step, logprobs
+
+
 def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict:
     cfg, model, opt = _build(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims)
     batch = _make_batch(spec, args, cfg=cfg, device=device, dp_rank=mesh.get_local_rank("dp"))
+    if dims.pp > 1:
+        return _run_pipeline(spec, args, cfg=cfg, runner=model, opt=opt, batch=batch, device=device, dims=dims,
+                             tp_group=tp_group)
     attn, attn_diff = _attn(spec, batch, cfg=cfg, device=device, dtype=dtype)
 
     def token_logprobs(with_entropy: bool):
@@ -230,6 +278,40 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
     return res
 
 
+def _run_pipeline(spec: RunSpec, args, *, cfg, runner, opt, batch, device, dims, tp_group) -> dict:
+    metrics: dict = {}
+    train, logprobs = _pipeline_step_fns(spec, args, runner, batch, tp_group=tp_group, metrics=metrics)
+
+    def step():
+        train()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reset_peak_memory(device)
+    times = time_steps(step, device=device, warmup=args.warmup, steps=args.steps)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = args.batch * args.seq * dims.dp
+    fpt = flops_per_token(cfg, context=batch["context"])
+    # the loss lives on the last stage's ranks: sum over the pipeline group brings it to every rank
+    import torch.distributed as dist
+
+    stats = torch.tensor([float(metrics.get("loss", 0.0)), float(metrics.get("clipfrac") or 0.0)], device=device)
+    dist.all_reduce(stats, group=runner.pp_group)
+    loss, metrics["clipfrac"] = stats.tolist()
+    res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
+               peak_mem_gb=peak_memory_gb(device), mfu=tokens * fpt / step_s / (dims.world_size * H200_BF16_FLOPS),
+               flops_per_token=fpt, pp=dims.pp, microbatches=args.microbatches, pp_schedule=runner.schedule,
+               loss=loss)
+    if spec.mode == "ppo":
+        res["clipfrac"] = metrics.get("clipfrac")
+        with torch.no_grad():
+            fwd = time_steps(logprobs, device=device, warmup=1, steps=args.steps)
+        res["logprob_tokens_per_s"] = tokens / sorted(fwd)[len(fwd) // 2]
+    if not math.isfinite(res["loss"]):
+        raise RuntimeError(f"{spec}: non-finite loss {res['loss']}")
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = add_device_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--model", default="llama-1b")
@@ -240,7 +322,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     p.add_argument("--master", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=None, help="default: world size / tp")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="default: world size / (tp x pp)")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: --batch)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "interleaved_1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--stages-per-rank", type=int, default=1, help=">1: interleaved 1F1B over looped stages")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunk", type=int, default=None, help="log-prob token chunk (default 4096 cuda, 256 cpu)")
@@ -254,10 +340,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.chunk = 4096 if device.type == "cuda" else 256
     torch.set_float32_matmul_precision("high")
     rank, world = init_distributed(device)
-    dp = args.dp or world // args.tp
-    dims = ParallelDims(tp=args.tp, dp=dp)
+    dp = args.dp or world // (args.tp * args.pp)
+    dims = ParallelDims(tp=args.tp, pp=args.pp, dp=dp)
     if dims.world_size != world:
-        raise SystemExit(f"tp({args.tp}) x dp({dp}) = {dims.world_size} != world size {world}; fix --tp/--dp")
+        raise SystemExit(f"tp({args.tp}) x pp({args.pp}) x dp({dp}) = {dims.world_size} != world size {world}; "
+                         "fix --tp/--pp/--dp")
+    if args.microbatches is None:
+        args.microbatches = args.batch
     mesh = build_mesh(dims, list(range(world)), device_type=device.type)
     tp_group = mesh["tp"].get_group() if args.tp > 1 else None
     specs = ([RunSpec.parse(s) for s in args.sweep.split(",")] if args.sweep
@@ -280,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     synchronize(device)
     ok = [r for r in results if "mfu" in r]
     best = max(ok, key=lambda r: r["mfu"]) if ok else {}
-    summary = dict(bench="train_step", model=args.model, seq=args.seq, batch=args.batch, tp=args.tp, dp=dp,
+    summary = dict(bench="train_step", model=args.model, seq=args.seq, batch=args.batch, tp=args.tp, pp=args.pp, dp=dp,
                    world=world, dtype=str(dtype).removeprefix("torch."), ceiling_flops_per_gpu=H200_BF16_FLOPS,
                    best_mfu=best.get("mfu"), best_tokens_per_s=best.get("tokens_per_s"),
                    best_config={k: best[k] for k in ("mode", "compile", "ac", "master")} if best else None,
