@@ -52,6 +52,7 @@ class RolloutConfig:
     max_num_seqs: int = 256  # running sequences (KV slots) at most
     max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    min_admit_fraction: float = 0.0625  # batch admissions: prefill once this share of slots is free
     block_size: int = 32  # granule of the decode KV-length buckets (and of the slot length)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
@@ -72,6 +73,8 @@ class RolloutConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
+        if not 0.0 <= self.min_admit_fraction <= 1.0:
+            raise ValueError(f"min_admit_fraction={self.min_admit_fraction} must be in [0, 1]")
         if self.decode_attention not in ("sdpa", "bmm"):
             raise ValueError(f"decode_attention={self.decode_attention!r}; choose 'sdpa' or 'bmm'")
 

@@ -105,7 +105,8 @@ class NativeEngine:
         results: dict[int, list[Completion]] = {}
         sched = Scheduler(num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,
                           max_model_len=self.config.max_model_len, granule=self.config.block_size,
-                          slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids)
+                          slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
+                          min_admit=int(self.config.min_admit_fraction * self.runner.num_slots))
         seqs: list[Sequence] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             prompt = [int(t) for t in prompt]

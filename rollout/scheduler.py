@@ -80,7 +80,7 @@ def length_bucket(n: int, *, granule: int, cap: int) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_batched_tokens: int, max_model_len: int, granule: int,
-                 slot_len: int, eos_token_ids: list[int]):
+                 slot_len: int, eos_token_ids: list[int], min_admit: int = 1):
         if slot_len < max_model_len:
             raise ValueError(f"slot_len({slot_len}) must hold max_model_len({max_model_len}) tokens")
         self.num_slots = num_slots
@@ -88,6 +88,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.granule, self.slot_len = granule, slot_len
         self.eos = frozenset(eos_token_ids)
+        # admit only once this many slots are free (or everything waiting fits): one prefill for a batch
+        # of finished sequences instead of one stalled decode step per EOS
+        self.min_admit = max(1, min_admit)
         self.buckets = batch_buckets(num_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -100,8 +103,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> PrefillBatch | DecodeBatch:
-        """Prefill when a waiting sequence can be admitted (prefill-first keeps the batch full), else decode."""
-        if self.waiting and self._free:
+        """Prefill when waiting sequences can be admitted (prefill-first keeps the batch full), else decode."""
+        if self.can_admit():
             return self._admit()
         if not self.running:
             raise RuntimeError("schedule() called with no work; check has_work() first")
@@ -115,7 +118,9 @@ class Scheduler:
         return DecodeBatch(seqs, num_rows, kv_len)
 
     def can_admit(self) -> bool:
-        return bool(self.waiting and self._free)
+        free = len(self._free)
+        return bool(self.waiting) and free > 0 and (
+            free >= min(self.min_admit, len(self.waiting)) or not self.running)
 
     def needs_compaction(self) -> bool:
         return bool(not self.waiting and self.running

@@ -102,3 +102,19 @@ def test_pipelining_helpers():
     assert not s.can_admit() and not s.needs_compaction()
     s.update([a], [5], [0.0])  # a finishes: slot 0 free, b alone in slot 1
     assert s.needs_compaction()
+
+
+def test_admissions_are_batched():
+    s = Scheduler(num_slots=8, max_num_batched_tokens=64, max_model_len=64, granule=16, slot_len=64,
+                  eos_token_ids=[2], min_admit=3)
+    for i in range(12):
+        s.add(_seq(i, i, 2, stop_token_ids=[9]))
+    assert len(s.schedule().seqs) == 8  # nothing running: admit whatever fits
+    running = sorted(s.running.values(), key=lambda q: q.slot)
+    s.update(running[:2], [9, 9], [0.0, 0.0])  # two finish: 2 free < 3 -> keep decoding
+    assert not s.can_admit() and isinstance(s.schedule(), DecodeBatch)
+    s.update(running[2:3], [9], [0.0])  # a third: admit three at once
+    step = s.schedule()
+    assert isinstance(step, PrefillBatch) and len(step.seqs) == 3
+    s.update(running[3:4], [9], [0.0])  # one slot free and exactly one waiting: admit it
+    assert [q.seq_id for q in s.schedule().seqs] == [11]
