@@ -5,9 +5,9 @@ share): q/k/v/gate/up are column parallel (output features, weight and bias dim 
 o/down row parallel (input features, dim 1), embed_tokens and lm_head are vocab
 parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor).
 Between the column and row projections activations stay local tensors of heads/tp
-heads, so the model's `-1`-heads reshapes run unchanged;
-the only collectives are one all-reduce after o_proj, one after down_proj, one after the
-embedding lookup and (unless loss_parallel) an all-gather of the logits.
+heads, so the model's `-1`-heads reshapes run unchanged. The only collectives are one
+all-reduce after o_proj, one after down_proj, one after the embedding lookup and (unless
+loss_parallel) an all-gather of the logits.
 
 With `loss_parallel=True` the logits stay a DTensor sharded on the vocab dim: use it
 under `torch.distributed.tensor.parallel.loss_parallel()` for cross-entropy, or skip the
@@ -34,8 +34,8 @@ class ReplicateParallel(ParallelStyle):
     """Replicated parameters (norms) as Replicate DTensors, local tensors in and out.
 
     Keeps every parameter of a TP model a DTensor, so foreach/fused optimizers and grad-norm
-    code never see a mix of Tensor and DTensor; the norm math itself runs on the local tensors
-    of identical replicas, so no collective is added.
+    code never see a mix of Tensor and DTensor. The norm runs on Replicate DTensors (its input
+    is wrapped, its output unwrapped), which needs no collective in either direction.
     """
 
     @staticmethod

@@ -69,6 +69,16 @@ def _tp_body(rank, world, ckpt):
     model1 = apply_tp(build_model("tiny", seed=0), mesh1["tp"])
     logits1 = model1(ids)
 
+    # loss-parallel logits: a vocab-sharded DTensor, cross-entropy without gathering them
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    model_lp = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, loss_parallel=True)
+    logits_lp = model_lp(ids)
+    with loss_parallel():
+        _lm_loss(logits_lp, ids).backward()
+    lp_grads = _grads(model_lp)
+    lp_logits = logits_lp.full_tensor().detach()
+
     # FSDP2 on the size-1 dp dim of the same mesh, composed with TP=2, must change nothing
     model_f = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, fsdp=True)
     _lm_loss(model_f(ids), ids).backward()
@@ -80,7 +90,8 @@ def _tp_body(rank, world, ckpt):
     loaded = {n: p.to_local().detach().clone() for n, p in loaded_model.named_parameters()}
     return dict(all_dtensor=all_dtensor, placements=placements, local_q=tuple(local_q), logits=logits.detach(),
                 grads=grads, logp=logp.detach(), ent=ent.detach(), vp_grads=vp_grads, start=start,
-                logits1=logits1.detach(), fsdp1_grads=fsdp1_grads, loaded=loaded,
+                logits1=logits1.detach(), fsdp1_grads=fsdp1_grads, lp_grads=lp_grads, lp_logits=lp_logits,
+                loaded=loaded,
                 gathered=full_state_dict(loaded_model))
 
 
@@ -119,12 +130,14 @@ def test_tp2_equals_tp1(tmp_path):
         assert o["start"] == r * ref.config.vocab_size // 2
         torch.testing.assert_close(o["logits"], ref_logits.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(o["logits1"], ref_logits.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(o["lp_logits"], ref_logits.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(o["logp"], ref_logp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(o["ent"], ref_ent.detach(), rtol=1e-5, atol=1e-5)
         assert set(o["grads"]) == set(ref_grads)
         for name in ref_grads:
             torch.testing.assert_close(o["grads"][name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             torch.testing.assert_close(o["fsdp1_grads"][name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(o["lp_grads"][name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             torch.testing.assert_close(o["vp_grads"][name], ref_vp_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
