@@ -152,7 +152,8 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                 "graphs": len(engine.runner.graphs), "decode_only_tokens_per_s": round(decode_tps, 1),
                 "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
                 "kv_slots": engine.runner.num_slots,
-                "compile_error": getattr(engine.runner._decode, "error", None)})
+                "compile_error": getattr(engine.runner._decode, "error", None),
+                "graph_error": engine.runner.graph_error})
     if not args.no_check:
         prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
         checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))

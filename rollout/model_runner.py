@@ -225,6 +225,7 @@ class ModelRunner:
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
+        self.graph_error: str | None = None
         self._decode = self._decode_fn
         if config.compile:
             # one graph per filtered variant, dynamic in rows and KV length (marked per call); a bigger
@@ -430,7 +431,15 @@ class ModelRunner:
         elif key in self.graphs:
             self.graphs[key].replay()
         else:
-            self._capture(key)
+            try:
+                self._capture(key)
+            except RuntimeError as e:  # keep generating: eager decode is slower but correct
+                self.graph_error = f"{type(e).__name__}: {e}"[:500]
+                log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.graph_error)
+                self.use_graphs = False
+                self.graphs.clear()
+                torch.cuda.synchronize(self.device)
+                self._decode_step(*key)
         buf = self._host_out[self._flip]
         self._flip ^= 1
         buf[: 2 * num_rows].copy_(self.out[: 2 * num_rows], non_blocking=True)  # contiguous: truly async
