@@ -53,7 +53,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     min_admit_fraction: float = 0.0625  # batch admissions: prefill once this share of slots is free
-    block_size: int = 32  # granule of the decode KV-length buckets (and of the slot length)
+    block_size: int = 32  # granule of the decode KV-length buckets (one CUDA graph per bucket)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
