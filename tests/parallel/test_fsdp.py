@@ -3,8 +3,8 @@
 One world checks, in order: sharded loading into the 2-D model (it starts from other
 weights), full_state_dict, gradients of the logits loss, gradients of the chunked
 vocab-parallel log-prob loss (the FSDP root keeps the head gathered after forward),
-activation checkpointing (full, selective) leaving gradients unchanged, and a TP=2 x PP=2
-layout (1F1B) whose last stage computes the vocab-parallel loss from hidden states.
+activation checkpointing (full, selective) leaving gradients unchanged, and TP=2 x PP=2 and
+DP=2 (FSDP) x PP=2 layouts (1F1B) whose last stage computes the loss from hidden states.
 """
 
 from __future__ import annotations
@@ -62,31 +62,34 @@ def _fsdp_body(rank, world, ckpt):
                                                     vocab_start=start, chunk_size=5)
             (-logp.mean()).backward()
             out["vp_grads"] = _full_grads(model)
-    out["pp_tp"] = _pp_tp(mesh_ranks=list(range(4)), ckpt=ckpt)
+    out["pp_tp"] = _pipelined(ParallelDims(tp=2, pp=2), ckpt=ckpt)
+    out["pp_dp"] = _pipelined(ParallelDims(dp=2, pp=2), ckpt=ckpt)
     return out
 
 
-def _pp_tp(*, mesh_ranks, ckpt):
-    """TP=2 x PP=2 over the same 4 ranks: per-stage gradients of the token-mean NLL of the full batch."""
+def _pipelined(dims, *, ckpt):
+    """PP=2 with TP=2 or FSDP DP=2 over the same 4 ranks: per-stage gradients of the token-mean NLL."""
     from parallel.apply import head_shard, parallelize_model
-    from parallel.dims import ParallelDims, build_mesh
+    from parallel.dims import build_mesh
     from parallel.loading import load_sharded_weights
     from parallel.vocab_parallel import vocab_parallel_token_logprobs
 
-    dims = ParallelDims(tp=2, pp=2)
-    mesh = build_mesh(dims, mesh_ranks, device_type="cpu")
+    mesh = build_mesh(dims, list(range(4)), device_type="cpu")
     runner = parallelize_model(build_model("tiny", seed=7), mesh=mesh, dims=dims, n_microbatches=2)
     for m in runner.modules:
         load_sharded_weights(m, ckpt)
-    ids = _batch()
-    pos = torch.arange(T).expand(B, T).contiguous()
-    tp_group = mesh["tp"].get_group()
+    rows = B // dims.dp
+    dp_rank = mesh.get_local_rank("dp")
+    ids = _batch()[dp_rank * rows:(dp_rank + 1) * rows]
+    pos = torch.arange(T).expand(rows, T).contiguous()
+    tp_group = mesh["tp"].get_group() if dims.tp > 1 else None
 
     def loss_fn(hidden, mb):
         w, start = head_shard(runner.last_module)
         logp, _ = vocab_parallel_token_logprobs(hidden[:, :-1], w, mb["ids"][:, 1:], tp_group=tp_group,
                                                 vocab_start=start, chunk_size=8)
-        return -logp.sum() / (B * (T - 1))  # normalised by the whole batch: micro-batch losses add up
+        # normalised by this rank's whole batch: micro-batch losses add up, FSDP averages the DP ranks
+        return -logp.sum() / (rows * (T - 1))
 
     runner.forward_backward(ids if runner.has_first else None, position_ids=pos, extras={"ids": ids},
                             loss_fn=loss_fn)
@@ -105,12 +108,13 @@ def test_tp2_dp2_fsdp_equals_single_process(tmp_path):
 
     out = run_world(_fsdp_body, 4, (str(tmp_path / "ckpt"),))
     names = {n for n, _ in ref.named_parameters()}
-    pp_names = set()
-    for o in out:
-        for n, g in o["pp_tp"].items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"pp x tp {n}")
-            pp_names.add(n)
-    assert pp_names == names
+    for key in ("pp_tp", "pp_dp"):
+        pp_names = set()
+        for o in out:
+            for n, g in o[key].items():
+                torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{key} {n}")
+                pp_names.add(n)
+        assert pp_names == names, key
     for o in out:
         assert set(o["loaded"]) == names
         for n, p in ref.named_parameters():
