@@ -26,25 +26,26 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
 
 
 def _chunk_stats(h, w, tgt, *, vocab_start, temperature, group, with_entropy):
-    """One chunk: h [C, H], w [Vl, H], tgt [C] -> (logits [C, Vl] fp32, lse [C], mean_logit [C]|None, tgt_logit [C])."""
+    """One chunk: h [C, H], w [Vl, H], tgt [C] -> (lse [C], entropy [C] | None, target logit [C]), fp32."""
     logits = (h @ w.t()).float()
     if temperature != 1.0:
-        logits = logits / temperature
-    local_max = logits.max(dim=-1).values
-    gmax = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
-    e = torch.exp(logits - gmax[:, None])
+        logits.div_(temperature)
+    rows = w.shape[0]
     local_t = tgt - vocab_start
-    owned = (local_t >= 0) & (local_t < w.shape[0])
-    t_logit = logits.gather(1, local_t.clamp(0, w.shape[0] - 1)[:, None]).squeeze(1) * owned
+    owned = (local_t >= 0) & (local_t < rows)
+    t_logit = logits.gather(1, local_t.clamp(0, rows - 1)[:, None]).squeeze(1) * owned
+    gmax = _all_reduce(logits.amax(dim=-1), dist.ReduceOp.MAX, group)
+    shifted = logits.sub_(gmax[:, None])  # in place: one [C, V] fp32 buffer less
+    e = shifted.exp()
     parts = [e.sum(-1), t_logit]
     if with_entropy:
-        parts.append((e * logits).sum(-1))
+        parts.append(e.mul_(shifted).sum(-1))
     # one SUM all-reduce for all per-token statistics of the chunk
     stats = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
-    sumexp = stats[0]
-    lse = gmax + torch.log(sumexp)
-    mean_logit = stats[2] / sumexp if with_entropy else None
-    return logits, lse, mean_logit, stats[1]
+    log_z = torch.log(stats[0])
+    # H = lse - E_p[logit] = log Z - E_p[logit - max]
+    ent = log_z - stats[2] / stats[0] if with_entropy else None
+    return gmax + log_z, ent, stats[1]
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -52,29 +53,33 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, group, vocab_start, temperature, chunk_size, with_entropy):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        mean_all = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk_size):
             sl = slice(s, s + chunk_size)
-            _, lse, mean_logit, t_logit = _chunk_stats(
+            lse, chunk_ent, t_logit = _chunk_stats(
                 hidden[sl], weight, targets[sl], vocab_start=vocab_start, temperature=temperature,
                 group=group, with_entropy=with_entropy)
             logp[sl] = t_logit - lse
             lse_all[sl] = lse
             if with_entropy:
-                ent[sl] = lse - mean_logit
-                mean_all[sl] = mean_logit
-        ctx.save_for_backward(hidden, weight, targets, lse_all, mean_all if with_entropy else lse_all.new_empty(0))
+                ent[sl] = chunk_ent
+        ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
         ctx.cfg = (group, vocab_start, temperature, chunk_size, with_entropy)
+        # an unused output (entropy kept only as a metric) then costs nothing in backward
+        ctx.set_materialize_grads(False)
         return (logp, ent) if with_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent=None):
-        hidden, weight, targets, lse_all, mean_all = ctx.saved_tensors
+        hidden, weight, targets, lse_all, ent_all = ctx.saved_tensors
         group, vocab_start, temperature, chunk_size, with_entropy = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        if g_ent is not None and not with_entropy:
+            g_ent = None
+        if (g_logp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None, None, None
+        grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         vl = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk_size):
@@ -82,22 +87,24 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             h = hidden[sl]
             logits = (h @ weight.t()).float()
             if temperature != 1.0:
-                logits = logits / temperature
-            p = torch.exp(logits - lse_all[sl, None])
-            # d logp / d logit_j = [j == target] - p_j
+                logits.div_(temperature)
+            logp = logits.sub_(lse_all[sl, None])  # in place: log p_j
+            p = logp.exp()
+            # d logp_t / d logit_j = [j == t] - p_j;  d H / d logit_j = -p_j (log p_j + H)
+            if g_ent is not None:
+                coef = logp.add_(ent_all[sl, None]).mul_(g_ent[sl, None])
+                if g_logp is not None:
+                    coef.add_(g_logp[sl, None])
+                g = p.mul_(coef).neg_()
+            else:
+                g = p.mul_(g_logp[sl, None]).neg_()
             if g_logp is not None:
-                g = -p * g_logp[sl, None]
                 local_t = targets[sl] - vocab_start
                 owned = (local_t >= 0) & (local_t < vl)
                 # scatter with a 0/1 weight instead of indexing owned rows: no host sync on GPU
                 g.scatter_add_(1, local_t.clamp(0, vl - 1)[:, None], (g_logp[sl] * owned)[:, None])
-            else:
-                g = torch.zeros_like(p)
-            if with_entropy and g_ent is not None:
-                # d H / d logit_j = -p_j * (logit_j - E_p[logit])
-                g = g - g_ent[sl, None] * p * (logits - mean_all[sl, None])
             if temperature != 1.0:
-                g = g / temperature
+                g.div_(temperature)
             g = g.to(hidden.dtype)
             if need_h:
                 grad_h[sl] = g @ weight

@@ -81,3 +81,17 @@ def test_vocab_parallel_equals_naive():
         torch.testing.assert_close(en, ent, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(h_grad, gh, rtol=1e-5, atol=1e-5)  # hidden grad all-reduced over the vocab split
         torch.testing.assert_close(w_grad, gw[rank * rows:(rank + 1) * rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use", ["logp", "entropy"])
+def test_gradient_of_one_output_only(use):
+    """The unused output gets no gradient (None): its backward terms are skipped, not zero-filled."""
+    hidden, weight, targets, g_logp, g_ent = _data()
+    pick = (lambda lp, en: (lp * g_logp).sum()) if use == "logp" else (lambda lp, en: (en * g_ent).sum())
+    grads = []
+    for fn in (_naive, lambda h, w, t: vocab_parallel_token_logprobs(h, w, t, tp_group=None, temperature=TEMP,
+                                                                     chunk_size=5, with_entropy=True)):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(pick(*fn(h, w, targets)), (h, w)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
