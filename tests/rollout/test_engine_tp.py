@@ -1,4 +1,7 @@
-"""TP=2 decoding in a real gloo world equals TP=1: same greedy and seeded-sampled tokens, log-probs <= 1e-5."""
+"""TP=2 decoding in a real gloo world equals TP=1: same greedy and seeded-sampled tokens, log-probs <= 1e-5.
+
+Two models in one world: the tiny Llama (GQA) and a Qwen2-style variant (q/k/v biases, tied embeddings).
+"""
 
 import pytest
 import torch
@@ -11,12 +14,20 @@ PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=7, ignore_eos=True),
           SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=9, seed=3, ignore_eos=True)]
+VARIANTS = ("llama", "qwen2")
 
 
-def _model():
-    model = build_model(preset_config("tiny"), seed=11)
+def _model(variant):
+    cfg = preset_config("tiny") if variant == "llama" else preset_config(
+        "tiny", model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+    model = build_model(cfg, seed=11)
+    gen = torch.Generator().manual_seed(5)  # explicit: every process must build identical weights
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked distributions, so sampling is not near-uniform
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        # peaked distributions, so sampling is not near-uniform (tied: through the embedding)
+        (model.model.embed_tokens if cfg.tie_word_embeddings else model.lm_head).weight.mul_(20.0)
     return model
 
 
@@ -27,12 +38,14 @@ def _config():
 def _tp_body(rank, world_size):
     import torch.distributed as dist
 
-    model = _model()
-    engine = NativeEngine(model.config, config=_config(), tp_group=dist.group.WORLD)
-    engine.update_weights((n, t[tp_slices(n, tuple(t.shape), rank=rank, world=world_size)])
-                          for n, t in model.state_dict().items())
-    outs = engine.generate(PROMPTS, PARAMS)
-    return [(c.token_ids, c.logprobs) for c in outs]
+    out = []
+    for variant in VARIANTS:
+        model = _model(variant)
+        engine = NativeEngine(model.config, config=_config(), tp_group=dist.group.WORLD)
+        engine.update_weights((n, t[tp_slices(n, tuple(t.shape), rank=rank, world=world_size)])
+                              for n, t in model.state_dict().items())
+        out.append([(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, PARAMS)])
+    return out
 
 
 @pytest.mark.distributed
@@ -40,9 +53,10 @@ def test_tp2_equals_tp1():
     from tests.dist_utils import run_world
 
     torch.set_num_threads(1)
-    ref = NativeEngine.from_model(_model(), config=_config()).generate(PROMPTS, PARAMS)
     results = run_world(_tp_body, 2)
     assert results[0] == results[1], "TP ranks disagree"
-    for c, (tokens, logprobs) in zip(ref, results[0]):
-        assert tokens == c.token_ids
-        assert max(abs(a - b) for a, b in zip(logprobs, c.logprobs)) <= 1e-5
+    for variant, tp2 in zip(VARIANTS, results[0]):
+        ref = NativeEngine.from_model(_model(variant), config=_config()).generate(PROMPTS, PARAMS)
+        for c, (tokens, logprobs) in zip(ref, tp2):
+            assert tokens == c.token_ids, variant
+            assert max(abs(a - b) for a, b in zip(logprobs, c.logprobs)) <= 1e-5, variant
