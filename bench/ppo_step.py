@@ -58,8 +58,20 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
-           "run_dir": str(run_dir)}
+           "run_dir": str(run_dir), "warnings": _warnings(run_dir)}
     return out
+
+
+def _warnings(run_dir: Path, limit: int = 12) -> list[str]:
+    """Distinct WARNING lines of the ranks' logs (fallbacks, OOM retries), without timestamps."""
+    seen: list[str] = []
+    for log in sorted((run_dir / "logs").glob("rank_*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "WARNING" in line:
+                msg = line.split("WARNING", 1)[1].strip()[:300]
+                if msg not in seen:
+                    seen.append(msg)
+    return seen[:limit]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -124,15 +124,20 @@ class Roles:
 
     def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         a = self.cfg.actor
-        keys = ["old_logp", "advantages", "mask"] + (["ref_logp"] if a.use_kl_loss else [])
+        fused = "old_logp" not in tensors  # the old log-probs are this forward's, detached (ratio == 1)
+        keys = ["advantages", "mask"] + ([] if fused else ["old_logp"]) + (["ref_logp"] if a.use_kl_loss else [])
 
         def loss_fn(logp, entropy, t, denom):
-            loss, m = algos.policy_loss(logp, t["old_logp"], t["advantages"], t["mask"], clip_low=a.clip_low,
+            old = logp.detach() if fused else t["old_logp"]
+            loss, m = algos.policy_loss(logp, old, t["advantages"], t["mask"], clip_low=a.clip_low,
                                         clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
                                         denom=denom)
             m["pg_loss"] = float(loss.detach())
-            if entropy is not None and a.entropy_coef:
-                loss = loss - a.entropy_coef * algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
+            if entropy is not None:
+                ent = algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
+                m["entropy"] = float(algos.masked_mean(entropy.detach(), t["mask"].float()))
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * ent
             if a.use_kl_loss:
                 kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
                 kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
@@ -140,7 +145,7 @@ class Roles:
                 m["kl_loss"] = float(kl_loss.detach())
             return loss, m
 
-        loss_fn.needs_entropy = bool(a.entropy_coef)
+        loss_fn.needs_entropy = bool(a.entropy_coef) or fused  # fused: the entropy metric comes from here
         return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
                                  epochs=a.ppo_epochs, loss_fn=loss_fn)
 

@@ -63,6 +63,12 @@ class PPOTrainer:
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
         self.state.model_params = model_config.num_params()
         self.pending: Experience | None = None  # async: the batch generated one step ahead
+        # One epoch over one mini-batch, and no in-reward KL penalty: the old log-probs would be the
+        # update's own forward, bit for bit, so that forward serves both (ratio == 1 by construction).
+        a, samples = cfg.actor, cfg.data.batch_size * cfg.rollout.n
+        self.fused_old_logp = (a.ppo_epochs == 1 and (a.mini_batch_size == 0 or a.mini_batch_size >= samples)
+                               and not (cfg.algorithm.use_kl_penalty and "ref" in plan.groups)
+                               and not cfg.trainer.async_rollout)
         self.base_budgets = {"actor": cfg.actor.max_tokens_per_micro_batch, "ref": cfg.ref.max_tokens_per_micro_batch,
                              "critic": cfg.critic.max_tokens_per_micro_batch}
         self.budgets = dict(self.base_budgets)
@@ -122,7 +128,7 @@ class PPOTrainer:
 
         # 2. scoring; async skips the old-log-prob recompute: the behaviour log-probs recorded at
         #    generation are the importance-ratio denominators
-        results = self.score(exp, timer, old_logp=not is_async)
+        results = self.score(exp, timer, old_logp=not (is_async or self.fused_old_logp))
         if is_async and step + 1 < cfg.trainer.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending = self.generate(step + 1, timer)
@@ -196,9 +202,11 @@ class PPOTrainer:
         mask = exp.response_mask()
         scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
         token_rewards = algos.scores_to_token_rewards(scores, mask)
-        t = {"mask": mask, "old_logp": exp.stack(merged["old_logp"]), "scores": scores}
+        t = {"mask": mask, "scores": scores}
+        if "old_logp" in merged:
+            t["old_logp"] = exp.stack(merged["old_logp"])
         metrics: dict[str, float] = {}
-        if not self.cfg.trainer.async_rollout:
+        if "old_logp" in t and not self.cfg.trainer.async_rollout:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
             diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
             metrics["rollout/logprob_diff_max"] = float(diff.max())
@@ -207,6 +215,7 @@ class PPOTrainer:
             metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
         if "ref_logp" in merged:
             t["ref_logp"] = exp.stack(merged["ref_logp"])
+        if "ref_logp" in t and "old_logp" in t:
             kl = algos.kl_estimate(t["old_logp"], t["ref_logp"], kind=a.kl_penalty)
             metrics["actor/kl"] = float(algos.masked_mean(kl, mask.float()))
             if a.use_kl_penalty:
@@ -259,7 +268,9 @@ class PPOTrainer:
         for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
             vals = [p[key] for p in parts if p[key]]
             for k in (vals[0] if vals else {}):
-                m[prefix + _rename(k)] = sum(v[k] for v in vals) / len(vals)
+                m[prefix + k] = sum(v[k] for v in vals) / len(vals)
+        if "actor/kl" not in m and "actor/kl_loss" in m:  # fused old log-probs: the KL loss term is the KL
+            m["actor/kl"] = m["actor/kl_loss"]
         for stage in set().union(*(p["times"] for p in parts)):
             m[f"timing_s/{stage}"] = max(p["times"].get(stage, 0.0) for p in parts)
         step_s = m["timing_s/step"]
@@ -332,10 +343,6 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     m = mask.float()
     var_r = algos.masked_var(returns, m)
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
-
-
-def _rename(k: str) -> str:
-    return k
 
 
 def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None) -> None:

@@ -235,11 +235,13 @@ class PolicyWorker(ShardedWorker):
             if not self.is_owner or results is None:
                 continue
             for g, (logp, ent) in zip(groups, results):
+                logp = logp.float().cpu()  # one device->host copy per micro-batch, then split on the host
+                ent = ent.float().cpu() if ent is not None else None
                 for j, s in enumerate(g):
                     n = len(s.response_ids)
-                    out["logp"][s.uid] = logp[j, :n].float().cpu()
+                    out["logp"][s.uid] = logp[j, :n]
                     if ent is not None:
-                        out["entropy"][s.uid] = ent[j, :n].float().cpu()
+                        out["entropy"][s.uid] = ent[j, :n]
         return out
 
     # -- PPO update
@@ -326,8 +328,9 @@ class CriticWorker(ShardedWorker):
                 samples = [exp.samples[i] for i in mb]
                 values = self._mb_values(self._pack(samples, self.pad_id))
                 if self.is_owner:
+                    values = values.cpu()
                     for j, s in enumerate(samples):
-                        out[s.uid] = values[j, : len(s.response_ids)].cpu()
+                        out[s.uid] = values[j, : len(s.response_ids)]
         return {"values": out}
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
