@@ -62,7 +62,10 @@ def split_stage(model: nn.Module, *, num_stages: int, stage: int, attn_factory: 
         model.model.embed_tokens = None
     if stage != num_stages - 1:
         model.model.norm = None
-        model.lm_head = None
+        # the output head lives on the last stage only: lm_head (causal LM) or score (value / reward model)
+        for head in ("lm_head", "score"):
+            if hasattr(model, head):
+                setattr(model, head, None)
     # an instance attribute, so nn.Module.__call__ (and its FSDP hooks) still wraps it
     model.forward = functools.partial(_stage_forward, model, attn_factory=attn_factory)
     return model

@@ -116,3 +116,15 @@ def test_runner_rejects_bad_config():
         PipelineRunner(stages, pp_group=None, num_stages=2, n_microbatches=2, schedule="1f1b")
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         PipelineRunner(stages, pp_group=None, num_stages=2, n_microbatches=2, schedule="zb")
+
+
+def test_split_stage_of_a_value_model_keeps_score_on_the_last_stage():
+    from models.heads import LlamaForValue
+
+    cfg = build_model("tiny", seed=0).config
+    names = set()
+    for s in range(2):
+        stage = split_stage(LlamaForValue(cfg), num_stages=2, stage=s)
+        assert (stage.score is not None) == (s == 1) and not hasattr(stage, "lm_head")
+        names |= {n for n, _ in stage.named_parameters()}
+    assert names == {n for n, _ in LlamaForValue(cfg).named_parameters()}
