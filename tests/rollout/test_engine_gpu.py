@@ -1,4 +1,4 @@
-"""GPU-only checks of the native engine: CUDA graphs and torch.compile change nothing but speed.
+"""GPU-only checks of the native engine: CUDA graphs change nothing but speed.
 
     pytest -m gpu tests/rollout/test_engine_gpu.py
 """
@@ -39,7 +39,9 @@ def _trainer_logprobs(model, c, temperature):
     return lp.cpu()
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(compile=True), dict(decode_attention="bmm")])
+# torch.compile on GPU is checked by bench/generate.py (sdpa+compile vs the trainer forward): compiling
+# here would eat the GPU test budget
+@pytest.mark.parametrize("variant", [dict(), dict(decode_attention="bmm")])
 def test_graphs_match_eager_fp32(variant):
     model = _model(torch.float32)
     eager = NativeEngine.from_model(model, config=_config(enable_cuda_graph=False)).generate(PROMPTS, PARAMS)
