@@ -102,6 +102,11 @@ class DocumentAttention:
         )
         if use_varlen:
             return self._varlen_attention(q, k, v)
+        if q.is_cuda and q.shape[1] != k.shape[1]:
+            # CUDA's fused kernels take a mask only with equal head counts; with enable_gqa SDPA
+            # would fall back to the math kernel ([B, H, T, T] scores), so expand K/V instead
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
 
     def _varlen_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -109,12 +114,30 @@ class DocumentAttention:
 
         b, hq, t, d = q.shape
         cu, max_len = self._varlen
+        kwargs, expand = _varlen_kwargs(gqa=hq != k.shape[1])
+        if expand:  # this torch's varlen_attn has no GQA: give every query head its own K/V head
+            k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
         flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]  # [B*T, H, D]
-        out = varlen_attn(*flat, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=hq != k.shape[1])
+        out = varlen_attn(*flat, cu, cu, max_len, max_len, **kwargs)
         return out.view(b, t, hq, d).transpose(1, 2)
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _varlen_kwargs(*, gqa: bool) -> tuple[dict, bool]:
+    """Causal keyword(s) for this torch's varlen_attn, and whether GQA heads must be expanded by hand.
+    The API moved: 2.10 takes is_causal=; later releases take window_size=(-1, 0); enable_gqa=
+    arrived in 2.12."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs, gqa and "enable_gqa" not in params
 _VARLEN_OK: dict[tuple[int, torch.dtype], bool] = {}
 
 

@@ -77,27 +77,37 @@ def test_rope_frequencies_stay_fp32():
     assert torch.equal(model.model.inv_freq, exact)
 
 
-def test_varlen_layout_with_reference_kernel(monkeypatch):
+def _old_varlen_signature(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's varlen_attn signature (no window_size, no enable_gqa)."""
+
+
+@pytest.mark.parametrize("api", ["current", "torch2.10"])
+def test_varlen_layout_with_reference_kernel(monkeypatch, api):
     """The flatten / cu_seqlens / unflatten around varlen_attn, with a CPU stand-in kernel whose
-    arguments must also bind to the real varlen_attn signature."""
+    arguments must also bind to the real varlen_attn signature (today's, or 2.10's where GQA heads
+    are expanded by hand and causality is is_causal=True)."""
     import inspect
 
     import torch.nn.attention.varlen as varlen_mod
     import torch.nn.functional as F
 
-    real_sig = inspect.signature(varlen_mod.varlen_attn)
+    real_sig = inspect.signature(varlen_mod.varlen_attn if api == "current" else _old_varlen_signature)
 
     def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
         real_sig.bind(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
-        assert kw["window_size"] == (-1, 0) and cu_q.dtype == torch.int32 and q.dim() == 3
+        causal = kw.get("window_size") == (-1, 0) or kw.get("is_causal") is True
+        assert causal and cu_q.dtype == torch.int32 and q.dim() == 3
+        gqa = kw.get("enable_gqa", False)
+        assert gqa or q.shape[1] == k.shape[1]
         out = torch.empty_like(q)
         for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
             assert e - s <= max_q
             qs, ks, vs = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
-            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=kw["enable_gqa"])[0]\
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)[0]\
                 .transpose(0, 1)
         return out
 
+    fake_varlen.__signature__ = real_sig
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1]])
     cu, max_len = DocumentAttention._cu_seqlens(pos)
