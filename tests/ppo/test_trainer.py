@@ -76,15 +76,20 @@ def test_resume_gives_identical_metrics(tmp_path):
 
 
 @pytest.mark.distributed
-def test_grpo_and_split_placement_four_ranks(tmp_path):
-    res = launch(tmp_path, 4, "conf/grpo_tiny.yaml", "trainer.total_steps=1", "placement.mode=split",
-                 "trainer.experiment_name=grpo_split")
+def test_grpo_split_async_controller_four_ranks(tmp_path):
+    """Split placement (actor+rollout | ref+reward), one-step-off async rollout and the batch
+    controller together: batch k+1 is generated while batch k is scored and trained."""
+    res = launch(tmp_path, 4, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "placement.mode=split",
+                 "trainer.async_rollout=true", "controller.enabled=true", "trainer.experiment_name=grpo_split")
     _ok(res)
     assert "device plan: split placement over 4 ranks" in res.stdout
     plan = json.loads((tmp_path / "grpo_split" / "plan.json").read_text())
     assert plan["groups"]["actor"]["ranks"] == [0, 1] and plan["groups"]["ref"]["ranks"] == [2, 3]
     assert "critic" not in plan["groups"]
-    assert metrics(tmp_path / "grpo_split")[0]["step"] == 1
+    rows = metrics(tmp_path / "grpo_split")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "timing_s/old_log_prob" not in rows[0]  # async: behaviour log-probs, no recompute
+    assert rows[0]["controller/micro_batch_tokens"] > 0  # decided at every step boundary
 
 
 @pytest.mark.distributed
