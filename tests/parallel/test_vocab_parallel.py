@@ -95,3 +95,25 @@ def test_gradient_of_one_output_only(use):
         grads.append(torch.autograd.grad(pick(*fn(h, w, targets)), (h, w)))
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_matches_fp32_reference():
+    """The GPU path: bf16 matmuls, fp32 softmax statistics, chunks of several thousand tokens."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 5000, 256, 32000
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.05).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    hid, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, ent = vocab_parallel_token_logprobs(hid, w, targets, tp_group=None, chunk_size=2048, with_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    h32, w32 = hidden.float().requires_grad_(True), weight.float().requires_grad_(True)
+    ls = F.log_softmax(h32 @ w32.t(), -1)
+    ref_logp, ref_ent = ls.gather(-1, targets[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    assert logp.dtype == torch.float32 and hid.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-2)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=2e-2)
+    torch.testing.assert_close(hid.grad.float(), h32.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=2e-2, atol=2e-2)
