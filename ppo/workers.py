@@ -192,7 +192,7 @@ class PolicyWorker(ShardedWorker):
 
     # -- log-probs of one packed micro-batch: hidden states -> chunked (vocab-parallel) log-probs
     def _token_logprobs(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool):
-        w, vocab_start = head_shard(model)
+        w, vocab_start = _head(model)
         if self.tp > 1:
             return vocab_parallel_token_logprobs(hidden, w, labels, tp_group=self.tp_group, vocab_start=vocab_start,
                                                  temperature=self.temperature, with_entropy=with_entropy)
@@ -299,6 +299,25 @@ class PolicyWorker(ShardedWorker):
         self.model.forward_backward(ids if self.model.has_first else None, loss_fn=pp_loss, position_ids=pos)
         return [m for m in self.model.last_metrics if m] if self.model.has_last else []
 
+
+
+def _head(model: nn.Module) -> tuple[torch.Tensor, int]:
+    """(this rank's [V/tp, H] head weight, its vocab start). A pipeline stage's head is used outside
+    the stage's forward, so FSDP may hold it sharded over dp: gather those dims differentiably
+    (all-gather forward, reduce-scatter backward into the sharded parameter's gradient)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    w = model.lm_head.weight
+    if isinstance(w, DTensor):
+        names = w.device_mesh.mesh_dim_names or ()
+        if any(n != "tp" and w.device_mesh.size(i) > 1 and not isinstance(p, Replicate)
+               for i, (n, p) in enumerate(zip(names, w.placements))):
+            placements = [p if n == "tp" else Replicate() for n, p in zip(names, w.placements)]
+            w = w.redistribute(w.device_mesh, placements)
+            from parallel.loading import local_slices
+
+            return w.to_local(), local_slices(w)[0].start or 0
+    return head_shard(model)
 
 
 def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:

@@ -122,3 +122,15 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
     prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=True)
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("x.old-")]
     assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.distributed
+def test_pipeline_parallel_actor_four_ranks(tmp_path):
+    """Actor pp=2 x dp=2 (1F1B over gloo, FSDP2 inside each stage): its log-probs equal the rollout
+    engine's on the same weights and the first update sees ratio exactly 1."""
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "actor.pp=2", "data.batch_size=16",
+               "trainer.experiment_name=pp2"))
+    rows = metrics(tmp_path / "pp2")
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-5
+    assert rows[0]["actor/clipfrac"] == 0.0 and rows[0]["actor/ratio_max"] == 1.0
