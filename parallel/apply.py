@@ -170,13 +170,15 @@ def parallelize_model(
         return _apply_local(model, **local)
     if n_microbatches is None:
         raise ValueError(f"pp({dims.pp}) > 1 needs n_microbatches (at least pp x stages_per_rank)")
+    # activations between stages are in the compute dtype: FSDP's param_dtype, else the stored one
+    act_dtype = param_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     stages = build_stages(model, pp=dims.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=stages_per_rank, attn_factory=attn_factory)
     stages = [(s, _apply_local(m, **local)) for s, m in stages]
     if stages_per_rank > 1 and pp_schedule == "1f1b":
         pp_schedule = "interleaved_1f1b"
     return PipelineRunner(stages, pp_group=mesh.get_group("pp"), num_stages=dims.pp * stages_per_rank,
-                          n_microbatches=n_microbatches, schedule=pp_schedule)
+                          n_microbatches=n_microbatches, schedule=pp_schedule, activation_dtype=act_dtype)
 
 
 def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,

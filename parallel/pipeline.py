@@ -39,6 +39,7 @@ from torch import nn
 from parallel.sharding import pp_stage_layers
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+_MAX_CACHED = 4  # schedules (one per micro-batch shape and mode) kept alive
 
 
 def _stage_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
@@ -104,12 +105,13 @@ def _device_of(module: nn.Module) -> torch.device:
 class PipelineRunner:
     """Runs forward/backward of this rank's stages with a torch.distributed.pipelining schedule.
 
-    Stage objects and schedules are built per distinct input shape (torch infers the
-    activation shapes on the first step of each) and cached.
+    Stage objects and schedules are built per distinct input shape and cached (the last few).
+    With `activation_dtype` the stages declare their [mb, T, H] activations; without it torch
+    infers them with a dummy forward/backward on the first step of each shape.
     """
 
     def __init__(self, stages: list[tuple[int, nn.Module]], *, pp_group: dist.ProcessGroup, num_stages: int,
-                 n_microbatches: int, schedule: str = "1f1b"):
+                 n_microbatches: int, schedule: str = "1f1b", activation_dtype: torch.dtype | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
         if len(stages) > 1 and schedule != "interleaved_1f1b":
@@ -122,6 +124,9 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.schedule = schedule
         self.device = _device_of(stages[0][1])
+        # known activation dtype: stage shapes are declared (no dummy forward/backward per new shape)
+        self.activation_dtype = activation_dtype
+        self.hidden_size = stages[0][1].config.hidden_size
         self.last_metrics: list[dict] = []
         self._cache: dict[tuple, object] = {}
         self._loss_fn: Callable | None = None
@@ -154,13 +159,16 @@ class PipelineRunner:
             return loss
         return res
 
-    def _get_schedule(self, key: tuple, *, training: bool):
+    def _get_schedule(self, shape: tuple[int, int], *, training: bool):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        key = (*key, training)
+        key = (shape, training)
         if key in self._cache:
             return self._cache[key]
-        pstages = [PipelineStage(m, s, self.num_stages, self.device, group=self.pp_group) for s, m in self.stages]
+        while len(self._cache) >= _MAX_CACHED:  # each schedule holds receive buffers for its shape
+            self._cache.pop(next(iter(self._cache)))
+        pstages = [PipelineStage(m, s, self.num_stages, self.device, group=self.pp_group,
+                                 **self._stage_meta(s, shape, training=training)) for s, m in self.stages]
         loss = self._schedule_loss if training else None
         kw = dict(n_microbatches=self.n_microbatches, loss_fn=loss, scale_grads=False)
         if self.schedule == "interleaved_1f1b":
@@ -171,6 +179,17 @@ class PipelineRunner:
             sched = ScheduleGPipe(pstages[0], **kw)  # forward-only runs have no 1F1B interleaving to do
         self._cache[key] = sched
         return sched
+
+    def _stage_meta(self, stage: int, batch_shape: tuple[int, int], *, training: bool) -> dict:
+        """Declared input/output metadata of one stage for micro-batches of batch_shape [B, T]."""
+        if self.activation_dtype is None:
+            return {}  # torch infers them with a dummy forward/backward on the first step of each shape
+        mb, t = batch_shape[0] // self.n_microbatches, batch_shape[1]
+        # requires_grad marks which activations get a gradient sent back in training
+        hidden = torch.empty(mb, t, self.hidden_size, dtype=self.activation_dtype, device="meta",
+                             requires_grad=training)
+        inp = torch.empty(mb, t, dtype=torch.long, device="meta") if stage == 0 else hidden
+        return {"input_args": (inp,), "output_args": (hidden,)}
 
     def _kwargs(self, inputs, position_ids):
         if self.has_first and inputs is None:
@@ -193,14 +212,14 @@ class PipelineRunner:
         extras {name: [B, ...]} (last stage). Returns the per-micro-batch losses on the
         last stage's rank, [] elsewhere.
         """
-        args, kwargs, key = self._kwargs(inputs, position_ids)
+        args, kwargs, shape = self._kwargs(inputs, position_ids)
         extras = extras or {}
         self._extras = [dict(zip(extras, parts)) for parts in
                         zip(*[torch.tensor_split(v, self.n_microbatches) for v in extras.values()])] \
             if extras else [{} for _ in range(self.n_microbatches)]
         self._loss_fn = loss_fn
         self.last_metrics = [{} for _ in range(self.n_microbatches)]
-        sched = self._get_schedule(key, training=True)
+        sched = self._get_schedule(shape, training=True)
         losses: list[torch.Tensor] = []
         target = torch.arange(self.n_microbatches) if self.has_last else None
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
@@ -209,7 +228,7 @@ class PipelineRunner:
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor | None, *, position_ids: torch.Tensor) -> torch.Tensor | None:
         """Forward only (log-prob / value recompute): [B, T] ids -> last stage's [B, T, H] hidden, None elsewhere."""
-        args, kwargs, key = self._kwargs(inputs, position_ids)
-        sched = self._get_schedule(key, training=False)
+        args, kwargs, shape = self._kwargs(inputs, position_ids)
+        sched = self._get_schedule(shape, training=False)
         out = sched.step(*args, **kwargs)
         return out if self.has_last else None

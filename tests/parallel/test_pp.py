@@ -39,17 +39,19 @@ def _reference():
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, hidden.detach()
 
 
-CONFIGS = [("1f1b", 1, 2), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4)]
+# (schedule, stages per rank, micro-batches, declared activation dtype or None = inferred by torch)
+CONFIGS = [("1f1b", 1, 2, None), ("1f1b", 1, 4, torch.float32), ("interleaved_1f1b", 2, 4, None),
+           ("interleaved_1f1b", 2, 4, torch.float32)]
 
 
-def _run_config(rank, world, schedule, stages_per_rank, n_mb):
+def _run_config(rank, world, schedule, stages_per_rank, n_mb, act_dtype):
     import torch.distributed as dist
 
     model = build_model("tiny", seed=0)
     stages = build_stages(model, pp=world, pp_rank=rank, stages_per_rank=stages_per_rank,
                           attn_factory=DocumentAttention)
     runner = PipelineRunner(stages, pp_group=dist.group.WORLD, num_stages=world * stages_per_rank,
-                            n_microbatches=n_mb, schedule=schedule)
+                            n_microbatches=n_mb, schedule=schedule, activation_dtype=act_dtype)
     ids, pos, adv = _batch()
 
     def loss_fn(hidden, mb):
@@ -78,7 +80,7 @@ def _pp_body(rank, world):
 def test_pp2_equals_pp1():
     ref_loss, ref_grads, ref_hidden = _reference()
     out = run_world(_pp_body, 2)
-    for i, (schedule, _, n_mb) in enumerate(CONFIGS):
+    for i, (schedule, _, n_mb, _) in enumerate(CONFIGS):
         first, last = out[0][i], out[1][i]
         assert len(last["losses"]) == n_mb and first["losses"] == [], schedule
         # loss_fn normalises by the whole batch, so the micro-batch losses sum to the full loss
