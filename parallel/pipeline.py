@@ -19,8 +19,9 @@ extras (plus `extras_mb["mb_index"]`). The schedule sees only a tensor of micro-
 indices as its target. Gradients are not rescaled by the schedule (`scale_grads=False`):
 normalise inside loss_fn (e.g. divide by the token count of the whole batch). loss_fn
 may return `(loss, metrics)`; the metrics of each micro-batch are kept in
-`runner.last_metrics`. It may be called once more per new input shape on dummy data
-(torch's stage-shape inference), so it must not have side effects beyond its result.
+`runner.last_metrics`. Without `activation_dtype` torch infers stage shapes by running
+each new shape once on dummy data, loss_fn included, so loss_fn must have no side effects
+beyond its result (parallelize_model always passes the dtype: no dummy runs).
 
 position_ids go to every stage (RoPE and packed-document masks need them); on ranks
 that do not hold the first stage, pass `inputs=None` and the same position_ids.
