@@ -30,7 +30,7 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def _unshard_state(model: nn.Module) -> None:
+def _reshard_fsdp(model: nn.Module) -> None:
     """Put FSDP modules back to their sharded parameters (they may be gathered after a forward)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -48,7 +48,7 @@ def load_sharded_weights(model: nn.Module, path: str | os.PathLike, *, strict: b
     """
     from models.hf_io import load_tensors, tensor_shapes
 
-    _unshard_state(model)
+    _reshard_fsdp(model)
     params = dict(model.named_parameters())
     on_disk = tensor_shapes(path)
     # a tied checkpoint has no lm_head.weight: load_tensors serves the embedding under that name
@@ -81,7 +81,7 @@ def full_state_dict(model: nn.Module, *, device: str | torch.device = "cpu") -> 
     Collective over every mesh the parameters live on: all ranks of those meshes must call
     it, in the same order. Tied weights appear once (under the embedding's name).
     """
-    _unshard_state(model)
+    _reshard_fsdp(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
