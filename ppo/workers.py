@@ -156,9 +156,15 @@ class ShardedWorker:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        # DTensor grads (TP/FSDP) and plain ones (e.g. an unsharded value head) cannot share one
+        # foreach norm: take each kind's norm, then combine
+        parts = []
+        for kind in (True, False):
+            group = [g for g in grads if hasattr(g, "full_tensor") == kind]
+            if group:
+                n = torch.nn.utils.get_total_norm(group)
+                parts.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+        norm = torch.stack([p.float() for p in parts]).square().sum().sqrt()
         if self.pp > 1:
             sq = norm.float() ** 2
             dist.all_reduce(sq, group=self.pp_group)

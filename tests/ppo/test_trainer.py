@@ -134,3 +134,14 @@ def test_pipeline_parallel_actor_four_ranks(tmp_path):
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5
     assert rows[0]["actor/clipfrac"] == 0.0 and rows[0]["actor/ratio_max"] == 1.0
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_roles_two_ranks(tmp_path):
+    """Actor, critic and reference at tp=2 (DTensor), generating at gen_tp=1 after the reshard:
+    the engine's log-probs equal the trainer's vocab-parallel ones."""
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "actor.tp=2", "critic.tp=2", "ref.tp=2",
+               "rollout.gen_tp=1", "trainer.experiment_name=tp2"))
+    rows = metrics(tmp_path / "tp2")
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in rows)
+    assert rows[0]["actor/clipfrac"] == 0.0
