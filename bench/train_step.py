@@ -23,7 +23,8 @@ fp32 = fp32 master parameters/moments, FSDP2 mixed precision all-gathers bf16 co
 copies and reduces fp32 gradients (FSDP applied even on one GPU for that).
 
 MFU = FLOPs / (step time x GPUs x 790 TFLOP/s), FLOPs per token = 6 N + 12 L H C (PaLM),
-N = parameters without the input embedding (the lookup does no matmul; the head counts),
+N = parameters without the input embedding (the lookup does no matmul; the head counts;
+`mfu_all_params` counts every parameter, the other common convention),
 C = attention context per token: seq for lm, sum(len^2)/sum(len) over the packed
 sequences for ppo (a token attends only inside its own sequence). Last stdout line: one
 JSON object with every config's result.
@@ -92,9 +93,13 @@ class RunSpec:
         return spec
 
 
-def flops_per_token(cfg: ModelConfig, *, context: float) -> float:
-    """6 N + 12 L H C (PaLM appendix B), N without the input embedding."""
-    n = cfg.num_params(include_embedding=True) - cfg.vocab_size * cfg.hidden_size
+def flops_per_token(cfg: ModelConfig, *, context: float, all_params: bool = False) -> float:
+    """6 N + 12 L H C (PaLM appendix B). N: the matmul parameters (decoder layers + the head, whose
+    matmul runs even when tied; not the embedding lookup), or every parameter with all_params."""
+    if all_params:
+        n = cfg.num_params(include_embedding=True)
+    else:
+        n = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.hidden_size
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
 
 
@@ -265,6 +270,8 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
     fpt = flops_per_token(cfg, context=batch["context"])
     res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
                peak_mem_gb=peak, mfu=tokens * fpt / step_s / (world * H200_BF16_FLOPS),
+               mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
+               / (world * H200_BF16_FLOPS),
                flops_per_token=fpt, loss=float(metrics["loss"]))
     if spec.mode == "ppo":
         res["clipfrac"] = metrics.get("clipfrac")
@@ -300,6 +307,8 @@ def _run_pipeline(spec: RunSpec, args, *, cfg, runner, opt, batch, device, dims,
     loss, metrics["clipfrac"] = stats.tolist()
     res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
                peak_mem_gb=peak_memory_gb(device), mfu=tokens * fpt / step_s / (dims.world_size * H200_BF16_FLOPS),
+               mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
+               / (dims.world_size * H200_BF16_FLOPS),
                flops_per_token=fpt, pp=dims.pp, microbatches=args.microbatches, pp_schedule=runner.schedule,
                loss=loss)
     if spec.mode == "ppo":
