@@ -7,7 +7,8 @@
                                n_microbatches=8)                # pp > 1: a PipelineRunner
 
 Order (as in torchtitan): pipeline split -> tensor parallel -> activation checkpointing
--> per-layer torch.compile -> FSDP2. TP is applied only when tp > 1 (at size 1 it is
+-> per-layer torch.compile -> FSDP2 (compile with ac="full" checkpoints around the compiled
+layer body instead: see apply_compile_then_full_ac). TP is applied only when tp > 1 (at size 1 it is
 pure DTensor dispatch overhead; `apply_tp` itself works on a size-1 mesh); FSDP is
 applied when dp > 1 or when `param_dtype` asks for mixed precision (on one GPU that gives
 fp32 master weights with bf16 compute).
