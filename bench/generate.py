@@ -3,7 +3,7 @@
     python -m bench.generate --model llama-1b --batches 32,64,256 --prompt-len 128 --new-tokens 256 \
         --engine both --device cuda --dtype bfloat16
     python -m bench.generate --model tiny --device cpu --batches 4 --new-tokens 16 --engine both \
-        --native-variants sdpa,bmm   # CPU check (add sdpa+compile to check compile; slow on CPU)
+        --native-variants auto,bmm   # CPU check (add auto+compile to check compile; slow on CPU)
 
 Random-init weights, random prompts, ignore_eos (fixed lengths), temperature 1 sampling. The roofline
 of one decode step is (bytes of all weights read + KV bytes of every active context) / 4.3 TB/s,
@@ -124,7 +124,7 @@ def profile_decode(engine, prompts, *, new_tokens: int, top: int = 15) -> list[d
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
-    """One native-engine variant: '<sdpa|bmm>[+compile][+eager]' (eager = no CUDA graphs)."""
+    """One native-engine variant: '<kernel>[+compile][+eager]' (eager = no CUDA graphs)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
     config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
@@ -153,7 +153,8 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                 "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
                 "kv_slots": engine.runner.num_slots,
                 "compile_error": getattr(engine.runner._decode, "error", None),
-                "graph_error": engine.runner.graph_error})
+                "graph_error": engine.runner.graph_error,
+                "decode_kernels": {f"{b}x{kv}": k for (b, kv), k in sorted(engine.runner.kernel_for.items())}})
     if not args.no_check:
         prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
         checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
@@ -202,8 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--hf-cache", default="dynamic,static", help="HF cache implementations to run")
-    ap.add_argument("--native-variants", default="sdpa,sdpa+compile",
-                    help="comma list of <sdpa|bmm>[+compile][+eager], e.g. sdpa,bmm,sdpa+compile")
+    ap.add_argument("--native-variants", default="auto,auto+compile",
+                    help="comma list of <auto|sdpa|sdpa-efficient|sdpa-cudnn|bmm>[+compile][+eager] (decode "
+                         "attention kernel; auto times them per graph shape), e.g. auto,bmm,sdpa+compile")
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="native max_num_batched_tokens")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.5)

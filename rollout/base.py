@@ -58,7 +58,8 @@ class RolloutConfig:
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
     drop_weights_on_sleep: bool = True  # the engine's weights only mirror the trainer's: free them on sleep
-    decode_attention: str = "sdpa"  # "sdpa" (fused, fp32 scores) or "bmm" (two batched matmuls)
+    decode_attention: str = "auto"  # "auto" (time the kernels below per graph shape on CUDA), "sdpa",
+    # "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one backend) or "bmm" (two batched matmuls)
     fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (weights copied, not aliased)
     compile: bool = False  # torch.compile the decode step (fuses norms/RoPE/SiLU/sampling; one dynamic-shape compile)
 
@@ -75,8 +76,9 @@ class RolloutConfig:
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
         if not 0.0 <= self.min_admit_fraction <= 1.0:
             raise ValueError(f"min_admit_fraction={self.min_admit_fraction} must be in [0, 1]")
-        if self.decode_attention not in ("sdpa", "bmm"):
-            raise ValueError(f"decode_attention={self.decode_attention!r}; choose 'sdpa' or 'bmm'")
+        kernels = ("auto", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
+        if self.decode_attention not in kernels:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {kernels}")
 
 
 class RolloutEngine(Protocol):

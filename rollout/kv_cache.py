@@ -74,6 +74,12 @@ def _write_kv_fake(cache, layer, positions, k, v) -> None:
     return None
 
 
+# decode kernels: SDPA with PyTorch's own backend choice, SDPA forced to one backend, or two batched
+# matmuls; "auto" (rollout/model_runner.py) times them per CUDA-graph shape and keeps the fastest
+DECODE_KERNELS = ("sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
+_FORCED = {"sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+
+
 class DecodeAttention:
     """One new token per cache row [0, B): write K/V at `positions`, attend over the first kv_len positions.
 
@@ -88,7 +94,7 @@ class DecodeAttention:
         valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
         # additive mask built once per forward (SDPA would convert a bool mask in every layer); fp32 for
         # the bmm path's fp32 scores, the cache/query dtype for SDPA
-        dtype = cache.dtype if mode == "sdpa" else torch.float32
+        dtype = torch.float32 if mode == "bmm" else cache.dtype
         zeros = torch.zeros(valid.shape, dtype=dtype, device=positions.device)
         self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
@@ -102,6 +108,11 @@ class DecodeAttention:
         qg = q.reshape(b, hkv, hq // hkv, d)
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
+        elif self.mode in _FORCED:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([getattr(SDPBackend, _FORCED[self.mode])]):
+                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
         else:
             scores = torch.matmul(qg * d**-0.5, keys.transpose(-1, -2)).float() + self.mask
             out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)

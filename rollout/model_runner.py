@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
-from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
+from rollout.kv_cache import DECODE_KERNELS, DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 
@@ -226,6 +227,8 @@ class ModelRunner:
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
         self.graph_error: str | None = None
+        self.kernel_for: dict[tuple[int, int], str] = {}  # (rows, kv_len) -> decode attention kernel ("auto")
+        self._kernel = "sdpa"
         self._decode = self._decode_fn
         if config.compile:
             # one graph per filtered variant, dynamic in rows and KV length (marked per call); a bigger
@@ -403,7 +406,7 @@ class ModelRunner:
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, temperature: torch.Tensor,
                    top_p: torch.Tensor, top_k: torch.Tensor, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward of one token per row [B] + sampling -> tokens [B], logprobs [B]; what torch.compile sees."""
-        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self.config.decode_attention)
+        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel)
         h = self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0]
         u = self.u_table[: pos.shape[0]].gather(1, (pos + 1)[:, None])[:, 0]  # the new token's position
         return sample(self._logits(h), temperature=temperature, top_p=top_p, top_k=top_k, uniforms=u,
@@ -413,6 +416,7 @@ class ModelRunner:
         """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:2b]
         (tokens then logprobs), then advances every active row in place (token <- sampled, position += 1)."""
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
+        self._kernel = self._pick_kernel(b, kv_len)
         tok, lp = self._decode(ids, pos, self.kv_index[:kv_len], self.meta_f[0, :b], self.meta_f[1, :b],
                                self.meta_i[3, :b], filtered)
         self.out[:b].copy_(tok)
@@ -421,6 +425,47 @@ class ModelRunner:
         next_pos = torch.clamp(pos + active, max=self.cache.slot_len - 1)
         ids.copy_(torch.where(active > 0, tok, torch.zeros_like(tok)))
         pos.copy_(next_pos)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _pick_kernel(self, b: int, kv_len: int) -> str:
+        """The decode attention kernel for rows [0, b) over kv_len positions (timed once per shape)."""
+        mode = self.config.decode_attention
+        if mode != "auto":
+            return mode
+        if self.device.type != "cuda" or self.config.compile:  # compile: one traced kernel, no retracing
+            return "sdpa"
+        if (b, kv_len) not in self.kernel_for:
+            self.kernel_for[(b, kv_len)] = self._time_kernels(b, kv_len)
+        return self.kernel_for[(b, kv_len)]
+
+    def _time_kernels(self, b: int, kv_len: int) -> str:
+        """Fastest of DECODE_KERNELS on this shape: layer 0, writing only the spare position slot_len
+        (never read), so the live cache is untouched. Kernels that cannot run here are skipped."""
+        hq, hkv = self.cfg.num_attention_heads // self.tp, self.cfg.num_key_value_heads // self.tp
+        q = torch.randn(b, hq, 1, self.cfg.head_dim, device=self.device, dtype=self.dtype)
+        k, v = (torch.randn(b, hkv, 1, self.cfg.head_dim, device=self.device, dtype=self.dtype) for _ in range(2))
+        pos = torch.full((b,), self.cache.slot_len, dtype=torch.int64, device=self.device)
+        times = {}
+        for kernel in DECODE_KERNELS:
+            try:
+                attn = DecodeAttention(self.cache.data, positions=pos, kv_index=self.kv_index[:kv_len], mode=kernel)
+                for _ in range(2):
+                    attn(0, q, k, v)
+                self._sync()
+                t0 = time.perf_counter()  # 5 back-to-back launches of a >10 us kernel: launch cost is hidden
+                for _ in range(5):
+                    attn(0, q, k, v)
+                self._sync()
+                times[kernel] = (time.perf_counter() - t0) / 5 * 1e3
+            except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
+                continue
+        best = min(times, key=times.get)
+        log.info("decode attention B=%d kv=%d: %s (ms: %s)", b, kv_len, best,
+                 {k_: round(t, 4) for k_, t in times.items()})
+        return best
 
     @torch.inference_mode()
     def launch_decode(self, num_rows: int, kv_len: int, filtered: bool) -> DecodeHandle:

@@ -230,3 +230,15 @@ def test_update_weights_share_aliases_without_copy(model):
     assert engine.runner.params["model.norm.weight"].data_ptr() == state["model.norm.weight"].data_ptr()
     p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     assert [c.token_ids for c in engine.generate(PROMPTS[:2], p)] == [naive_greedy(model, q, 5) for q in PROMPTS[:2]]
+
+
+def test_decode_kernel_timing_leaves_the_live_cache_alone(model):
+    engine = NativeEngine.from_model(model, config=config())
+    runner = engine.runner
+    before = runner.cache.data[:, :, :, :, : runner.slot_len].clone()
+    kernel = runner._time_kernels(4, 32)  # what "auto" does per CUDA-graph shape (CPU: sdpa or bmm run)
+    assert kernel in ("sdpa", "bmm")
+    assert torch.equal(runner.cache.data[:, :, :, :, : runner.slot_len], before)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = NativeEngine.from_model(model, config=config(decode_attention="bmm")).generate(PROMPTS[:2], p)
+    assert [c.token_ids for c in outs] == [naive_greedy(model, q, 6) for q in PROMPTS[:2]]
