@@ -477,7 +477,16 @@ class ModelRunner:
             self.graphs[key].replay()
         else:
             try:
-                self._capture(key)
+                try:
+                    self._capture(key)
+                except RuntimeError:
+                    if self.kernel_for.get(key[:2], "sdpa") == "sdpa":
+                        raise
+                    # a forced SDPA backend / bmm that runs but does not capture: plain SDPA instead
+                    log.warning("decode kernel %s did not capture; using sdpa", self.kernel_for[key[:2]])
+                    self.kernel_for[key[:2]] = "sdpa"
+                    torch.cuda.synchronize(self.device)
+                    self._capture(key)
             except RuntimeError as e:  # keep generating: eager decode is slower but correct
                 self.graph_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.graph_error)
