@@ -14,6 +14,8 @@ and k/v [B, Hkv, T, D] after RoPE; metadata is set explicitly before the forward
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -117,3 +119,30 @@ class DecodeAttention:
             scores = torch.matmul(qg * d**-0.5, keys.transpose(-1, -2)).float() + self.mask
             out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
         return out.reshape(b, hq, 1, d)
+
+
+def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, num_heads: int,
+                          sync) -> tuple[str, dict[str, float]]:
+    """Time DECODE_KERNELS on layer 0 for `rows` rows over len(kv_index) positions; returns the fastest
+    and the ms of each that ran. Writes only the spare position slot_len (never read): the live cache is
+    untouched. Kernels that cannot run this shape here (e.g. a forced backend) are skipped."""
+    _, _, _, hkv, _, d = cache.data.shape
+    dev, dtype = cache.data.device, cache.data.dtype
+    q = torch.randn(rows, num_heads, 1, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(rows, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
+    pos = torch.full((rows,), cache.slot_len, dtype=torch.int64, device=dev)
+    times = {}
+    for kernel in DECODE_KERNELS:
+        try:
+            attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel)
+            for _ in range(2):
+                attn(0, q, k, v)
+            sync()
+            t0 = time.perf_counter()  # 5 back-to-back launches of a >10 us kernel: launch cost is hidden
+            for _ in range(5):
+                attn(0, q, k, v)
+            sync()
+            times[kernel] = round((time.perf_counter() - t0) / 5 * 1e3, 4)
+        except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
+            continue
+    return min(times, key=times.get), times

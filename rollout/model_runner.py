@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
-from rollout.kv_cache import DECODE_KERNELS, DecodeAttention, KVCache, PrefillAttention, kv_bytes_per_token
+from rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, fastest_decode_kernel, kv_bytes_per_token
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 
@@ -442,29 +441,9 @@ class ModelRunner:
         return self.kernel_for[(b, kv_len)]
 
     def _time_kernels(self, b: int, kv_len: int) -> str:
-        """Fastest of DECODE_KERNELS on this shape: layer 0, writing only the spare position slot_len
-        (never read), so the live cache is untouched. Kernels that cannot run here are skipped."""
-        hq, hkv = self.cfg.num_attention_heads // self.tp, self.cfg.num_key_value_heads // self.tp
-        q = torch.randn(b, hq, 1, self.cfg.head_dim, device=self.device, dtype=self.dtype)
-        k, v = (torch.randn(b, hkv, 1, self.cfg.head_dim, device=self.device, dtype=self.dtype) for _ in range(2))
-        pos = torch.full((b,), self.cache.slot_len, dtype=torch.int64, device=self.device)
-        times = {}
-        for kernel in DECODE_KERNELS:
-            try:
-                attn = DecodeAttention(self.cache.data, positions=pos, kv_index=self.kv_index[:kv_len], mode=kernel)
-                for _ in range(2):
-                    attn(0, q, k, v)
-                self._sync()
-                t0 = time.perf_counter()  # 5 back-to-back launches of a >10 us kernel: launch cost is hidden
-                for _ in range(5):
-                    attn(0, q, k, v)
-                self._sync()
-                times[kernel] = (time.perf_counter() - t0) / 5 * 1e3
-            except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
-                continue
-        best = min(times, key=times.get)
-        log.info("decode attention B=%d kv=%d: %s (ms: %s)", b, kv_len, best,
-                 {k_: round(t, 4) for k_, t in times.items()})
+        best, times = fastest_decode_kernel(self.cache, rows=b, kv_index=self.kv_index[:kv_len],
+                                            num_heads=self.cfg.num_attention_heads // self.tp, sync=self._sync)
+        log.info("decode attention B=%d kv=%d: %s (ms: %s)", b, kv_len, best, times)
         return best
 
     @torch.inference_mode()
