@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
-# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, PLACEMENT_MODES.
+# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, PLACEMENT_MODES, T_<PART> (time limits, s).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -29,17 +29,17 @@ PY
 }
 for p in "${parts[@]}"; do
   case $p in
-    env) run env 90 python3 -m bench.env_check ;;
-    tests) run tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
-    train) run train_step 300 python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
-    gen) run generate 300 python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
+    env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
+    tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
+    train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
+    gen) run generate "${T_GEN:-300}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
            --engine both --batches 32,64,256 ;;
-    reshard) [ "$ngpu" -ge 2 ] && run reshard 180 torchrun --standalone --nproc_per_node 2 -m bench.reshard \
+    reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
-    grpo) run grpo_a 420 python3 -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 \
+    grpo) run grpo_a "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 \
             --modes "${GRPO_MODES:-colocated-sync,colocated-async}" ${EXTRA:-} ;;
-    ppo) run ppo_1gpu 420 python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
-    placement) [ "$ngpu" -ge 2 ] && run placement_b 600 python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
+    ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
+    placement) [ "$ngpu" -ge 2 ] && run placement_b "${T_PLACEMENT:-600}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
                  --nproc 2 --modes "${PLACEMENT_MODES:-colocated-sync,split-sync,split-async,split-async+controller}" \
                  ${EXTRA:-} ;;
     *) echo "unknown part $p" ;;
