@@ -145,4 +145,4 @@ def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, 
             times[kernel] = round((time.perf_counter() - t0) / 5 * 1e3, 4)
         except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
             continue
-    return min(times, key=times.get), times
+    return (min(times, key=times.get) if times else "sdpa"), times
