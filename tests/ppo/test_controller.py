@@ -182,4 +182,5 @@ def test_real_cuda_oom_backoff_on_gpu():
     assert final * 2**30 <= total < 4 * final * 2**30
     assert n == final * 2**30
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated(0) == before  # nothing leaked across the failed attempts
+    # nothing leaked across the failed attempts (earlier tests' caches may be freed meanwhile: <=, not ==)
+    assert torch.cuda.memory_allocated(0) <= before
