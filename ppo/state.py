@@ -81,6 +81,8 @@ class TrainState:
                     self._tb.add_scalar(k, v, step)
         if self.cfg.trainer.wandb:
             self._log_wandb(clean, step)
+        if self.cfg.trainer.progress_bar and step % 10 and step != self.cfg.trainer.total_steps:
+            return  # the bar shows progress; a metrics line every 10 steps keeps the console readable
         keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "timing_s/step", "perf/samples_per_s")
         self.log.info("step %d: %s", step, " ".join(f"{k}={clean[k]:.4g}" for k in keys
