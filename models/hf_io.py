@@ -305,7 +305,7 @@ def save_tensors(
         for i, names in enumerate(shards):
             file = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file({n: cpu[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
-            _fsync(tmp / file)
+            fsync_path(tmp / file)
             weight_map.update({n: file for n in names})
         if len(shards) > 1:
             total = sum(t.numel() * t.element_size() for t in cpu.values())
@@ -334,7 +334,8 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
     return shards
 
 
-def _fsync(file: Path) -> None:
+def fsync_path(file: Path) -> None:
+    """fsync a file or a directory (a directory's entries: a rename inside it becomes durable)."""
     fd = os.open(file, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -41,6 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from models.hf_io import fsync_path
+
 MANIFEST = "COMPLETE"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -76,14 +78,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- file helpers ----
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _torch_save_synced(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -280,7 +274,7 @@ def save_checkpoint(
                                "is run_dir on a file system shared by all nodes?")
         _write_manifest(tmp, step=step, world_size=world_size, roles=sorted(model_states or {}))
         for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-            _fsync_dir(d)
+            fsync_path(d)
         if final.exists():  # re-saving a step (resumed before it): swap, then drop the old copy
             old = root / f"step_{step}.old-{os.getpid()}"
             os.rename(final, old)
@@ -288,7 +282,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         _prune(root, keep_last=keep_last)
     barrier()  # nobody proceeds (or resumes) before step_N exists
     return final
