@@ -230,8 +230,8 @@ class ModelRunner:
         self._kernel = "sdpa"
         self._decode = self._decode_fn
         if config.compile:
-            # one graph per filtered variant, dynamic in rows and KV length (marked per call); a bigger
-            # cache limit so a surprise recompile never silently falls back to eager
+            # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
+            # surprise recompile never silently falls back to eager
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._decode = _DynamicRows(torch.compile(self._decode_fn), self._decode_fn)
         self.cache: KVCache | None = None
@@ -402,22 +402,21 @@ class ModelRunner:
         positions = torch.arange(self.u_table.shape[1], device=self.device)
         self.u_table[idx] = uniform_from_counter(self.meta_i[2, idx][:, None], positions[None, :])
 
-    def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, temperature: torch.Tensor,
-                   top_p: torch.Tensor, top_k: torch.Tensor, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward of one token per row [B] + sampling -> tokens [B], logprobs [B]; what torch.compile sees."""
+    def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+        """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
+        Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
         attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel)
-        h = self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0]
-        u = self.u_table[: pos.shape[0]].gather(1, (pos + 1)[:, None])[:, 0]  # the new token's position
-        return sample(self._logits(h), temperature=temperature, top_p=top_p, top_k=top_k, uniforms=u,
-                      filtered=filtered)
+        return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
         """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:2b]
         (tokens then logprobs), then advances every active row in place (token <- sampled, position += 1)."""
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
         self._kernel = self._pick_kernel(b, kv_len)
-        tok, lp = self._decode(ids, pos, self.kv_index[:kv_len], self.meta_f[0, :b], self.meta_f[1, :b],
-                               self.meta_i[3, :b], filtered)
+        logits = self._decode(ids, pos, self.kv_index[:kv_len])
+        u = self.u_table[:b].gather(1, (pos + 1)[:, None])[:, 0]  # the uniform of the new token's position
+        tok, lp = sample(logits, temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b], top_k=self.meta_i[3, :b],
+                         uniforms=u, filtered=filtered)
         self.out[:b].copy_(tok)
         self.out[b: 2 * b].copy_(lp)
         # clamp: a row that finished on the step before runs once more (pipelining) and must stay in its slot
