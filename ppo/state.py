@@ -241,6 +241,6 @@ def export_weights(roles) -> tuple[dict, dict]:
         if w is None or w.pp > 1:
             continue
         sd = full_state_dict(w.model)
-        arch = "ForSequenceClassification" if name == "critic" else "CausalLM"
+        arch = "ForSequenceClassification" if name == "critic" else "ForCausalLM"
         states[name], configs[name] = sd, w.model.config.to_hf(architecture=arch)
     return states, configs
