@@ -29,7 +29,7 @@ setup(
         "vllm": ["vllm"],
         "te": ["transformer-engine[pytorch]"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it
-        "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45", "triton"],  # triton: its CPU interpreter tests our kernels
         "wandb": ["wandb"],
     },
 )

@@ -131,6 +131,8 @@ class RolloutConfig:
     gpu_memory_fraction: float = 0.5
     max_num_seqs: int = 256
     enable_cuda_graph: bool = True
+    compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
+    decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     bucket_mb: int = 256  # hybrid-engine reshard bucket
 
 
@@ -210,6 +212,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("native", "hf", "vllm"),
+    "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),

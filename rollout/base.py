@@ -43,6 +43,9 @@ class Completion:
     error: str | None = None
 
 
+DECODE_ATTENTION = ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")  # RolloutConfig.decode_attention
+
+
 @dataclass(slots=True)
 class RolloutConfig:
     """Sizing of the native engine. The KV cache is one contiguous slot of `max_model_len` tokens per
@@ -58,8 +61,9 @@ class RolloutConfig:
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
     drop_weights_on_sleep: bool = True  # the engine's weights only mirror the trainer's: free them on sleep
-    decode_attention: str = "auto"  # "auto" (time the kernels below per graph shape on CUDA), "sdpa",
-    # "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one backend) or "bmm" (two batched matmuls)
+    decode_attention: str = "auto"  # "auto" (time the kernels below per graph shape on CUDA), "triton"
+    # (rollout/triton_attention.py; CUDA), "sdpa", "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one
+    # backend) or "bmm" (two batched matmuls)
     fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (weights copied, not aliased)
     compile: bool = False  # torch.compile the decode step (fuses norms/RoPE/SiLU/sampling; one dynamic-shape compile)
 
@@ -76,9 +80,8 @@ class RolloutConfig:
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
         if not 0.0 <= self.min_admit_fraction <= 1.0:
             raise ValueError(f"min_admit_fraction={self.min_admit_fraction} must be in [0, 1]")
-        kernels = ("auto", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
-        if self.decode_attention not in kernels:
-            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {kernels}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTION}")
 
 
 class RolloutEngine(Protocol):

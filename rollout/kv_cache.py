@@ -76,10 +76,18 @@ def _write_kv_fake(cache, layer, positions, k, v) -> None:
     return None
 
 
-# decode kernels: SDPA with PyTorch's own backend choice, SDPA forced to one backend, or two batched
+# decode kernels: our Triton kernel (rollout/triton_attention.py: K/V write fused, reads only the live
+# positions, no mask), SDPA with PyTorch's own backend choice, SDPA forced to one backend, or two batched
 # matmuls; "auto" (rollout/model_runner.py) times them per CUDA-graph shape and keeps the fastest
-DECODE_KERNELS = ("sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
+DECODE_KERNELS = ("triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
 _FORCED = {"sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+
+
+def decode_kernels(device: torch.device) -> tuple[str, ...]:
+    """The DECODE_KERNELS that can run on `device` ("triton" needs CUDA and triton, or its interpreter)."""
+    from rollout import triton_attention
+
+    return tuple(k for k in DECODE_KERNELS if k != "triton" or triton_attention.available(device))
 
 
 class DecodeAttention:
@@ -93,6 +101,9 @@ class DecodeAttention:
     def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa"):
         self.cache, self.positions, self.mode = cache, positions, mode
         self.kv_len = kv_index.shape[0]
+        self.mask = None
+        if mode == "triton":  # bounds come from `positions` inside the kernel: no mask, no bucket
+            return
         valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
         # additive mask built once per forward (SDPA would convert a bool mask in every layer); fp32 for
         # the bmm path's fp32 scores, the cache/query dtype for SDPA
@@ -101,6 +112,10 @@ class DecodeAttention:
         self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.mode == "triton":
+            from rollout.triton_attention import decode_attention
+
+            return decode_attention(self.cache, layer_idx, self.positions, q, k, v)
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)
@@ -123,26 +138,32 @@ class DecodeAttention:
 
 def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, num_heads: int,
                           sync) -> tuple[str, dict[str, float]]:
-    """Time DECODE_KERNELS on layer 0 for `rows` rows over len(kv_index) positions; returns the fastest
-    and the ms of each that ran. Writes only the spare position slot_len (never read): the live cache is
-    untouched. Kernels that cannot run this shape here (e.g. a forced backend) are skipped."""
+    """Time the decode kernels on layer 0 for `rows` rows attending all len(kv_index) positions (the
+    bucket's worst case); returns the fastest and the ms of each that ran. The K/V they write at the
+    last position is saved first and restored after, so the live cache is unchanged. Kernels that
+    cannot run this shape here (e.g. a forced backend) are skipped."""
     _, _, _, hkv, _, d = cache.data.shape
     dev, dtype = cache.data.device, cache.data.dtype
+    kv_len = kv_index.shape[0]
     q = torch.randn(rows, num_heads, 1, d, device=dev, dtype=dtype)
     k, v = (torch.randn(rows, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
-    pos = torch.full((rows,), cache.slot_len, dtype=torch.int64, device=dev)
+    pos = torch.full((rows,), kv_len - 1, dtype=torch.int64, device=dev)
+    saved = cache.data[0, :, :rows, :, kv_len - 1].clone()
     times = {}
-    for kernel in DECODE_KERNELS:
-        try:
-            attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel)
-            for _ in range(2):
-                attn(0, q, k, v)
-            sync()
-            t0 = time.perf_counter()  # 5 back-to-back launches of a >10 us kernel: launch cost is hidden
-            for _ in range(5):
-                attn(0, q, k, v)
-            sync()
-            times[kernel] = round((time.perf_counter() - t0) / 5 * 1e3, 4)
-        except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
-            continue
+    try:
+        for kernel in decode_kernels(dev):
+            try:
+                attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel)
+                for _ in range(2):
+                    attn(0, q, k, v)
+                sync()
+                t0 = time.perf_counter()  # 5 back-to-back launches of a >10 us kernel: launch cost is hidden
+                for _ in range(5):
+                    attn(0, q, k, v)
+                sync()
+                times[kernel] = round((time.perf_counter() - t0) / 5 * 1e3, 4)
+            except Exception:  # noqa: BLE001 - a backend that cannot run this shape is simply not a candidate
+                continue
+    finally:
+        cache.data[0, :, :rows, :, kv_len - 1] = saved
     return (min(times, key=times.get) if times else "sdpa"), times

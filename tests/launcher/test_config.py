@@ -52,6 +52,7 @@ def test_extends_chain_and_cycle(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("placement.mode=splt", "did you mean 'split'"),
+    ("rollout.decode_attention=trition", "did you mean 'triton'"),
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("algorithm.name=grpo", "rollout.n >= 2"),
     ("trainer.resume=/nonexistent/ckpt", "trainer.resume"),
@@ -63,6 +64,13 @@ def test_value_errors(override, needle):
     with pytest.raises(UserError, match=None) as e:
         load_config("conf/ppo_tiny.yaml", [override])
     assert needle in str(e.value)
+
+
+def test_decode_attention_choices_are_the_engines():
+    from launcher.config import CHOICES
+    from rollout.base import DECODE_ATTENTION
+
+    assert CHOICES["rollout.decode_attention"] == DECODE_ATTENTION
 
 
 def test_all_shipped_configs_load():

@@ -1,0 +1,127 @@
+"""Decode attention as ONE Triton kernel per layer: store the new token's K/V in its cache slot and
+attend over positions [0, position] of that slot, reading exactly the live KV once.
+
+Why a kernel of our own: SDPA over the slot cache needs an additive mask and a KV-length bucket
+(reads up to a bucket of padding per row), the mem-efficient kernel tiles 64 query rows for our 2
+(GQA) queries, and the K/V write is two more scatter kernels per layer. Here one program per
+(row, KV head) loads the G = Hq / Hkv query heads of that KV head once, streams the row's K/V in
+BLOCK_N-position tiles with an online softmax (fp32 accumulation, exp2), folds the new token's K/V in
+from registers (so the cache store has no read-after-write hazard) and writes the G outputs.
+
+    out = decode_attention(cache, layer, positions, q, k, v)   # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
+
+`cache` is the engine's [layers, 2, slots, Hkv, slot_len, D] tensor; row b uses slot b. A torch custom
+op, so torch.compile treats it as opaque and CUDA graphs capture it. Under TRITON_INTERPRET=1 it runs
+on CPU tensors (tests/rollout/test_triton_attention.py checks it against SDPA there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the engine then never offers the "triton" kernel
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton decode kernel can run on `device` (CUDA with triton, or the interpreter)."""
+    import os
+
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, qk_scale,
+                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh,
+                       s_cv, s_cb, s_ch, s_ct,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
+        d = tl.arange(0, D)
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < G
+        q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d)
+        v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d)
+        k_row = cache_ptr + b * s_cb + h * s_ch  # cache_ptr already points at this layer's K
+        v_row = k_row + s_cv
+        tl.store(k_row + pos * s_ct + d, k_new)
+        tl.store(v_row + pos * s_ct + d, v_new)
+
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for start in range(0, pos, BLOCK_N):  # the cached positions [0, pos)
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < pos
+            k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        # the new token itself, from registers
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp2(m - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_sum = l_sum * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None])
+
+
+def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Shapes the kernel handles: a power-of-two head dim >= 16 and a unit-stride last dim."""
+    d = q.shape[-1]
+    return d >= 16 and d & (d - 1) == 0 and cache.stride(-1) == 1
+
+
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
+def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
+    cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    out = torch.empty(b, hq, 1, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    qs, ks, vs = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    layer_k = cache[layer, 0]
+    _decode_kernel[(b, hkv)](
+        qs, ks, vs, layer_k, positions, out, (d ** -0.5) * 1.4426950408889634,
+        qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+        out.stride(0), out.stride(1),
+        cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4),
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64, IEEE=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=4, num_stages=2)
+    return out
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(cache, layer, positions, q, k, v) -> torch.Tensor:
+    return q.new_empty(q.shape)
