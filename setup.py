@@ -29,7 +29,8 @@ setup(
         "vllm": ["vllm"],
         "te": ["transformer-engine[pytorch]"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it
-        "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45", "triton"],  # triton: its CPU interpreter tests our kernels
+        # triton: its CPU interpreter runs our kernels in the tests
+        "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45", "triton"],
         "wandb": ["wandb"],
     },
 )

@@ -83,11 +83,11 @@ DECODE_KERNELS = ("triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")
 _FORCED = {"sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 
 
-def decode_kernels(device: torch.device) -> tuple[str, ...]:
+def decode_kernels(device: torch.device, head_dim: int) -> tuple[str, ...]:
     """The DECODE_KERNELS that can run on `device` ("triton" needs CUDA and triton, or its interpreter)."""
     from rollout import triton_attention
 
-    return tuple(k for k in DECODE_KERNELS if k != "triton" or triton_attention.available(device))
+    return tuple(k for k in DECODE_KERNELS if k != "triton" or triton_attention.available(device, head_dim))
 
 
 class DecodeAttention:
@@ -151,7 +151,7 @@ def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, 
     saved = cache.data[0, :, :rows, :, kv_len - 1].clone()
     times = {}
     try:
-        for kernel in decode_kernels(dev):
+        for kernel in decode_kernels(dev, d):
             try:
                 attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel)
                 for _ in range(2):

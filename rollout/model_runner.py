@@ -32,8 +32,14 @@ from torch import nn
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout.base import RolloutConfig
-from rollout.kv_cache import (DecodeAttention, KVCache, PrefillAttention, decode_kernels, fastest_decode_kernel,
-                              kv_bytes_per_token)
+from rollout.kv_cache import (
+    DecodeAttention,
+    KVCache,
+    PrefillAttention,
+    decode_kernels,
+    fastest_decode_kernel,
+    kv_bytes_per_token,
+)
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 
@@ -437,7 +443,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return "sdpa"
         if self.config.compile:  # one traced kernel, no retracing: the Triton kernel when there is one
-            return "triton" if "triton" in decode_kernels(self.device) else "sdpa"
+            return "triton" if "triton" in decode_kernels(self.device, self.cfg.head_dim) else "sdpa"
         if (b, kv_len) not in self.kernel_for:
             self.kernel_for[(b, kv_len)] = self._time_kernels(b, kv_len)
         return self.kernel_for[(b, kv_len)]

@@ -26,11 +26,12 @@ except ImportError:  # CPU-only installs: the engine then never offers the "trit
     triton = None
 
 
-def available(device: torch.device) -> bool:
-    """Whether the Triton decode kernel can run on `device` (CUDA with triton, or the interpreter)."""
+def available(device: torch.device, head_dim: int) -> bool:
+    """Whether the kernel can run here: CUDA with triton (or its CPU interpreter) and a power-of-two
+    head dim >= 16 (one [BLOCK, D] tile per load)."""
     import os
 
-    if triton is None:
+    if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,12 +92,6 @@ if triton is not None:
                  mask=g_ok[:, None])
 
 
-def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Shapes the kernel handles: a power-of-two head dim >= 16 and a unit-stride last dim."""
-    d = q.shape[-1]
-    return d >= 16 and d & (d - 1) == 0 and cache.stride(-1) == 1
-
-
 @torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
@@ -117,8 +112,8 @@ def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q
         qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         out.stride(0), out.stride(1),
         cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4),
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64, IEEE=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=4, num_stages=2)
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=4, num_stages=2)
     return out
 
 

@@ -41,8 +41,7 @@ def _trainer_logprobs(model, c, temperature):
 
 # torch.compile on GPU is checked by bench/generate.py (sdpa+compile vs the trainer forward): compiling
 # here would eat the GPU test budget
-@pytest.mark.parametrize("variant", [dict(decode_attention="triton"), dict(decode_attention="sdpa"), dict(decode_attention="bmm"),
-                                     dict(decode_attention="auto")])
+@pytest.mark.parametrize("variant", [dict(decode_attention=k) for k in ("triton", "sdpa", "bmm", "auto")])
 def test_graphs_match_eager_fp32(variant):
     model = _model(torch.float32)
     eager = NativeEngine.from_model(model, config=_config(enable_cuda_graph=False, **variant)).generate(PROMPTS, PARAMS)
