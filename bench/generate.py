@@ -105,22 +105,30 @@ def check_against_trainer(engine, model, prompts, *, new_tokens: int) -> dict:
     return out
 
 
-def profile_decode(engine, prompts, *, new_tokens: int, top: int = 15) -> list[dict]:
-    """Top device kernels of one generate (eager launches, so each kernel is attributed)."""
+def profile_decode(engine, prompts, *, new_tokens: int, top: int = 25) -> dict:
+    """Device kernels of one generate with eager launches (each kernel attributed): the top kernels by
+    device time, and the kernel launches and device time per decode step."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.use_graphs
     engine.runner.use_graphs = False
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
     try:
+        engine.stats.update(decode_steps=0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
             torch.cuda.synchronize()
     finally:
         engine.runner.use_graphs = graphs
-    # kernels carry self device time; the aten ops that launch them only aggregate it
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
-    return [{"name": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count} for e in rows]
+    steps = max(1, engine.stats["decode_steps"])
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    rows = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    return {"decode_steps": steps, "kernel_launches": sum(e.count for e in kernels),
+            "device_ms": round(total_ms, 3), "rows": len(prompts),
+            "top": [{"name": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count}
+                    for e in rows]}
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
@@ -158,8 +166,9 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
     if not args.no_check:
         prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
         checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
-    if args.profile and device.startswith("cuda") and "compile" not in variant:
-        args.profile = False  # once: the kernel mix of the first eager-kernel variant
+    kind = "compiled" if "compile" in variant else "eager"
+    if args.profile and device.startswith("cuda") and kind not in args.profiled:
+        args.profiled.add(kind)  # the kernel mix of the first eager-forward and the first compiled variant
         prompts = torch.randint(3, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
         try:
             checks[name + "/profile_top_kernels"] = profile_decode(engine, prompts,
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="skip the kernel profile (top CUDA kernels of one native generate; CUDA only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    args.profiled = set()
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
