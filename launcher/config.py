@@ -133,6 +133,7 @@ class RolloutConfig:
     enable_cuda_graph: bool = True
     compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
+    free_memory_on_sleep: bool = True  # false: KV cache, weights and CUDA graphs stay resident while training
     bucket_mb: int = 256  # hybrid-engine reshard bucket
 
 

@@ -39,7 +39,7 @@ class RolloutRole:
         max_len = cfg.data.max_prompt_length + r.max_response_length
         engine_cfg = EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                                   max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
-                                  decode_attention=r.decode_attention,
+                                  decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
                                   kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
                                   seed=cfg.trainer.seed)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None

@@ -61,6 +61,9 @@ class RolloutConfig:
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
     seed: int = 0  # draws the keys of requests without their own seed (identical on every TP rank)
     drop_weights_on_sleep: bool = True  # the engine's weights only mirror the trainer's: free them on sleep
+    # False: sleep() frees nothing (KV cache, weights and CUDA graphs stay; update_weights copies in place),
+    # for when training fits beside the engine: no re-allocation and no graph re-capture every step
+    free_memory_on_sleep: bool = True
     decode_attention: str = "auto"  # "auto" (time the kernels below per graph shape on CUDA), "triton"
     # (rollout/triton_attention.py; CUDA), "sdpa", "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one
     # backend) or "bmm" (two batched matmuls)

@@ -75,6 +75,9 @@ class NativeEngine:
     def sleep(self) -> None:
         if self.asleep:
             return
+        if not self.config.free_memory_on_sleep:  # keep everything resident: wake_up has nothing to redo
+            self.asleep = True
+            return
         before = self._mem()
         drop = self.config.drop_weights_on_sleep or self._source is not None
         self.runner.free_runtime(drop_weights=drop)
@@ -85,6 +88,9 @@ class NativeEngine:
 
     def wake_up(self) -> None:
         if not self.asleep:
+            return
+        if not self.config.free_memory_on_sleep:
+            self.asleep = False
             return
         before = self._mem()
         self.runner.wake()

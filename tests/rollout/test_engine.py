@@ -183,6 +183,26 @@ def test_sleep_wake_and_update_weights(model):
         engine.update_weights([("model.norm.weight", torch.ones(3))])
 
 
+def test_sleep_without_freeing_keeps_buffers_and_takes_new_weights_in_place(model):
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = NativeEngine(model.config, config=config(free_memory_on_sleep=False))
+    engine.update_weights(model.state_dict().items())
+    before = engine.generate(PROMPTS, p)
+    cache, weight = engine.runner.cache.data.data_ptr(), engine.runner.params["lm_head.weight"].data_ptr()
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sleeping"):
+        engine.generate(PROMPTS, p)
+    engine.wake_up()
+    other = peaked_model(seed=1)
+    engine.update_weights(other.state_dict().items())
+    changed = engine.generate(PROMPTS, p)
+    assert [c.token_ids for c in changed] != [c.token_ids for c in before]
+    assert [c.token_ids for c in changed] == [naive_greedy(other, q, 8) for q in PROMPTS]
+    # nothing was re-allocated, so captured CUDA graphs (which hold these pointers) stay valid
+    assert engine.runner.cache.data.data_ptr() == cache
+    assert engine.runner.params["lm_head.weight"].data_ptr() == weight
+
+
 def test_from_model_sleep_wake_realiases(model):
     engine = NativeEngine.from_model(model, config=config())
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

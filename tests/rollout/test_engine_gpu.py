@@ -72,3 +72,19 @@ def test_bf16_logprobs_close_to_trainer_and_sleep_frees_memory():
     engine.update_weights(model.state_dict().items())
     again = engine.generate(PROMPTS, PARAMS)
     assert [c.token_ids for c in again] == [c.token_ids for c in outs]
+
+
+def test_resident_sleep_keeps_graphs_across_weight_updates():
+    model = _model(torch.float32)
+    engine = NativeEngine(model.config, config=_config(free_memory_on_sleep=False, decode_attention="triton"),
+                          device="cuda", dtype=torch.float32)
+    engine.update_weights(model.state_dict().items())
+    first = engine.generate(PROMPTS, PARAMS)
+    graphs = dict(engine.runner.graphs)
+    assert graphs
+    engine.sleep()
+    engine.wake_up()
+    engine.update_weights(model.state_dict().items())
+    again = engine.generate(PROMPTS, PARAMS)
+    assert all(engine.runner.graphs[k] is g for k, g in graphs.items())  # replayed, not re-captured
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
