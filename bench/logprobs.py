@@ -92,7 +92,7 @@ def _packed_batch(cfg, *, tokens: int, device, seed: int = 0):
 def bench_packed(cfg, *, tokens: int, device, dtype, steps: int) -> dict:
     model = build_model(cfg, dtype=dtype, device=device, seed=0)
     ids, pos, lengths = _packed_batch(cfg, tokens=tokens, device=device)
-    n_params = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.hidden_size  # lm_head matmul
+    n_params = cfg.matmul_params()  # lm_head matmul
     per_t2 = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim  # causal: half of 12*L*d*T^2
     flops_doc = 6 * n_params * tokens + per_t2 * sum(n * n for n in lengths)
     flops_causal = 6 * n_params * tokens + per_t2 * tokens * tokens  # the ceiling attends across documents

@@ -99,7 +99,7 @@ def flops_per_token(cfg: ModelConfig, *, context: float, all_params: bool = Fals
     if all_params:
         n = cfg.num_params(include_embedding=True)
     else:
-        n = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.hidden_size
+        n = cfg.matmul_params()
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
 
 

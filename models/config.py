@@ -87,6 +87,11 @@ class ModelConfig:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
 
+    def matmul_params(self) -> int:
+        """Parameters that cost 2 FLOP per token in a forward: everything but the input embedding
+        lookup (the LM head is a matmul, tied or not). The N of the FLOP accounting."""
+        return self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
+
     # ---- Hugging Face config.json ----
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:

@@ -23,6 +23,7 @@ def ppo_stage_flops(
     generated_tokens: int,
     ppo_epochs: int,
     prefill_tokens: int = 0,
+    old_logp_forward: bool = True,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
@@ -32,11 +33,14 @@ def ppo_stage_flops(
     the engine prefilled (2N each; counted under "gen"). Attention's O(T^2) term is ignored, so
     long sequences make these numbers a slight underestimate, never an overestimate.
     A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
+    old_logp_forward=False: no separate old-log-prob forward ran (async rollout takes the behaviour
+    log-probs of generation; one epoch over one mini-batch reuses the update's forward), so none is
+    counted: GRPO with a reference is then the 8N per trained token of 6N update + 2N reference.
     """
     t = float(trained_tokens)
     out = {
         "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens),
-        "old_log_prob": 2.0 * n_params_actor * t,
+        "old_log_prob": 2.0 * n_params_actor * t if old_logp_forward else 0.0,
         "ref": 2.0 * n_params_ref * t if n_params_ref else 0.0,
         "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,
         "values": 2.0 * n_params_critic * t if n_params_critic else 0.0,
@@ -56,12 +60,13 @@ def ppo_step_flops(
     generated_tokens: int,
     ppo_epochs: int,
     prefill_tokens: int = 0,
+    old_logp_forward: bool = True,
 ) -> float:
     """Total model FLOPs of one PPO step: sum of `ppo_stage_flops` (about 20N per trained
     token for full PPO with one epoch, plus 2N per generated or prefilled token)."""
     return sum(ppo_stage_flops(n_params_actor=n_params_actor, n_params_critic=n_params_critic,
                                n_params_ref=n_params_ref, n_params_rm=n_params_rm, trained_tokens=trained_tokens,
                                generated_tokens=generated_tokens, ppo_epochs=ppo_epochs,
-                               prefill_tokens=prefill_tokens).values())
+                               prefill_tokens=prefill_tokens, old_logp_forward=old_logp_forward).values())
 
 

@@ -61,7 +61,7 @@ class PPOTrainer:
         self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
-        self.state.model_params = model_config.num_params()
+        self.state.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         # One epoch over one mini-batch, and no in-reward KL penalty: the old log-probs would be the
         # update's own forward, bit for bit, so that forward serves both (ratio == 1 by construction).
@@ -297,9 +297,8 @@ class PPOTrainer:
             n_params_rm=n if self.cfg.reward.type == "model" else None, trained_tokens=trained,
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.cfg.rollout.n),
-            ppo_epochs=self.cfg.actor.ppo_epochs)
-        if self.cfg.trainer.async_rollout:
-            flops["old_log_prob"] = 0.0  # behaviour log-probs come from generation
+            ppo_epochs=self.cfg.actor.ppo_epochs,
+            old_logp_forward=not (self.cfg.trainer.async_rollout or self.fused_old_logp))
         actor_s = m.get("timing_s/update_actor", 0.0)
         n_actor = len(roles["actor"].ranks)
         return {"perf/flops": sum(flops.values()),

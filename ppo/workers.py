@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.config import ModelConfig
 from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
 from parallel.apply import forward_hidden, head_shard, parallelize_model
@@ -386,6 +385,3 @@ class CriticWorker(ShardedWorker):
 def model_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
-
-def count_params(cfg: ModelConfig) -> int:
-    return cfg.num_params()

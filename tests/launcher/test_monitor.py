@@ -154,6 +154,9 @@ def test_flop_counts_follow_design_rule():
     grpo = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
                           trained_tokens=t, generated_tokens=g, ppo_epochs=2)
     assert grpo == pytest.approx((2 * 6 + 2 + 2) * n * t + 2 * n * g)
+    fused = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
+                           trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_forward=False)
+    assert fused == pytest.approx(8 * n * t + 2 * n * g)  # the GRPO rule: 6N update + 2N reference
     with_prefill = ppo_stage_flops(n_params_actor=n, n_params_critic=None, n_params_ref=None, n_params_rm=None,
                                    trained_tokens=t, generated_tokens=g, ppo_epochs=1, prefill_tokens=600)
     assert with_prefill["gen"] == 2 * n * (g + 600) and with_prefill["ref"] == 0.0
