@@ -43,6 +43,9 @@ class TrainerConfig:
     sft_warmup_steps: int = 0  # supervised warm-up on the synthetic task's answers before PPO
     sft_lr: float = 3e-3
     overwrite: bool = False  # allow reusing a run directory that holds a finished run
+    # actor/reference forwards pack each prompt once with its rollout.n responses (GRPO: n x fewer prompt
+    # tokens trained; needs actor.pp = ref.pp = 1)
+    share_prompts: bool = False
 
 
 @dataclass
@@ -367,6 +370,10 @@ def validate_config(cfg: Config) -> None:
     if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
         raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
                         f"set rollout.n >= 2 (got {r.n})")
+    if t.share_prompts and (cfg.actor.pp > 1 or cfg.ref.pp > 1):
+        raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
+                        f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
+                        f"pp=1")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():

@@ -45,8 +45,13 @@ def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 class DocumentAttention:
     """Causal attention restricted to each packed document (rows hold several sequences).
 
-    Built once per forward from the [B, T] position ids (a new document starts wherever the
-    position does not increase) and shared by all layers. Two exact implementations:
+    Built once per forward from the [B, T] position ids (a new segment starts wherever the
+    position does not increase) and shared by all layers. A segment whose first position is 0 is
+    a document of its own; a segment starting at position s > 0 *continues* the last such root
+    document of its row: it also sees that root's first s tokens (positions 0..s-1). That is how a
+    prompt is packed once with its n responses (ppo/batching.pack(share_prompts=True)): prompt +
+    response 1 form the root, responses 2..n follow with positions from len(prompt) on.
+    Two exact implementations:
     - "mask": SDPA with a [B, 1, T, T] boolean mask (CPU, fp32, and any fallback);
     - "varlen": flash attention over cumulative document lengths (torch.nn.attention.varlen),
       O(T) memory and no wasted cross-document FLOPs; CUDA with bf16/fp16 only.
@@ -63,13 +68,20 @@ class DocumentAttention:
         self.backend = backend
         self._mask: torch.Tensor | None = None
         self._varlen: tuple[torch.Tensor, int] | None = None
+        self._prefix: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (key index, cu_k, max_k)
         # everything data-dependent (host syncs, the GPU probe) happens here, eagerly, so layers
         # compiled with torch.compile see only tensor work in __call__
+        # a segment that starts past position 0 inside a row continues that row's last root
+        self.continues = bool(((position_ids[:, 1:] <= position_ids[:, :-1]) & (position_ids[:, 1:] > 0)).any())
         if position_ids.is_cuda and backend != "mask":
             if backend == "auto":
                 for dtype in (torch.bfloat16, torch.float16):
                     _varlen_ok(position_ids.device, dtype)
+                    if self.continues:
+                        _varlen_ok(position_ids.device, dtype, prefix=True)
             self._varlen = self._cu_seqlens(position_ids)
+            if self.continues:
+                self._prefix = self._prefix_keys(position_ids)
         else:
             self._mask = self._document_mask(position_ids)
 
@@ -85,7 +97,14 @@ class DocumentAttention:
         doc = document_ids_from_positions(position_ids)
         t = position_ids.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        mask = (doc[:, :, None] == doc[:, None, :]) & causal
+        # continuation segments also see their root's tokens before their own first position
+        start_pos = _segment_start_values(position_ids, doc)
+        root = torch.cummax(torch.where(start_pos == 0, doc, torch.zeros_like(doc)), dim=1).values
+        cont = start_pos > 0
+        sees_root = (cont[:, :, None] & (doc[:, None, :] == root[:, :, None])
+                     & (position_ids[:, None, :] < start_pos[:, :, None]))
+        return (mask | sees_root)[:, None]
 
     @staticmethod
     def _cu_seqlens(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -96,9 +115,36 @@ class DocumentAttention:
         cu = torch.cat([first, first.new_tensor([pos.numel()])]).to(torch.int32)
         return cu, int((cu[1:] - cu[:-1]).max())  # one host sync per forward, not per layer
 
+    @staticmethod
+    def _prefix_keys(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Keys of every segment over the flattened B*T tokens: a root's own tokens; a continuation's
+        root tokens before its start position, then its own. Returns (key index into the flattened
+        tokens, cu_seqlens_k int32, longest key run); one host round trip per forward."""
+        flat = pos.reshape(-1).cpu()
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]
+        first = starts.reshape(-1).nonzero().squeeze(1).cpu()
+        ends = torch.cat([first[1:], first.new_tensor([flat.numel()])])
+        t = pos.shape[1]
+        runs, root = [], None  # root: flat index of the current row's last root segment
+        for a, b in zip(first.tolist(), ends.tolist()):
+            s0 = int(flat[a])
+            if a % t == 0:
+                root = None
+            if s0 == 0 or root is None:  # a root (or a row that starts mid-sequence: nothing to continue)
+                root = a if s0 == 0 else None
+                runs.append(torch.arange(a, b))
+            else:
+                runs.append(torch.cat([torch.arange(root, root + s0), torch.arange(a, b)]))
+        lens = torch.tensor([len(r) for r in runs])
+        cu = torch.zeros(len(runs) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        return torch.cat(runs).to(pos.device), cu.to(pos.device), int(lens.max())
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         use_varlen = self._varlen is not None and (
-            self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype))
+            self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype)
+                                         and (not self.continues or _varlen_ok(q.device, q.dtype, prefix=True)))
         )
         if use_varlen:
             return self._varlen_attention(q, k, v)
@@ -118,7 +164,12 @@ class DocumentAttention:
         if expand:  # this torch's varlen_attn has no GQA: give every query head its own K/V head
             k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
         flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]  # [B*T, H, D]
-        out = varlen_attn(*flat, cu, cu, max_len, max_len, **kwargs)
+        if self._prefix is None:
+            out = varlen_attn(*flat, cu, cu, max_len, max_len, **kwargs)
+        else:  # continuation segments: gathered keys; causal is bottom-right aligned (probed at startup)
+            index, cu_k, max_k = self._prefix
+            out = varlen_attn(flat[0], flat[1].index_select(0, index), flat[2].index_select(0, index),
+                              cu, cu_k, max_len, max_k, **kwargs)
         return out.view(b, t, hq, d).transpose(1, 2)
 
 
@@ -138,23 +189,35 @@ def _varlen_kwargs(*, gqa: bool) -> tuple[dict, bool]:
     if gqa and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
     return kwargs, gqa and "enable_gqa" not in params
-_VARLEN_OK: dict[tuple[int, torch.dtype], bool] = {}
+def _segment_start_values(position_ids: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the position id at which each token's segment starts (segments = document ids)."""
+    first = torch.ones_like(position_ids, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    idx = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+    first_idx = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=1).values
+    return position_ids.gather(1, first_idx)
 
 
-def _varlen_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """varlen flash attention exists on this GPU and matches the mask path (probed once per device/dtype)."""
-    key = (device.index or 0, dtype)
+_VARLEN_OK: dict[tuple[int, torch.dtype, bool], bool] = {}
+
+
+def _varlen_ok(device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
+    """varlen flash attention exists on this GPU and matches the mask path (probed once per device/dtype);
+    prefix=True also checks continuation segments (fewer queries than keys: bottom-right causal)."""
+    key = (device.index or 0, dtype, prefix)
     if key not in _VARLEN_OK:
-        _VARLEN_OK[key] = _probe_varlen(device, dtype)
+        _VARLEN_OK[key] = _probe_varlen(device, dtype, prefix=prefix)
     return _VARLEN_OK[key]
 
 
-def _probe_varlen(device: torch.device, dtype: torch.dtype) -> bool:
+def _probe_varlen(device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
     import logging
 
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]], device=device)
+        if prefix:  # a root of 8 tokens, then two continuations of its first 3 (a prompt shared 3 ways)
+            pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 3, 4, 5, 6, 7]], device=device)
         q, k, v = (torch.randn(1, h, 16, 64, device=device, dtype=dtype, generator=gen) for h in (4, 2, 2))
         with torch.no_grad():
             fast = DocumentAttention(pos, backend="varlen")(0, q, k, v)
@@ -164,8 +227,9 @@ def _probe_varlen(device: torch.device, dtype: torch.dtype) -> bool:
             raise RuntimeError(f"varlen differs from the masked SDPA by {err:.3g}")
         return True
     except Exception as e:  # capability probe: a missing kernel means the mask path, not a crash
-        logging.getLogger(__name__).warning("varlen attention unavailable on %s (%s); packed rows use SDPA "
-                                            "with a [B, 1, T, T] mask", device, e)
+        what = "rows with shared prompts" if prefix else "packed rows"
+        logging.getLogger(__name__).warning("varlen attention unavailable on %s (%s); %s use SDPA with a "
+                                            "[B, 1, T, T] mask", device, e, what)
         return False
 
 

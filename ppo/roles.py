@@ -32,11 +32,11 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
     return model
 
 
-def _spec(cfg_section, handle, env, dtype) -> WorkerSpec:
+def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype,
                       ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
                       pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
-                      stages_per_rank=cfg_section.pp_stages_per_rank)
+                      stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -237,12 +237,13 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
     here = set(plan.roles_of(rank))
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
-        roles.actor = PolicyWorker(model, _spec(cfg.actor, groups["actor"], env, dtype), temperature=temperature,
-                                   pad_id=pad_id, trainable=True, optim=cfg.actor.optim, total_steps=total)
+        spec = _spec(cfg.actor, groups["actor"], env, dtype, share_prompts=cfg.trainer.share_prompts)
+        roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
+                                   optim=cfg.actor.optim, total_steps=total)
     if "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
-        roles.ref = PolicyWorker(model, _spec(cfg.ref, groups["ref"], env, dtype), temperature=temperature,
-                                 pad_id=pad_id, trainable=False)
+        spec = _spec(cfg.ref, groups["ref"], env, dtype, share_prompts=cfg.trainer.share_prompts)
+        roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=cfg.critic.path or cfg.model.path, device=env.device,
                        seed=seed)

@@ -20,7 +20,14 @@ from models.logprobs import compute_token_logprobs
 from parallel.apply import forward_hidden, head_shard, parallelize_model
 from parallel.fsdp import gradients_synced
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
-from ppo.batching import balance_across_dp, micro_batches_by_tokens, pack, unpack_responses
+from ppo.batching import (
+    balance_across_dp,
+    gather_response_logprobs,
+    micro_batches_by_tokens,
+    pack,
+    prompt_groups,
+    unpack_responses,
+)
 from ppo.experience import Experience, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +46,7 @@ class WorkerSpec:
     pp_microbatches: int = 0
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1
+    share_prompts: bool = False  # pack a prompt once with its n responses (pp=1 policy workers)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -81,6 +89,7 @@ class ShardedWorker:
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
         self.n_microbatches = n_mb
+        self.share_prompts = spec.share_prompts and dims.pp == 1
         self.grad_clip = 1.0
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
 
@@ -102,9 +111,20 @@ class ShardedWorker:
         (Karmarkar-Karp), token-budget micro-batches, or exactly n_microbatches rows under PP.
         The same plan serves the old-log-prob recompute and the update (ratio == 1 on-policy).
         """
-        lengths = [s.length for s in exp.samples]
+        # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
+        # tokens it packs to (prompt once + every response)
+        if self.share_prompts:
+            units = prompt_groups([s.prompt_ids for s in exp.samples])
+            if len(units) % self.dp:
+                units = [[i] for i in range(len(exp.samples))]  # uneven groups: plan samples, share within
+        else:
+            units = [[i] for i in range(len(exp.samples))]
+        lengths = [len(exp.samples[u[0]].prompt_ids) + sum(len(exp.samples[i].response_ids) for i in u)
+                   for u in units]
         if len(lengths) % self.dp:
             raise ValueError(f"{len(lengths)} samples do not split evenly over dp={self.dp}")
+        per_unit = len(exp.samples) // len(units)
+        mini_batch_size = mini_batch_size // per_unit if mini_batch_size else 0
         shards = balance_across_dp(lengths, self.dp, equal_size=True)
         per_rank = max(1, mini_batch_size // self.dp) if mini_batch_size else len(shards[0])
         out = []
@@ -124,11 +144,13 @@ class ShardedWorker:
             mine = minis[self.dp_idx]
             mbs = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
             out.append([[mine[j] for j in mb] for mb in mbs])
-        return out
+        # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
+        return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
 
     def _pack(self, samples: list[Sample], pad_id: int):
         seqs = [s.prompt_ids + s.response_ids for s in samples]
-        return pack(seqs, pad_id=pad_id, prompt_lens=[len(s.prompt_ids) for s in samples], device=self.device)
+        return pack(seqs, pad_id=pad_id, prompt_lens=[len(s.prompt_ids) for s in samples], device=self.device,
+                    share_prompts=self.share_prompts)
 
     def _pack_rows(self, groups: list[list[Sample]], pad_id: int):
         """Pipeline input: one packed row per micro-batch, padded to a common length -> [k, T]."""
@@ -205,11 +227,12 @@ class PolicyWorker(ShardedWorker):
                                       with_entropy=with_entropy)
 
     def _mb_logprobs(self, packed, *, with_entropy: bool):
+        """[B, R] log-probs (and entropies) of one packed micro-batch; the LM head runs on the response
+        tokens' predicting positions only (never on prompt tokens)."""
         hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids,
                                 attn=DocumentAttention(packed.position_ids))
-        logp, ent = self._token_logprobs(self.model, hidden[0], packed.labels[0], with_entropy=with_entropy)
-        logp = unpack_responses(logp[None], packed)
-        return logp, (unpack_responses(ent[None], packed) if ent is not None else None)
+        return gather_response_logprobs(hidden[0], packed, lambda h, labels: self._token_logprobs(
+            self.model, h, labels, with_entropy=with_entropy))
 
     def _pp_logprobs(self, groups: list[list[Sample]], *, with_entropy: bool):
         """One pipeline pass over n_microbatches packed rows -> [(logp [B_k, R], ent)] on the last stage."""

@@ -121,3 +121,68 @@ def test_varlen_layout_with_reference_kernel(monkeypatch, api):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 8, 16, generator=gen) for h in (4, 2, 2))
     torch.testing.assert_close(attn._varlen_attention(q, k, v), attn(0, q, k, v), rtol=0, atol=1e-6)
+
+
+def _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7), seed=5, device="cpu"):
+    """One prompt, several responses: the full sequences, and the shared packing (prompt once; later
+    responses continue at position prompt_len)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 512, (prompt_len,), generator=gen)
+    resps = [torch.randint(0, 512, (n,), generator=gen) for n in response_lens]
+    full = [torch.cat([prompt, r])[None].to(device) for r in resps]
+    ids = torch.cat([prompt, *resps])[None]
+    pos = torch.cat([torch.arange(prompt_len + response_lens[0])]
+                    + [torch.arange(prompt_len, prompt_len + n) for n in response_lens[1:]])[None]
+    return full, ids.to(device), pos.to(device)
+
+
+def test_shared_prompt_continuations_equal_full_sequences_with_grads():
+    torch.manual_seed(0)
+    model = build_model("tiny", seed=1)
+    full, ids, pos = _shared_prompt_rows()
+    attn = DocumentAttention(pos)
+    assert attn.continues
+    out = model(ids, pos, attn=attn)  # [1, 6 + 5 + 3 + 7, V]
+    refs = [model(f)[0] for f in full]
+    # the root holds prompt + response 0; response k > 0 sits after it, its tokens at their own offsets
+    torch.testing.assert_close(out[0, :11], refs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0, 11:14], refs[1][6:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0, 14:21], refs[2][6:], rtol=1e-5, atol=1e-5)
+    # gradients: the prompt's share from every response reaches the one prompt copy
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), list(model.parameters()))
+    ref_loss = (refs[0] * g[0, :11]).sum() + (refs[1][6:] * g[0, 11:14]).sum() + (refs[2][6:] * g[0, 14:21]).sum()
+    for a, b in zip(grads, torch.autograd.grad(ref_loss, list(model.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_prefix_key_index_and_rows_without_a_root():
+    pos = torch.tensor([[0, 1, 2, 3, 2, 3, 0, 1], [4, 5, 6, 0, 1, 1, 2, 2]])
+    index, cu, max_k = DocumentAttention._prefix_keys(pos)
+    # row 0: root [0..3], continuation at 2 sees root tokens 0, 1 then itself, then a new root;
+    # row 1: starts mid-sequence (no root: plain), root [11, 12], continuation [13, 14] from position 1
+    # sees token 11, continuation [15] from position 2 sees tokens 11, 12
+    assert index.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 11, 13, 14, 11, 12, 15]
+    assert cu.tolist() == [0, 4, 8, 10, 13, 15, 18, 21] and max_k == 4
+    # the mask path agrees: continuation queries see their root's first s tokens
+    mask = DocumentAttention(pos, backend="mask").mask[:, 0]
+    assert mask[0, 4].tolist() == [True, True, False, False, True, False, False, False]
+    assert mask[1, 0].tolist() == [True] + [False] * 7 and mask[1, 5].tolist() == [False] * 3 + [True, False, True,
+                                                                                                 False, False]
+    assert mask[1, 7].tolist() == [False] * 3 + [True, True, False, False, True]
+
+
+@pytest.mark.gpu
+def test_shared_prompt_varlen_equals_mask_on_gpu():
+    model = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=4)
+    _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
+    g = torch.randn(1, ids.shape[1], model.config.vocab_size, device="cuda")
+    outs, grads = {}, {}
+    for backend in ("varlen", "mask"):
+        out = model(ids, pos, attn=DocumentAttention(pos, backend=backend))
+        grads[backend] = torch.autograd.grad((out.float() * g).sum(), list(model.parameters()))
+        outs[backend] = out.float()
+    assert (outs["varlen"] - outs["mask"]).abs().max() <= 0.05
+    for a, b in zip(grads["varlen"], grads["mask"]):
+        assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
+    assert DocumentAttention(pos)._prefix is not None  # the probe accepted bottom-right causal varlen

@@ -11,15 +11,18 @@ import torch
 
 from models.build import build_model
 from models.llama import DocumentAttention
+from models.logprobs import compute_token_logprobs
 from ppo.batching import (
     balance_across_dp,
     dp_micro_batches,
+    gather_response_logprobs,
     imbalance,
     karmarkar_karp,
     lpt,
     micro_batches_by_tokens,
     pack,
     part_sums,
+    prompt_groups,
     responses_to_packed,
     sequence_flops,
     unpack,
@@ -262,3 +265,52 @@ def test_packed_forward_on_cuda_equals_per_sequence():
             ref = model(s[None].cuda())[0]
             want = logprobs_from_logits(ref[:-1], s[1:].cuda())[plens[i] - 1:]
             torch.testing.assert_close(lp[i, : len(want)], want, rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_groups_are_runs_of_identical_prompts():
+    assert prompt_groups([[1, 2], [1, 2], [3], [1, 2], [3], [3]]) == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_shared_prompt_pack_layout():
+    a, b, c = [1, 2, 3, 10, 11], [1, 2, 3, 20], [1, 2, 3, 30, 31, 32]
+    p = pack([a, b, c, [7, 8, 40]], pad_id=0, prompt_lens=[3, 3, 3, 2], share_prompts=True, pad_to_multiple=4)
+    # prompt once: [1 2 3 10 11] [20] [30 31 32] [7 8 40], positions continue from the prompt length
+    assert p.input_ids[0].tolist() == [1, 2, 3, 10, 11, 20, 30, 31, 32, 7, 8, 40]
+    assert p.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1, 2]
+    # every member's first response token is predicted by the shared prompt's last token (index 2)
+    assert p.response_index.tolist() == [[2, 3, 0], [2, 0, 0], [2, 6, 7], [10, 0, 0]]
+    assert p.response_tokens.tolist() == [[10, 11, 0], [20, 0, 0], [30, 31, 32], [40, 0, 0]]
+    assert p.response_mask.sum(1).tolist() == [2, 1, 3, 1]
+    with pytest.raises(ValueError, match="needs prompt_lens"):
+        pack([a], pad_id=0, share_prompts=True)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_gathered_response_logprobs_equal_per_sequence_with_grads(share):
+    torch.manual_seed(0)
+    model = build_model("tiny", seed=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g) for n in (4, 6)]
+    seqs, plens = [], []
+    for prompt in prompts:
+        for r in (3, 5, 1):  # a group of three responses per prompt
+            seqs.append(torch.cat([prompt, torch.randint(3, 500, (r,), generator=g)]))
+            plens.append(len(prompt))
+    p = pack(seqs, pad_id=0, prompt_lens=plens, share_prompts=share)
+    assert p.num_tokens == (10 + 18 if share else sum(len(s) for s in seqs))
+    hidden = model.hidden_states(p.input_ids, p.position_ids, attn=DocumentAttention(p.position_ids))[0]
+    w = model.lm_head.weight
+    logp, ent = gather_response_logprobs(hidden, p, lambda h, y: compute_token_logprobs(h, w, y, with_entropy=True))
+    refs, ref_ents = [], []
+    for i, s in enumerate(seqs):
+        lg = model(s[None])[0, plens[i] - 1: -1]
+        refs.append(logprobs_from_logits(lg, s[plens[i]:]))
+        ref_ents.append(-(lg.softmax(-1) * lg.log_softmax(-1)).sum(-1))
+        torch.testing.assert_close(logp[i, : len(refs[i])], refs[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[i, : len(refs[i])], ref_ents[i], rtol=1e-5, atol=1e-5)
+        assert (logp[i, len(refs[i]):] == 0).all()
+    grads = torch.autograd.grad(logp.sum(), list(model.parameters()), allow_unused=True)
+    ref_grads = torch.autograd.grad(sum(r.sum() for r in refs), list(model.parameters()), allow_unused=True)
+    for a, b in zip(grads, ref_grads):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
