@@ -24,6 +24,7 @@ def ppo_stage_flops(
     ppo_epochs: int,
     prefill_tokens: int = 0,
     old_logp_forward: bool = True,
+    policy_tokens: int | None = None,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
@@ -36,15 +37,19 @@ def ppo_stage_flops(
     old_logp_forward=False: no separate old-log-prob forward ran (async rollout takes the behaviour
     log-probs of generation; one epoch over one mini-batch reuses the update's forward), so none is
     counted: GRPO with a reference is then the 8N per trained token of 6N update + 2N reference.
+    policy_tokens: the tokens the actor and reference forwards really process when that is fewer than
+    trained_tokens (trainer.share_prompts packs a prompt once per group), so useful FLOPs never count
+    work that was not needed.
     """
     t = float(trained_tokens)
+    tp = t if policy_tokens is None else float(policy_tokens)
     out = {
         "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens),
-        "old_log_prob": 2.0 * n_params_actor * t if old_logp_forward else 0.0,
-        "ref": 2.0 * n_params_ref * t if n_params_ref else 0.0,
+        "old_log_prob": 2.0 * n_params_actor * tp if old_logp_forward else 0.0,
+        "ref": 2.0 * n_params_ref * tp if n_params_ref else 0.0,
         "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,
         "values": 2.0 * n_params_critic * t if n_params_critic else 0.0,
-        "update_actor": 6.0 * n_params_actor * t * ppo_epochs,
+        "update_actor": 6.0 * n_params_actor * tp * ppo_epochs,
         "update_critic": 6.0 * n_params_critic * t * ppo_epochs if n_params_critic else 0.0,
     }
     return out

@@ -291,6 +291,13 @@ class PPOTrainer:
         n = self.state.model_params
         roles = self.plan.groups
         trained = sum(s.length for s in exp.samples)
+        policy = None
+        if self.cfg.trainer.share_prompts:  # each prompt is packed once per group of samples
+            from ppo.batching import prompt_groups
+
+            groups = prompt_groups([s.prompt_ids for s in exp.samples])
+            policy = sum(len(exp.samples[g[0]].prompt_ids) + sum(len(exp.samples[i].response_ids) for i in g)
+                         for g in groups)
         flops = ppo_stage_flops(
             n_params_actor=n, n_params_critic=n if "critic" in roles else None,
             n_params_ref=n if "ref" in roles else None,
@@ -298,7 +305,7 @@ class PPOTrainer:
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.cfg.rollout.n),
             ppo_epochs=self.cfg.actor.ppo_epochs,
-            old_logp_forward=not (self.cfg.trainer.async_rollout or self.fused_old_logp))
+            old_logp_forward=not (self.cfg.trainer.async_rollout or self.fused_old_logp), policy_tokens=policy)
         actor_s = m.get("timing_s/update_actor", 0.0)
         n_actor = len(roles["actor"].ranks)
         return {"perf/flops": sum(flops.values()),

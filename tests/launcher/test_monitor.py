@@ -157,6 +157,10 @@ def test_flop_counts_follow_design_rule():
     fused = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
                            trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_forward=False)
     assert fused == pytest.approx(8 * n * t + 2 * n * g)  # the GRPO rule: 6N update + 2N reference
+    shared = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=None,
+                             trained_tokens=t, generated_tokens=g, ppo_epochs=1, policy_tokens=600)
+    assert shared["update_actor"] == 6 * n * 600 and shared["ref"] == 2 * n * 600
+    assert shared["update_critic"] == 6 * n * t  # the critic still packs whole sequences
     with_prefill = ppo_stage_flops(n_params_actor=n, n_params_critic=None, n_params_ref=None, n_params_rm=None,
                                    trained_tokens=t, generated_tokens=g, ppo_epochs=1, prefill_tokens=600)
     assert with_prefill["gen"] == 2 * n * (g + 600) and with_prefill["ref"] == 0.0
