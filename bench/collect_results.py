@@ -19,14 +19,24 @@ COMMANDS = {
     "tests": "python -m pytest -q -m gpu tests",
     "train_step": "python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep",
     "generate": "python -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 --engine both "
-                "--batches 32,64,256",
+                "--batches 32,64,256 --hf-cache dynamic --native-variants $GEN_VARIANTS",
     "reshard": "torchrun --nproc_per_node 2 -m bench.reshard --model llama-1b --train-tp 2 --gen-tp 1 --verify "
                "--device cuda",
-    "grpo_a": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --modes $GRPO_MODES $EXTRA",
+    "grpo_a": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 3 --modes $GRPO_MODES "
+              "$EXTRA",
     "ppo_1gpu": "python -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 $EXTRA",
-    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --modes $PLACEMENT_MODES "
+    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup 2 --modes <mode> "
                    "$EXTRA",
 }
+
+
+def command_of(part: str) -> str:
+    """The command of a summary part; suffixed parts (grpo_a_noshare, placement_b_split-sync) share a base."""
+    for base in sorted(COMMANDS, key=len, reverse=True):
+        if part == base or part.startswith(base + "_"):
+            cmd = COMMANDS[base]
+            return cmd.replace("<mode>", part[len(base) + 1:].replace("_", "+")) if "<mode>" in cmd else cmd
+    return part
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         if d["result"] is None:
             print(f"{d['part']}: rc={d['rc']}, no JSON result; not recorded")
             continue
-        rec = {"command": COMMANDS.get(d["part"], d["part"]), "env": args.env, "device": args.device,
+        rec = {"command": command_of(d["part"]), "env": args.env, "device": args.device,
                "date": datetime.date.today().isoformat(), "git_commit": args.commit, "rc": d["rc"],
                "seconds": d["seconds"], "result": d["result"]}
         path = out / f"{d['part']}_{args.suffix}.json"

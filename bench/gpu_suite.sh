@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
-# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, PLACEMENT_MODES, T_<PART> (time limits, s).
+# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS,
+#      PLACEMENT_MODES (space-separated), T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -32,16 +33,18 @@ for p in "${parts[@]}"; do
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
     train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
-    gen) run generate "${T_GEN:-300}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
-           --engine both --batches 32,64,256 ;;
+    gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
+           --engine both --batches 32,64,256 --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
     reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
-    grpo) run grpo_a "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 \
-            --modes "${GRPO_MODES:-colocated-sync,colocated-async}" ${EXTRA:-} ;;
+    grpo) run "grpo_a${GRPO_TAG:-}" "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \
+            --nproc 1 --warmup 3 --modes "${GRPO_MODES:-colocated-sync}" ${EXTRA:-} ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
-    placement) [ "$ngpu" -ge 2 ] && run placement_b "${T_PLACEMENT:-600}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
-                 --nproc 2 --modes "${PLACEMENT_MODES:-colocated-sync,split-sync,split-async,split-async+controller}" \
-                 ${EXTRA:-} ;;
+    placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
+      [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
+        run "placement_b_${m/+/_}" "${T_PLACEMENT:-280}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
+          --nproc 2 --warmup 2 --modes "$m" ${EXTRA:-}
+      done ;;
     *) echo "unknown part $p" ;;
   esac
 done

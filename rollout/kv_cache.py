@@ -53,12 +53,24 @@ class PrefillAttention:
         self.cache, self.slots, self.rows = cache, slots, rows
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.cache.layer(layer_idx)
-        t = k.shape[2]
         # right padding is harmless: causal rows never see it, and decode overwrites/masks it later
-        kc[self.slots, :, :t] = k[self.rows]
-        vc[self.slots, :, :t] = v[self.rows]
+        write_prefill_kv(self.cache.data, layer_idx, self.slots, self.rows, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache",))
+def write_prefill_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+    """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for prompt rows k/v [Np, Hkv, T, D]. Opaque to
+    torch.compile (like write_kv below), so the compiled prefill mutates the cache in place."""
+    t = k.shape[2]
+    cache[layer, 0, slots, :, :t] = k[rows]
+    cache[layer, 1, slots, :, :t] = v[rows]
+
+
+@write_prefill_kv.register_fake
+def _write_prefill_kv_fake(cache, layer, slots, rows, k, v) -> None:
+    return None
 
 
 @torch.library.custom_op("hybridrl_rollout::write_kv", mutates_args=("cache",))
