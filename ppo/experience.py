@@ -11,6 +11,7 @@ DP shard. Only owners contribute, so a result is never sent twice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ class Experience:
 
 def all_gather_objects(obj, *, group=None) -> list:
     """World (or group) all-gather of picklable objects, in rank order."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -84,8 +85,14 @@ def share_samples(mine: list[Sample]) -> list[Sample]:
 def merge_results(mine: dict[str, dict[int, torch.Tensor]]) -> dict[str, dict[int, torch.Tensor]]:
     """{key: {uid: tensor}} from the owners -> the union on every rank (keys: old_logp, ref_logp, ...)."""
     out: dict[str, dict[int, torch.Tensor]] = {}
-    for part in all_gather_objects({k: {u: t.detach().cpu() for u, t in v.items()} for k, v in mine.items()}):
-        for key, per_uid in part.items():
+    # one flat tensor per key on the wire (pickling hundreds of small tensors costs tens of ms a step)
+    flat = {k: ([*v], [t.shape for t in v.values()],
+                torch.cat([t.detach().reshape(-1).cpu() for t in v.values()]) if v else torch.empty(0))
+            for k, v in mine.items()}
+    for part in all_gather_objects(flat):
+        for key, (uids, shapes, values) in part.items():
+            pieces = torch.split(values, [math.prod(sh) for sh in shapes])
+            per_uid = {u: x.view(sh) for u, x, sh in zip(uids, pieces, shapes)}
             dst = out.setdefault(key, {})
             overlap = dst.keys() & per_uid.keys()
             if overlap:
