@@ -1,0 +1,132 @@
+"""Unfiltered sampling (no top-k / top-p: what RL uses) as ONE Triton kernel, one program per row.
+
+rollout/sampler.py's `sample(..., filtered=False)` is ~10 kernels over [B, V] fp32 (cast, divide,
+log_softmax, exp, a slow vocab-long cumsum scan, searchsorted, argmax, gather). Here each program streams
+its row of logits in BLOCK_V tiles, in the logits' own dtype:
+
+  pass 1: each tile's max and sum of exp (fp32) of x = logits / T, kept in registers (a [TILES] vector),
+          and the first index of the max (the greedy token);
+  then:   the row's max and total from the tiles', and the first tile whose running mass reaches u * total;
+  pass 2: that tile alone: tl.cumsum of exp(x - max) plus the mass before it, to the first index reaching
+          u * total: the inverse-CDF draw of sampler.py with the same uniform u.
+
+So a row reads its logits once plus one tile (mostly from L2), with no data-dependent loop.
+
+    tokens, logprobs = sample_unfiltered(logits, temperature, uniforms)
+
+Same meaning as `sample(..., filtered=False)`: T <= 0 is greedy (argmax, logprob at T = 1), else token =
+the smallest j with cdf[j] >= u * cdf[V-1] and logprob = x[token] - logsumexp(x). The summation order
+differs from torch's cumsum, so a sampled token can differ from sample()'s only when u lands within
+float rounding of a CDF boundary (then both tokens are equally valid draws); logprobs agree to rounding.
+A torch custom op, so torch.compile treats it as opaque and CUDA graphs capture it. Under TRITON_INTERPRET=1
+it runs on CPU tensors (tests/rollout/test_triton_sampling.py checks it against sample() there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the engine then keeps sampler.sample
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run here: CUDA with triton, or triton's CPU interpreter."""
+    import os
+
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, temp_ptr, u_ptr, tok_ptr, lp_ptr, V, s_row,
+                       BLOCK_V: tl.constexpr, TILES: tl.constexpr):
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * s_row
+        t = tl.load(temp_ptr + row)
+        greedy = t <= 0
+        t = tl.where(greedy, 1.0, t)
+        offs = tl.arange(0, BLOCK_V)
+        tiles = tl.arange(0, TILES)
+
+        # pass 1: each tile's max and sum of exp(x - tile max), kept in registers; the first index of the max
+        t_max = tl.full([TILES], float("-inf"), tl.float32)
+        t_sum = tl.zeros([TILES], tl.float32)
+        m = tl.full([], float("-inf"), tl.float32)
+        best = tl.zeros([], tl.int32)
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            idx = i * BLOCK_V + offs
+            # div_rn: IEEE division like torch's logits / T (Triton's `/` on fp32 is the approximate one)
+            x = tl.math.div_rn(tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
+            mx = tl.max(x, 0)
+            best = tl.where(mx > m, i * BLOCK_V + tl.argmax(x, 0), best)  # strict: earlier tiles win ties
+            m = tl.maximum(m, mx)
+            sm = tl.sum(tl.exp(x - mx), 0)  # nan for an all -inf tile (masked tail, banned ids): mass 0 below
+            t_max = tl.where(tiles == i, mx, t_max)
+            t_sum = tl.where(tiles == i, sm, t_sum)
+
+        # the tile holding the draw: the first whose running mass reaches u * total (rounding can leave u ~ 1
+        # short of every tile: then the last tile with mass)
+        mass = tl.where(t_max > float("-inf"), t_sum * tl.exp(t_max - m), 0.0)
+        total = tl.sum(mass, 0)
+        target = tl.load(u_ptr + row) * total
+        cum = tl.cumsum(mass, 0)
+        last_tile = tl.max(tl.where(mass > 0, tiles, 0), 0)
+        k = tl.min(tl.where((cum >= target) & (mass > 0), tiles, last_tile), 0)
+        before = tl.sum(tl.where(tiles < k, mass, 0.0), 0)
+
+        # pass 2, that tile only: the first index whose running sum reaches the target (e > 0: never a token of
+        # zero probability; if rounding leaves the target unmet, the tile's last token with mass)
+        idx = k * BLOCK_V + offs
+        ok = idx < V
+        x = tl.math.div_rn(tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
+        e = tl.exp(x - m)
+        cdf = tl.cumsum(e, 0) + before
+        last = tl.max(tl.where(e > 0, idx, 0), 0)
+        tok = tl.min(tl.where(ok & (e > 0) & (cdf >= target), idx, last), 0)
+        tok = tl.where(greedy, best, tok)
+
+        x_tok = tl.math.div_rn(tl.load(base + tok).to(tl.float32), t)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, x_tok - m - tl.log(total))
+
+
+def _config(vocab: int, interpret: bool) -> dict:
+    """Launch constants, a function of the vocab alone: tile size and warps set the summation order, so a row's
+    draw then never depends on the batch around it or on timing (no autotune). On a GPU 8192-wide tiles over 8
+    warps: fastest at B = 256 on an H200 for V = 32k..152k (at B <= 64, 16 warps would be ~2 us faster; at
+    B = 512, 2048 tiles over 4 warps ~7 us). Small tiles under the interpreter: several tiles on small test
+    vocabs. TILES: a power of two >= the tile count, the length of the per-tile register vectors."""
+    block, warps = (256, 4) if interpret else (min(8192, max(1024, triton.next_power_of_2(vocab))), 8)
+    return dict(BLOCK_V=block, TILES=triton.next_power_of_2(triton.cdiv(vocab, block)), num_warps=warps)
+
+
+@torch.library.custom_op("hybridrl_rollout::sample_unfiltered", mutates_args=())
+def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (bf16 / fp16 / fp32), temperature [B] (<= 0: greedy), uniforms [B] in (0, 1) ->
+    tokens [B] int64 and logprobs [B] fp32 = log softmax(logits / T)[token], T = 1 when greedy."""
+    b, vocab = logits.shape
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    if b == 0:
+        return tokens, logprobs
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperature = temperature.float().contiguous()
+    uniforms = uniforms.float().contiguous()
+    _sample_kernel[(b,)](logits, temperature, uniforms, tokens, logprobs, vocab, logits.stride(0),
+                         **_config(vocab, interpret=not logits.is_cuda))
+    return tokens, logprobs
+
+
+@sample_unfiltered.register_fake
+def _sample_unfiltered_fake(logits, temperature, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
+    b = logits.shape[0]
+    return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
