@@ -161,6 +161,7 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                 "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
                 "kv_slots": engine.runner.num_slots,
                 "compile_error": getattr(engine.runner._decode, "error", None),
+                "prefill_compile_error": getattr(engine.runner._prefill, "error", None),
                 "graph_error": engine.runner.graph_error,
                 "decode_kernels": {f"{b}x{kv}": k for (b, kv), k in sorted(engine.runner.kernel_for.items())}})
     if not args.no_check:

@@ -60,9 +60,10 @@ def any_filtered(seqs: list[Sequence]) -> bool:
 
 
 class _DynamicRows:
-    """Calls the compiled decode function with the row dim (B) and the KV-length dim marked dynamic and
-    without duck sizing (B == kv_len on the first call must not become a guard). If compilation fails the
-    engine keeps working eagerly (CUDA graphs still apply) and says so loudly."""
+    """Calls a compiled function with every dim of its tensor arguments marked dynamic (decode: rows B and
+    KV length; prefill: prompt rows and padded length) and without duck sizing (B == kv_len on the first
+    call must not become a guard), so new shapes never recompile. If compilation fails the engine keeps
+    working eagerly (CUDA graphs still apply) and says so loudly."""
 
     def __init__(self, compiled, eager):
         self.fn, self.eager, self.error = compiled, eager, None
@@ -72,7 +73,8 @@ class _DynamicRows:
             return self.eager(*args)
         for a in args:
             if isinstance(a, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+                for dim in range(a.dim()):
+                    torch._dynamo.maybe_mark_dynamic(a, dim)
         try:
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 return self.fn(*args)
@@ -236,12 +238,13 @@ class ModelRunner:
         self.graph_error: str | None = None
         self.kernel_for: dict[tuple[int, int], str] = {}  # (rows, kv_len) -> decode attention kernel ("auto")
         self._kernel = "sdpa"
-        self._decode = self._decode_fn
+        self._decode, self._prefill = self._decode_fn, self._prefill_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
             # surprise recompile never silently falls back to eager
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._decode = _DynamicRows(torch.compile(self._decode_fn), self._decode_fn)
+            self._prefill = _DynamicRows(torch.compile(self._prefill_fn), self._prefill_fn)
         self.cache: KVCache | None = None
         self._allocate_runtime()
 
@@ -383,18 +386,22 @@ class ModelRunner:
         seqs = batch.seqs
         rows = torch.tensor([r for r, row in enumerate(batch.rows) for _ in row], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        ids = ids.to(dev)
-        pos = torch.arange(batch.padded_len, device=dev).expand_as(ids)
-        attn = PrefillAttention(self.cache, slots=slots, rows=rows)
-        h = self.model.hidden_states(ids, pos, attn=attn)
-        h_last = h[torch.arange(len(batch.rows), device=dev), torch.tensor(last, device=dev)]
-        logits = self._logits(h_last)[rows]
+        logits = self._prefill(ids.to(dev), slots, rows, torch.tensor(last, device=dev))
         f = torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs], device=dev)
         i = torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs], device=dev)
         tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
                          positions=i[:, 2], filtered=any_filtered(seqs))
         out = torch.stack([tok.double(), lp.double()]).cpu()
         return [int(t) for t in out[0]], out[1].tolist()
+
+    def _prefill_fn(self, ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                    last: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompt rows ids [Np, T] -> K/V written to `slots` (row rows[i] for slot i) and the
+        logits [len(slots), V] of each sequence's last prompt token; what torch.compile sees for prefill."""
+        n, t = ids.shape
+        pos = torch.arange(t, device=ids.device).expand(n, t)
+        h = self.model.hidden_states(ids, pos, attn=PrefillAttention(self.cache, slots=slots, rows=rows))
+        return self._logits(h[torch.arange(n, device=ids.device), last])[rows]
 
     # ---- decode: device-resident rows, advanced inside the graph ----
     def set_rows(self, rows: dict[int, tuple[tuple[int, ...], tuple[float, float]]]) -> None:

@@ -262,3 +262,14 @@ def test_decode_kernel_timing_leaves_the_live_cache_alone(model):
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = NativeEngine.from_model(model, config=config(decode_attention="bmm")).generate(PROMPTS[:2], p)
     assert [c.token_ids for c in outs] == [naive_greedy(model, q, 6) for q in PROMPTS[:2]]
+
+
+def test_compiled_prefill_and_decode_match_naive_greedy_across_shapes(model):
+    """config.compile: one dynamic-shape graph each for prefill and decode; new prompt counts and
+    lengths must neither change the result nor fall back to eager."""
+    engine = NativeEngine.from_model(model, config=config(compile=True))
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for prompts in (PROMPTS, PROMPTS[1:4], [[5, 6, 7, 8, 9, 10, 11]] * 2):
+        outs = engine.generate(prompts, p)
+        assert [c.token_ids for c in outs] == [naive_greedy(model, q, 5) for q in prompts]
+    assert engine.runner._decode.error is None and engine.runner._prefill.error is None
