@@ -25,7 +25,7 @@ COMMANDS = {
     "grpo_a": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 3 --modes $GRPO_MODES "
               "$EXTRA",
     "ppo_1gpu": "python -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 $EXTRA",
-    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup 2 --modes <mode> "
+    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup 1 --modes <mode> "
                    "$EXTRA",
 }
 

@@ -2,7 +2,7 @@
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS,
-#      PLACEMENT_MODES (space-separated), T_<PART> (time limits, s; T_PLACEMENT is per mode).
+#      PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP, T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -43,7 +43,7 @@ for p in "${parts[@]}"; do
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
         run "placement_b_${m/+/_}" "${T_PLACEMENT:-280}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
-          --nproc 2 --warmup 2 --modes "$m" ${EXTRA:-}
+          --nproc 2 --warmup "${PLACEMENT_WARMUP:-1}" --modes "$m" ${EXTRA:-}
       done ;;
     *) echo "unknown part $p" ;;
   esac
