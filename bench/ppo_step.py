@@ -32,7 +32,9 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "launcher" / "main.py"), config, f"trainer.runs_dir={runs}",
-           f"trainer.experiment_name={name}", "trainer.overwrite=true", *overrides]
+           f"trainer.experiment_name={name}", "trainer.overwrite=true",
+           # no final checkpoint: a 1B PPO run writes ~12 GB, and a GPU batch of runs filled a 128 GB disk
+           "trainer.save_final=false", *overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.perf_counter() - t0

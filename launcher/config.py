@@ -30,6 +30,7 @@ class TrainerConfig:
     total_steps: int = 20
     seed: int = 42
     save_every: int = 0  # 0: only at the end
+    save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2
     resume: str = "never"  # never | auto | <checkpoint dir>
     async_rollout: bool = False  # one-step off-policy: generate batch k+1 while batch k trains

@@ -338,7 +338,8 @@ class PPOTrainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == cfg.trainer.total_steps
-            if last or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+            periodic = cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0
+            if (last and cfg.trainer.save_final) or periodic:
                 self.state.save(step + 1, self.roles, final=last, pending=self.pending)
         if bar is not None:
             bar.close()

@@ -102,8 +102,11 @@ def test_grpo_shared_prompts_match_unshared(tmp_path):
         _ok(launch(tmp_path, 2, "conf/grpo_tiny.yaml", "trainer.total_steps=1", f"trainer.experiment_name={name}",
                    f"trainer.share_prompts={share}", "actor.max_tokens_per_micro_batch=64",
                    "actor.mini_batch_size=16",  # two mini-batches: old log-probs recomputed (and compared)
+                   f"trainer.save_final={share == 'false'}",
                    "ref.max_tokens_per_micro_batch=64"))
         runs[share] = metrics(tmp_path / name)[0]
+    assert (tmp_path / "share_false" / "checkpoints" / "step_1").is_dir()
+    assert not list((tmp_path / "share_true").glob("checkpoints/step_*"))  # trainer.save_final=false
     a, b = runs["false"], runs["true"]
     assert a["reward/mean"] == b["reward/mean"]  # generation does not depend on training-side packing
     # (per-micro-batch averaged metrics such as pg_loss depend on the partition; gradients do not)
