@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         if d["result"] is None:
             print(f"{d['part']}: rc={d['rc']}, no JSON result; not recorded")
             continue
+        if isinstance(d["result"], dict) and "git_commit" in d["result"]:
+            d["result"]["git_commit"] = args.commit  # the device's copy may carry a stale .git
         rec = {"command": command_of(d["part"]), "env": args.env, "device": args.device,
                "date": datetime.date.today().isoformat(), "git_commit": args.commit, "rc": d["rc"],
                "seconds": d["seconds"], "result": d["result"]}
