@@ -90,15 +90,17 @@ def _allow_per_layer_recompiles(model: nn.Module) -> None:
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), n))
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """torch.compile each decoder layer in place (the layers share one compiled graph when their guards allow)."""
+def apply_compile(model: nn.Module, *, dynamic: bool | None = None) -> nn.Module:
+    """torch.compile each decoder layer in place (the layers share one compiled graph when their guards allow).
+    dynamic=True compiles shape-generic graphs up front (packed RL micro-batches change length every call:
+    with the default, the second length recompiles); None lets Dynamo decide."""
     _allow_per_layer_recompiles(model)
     for layer in model.model.layers.values():
-        layer.compile(fullgraph=False)
+        layer.compile(fullgraph=False, dynamic=dynamic)
     return model
 
 
-def apply_compile_then_full_ac(model: nn.Module) -> nn.Module:
+def apply_compile_then_full_ac(model: nn.Module, *, dynamic: bool | None = None) -> nn.Module:
     """Full activation checkpointing *around* each compiled layer body (compile + ac="full").
 
     Checkpointing inside a compiled layer fails for DTensor TP layers in torch 2.13 (the
@@ -107,7 +109,7 @@ def apply_compile_then_full_ac(model: nn.Module) -> nn.Module:
     """
     _allow_per_layer_recompiles(model)
     for layer in model.model.layers.values():
-        body = torch.compile(layer.forward)  # the class forward, bound to this layer
+        body = torch.compile(layer.forward, dynamic=dynamic)  # the class forward, bound to this layer
         layer.forward = functools.partial(_checkpointed_forward, body, None)
     return model
 
@@ -116,17 +118,17 @@ def _should_fsdp(dims: ParallelDims, param_dtype: torch.dtype | None, fsdp: bool
     return fsdp if fsdp is not None else (dims.dp > 1 or param_dtype is not None)
 
 
-def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool,
+def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool, dynamic: bool | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  loss_parallel: bool, fsdp: bool | None) -> nn.Module:
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
     if compile and ac == "full":
-        apply_compile_then_full_ac(model)
+        apply_compile_then_full_ac(model, dynamic=dynamic)
     else:
         apply_ac(model, ac)
         if compile:
-            apply_compile(model)
+            apply_compile(model, dynamic=dynamic)
     if _should_fsdp(dims, param_dtype, fsdp):
         # on a dp mesh of one, resharding after forward frees nothing worth a second cast-copy in backward
         apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -141,6 +143,7 @@ def parallelize_model(
     dims: ParallelDims,
     ac: str = "none",
     compile: bool = False,
+    dynamic: bool | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     loss_parallel: bool = False,
@@ -156,7 +159,7 @@ def parallelize_model(
     parallel.dims.build_mesh returns. pp == 1 returns `model` (modified in place); pp > 1
     returns a PipelineRunner over this rank's stage(s), whose stages return hidden states
     (see parallel/pipeline.py; `attn_factory(position_ids)` picks their attention backend).
-    fsdp None: on when dp > 1 or param_dtype is set.
+    fsdp None: on when dp > 1 or param_dtype is set. dynamic: torch.compile's (see apply_compile).
     """
     got = tuple(mesh.mesh_dim_names or ())
     if got != ("pp", "dp", "tp") or tuple(mesh.shape) != (dims.pp, dims.dp, dims.tp):
@@ -165,7 +168,7 @@ def parallelize_model(
     cfg = model.config
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
-    local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, param_dtype=param_dtype,
+    local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic, param_dtype=param_dtype,
                  reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp)
     if dims.pp == 1:
         return _apply_local(model, **local)

@@ -84,7 +84,9 @@ class ShardedWorker:
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
         n_mb = spec.pp_microbatches or 2 * dims.pp
         self.model = parallelize_model(
-            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, param_dtype=param_dtype,
+            # packed micro-batches change length every call: shape-generic graphs, no recompiles mid-run
+            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=True if spec.compile else None,
+            param_dtype=param_dtype,
             n_microbatches=n_mb if dims.pp > 1 else None,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
