@@ -1,13 +1,5 @@
-"""The only part of the engine that touches the device: local-TP model, KV cache, prefill, graphed decode.
-
-The model is a plain-tensor LlamaForCausalLM built with LOCAL sizes (heads, intermediate and vocab
-divided by tp) and made tensor-parallel with explicit collectives on `tp_group`: all-reduce after
-o_proj and down_proj (row parallel), a vocab-parallel embedding, and an all-gather of the local-vocab
-logits so every rank samples the same token from the full [B, V] (no DTensor: too slow and not
-graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
-
-The engine's copy also runs q/k/v and gate/up as one GEMM each (FusedQKVAttention/FusedGateUpMLP,
-the HF-named parameters being views of the fused weight), reusing llama.py's RoPE.
+"""The only part of the engine that touches the device: the local-TP model (rollout/local_model.py),
+KV cache, prefill, graphed decode.
 
 Decode rows (token, position, RNG key, sampling params, active flag) live on the device, one per KV
 slot; a step reads rows [0, B) and advances them in place, so consecutive steps need no host input and
@@ -18,7 +10,6 @@ optionally torch.compile'd once, dynamic in B and KV length); results come back 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,11 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from models.config import ModelConfig
-from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
 from rollout import triton_sampling
 from rollout.base import RolloutConfig
 from rollout.kv_cache import (
@@ -41,6 +29,7 @@ from rollout.kv_cache import (
     fastest_decode_kernel,
     kv_bytes_per_token,
 )
+from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 
@@ -82,140 +71,6 @@ class _DynamicRows:
             self.error = f"{type(e).__name__}: {e}"[:500]
             log.warning("torch.compile of the decode step failed; running eagerly: %s", self.error)
             return self.eager(*args)
-
-
-class RowParallelLinear(nn.Linear):
-    """Linear over this rank's slice of the input features; partial sums all-reduced over the TP group."""
-
-    def __init__(self, in_features: int, out_features: int, *, group):
-        super().__init__(in_features, out_features, bias=False)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Rows [vocab_start, vocab_start + num_embeddings) of the table; other ids give 0, summed over TP."""
-
-    def __init__(self, num_embeddings: int, dim: int, *, vocab_start: int, group):
-        super().__init__(num_embeddings, dim)
-        self.vocab_start, self.group = vocab_start, group
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
-        out = out.masked_fill(outside[..., None], 0.0)
-        dist.all_reduce(out, group=self.group)
-        return out
-
-
-class FusedQKVAttention(Attention):
-    """models/llama.py's Attention with q/k/v as ONE GEMM: q_proj/k_proj/v_proj weights are views of
-    `qkv_weight`, so HF-named loading fills it (bigger GEMMs run closer to peak at decode batch sizes)."""
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        b, t, _ = x.shape
-        nq, nk, _ = self.qkv_split
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels)
-        qk = apply_rotary(qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
-        hq = nq // self.head_dim
-        v = qkv[..., nq + nk:].view(b, t, -1, self.head_dim).transpose(1, 2)
-        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class FusedRMSNorm(RMSNorm):
-    """llama.py's RMSNorm (fp32 normalise, scale in the input dtype) through F.rms_norm: same formula,
-    fewer kernels per norm in the eager/graphed decode."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-class FusedGateUpMLP(MLP):
-    """models/llama.py's MLP with gate/up as one GEMM over `gate_up_weight` (views, as above)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-@dataclass(slots=True)
-class FusedGroup:
-    module: nn.Module
-    attr: str  # the module attribute holding the fused tensor
-    members: list[nn.Parameter]  # views of it, concatenated along dim 0
-    shapes: list[tuple[int, ...]]
-
-    def bind(self, *, device, dtype) -> None:
-        """(Re)allocate the fused tensor and point every member parameter at its slice."""
-        fused = torch.empty(sum(s[0] for s in self.shapes), *self.shapes[0][1:], device=device, dtype=dtype)
-        start = 0
-        for p, shape in zip(self.members, self.shapes):
-            p.data = fused[start: start + shape[0]]
-            start += shape[0]
-        setattr(self.module, self.attr, fused)
-
-    def drop(self, *, device, dtype) -> None:
-        for p in self.members:
-            p.data = torch.empty(0, device=device, dtype=dtype)
-        setattr(self.module, self.attr, None)
-
-
-def fuse_projections(model: LlamaForCausalLM, *, device, dtype) -> list[FusedGroup]:
-    """Swap norms, attention and MLPs to the fused variants; returns the weight groups to (re)bind on load."""
-    groups = []
-    for mod in model.modules():
-        if type(mod) is RMSNorm:
-            mod.__class__ = FusedRMSNorm
-    for layer in model.model.layers.values():
-        a, m = layer.self_attn, layer.mlp
-        projs = (a.q_proj, a.k_proj, a.v_proj)
-        a.__class__, m.__class__ = FusedQKVAttention, FusedGateUpMLP
-        a.qkv_split = [lin.out_features for lin in projs]
-        a.qkv_bias = None
-        members = [(a, "qkv_weight", [lin.weight for lin in projs]),
-                   (m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight])]
-        if projs[0].bias is not None:
-            members.append((a, "qkv_bias", [lin.bias for lin in projs]))
-        for mod, attr, params in members:
-            group = FusedGroup(mod, attr, params, [tuple(p.shape) for p in params])
-            group.bind(device=device, dtype=dtype)
-            groups.append(group)
-    return groups
-
-
-def build_local_model(cfg: ModelConfig, *, tp: int, tp_rank: int, tp_group, device, dtype) -> LlamaForCausalLM:
-    """LlamaForCausalLM holding rank tp_rank's shards (uninitialised weights; load them by name)."""
-    for name, size in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads",
-                       cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size),
-                       ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"rollout tp({tp}) must divide {name}({size})")
-    local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
-                                num_key_value_heads=cfg.num_key_value_heads // tp,
-                                intermediate_size=cfg.intermediate_size // tp,
-                                vocab_size=cfg.vocab_size // tp, head_dim=cfg.head_dim)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(local)
-        if tp > 1:
-            for layer in model.model.layers.values():
-                layer.self_attn.o_proj = RowParallelLinear(local.num_attention_heads * cfg.head_dim,
-                                                           cfg.hidden_size, group=tp_group)
-                layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, group=tp_group)
-            model.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size,
-                                                              vocab_start=tp_rank * local.vocab_size, group=tp_group)
-            if cfg.tie_word_embeddings:
-                model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(dtype=dtype).to_empty(device=device)
-    # the non-persistent RoPE buffer is garbage after to_empty; cast like build_model so logits match
-    model.model.inv_freq = compute_inv_freq(cfg).to(device=device, dtype=dtype)
-    return model.eval().requires_grad_(False)
 
 
 class ModelRunner:
