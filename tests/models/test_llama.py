@@ -50,23 +50,28 @@ def test_varlen_backend_needs_cuda():
         DocumentAttention(torch.arange(4)[None], backend="varlen")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_varlen_equals_mask_on_gpu(dtype):
-    model = build_model("tiny", dtype=dtype, device="cuda", seed=4)
-    seqs, packed, pos = _packed([37, 5, 100, 64, 50], device="cuda")  # 256 tokens, uneven documents
+def _assert_varlen_matches_mask(model, ids, pos):
+    """Outputs and gradients of the varlen backend match the masked-SDPA backend (half precision)."""
     outs, grads = {}, {}
     # a unit-scale upstream gradient: mean(out^2) gave ~1e-6 gradients, fp16 subnormals, where a
     # relative comparison measures rounding of denormals rather than the attention kernel
-    g = torch.randn(packed.shape[0], packed.shape[1], model.config.vocab_size, device="cuda",
+    g = torch.randn(ids.shape[0], ids.shape[1], model.config.vocab_size, device="cuda",
                     generator=torch.Generator(device="cuda").manual_seed(0))
     for backend in ("varlen", "mask"):
-        out = model(packed, pos, attn=DocumentAttention(pos, backend=backend))
+        out = model(ids, pos, attn=DocumentAttention(pos, backend=backend))
         grads[backend] = torch.autograd.grad((out.float() * g).sum(), list(model.parameters()))
         outs[backend] = out.float()
     assert (outs["varlen"] - outs["mask"]).abs().max() <= 0.05
     for a, b in zip(grads["varlen"], grads["mask"]):
         assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_equals_mask_on_gpu(dtype):
+    model = build_model("tiny", dtype=dtype, device="cuda", seed=4)
+    seqs, packed, pos = _packed([37, 5, 100, 64, 50], device="cuda")  # 256 tokens, uneven documents
+    _assert_varlen_matches_mask(model, packed, pos)
     auto = DocumentAttention(pos)
     assert auto._varlen is not None  # the probe accepted varlen on this GPU
 
@@ -176,13 +181,5 @@ def test_prefix_key_index_and_rows_without_a_root():
 def test_shared_prompt_varlen_equals_mask_on_gpu():
     model = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=4)
     _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
-    g = torch.randn(1, ids.shape[1], model.config.vocab_size, device="cuda")
-    outs, grads = {}, {}
-    for backend in ("varlen", "mask"):
-        out = model(ids, pos, attn=DocumentAttention(pos, backend=backend))
-        grads[backend] = torch.autograd.grad((out.float() * g).sum(), list(model.parameters()))
-        outs[backend] = out.float()
-    assert (outs["varlen"] - outs["mask"]).abs().max() <= 0.05
-    for a, b in zip(grads["varlen"], grads["mask"]):
-        assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
+    _assert_varlen_matches_mask(model, ids, pos)
     assert DocumentAttention(pos)._prefix is not None  # the probe accepted bottom-right causal varlen
