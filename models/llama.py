@@ -81,7 +81,7 @@ class DocumentAttention:
                         _varlen_ok(position_ids.device, dtype, prefix=True)
             self._varlen = self._cu_seqlens(position_ids)
             if self.continues:
-                self._prefix = self._prefix_keys(position_ids)
+                self._prefix = self._prefix_keys(position_ids, self._varlen[0])
         else:
             self._mask = self._document_mask(position_ids)
 
@@ -116,18 +116,14 @@ class DocumentAttention:
         return cu, int((cu[1:] - cu[:-1]).max())  # one host sync per forward, not per layer
 
     @staticmethod
-    def _prefix_keys(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Keys of every segment over the flattened B*T tokens: a root's own tokens; a continuation's
-        root tokens before its start position, then its own. Returns (key index into the flattened
-        tokens, cu_seqlens_k int32, longest key run); one host round trip per forward."""
-        flat = pos.reshape(-1).cpu()
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]
-        first = starts.reshape(-1).nonzero().squeeze(1).cpu()
-        ends = torch.cat([first[1:], first.new_tensor([flat.numel()])])
+    def _prefix_keys(pos: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Keys of every segment (cu: the segment boundaries of _cu_seqlens) over the flattened B*T
+        tokens: a root's own tokens; a continuation's root tokens before its start position, then its
+        own. Returns (key index into the flattened tokens, cu_seqlens_k int32, longest key run)."""
+        flat, bounds = pos.reshape(-1).cpu(), cu.cpu().tolist()  # one host round trip per forward
         t = pos.shape[1]
         runs, root = [], None  # root: flat index of the current row's last root segment
-        for a, b in zip(first.tolist(), ends.tolist()):
+        for a, b in zip(bounds[:-1], bounds[1:]):
             s0 = int(flat[a])
             if a % t == 0:
                 root = None

@@ -50,6 +50,15 @@ class Experience:
         lens = torch.tensor([len(s.response_ids) for s in self.samples])
         return torch.arange(r)[None] < lens[:, None]
 
+    def prompt_units(self) -> tuple[list[list[int]], list[int]]:
+        """Runs of consecutive samples sharing a prompt (a GRPO group) and the tokens each packs to
+        with its prompt kept once (pack(share_prompts=True)): prompt + every response."""
+        from ppo.batching import prompt_groups
+
+        units = prompt_groups([s.prompt_ids for s in self.samples])
+        return units, [len(self.samples[u[0]].prompt_ids) + sum(len(self.samples[i].response_ids) for i in u)
+                       for u in units]
+
     def behaviour_logprobs(self) -> torch.Tensor:
         return self.stack({s.uid: torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in self.samples})
 

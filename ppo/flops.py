@@ -55,23 +55,7 @@ def ppo_stage_flops(
     return out
 
 
-def ppo_step_flops(
-    *,
-    n_params_actor: int,
-    n_params_critic: int | None,
-    n_params_ref: int | None,
-    n_params_rm: int | None,
-    trained_tokens: int,
-    generated_tokens: int,
-    ppo_epochs: int,
-    prefill_tokens: int = 0,
-    old_logp_forward: bool = True,
-) -> float:
-    """Total model FLOPs of one PPO step: sum of `ppo_stage_flops` (about 20N per trained
-    token for full PPO with one epoch, plus 2N per generated or prefilled token)."""
-    return sum(ppo_stage_flops(n_params_actor=n_params_actor, n_params_critic=n_params_critic,
-                               n_params_ref=n_params_ref, n_params_rm=n_params_rm, trained_tokens=trained_tokens,
-                               generated_tokens=generated_tokens, ppo_epochs=ppo_epochs,
-                               prefill_tokens=prefill_tokens, old_logp_forward=old_logp_forward).values())
-
-
+def ppo_step_flops(**kwargs) -> float:
+    """Total model FLOPs of one PPO step: the sum of `ppo_stage_flops(**kwargs)` (about 20N per
+    trained token for full PPO with one epoch, plus 2N per generated or prefilled token)."""
+    return sum(ppo_stage_flops(**kwargs).values())

@@ -291,13 +291,8 @@ class PPOTrainer:
         n = self.state.model_params
         roles = self.plan.groups
         trained = sum(s.length for s in exp.samples)
-        policy = None
-        if self.cfg.trainer.share_prompts:  # each prompt is packed once per group of samples
-            from ppo.batching import prompt_groups
-
-            groups = prompt_groups([s.prompt_ids for s in exp.samples])
-            policy = sum(len(exp.samples[g[0]].prompt_ids) + sum(len(exp.samples[i].response_ids) for i in g)
-                         for g in groups)
+        # shared prompts: each prompt is packed once per group of samples
+        policy = sum(exp.prompt_units()[1]) if self.cfg.trainer.share_prompts else None
         flops = ppo_stage_flops(
             n_params_actor=n, n_params_critic=n if "critic" in roles else None,
             n_params_ref=n if "ref" in roles else None,

@@ -25,7 +25,6 @@ from ppo.batching import (
     gather_response_logprobs,
     micro_batches_by_tokens,
     pack,
-    prompt_groups,
     unpack_responses,
 )
 from ppo.experience import Experience, Sample
@@ -116,14 +115,9 @@ class ShardedWorker:
         """
         # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
         # tokens it packs to (prompt once + every response)
-        if self.share_prompts:
-            units = prompt_groups([s.prompt_ids for s in exp.samples])
-            if len(units) % self.dp:
-                units = [[i] for i in range(len(exp.samples))]  # uneven groups: plan samples, share within
-        else:
-            units = [[i] for i in range(len(exp.samples))]
-        lengths = [len(exp.samples[u[0]].prompt_ids) + sum(len(exp.samples[i].response_ids) for i in u)
-                   for u in units]
+        units, lengths = exp.prompt_units() if self.share_prompts else ([], [])
+        if len(units) % self.dp or not units:  # not sharing, or uneven groups: plan samples (share within)
+            units, lengths = [[i] for i in range(len(exp.samples))], [s.length for s in exp.samples]
         if len(lengths) % self.dp:
             raise ValueError(f"{len(lengths)} samples do not split evenly over dp={self.dp}")
         per_unit = len(exp.samples) // len(units)

@@ -163,7 +163,7 @@ def test_shared_prompt_continuations_equal_full_sequences_with_grads():
 
 def test_prefix_key_index_and_rows_without_a_root():
     pos = torch.tensor([[0, 1, 2, 3, 2, 3, 0, 1], [4, 5, 6, 0, 1, 1, 2, 2]])
-    index, cu, max_k = DocumentAttention._prefix_keys(pos)
+    index, cu, max_k = DocumentAttention._prefix_keys(pos, DocumentAttention._cu_seqlens(pos)[0])
     # row 0: root [0..3], continuation at 2 sees root tokens 0, 1 then itself, then a new root;
     # row 1: starts mid-sequence (no root: plain), root [11, 12], continuation [13, 14] from position 1
     # sees token 11, continuation [15] from position 2 sees tokens 11, 12
