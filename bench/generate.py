@@ -171,11 +171,12 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
     if args.profile and device.startswith("cuda") and kind not in args.profiled:
         args.profiled.add(kind)  # the kernel mix of the first eager-forward and the first compiled variant
         prompts = torch.randint(3, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
-        try:
-            checks[name + "/profile_top_kernels"] = profile_decode(engine, prompts,
-                                                                   new_tokens=min(32, args.new_tokens))
-        except Exception as e:  # noqa: BLE001 - diagnostics must not cost the measurement
-            checks[name + "/profile_top_kernels"] = f"{type(e).__name__}: {e}"[:300]
+        # prefill alone (one new token), then prefill + 31 decode steps: the difference is decode's
+        for tag, n in (("profile_prefill", 1), ("profile_top_kernels", min(32, args.new_tokens))):
+            try:
+                checks[f"{name}/{tag}"] = profile_decode(engine, prompts, new_tokens=n)
+            except Exception as e:  # noqa: BLE001 - diagnostics must not cost the measurement
+                checks[f"{name}/{tag}"] = f"{type(e).__name__}: {e}"[:300]
     engine.sleep()
 
 

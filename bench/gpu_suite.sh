@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
-#   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests train gen reshard grpo ppo placement
+#   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests attn train gen reshard grpo ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS,
 #      PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP, T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
@@ -32,6 +32,7 @@ for p in "${parts[@]}"; do
   case $p in
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
+    attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
     train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
            --engine both --batches 32,64,256 --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
@@ -43,7 +44,7 @@ for p in "${parts[@]}"; do
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
         run "placement_b_${m/+/_}" "${T_PLACEMENT:-280}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
-          --nproc 2 --warmup "${PLACEMENT_WARMUP:-1}" --modes "$m" ${EXTRA:-}
+          --nproc 2 --warmup "${PLACEMENT_WARMUP:-2}" --modes "$m" ${EXTRA:-}
       done ;;
     *) echo "unknown part $p" ;;
   esac

@@ -63,6 +63,11 @@ def write_prefill_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows:
                      v: torch.Tensor) -> None:
     """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for prompt rows k/v [Np, Hkv, T, D]. Opaque to
     torch.compile (like write_kv below), so the compiled prefill mutates the cache in place."""
+    from rollout import triton_attention
+
+    if cache.is_cuda and triton_attention.available(cache.device, k.shape[-1]):
+        triton_attention.write_prefill(cache, layer, slots, rows, k, v)  # one kernel, near HBM speed
+        return
     t = k.shape[2]
     cache[layer, 0, slots, :, :t] = k[rows]
     cache[layer, 1, slots, :, :t] = v[rows]

@@ -42,8 +42,12 @@ if triton is not None:
     def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, qk_scale,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh,
                        s_cv, s_cb, s_ch, s_ct, rows_p2,
-                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr):
+        # DOT: scores and P @ V on tensor cores (tl.dot; the G query heads padded to BLOCK_G = 16 rows,
+        # K/V tiles staged through shared memory); else on CUDA cores as broadcast-multiply-reduce over
+        # BLOCK_G = G_P2 = next_power_of_2(G) rows (K/V straight to registers: less shared memory, more
+        # programs resident per SM)
         b = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
@@ -53,7 +57,8 @@ if triton is not None:
         q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0)
         k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d)
         v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d)
-        k_row = cache_ptr + b * s_cb + h * s_ch  # cache_ptr already points at this layer's K
+        k_row = cache_ptr + b.to(tl.int64) * s_cb + h * s_ch  # cache_ptr points at this layer's K; a
+        # 7B layer's K over hundreds of slots passes 2**31 elements, so the slot offset is int64
         v_row = k_row + s_cv
         tl.store(k_row + pos * s_ct + d, k_new)
         tl.store(v_row + pos * s_ct + d, v_new)
@@ -65,7 +70,9 @@ if triton is not None:
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < pos
             k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
+            if not DOT:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            elif IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
@@ -75,7 +82,9 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
+            if not DOT:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            elif IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -92,31 +101,67 @@ if triton is not None:
                  mask=g_ok[:, None])
 
 
+    _kernel = triton.heuristics({"BLOCK_G": lambda a: max(16, a["G_P2"]) if a["DOT"] else a["G_P2"]})(_decode_kernel)
+
     # tile length and warps/stages tuned per (rows bucket, group, head dim) on first use, outside any CUDA
     # graph capture (the engine warms every graph up eagerly first). Benchmark launches only rewrite the
     # new token's K/V with the same values, so they leave the cache as one launch would.
     _TUNED = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                 for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))],
-        key=["rows_p2", "G", "D"], warmup=5, rep=20)(_decode_kernel)
+        configs=[triton.Config({"BLOCK_N": n, "DOT": True}, num_warps=w, num_stages=st)
+                 for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))]
+        + [triton.Config({"BLOCK_N": n, "DOT": False}, num_warps=w, num_stages=st)
+           for n in (16, 32, 64) for w, st in ((2, 1), (4, 1), (4, 2))],
+        key=["rows_p2", "G", "D"], warmup=5, rep=20)(_kernel)
 
 
-def _launch(args: tuple, *, rows: int, g: int, d: int, ieee: bool, interpret: bool) -> None:
-    """Autotuned launch on a GPU; one fixed tile under the CPU interpreter (nothing to time there)."""
-    consts = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee)
+    @triton.jit
+    def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
+                              s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_cv, s_cb, s_ch, s_ct,
+                              D: tl.constexpr, BLOCK_T: tl.constexpr):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        tt = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        d = tl.arange(0, D)
+        ok = (tt < t)[:, None]
+        r = tl.load(rows_ptr + i)
+        dst = cache_ptr + tl.load(slots_ptr + i) * s_cb + h * s_ch + tt[:, None] * s_ct + d[None, :]
+        k = tl.load(k_ptr + r * s_kb + h * s_kh + tt[:, None] * s_kt + d[None, :], mask=ok)
+        v = tl.load(v_ptr + r * s_vb + h * s_vh + tt[:, None] * s_vt + d[None, :], mask=ok)
+        tl.store(dst, k, mask=ok)
+        tl.store(dst + s_cv, v, mask=ok)
+
+
+def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for k/v [Np, Hkv, T, D] (any strides, last dim
+    contiguous) in one kernel: PyTorch's gather + index_put runs at ~10% of HBM bandwidth here (11 ms of
+    a 130 ms llama-1b prefill of 256 x 128 tokens)."""
+    n, (_, hkv, t, d) = slots.shape[0], k.shape
+    if n == 0 or t == 0:
+        return
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    block_t = 32
+    layer_k = cache[layer, 0]
+    _prefill_write_kernel[(n, hkv, triton.cdiv(t, block_t))](
+        k, v, layer_k, rows, slots, t, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
+
+
+def _launch(args: tuple, *, rows: int, g: int, d: int, ieee: bool, interpret: bool, config: dict | None) -> None:
+    """Autotuned launch on a GPU, or one fixed `config` (BLOCK_N, DOT, num_warps, num_stages): the CPU
+    interpreter has nothing to time, and bench/decode_attention.py sweeps configs itself."""
+    consts = dict(G=g, G_P2=triton.next_power_of_2(g), D=d, IEEE=ieee)
     grid = args[0]
-    if interpret:
-        _decode_kernel[grid](*args[1:], triton.next_power_of_2(rows), **consts, BLOCK_N=64, num_warps=4,
-                             num_stages=2)
+    if interpret or config is not None:
+        config = config or dict(BLOCK_N=64, DOT=True, num_warps=4, num_stages=2)
+        _kernel[grid](*args[1:], triton.next_power_of_2(rows), **consts, **config)
     else:
         _TUNED[grid](*args[1:], triton.next_power_of_2(rows), **consts)
 
 
-@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
-def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> torch.Tensor:
-    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
-    cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]."""
+def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """decode_attention's body; `config` fixes the kernel's tile (default: autotuned on CUDA)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -130,8 +175,16 @@ def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q
     _launch(((b, hkv), qs, ks, vs, layer_k, positions, out, (d ** -0.5) * 1.4426950408889634,
              qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
              out.stride(0), out.stride(1), cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4)),
-            rows=b, g=g, d=d, ieee=q.dtype == torch.float32 or not q.is_cuda, interpret=not q.is_cuda)
+            rows=b, g=g, d=d, ieee=q.dtype == torch.float32 or not q.is_cuda, interpret=not q.is_cuda, config=config)
     return out
+
+
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
+def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
+    cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]."""
+    return attend(cache, layer, positions, q, k, v)
 
 
 @decode_attention.register_fake

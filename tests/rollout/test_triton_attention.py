@@ -22,12 +22,14 @@ def run_interpreted(code: str) -> str:
     return proc.stdout
 
 
-def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv():
-    run_interpreted("""
+@pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
+def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv(dot):
+    run_interpreted(f"""
         import torch, torch.nn.functional as F
-        from rollout.triton_attention import decode_attention
+        from rollout.triton_attention import attend
         torch.manual_seed(0)
         layers, slots, hkv, slot_len, d = 3, 6, 2, 150, 16
+        config = dict(BLOCK_N=64 if {dot} else 16, DOT={dot}, num_warps=4, num_stages=2)
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             for g in (1, 2, 3):  # MHA, GQA, a group that is not a power of two
                 cache = torch.randn(layers, 2, slots, hkv, slot_len, d).to(dtype)
@@ -38,7 +40,7 @@ def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv():
                 want = cache.clone()
                 for r in range(b):
                     want[1, 0, r, :, pos[r]], want[1, 1, r, :, pos[r]] = k[r, :, 0], v[r, :, 0]
-                out = decode_attention(cache, 1, pos, q, k, v)
+                out = attend(cache, 1, pos, q, k, v, config=config)
                 assert torch.equal(cache, want), "only (layer 1, row r, position pos[r]) may change"
                 for r in range(b):
                     kk, vv = (want[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
@@ -66,3 +68,50 @@ def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs():
         print("ok")
     """)
     assert "ok" in out
+
+
+def test_prefill_write_kernel_equals_the_indexed_copy():
+    run_interpreted("""
+        import torch
+        from rollout.triton_attention import write_prefill
+        torch.manual_seed(0)
+        cache = torch.randn(2, 2, 7, 3, 80, 16)
+        want = cache.clone()
+        qkv = torch.randn(4, 3 * 3, 70, 16)  # k and v as strided views of one tensor, like the fused QKV
+        k, v = qkv[:, 3:6], qkv[:, 6:]
+        slots, rows = torch.tensor([5, 0, 2, 6]), torch.tensor([1, 1, 3, 0])  # n samples share a row
+        want[1, 0, slots, :, :70], want[1, 1, slots, :, :70] = k[rows], v[rows]
+        write_prefill(cache, 1, slots, rows, k, v)
+        assert torch.equal(cache, want)
+        print("ok")
+    """)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, dict(BLOCK_N=64, DOT=True, num_warps=4, num_stages=3),
+                                    dict(BLOCK_N=32, DOT=False, num_warps=4, num_stages=1)],
+                         ids=["autotuned", "tensor-cores", "cuda-cores"])
+def test_compiled_kernels_on_cuda_equal_sdpa(config):
+    import torch
+    import torch.nn.functional as F
+
+    from rollout.triton_attention import attend, write_prefill
+
+    torch.manual_seed(0)
+    b, hkv, g, d, slot_len = 37, 8, 2, 128, 300
+    cache = torch.randn(2, 2, b + 1, hkv, slot_len + 1, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.randint(0, slot_len, (b,), device="cuda")
+    out = attend(cache, 1, pos, q, k, v, config=config).float()
+    for r in range(b):
+        assert torch.equal(cache[1, 0, r, :, pos[r]], k[r, :, 0]) and torch.equal(cache[1, 1, r, :, pos[r]], v[r, :, 0])
+        kk, vv = (cache[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
+        ref = F.scaled_dot_product_attention(q[r: r + 1].float(), kk, vv, enable_gqa=True)
+        assert (out[r: r + 1] - ref).abs().max().item() < 2e-2
+    kp, vp = (torch.randn(5, hkv, 130, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots, rows = torch.tensor([3, 9, 0], device="cuda"), torch.tensor([4, 4, 1], device="cuda")
+    want = cache.clone()
+    want[0, 0, slots, :, :130], want[0, 1, slots, :, :130] = kp[rows], vp[rows]
+    write_prefill(cache, 0, slots, rows, kp, vp)
+    assert torch.equal(cache, want)
