@@ -4,7 +4,7 @@
 
 One layer of the engine's cache layout (B rows, 8 KV heads, 16 query heads, head dim 128), every row
 at the same position L (the new token's K/V is written there, positions [0, L] are attended). Each
-config (tensor-core or CUDA-core path, BLOCK_N, warps, stages) is timed inside a CUDA graph; bytes =
+config (BLOCK_N, warps, stages) is timed inside a CUDA graph; bytes =
 the K/V read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best
 config per shape is checked against SDPA. The last stdout line is one JSON object.
 """
@@ -22,11 +22,8 @@ from bench.generate import HBM_BYTES_PER_S
 
 
 def configs() -> list[dict]:
-    dot = [dict(BLOCK_N=n, DOT=True, num_warps=w, num_stages=s)
-           for n, (w, s) in itertools.product((32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
-    fma = [dict(BLOCK_N=n, DOT=False, num_warps=w, num_stages=s)
-           for n, (w, s) in itertools.product((16, 32, 64), ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1)))]
-    return dot + fma
+    return [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+            for n, (w, s) in itertools.product((32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -36,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="32,64,256")
-    ap.add_argument("--contexts", default="256,384")
+    ap.add_argument("--contexts", default="160,256,384")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -54,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         timed = []
         for cfg in [None, *configs()]:
             try:
-                fn = (lambda: decode_attention(cache, 0, pos, q, k, v)) if cfg is None else \
-                    (lambda cfg=cfg: attend(cache, 0, pos, q, k, v, config=cfg))
+                fn = (lambda: decode_attention(cache, 0, pos, q, k, v, ctx + 1)) if cfg is None else \
+                    (lambda cfg=cfg: attend(cache, 0, pos, q, k, v, ctx + 1, config=cfg))
                 fn()  # compile / autotune outside the graph
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench_cudagraph(fn, rep=50)
@@ -67,17 +64,13 @@ def main(argv: list[str] | None = None) -> dict:
                           "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)})
         ok = [t for t in timed if "us" in t]
         best = min((t for t in ok if t["config"] != "autotuned"), key=lambda t: t["us"])
-        out = attend(cache, 0, pos, q, k, v, config=best["config"]).float()
+        out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"]).float()
         kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
         ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
         auto = next((t for t in ok if t["config"] == "autotuned"), None)
         rows.append({"batch": b, "context": ctx, "bytes_mb": round(nbytes / 1e6, 2), "best": best,
                      "autotuned": auto, "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
-                     "top5": sorted(ok, key=lambda t: t["us"])[:5],
-                     "best_tensor_core": min((t for t in ok if t["config"] != "autotuned" and t["config"]["DOT"]),
-                                             key=lambda t: t["us"], default=None),
-                     "best_cuda_core": min((t for t in ok if t["config"] != "autotuned" and not t["config"]["DOT"]),
-                                           key=lambda t: t["us"], default=None)})
+                     "top5": sorted(ok, key=lambda t: t["us"])[:5]})
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; autotuned "
               f"{auto and auto['us']} us", flush=True)

@@ -132,7 +132,7 @@ def profile_decode(engine, prompts, *, new_tokens: int, top: int = 25) -> dict:
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
-    """One native-engine variant: '<kernel>[+compile][+eager]' (eager = no CUDA graphs)."""
+    """One native-engine variant: '<kernel>[+compile][+eager][+lt]' (eager = no CUDA graphs, lt = cuBLASLt)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
     config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
@@ -140,7 +140,16 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                            enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
                            compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,
                            kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
-    engine = NativeEngine.from_model(model, config=config)
+    if "lt" in parts:  # every GEMM through cuBLASLt's heuristic instead of cuBLAS's (the A/B of a setting)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        engine = NativeEngine.from_model(model, config=config)
+        _run_native_batches(args, engine, name, model, cfg, batches, gen, record, checks, device, variant)
+    finally:
+        torch.backends.cuda.preferred_blas_library("default")
+
+
+def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, checks, device, variant) -> None:
     for batch in batches:
         prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
         params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -159,7 +168,7 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                 "decode_s": round(st["decode_s"], 4), "decode_steps": st["decode_steps"],
                 "graphs": len(engine.runner.graphs), "decode_only_tokens_per_s": round(decode_tps, 1),
                 "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
-                "kv_slots": engine.runner.num_slots,
+                "kv_slots": engine.runner.num_slots, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "compile_error": getattr(engine.runner._decode, "error", None),
                 "prefill_compile_error": getattr(engine.runner._prefill, "error", None),
                 "graph_error": engine.runner.graph_error,
@@ -220,9 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--hf-cache", default="dynamic,static", help="HF cache implementations to run")
     ap.add_argument("--native-variants", default="auto,auto+compile",
-                    help="comma list of <auto|sdpa|sdpa-efficient|sdpa-cudnn|bmm>[+compile][+eager] (decode "
+                    help="comma list of <auto|triton|sdpa|sdpa-efficient|sdpa-cudnn|bmm>[+compile][+eager][+lt] (decode "
                          "attention kernel; auto times them per graph shape), e.g. auto,bmm,sdpa+compile")
-    ap.add_argument("--prefill-tokens", type=int, default=16384, help="native max_num_batched_tokens")
+    ap.add_argument("--prefill-tokens", type=int, default=32768,
+                    help="native max_num_batched_tokens (32768: the 256 x 128 prompts in one prefill)")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.5)
     ap.add_argument("--no-check", action="store_true", help="skip the log-prob check against the trainer")

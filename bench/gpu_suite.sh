@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests attn train gen reshard grpo ppo placement
-# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS,
+# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP, T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
@@ -31,11 +31,11 @@ PY
 for p in "${parts[@]}"; do
   case $p in
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
-    tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests ;;
+    tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 ${TESTS:-tests} ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
     train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
-           --engine both --batches 32,64,256 --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
+           --engine "${GEN_ENGINE:-both}" --batches 32,64,256 --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
     reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
     grpo) run "grpo_a${GRPO_TAG:-}" "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \

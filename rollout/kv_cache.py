@@ -132,7 +132,7 @@ class DecodeAttention:
         if self.mode == "triton":
             from rollout.triton_attention import decode_attention
 
-            return decode_attention(self.cache, layer_idx, self.positions, q, k, v)
+            return decode_attention(self.cache, layer_idx, self.positions, q, k, v, self.kv_len)
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

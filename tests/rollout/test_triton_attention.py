@@ -22,14 +22,14 @@ def run_interpreted(code: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
-def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv(dot):
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv(block_n):
     run_interpreted(f"""
         import torch, torch.nn.functional as F
         from rollout.triton_attention import attend
         torch.manual_seed(0)
         layers, slots, hkv, slot_len, d = 3, 6, 2, 150, 16
-        config = dict(BLOCK_N=64 if {dot} else 16, DOT={dot}, num_warps=4, num_stages=2)
+        config = dict(BLOCK_N={block_n}, num_warps=4, num_stages=2)
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             for g in (1, 2, 3):  # MHA, GQA, a group that is not a power of two
                 cache = torch.randn(layers, 2, slots, hkv, slot_len, d).to(dtype)
@@ -88,9 +88,8 @@ def test_prefill_write_kernel_equals_the_indexed_copy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, dict(BLOCK_N=64, DOT=True, num_warps=4, num_stages=3),
-                                    dict(BLOCK_N=32, DOT=False, num_warps=4, num_stages=1)],
-                         ids=["autotuned", "tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("config", [None, dict(BLOCK_N=32, num_warps=4, num_stages=3),
+                                    dict(BLOCK_N=128, num_warps=8, num_stages=2)], ids=["autotuned", "n32", "n128"])
 def test_compiled_kernels_on_cuda_equal_sdpa(config):
     import torch
     import torch.nn.functional as F
@@ -103,7 +102,7 @@ def test_compiled_kernels_on_cuda_equal_sdpa(config):
     q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     pos = torch.randint(0, slot_len, (b,), device="cuda")
-    out = attend(cache, 1, pos, q, k, v, config=config).float()
+    out = attend(cache, 1, pos, q, k, v, slot_len, config=config).float()
     for r in range(b):
         assert torch.equal(cache[1, 0, r, :, pos[r]], k[r, :, 0]) and torch.equal(cache[1, 1, r, :, pos[r]], v[r, :, 0])
         kk, vv = (cache[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
