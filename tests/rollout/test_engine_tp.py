@@ -60,3 +60,36 @@ def test_tp2_equals_tp1():
         for c, (tokens, logprobs) in zip(ref, tp2):
             assert tokens == c.token_ids, variant
             assert max(abs(a - b) for a, b in zip(logprobs, c.logprobs)) <= 1e-5, variant
+
+
+def _tp_nccl_body(rank, world_size, compile_):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    group = dist.new_group(backend="nccl")  # the world is gloo; decoding runs over NCCL on the GPUs
+    model = _model("llama")
+    config = _config()
+    config.compile = compile_
+    engine = NativeEngine(model.config, config=config, tp_group=group, device=f"cuda:{rank}")
+    engine.update_weights((n, t[tp_slices(n, tuple(t.shape), rank=rank, world=world_size)])
+                          for n, t in model.state_dict().items())
+    outs = [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, PARAMS)]
+    runner = engine.runner
+    return outs, len(runner.graphs), runner.graph_error, getattr(runner._decode, "error", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("compile_", [False, True], ids=["graphs", "graphs+compile"])
+def test_tp2_over_nccl_with_cuda_graphs_equals_tp1(compile_):
+    """The GPU path of TP decoding: all-reduce / all-gather on NCCL inside captured CUDA graphs."""
+    from tests.dist_utils import run_world
+
+    results = run_world(_tp_nccl_body, 2, args=(compile_,), timeout=600)
+    (outs, graphs, graph_error, compile_error), other = results[0], results[1]
+    assert outs == other[0], "TP ranks disagree"
+    assert graphs > 0 and graph_error is None and compile_error is None, (graphs, graph_error, compile_error)
+    ref = NativeEngine.from_model(_model("llama").cuda(), config=_config()).generate(PROMPTS, PARAMS)
+    for c, (tokens, logprobs) in zip(ref, outs):
+        assert tokens == c.token_ids
+        assert max(abs(a - b) for a, b in zip(logprobs, c.logprobs)) <= 1e-4
