@@ -16,17 +16,18 @@ from pathlib import Path
 
 COMMANDS = {
     "env": "python -m bench.env_check",
-    "tests": "python -m pytest -q -m gpu tests",
+    "tests": "python -m pytest -q -m gpu $TESTS",
+    "decode_attention": "python -m bench.decode_attention --batches 32,64,256 --contexts 256,384",
     "train_step": "python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep",
-    "generate": "python -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 --engine both "
+    "generate": "python -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 --engine $GEN_ENGINE "
                 "--batches 32,64,256 --hf-cache dynamic --native-variants $GEN_VARIANTS",
     "reshard": "torchrun --nproc_per_node 2 -m bench.reshard --model llama-1b --train-tp 2 --gen-tp 1 --verify "
                "--device cuda",
     "grpo_a": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 3 --modes $GRPO_MODES "
               "$EXTRA",
     "ppo_1gpu": "python -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 $EXTRA",
-    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup 1 --modes <mode> "
-                   "$EXTRA",
+    "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup $PLACEMENT_WARMUP "
+                   "--modes <mode> $EXTRA",
 }
 
 

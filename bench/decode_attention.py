@@ -12,8 +12,9 @@ config per shape is checked against SDPA. The last stdout line is one JSON objec
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import itertools
+import json
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
         timed = []
         for cfg in [None, *configs()]:
             try:
-                fn = (lambda: decode_attention(cache, 0, pos, q, k, v, ctx + 1)) if cfg is None else \
-                    (lambda cfg=cfg: attend(cache, 0, pos, q, k, v, ctx + 1, config=cfg))
+                fn = functools.partial(decode_attention, cache, 0, pos, q, k, v, ctx + 1) if cfg is None else \
+                    functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, config=cfg)
                 fn()  # compile / autotune outside the graph
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench_cudagraph(fn, rep=50)

@@ -9,7 +9,7 @@ Random-init weights, random prompts, ignore_eos (fixed lengths), temperature 1 s
 of one decode step is (bytes of all weights read + KV bytes of every active context) / 4.3 TB/s,
 summed over the decode steps; `roofline_fraction` = measured new tokens/s over roofline tokens/s
 (the measured time includes prefill). The embedding table is not counted as read (a decode step
-gathers B of its rows); `roofline_fraction_all_weights` counts it, as issue 4 does (~2% higher).
+gathers B of its rows); `roofline_fraction_all_weights` counts it, as issue 4 does (2-5% higher).
 Native engines report the median of --repeats timed runs. The last stdout line is one JSON object;
 after each engine variant a partial one ("partial": true) goes to stderr, so a timeout still leaves
 the finished part.
@@ -175,7 +175,8 @@ def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, ch
                 "decode_s": round(st["decode_s"], 4), "decode_steps": st["decode_steps"],
                 "graphs": len(engine.runner.graphs), "decode_only_tokens_per_s": round(decode_tps, 1),
                 "decode_only_roofline_fraction": round(decode_tps / roof_decode_tps, 4),
-                "repeats_wall_s": [round(r[1], 4) for r in runs], "kv_slots": engine.runner.num_slots, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "repeats_wall_s": [round(r[1], 4) for r in runs], "kv_slots": engine.runner.num_slots,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "compile_error": getattr(engine.runner._decode, "error", None),
                 "prefill_compile_error": getattr(engine.runner._prefill, "error", None),
                 "graph_error": engine.runner.graph_error,
@@ -236,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--hf-cache", default="dynamic,static", help="HF cache implementations to run")
     ap.add_argument("--native-variants", default="auto,auto+compile",
-                    help="comma list of <auto|triton|sdpa|sdpa-efficient|sdpa-cudnn|bmm>[+compile][+eager][+lt] (decode "
-                         "attention kernel; auto times them per graph shape), e.g. auto,bmm,sdpa+compile")
+                    help="comma list of <auto|triton|sdpa|sdpa-efficient|sdpa-cudnn|bmm>[+compile][+eager][+lt] "
+                         "(decode attention kernel; auto times them per graph shape), e.g. auto,bmm,sdpa+compile")
     ap.add_argument("--prefill-tokens", type=int, default=32768,
                     help="native max_num_batched_tokens (32768: the 256 x 128 prompts in one prefill)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per native engine and batch (median kept)")

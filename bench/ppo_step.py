@@ -55,6 +55,8 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            "tokens_per_s_per_gpu": (mean.get("perf/tokens_per_s") or 0) / nproc,
            "mfu_actor": mean.get("perf/mfu/actor"), "useful_util": mean.get("perf/useful_util"),
            "nvml_util": mean.get("gpu/util_mean"), "peak_mem_gb": mean.get("mem/peak_gb"),
+           "nvml_util_per_gpu": [v for k, v in sorted(mean.items(), key=lambda kv: _gpu_index(kv[0]))
+                                 if _gpu_index(k) >= 0],
            "step_s": mean.get("timing_s/step"), "reward_mean": mean.get("reward/mean"),
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
@@ -62,6 +64,13 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
            "run_dir": str(run_dir), "warnings": _warnings(run_dir)}
     return out
+
+
+def _gpu_index(key: str) -> int:
+    """The GPU index of a per-GPU monitor key "gpu/<index>/util_mean", else -1."""
+    parts = key.split("/")
+    per_gpu = len(parts) == 3 and parts[0] == "gpu" and parts[1].isdigit() and parts[2] == "util_mean"
+    return int(parts[1]) if per_gpu else -1
 
 
 def _warnings(run_dir: Path, limit: int = 12) -> list[str]:

@@ -218,9 +218,10 @@ class GpuMonitor:
                 if r["power_w"] is not None:
                     self._power_sum += r["power_w"]
                     self._power_n += 1
-                s = self._stage_util.setdefault(r["stage"], [0.0, 0])
-                s[0] += r["sm_util"]
-                s[1] += 1
+                for acc, key in ((self._stage_util, r["stage"]), (self._gpu_util, r["gpu"])):
+                    s = acc.setdefault(key, [0.0, 0])
+                    s[0] += r["sm_util"]
+                    s[1] += 1
         return records
 
     def flush(self) -> None:
@@ -245,13 +246,15 @@ class GpuMonitor:
         self._power_sum = 0.0
         self._power_n = 0
         self._stage_util: dict[str, list] = {}
+        self._gpu_util: dict[int, list] = {}
 
     def step_summary(self) -> dict[str, float]:
         """Aggregates over the samples since the previous call (one PPO step).
 
         Keys: gpu/util_mean (fraction 0..1, mean over samples and GPUs), gpu/util_mean/<stage>,
-        mem/peak_gb and mem/peak_frac (max used over GPUs, as NVML sees it: includes the caching
-        allocator's reserve), power/mean_w. {} when off or no sample was taken since the last call.
+        gpu/<index>/util_mean (one GPU: in split placement the pools idle differently), mem/peak_gb
+        and mem/peak_frac (max used over GPUs, as NVML sees it: includes the caching allocator's
+        reserve), power/mean_w. {} when off or no sample was taken since the last call.
         """
         if not self.enabled:
             return {}
@@ -264,6 +267,8 @@ class GpuMonitor:
                 out["power/mean_w"] = self._power_sum / self._power_n
             for name, (s, n) in sorted(self._stage_util.items()):
                 out[f"gpu/util_mean/{name}"] = s / n / 100.0
+            for idx, (s, n) in sorted(self._gpu_util.items()):
+                out[f"gpu/{idx}/util_mean"] = s / n / 100.0
             self._reset_summary()
         return out
 

@@ -143,12 +143,12 @@ def _launch(args: tuple, *, rows: int, kv_len: int, g: int, d: int, ieee: bool, 
     """Autotuned launch on a GPU, or one fixed `config` (BLOCK_N, num_warps, num_stages): the CPU
     interpreter has nothing to time, and bench/decode_attention.py sweeps configs itself."""
     consts = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee)
-    grid = args[0]
+    grid, buckets = args[0], (triton.next_power_of_2(rows), triton.next_power_of_2(kv_len))
     if interpret or config is not None:
         config = config or dict(BLOCK_N=64, num_warps=4, num_stages=2)
-        _decode_kernel[grid](*args[1:], triton.next_power_of_2(rows), triton.next_power_of_2(kv_len), **consts, **config)
+        _decode_kernel[grid](*args[1:], *buckets, **consts, **config)
     else:
-        _TUNED[grid](*args[1:], triton.next_power_of_2(rows), triton.next_power_of_2(kv_len), **consts)
+        _TUNED[grid](*args[1:], *buckets, **consts)
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -74,10 +74,12 @@ def test_replayed_trace_tags_stages_and_summarises(tmp_path):
 
     assert s1["gpu/util_mean"] == pytest.approx((35 + 40 + 30 + 45) / 4 / 100)
     assert s1["gpu/util_mean/gen"] == pytest.approx(s1["gpu/util_mean"])
+    assert (s1["gpu/0/util_mean"], s1["gpu/1/util_mean"]) == (pytest.approx(0.375), pytest.approx(0.375))
     assert s1["mem/peak_gb"] == pytest.approx(42.0)
     assert s1["mem/peak_frac"] == pytest.approx(42.0 / TOTAL_GB)
     assert s1["power/mean_w"] == pytest.approx(500.5)
     assert s2["gpu/util_mean"] == pytest.approx((95 + 90 + 85 + 80) / 4 / 100)
+    assert (s2["gpu/0/util_mean"], s2["gpu/1/util_mean"]) == (pytest.approx(0.925), pytest.approx(0.825))
     assert s2["mem/peak_gb"] == pytest.approx(71.5)
     assert "gpu/util_mean/gen" not in s2  # the summary window restarted
 
