@@ -27,6 +27,9 @@ from models.config import ModelConfig
 
 
 class AttentionBackend(Protocol):
+    """attn(layer_idx, q, k, v) -> out over [B, H, T, D]. A backend whose `applies_rope` attribute is true
+    (the engine's Triton decode kernel) takes q and k before RoPE and rotates them itself."""
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -295,7 +298,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not getattr(attn, "applies_rope", False):
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -115,10 +115,14 @@ class DecodeAttention:
     recompile per bucket). Each layer then only indexes views of the cache: no KV copy.
     """
 
-    def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa"):
+    def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa",
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.cache, self.positions, self.mode = cache, positions, mode
         self.kv_len = kv_index.shape[0]
         self.mask = None
+        # (cos, sin) [B, D] at each row's position: the Triton kernel rotates q and the new k itself, and
+        # the caller (the engine's FusedQKVAttention) passes them un-rotated when `applies_rope`
+        self.rope = rope if mode == "triton" else None
         if mode == "triton":  # bounds come from `positions` inside the kernel: no mask, no bucket
             return
         valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
@@ -128,11 +132,16 @@ class DecodeAttention:
         zeros = torch.zeros(valid.shape, dtype=dtype, device=positions.device)
         self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
+    @property
+    def applies_rope(self) -> bool:
+        return self.rope is not None
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.mode == "triton":
             from rollout.triton_attention import decode_attention
 
-            return decode_attention(self.cache, layer_idx, self.positions, q, k, v, self.kv_len)
+            return decode_attention(self.cache, layer_idx, self.positions, q, k, v, self.kv_len,
+                                    *(self.rope or (None, None)))
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

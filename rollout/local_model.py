@@ -62,8 +62,11 @@ class FusedQKVAttention(Attention):
         b, t, _ = x.shape
         nq, nk, _ = self.qkv_split
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels)
-        qk = apply_rotary(qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+        # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels), or
+        # none here when the attention kernel rotates them itself (the Triton decode kernel)
+        qk = qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2)
+        if not getattr(attn, "applies_rope", False):
+            qk = apply_rotary(qk, cos, sin)
         hq = nq // self.head_dim
         v = qkv[..., nq + nk:].view(b, t, -1, self.head_dim).transpose(1, 2)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v)

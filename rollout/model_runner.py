@@ -19,6 +19,7 @@ import torch._dynamo
 import torch.distributed as dist
 
 from models.config import ModelConfig
+from models.llama import rotary_cos_sin
 from rollout import triton_sampling
 from rollout.base import RolloutConfig
 from rollout.kv_cache import (
@@ -275,7 +276,11 @@ class ModelRunner:
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
         Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
-        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel)
+        rope = None
+        if self._kernel == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
+            cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
+            rope = (cos[:, 0, 0], sin[:, 0, 0])
+        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel, rope=rope)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:

@@ -51,13 +51,17 @@ def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv(block_
     """)
 
 
-def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs():
-    out = run_interpreted("""
+@pytest.mark.parametrize("compiled,fused", [(False, True), (True, True), (False, False)],
+                         ids=["eager", "compiled", "unfused-projections"])
+def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs(compiled, fused):
+    # the engine passes q/k un-rotated and the kernel applies RoPE; compiled: through Dynamo/Inductor too
+    out = run_interpreted(f"""
         import torch
         from rollout import NativeEngine, SamplingParams
         from tests.rollout.test_engine import PROMPTS, config, naive_greedy, peaked_model, trainer_logprobs
         model = peaked_model()
-        engine = NativeEngine.from_model(model, config=config(decode_attention="triton"))
+        engine = NativeEngine.from_model(model, config=config(decode_attention="triton", compile={compiled},
+                                                               fuse_projections={fused}))
         greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outs = engine.generate(PROMPTS[:3], greedy)
         assert [c.token_ids for c in outs] == [naive_greedy(model, q, 8) for q in PROMPTS[:3]]
@@ -65,6 +69,7 @@ def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs():
         for c in engine.generate(PROMPTS[:2], sampled):
             ref = trainer_logprobs(model, c.prompt_ids, c.token_ids, 1.0)
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-5
+        assert getattr(engine.runner._decode, "error", None) is None
         print("ok")
     """)
     assert "ok" in out
@@ -108,9 +113,48 @@ def test_compiled_kernels_on_cuda_equal_sdpa(config):
         kk, vv = (cache[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
         ref = F.scaled_dot_product_attention(q[r: r + 1].float(), kk, vv, enable_gqa=True)
         assert (out[r: r + 1] - ref).abs().max().item() < 2e-2
+    # RoPE inside the kernel at long-context positions equals the model's rotation outside it
+    from models.llama import apply_rotary, rotary_cos_sin
+
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    big = torch.randint(0, 32768, (b,), device="cuda")
+    cos, sin = rotary_cos_sin(inv_freq, big[:, None], torch.bfloat16)
+    ref_cache, cache2 = cache.clone(), cache.clone()
+    small = torch.randint(0, slot_len, (b,), device="cuda")  # attend a short history, rotate as at `big`
+    want = attend(ref_cache, 0, small, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, slot_len,
+                  config=config).float()
+    got = attend(cache2, 0, small, q, k, v, slot_len, cos[:, 0, 0], sin[:, 0, 0], config=config).float()
+    assert (got - want).abs().max().item() < 2e-2
+    # the rotated k: fp32 math rounded once vs three bf16 roundings outside, so within one bf16 ulp
+    assert torch.allclose(cache2.float(), ref_cache.float(), rtol=1e-2, atol=1e-2)
     kp, vp = (torch.randn(5, hkv, 130, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots, rows = torch.tensor([3, 9, 0], device="cuda"), torch.tensor([4, 4, 1], device="cuda")
     want = cache.clone()
     want[0, 0, slots, :, :130], want[0, 1, slots, :, :130] = kp[rows], vp[rows]
     write_prefill(cache, 0, slots, rows, kp, vp)
     assert torch.equal(cache, want)
+
+
+def test_kernel_applies_rope_to_q_and_the_new_k_like_the_model():
+    run_interpreted("""
+        import torch, torch.nn.functional as F
+        from models.llama import apply_rotary, rotary_cos_sin
+        from rollout.triton_attention import attend
+        torch.manual_seed(0)
+        layers, slots, hkv, g, slot_len, d = 2, 5, 2, 2, 90, 16
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            cache = torch.randn(layers, 2, slots, hkv, slot_len, d).to(dtype)
+            b = 4
+            q = torch.randn(b, hkv * g, 1, d).to(dtype)
+            k, v = (torch.randn(b, hkv, 1, d).to(dtype) for _ in range(2))
+            pos = torch.tensor([0, 7, 64, 89])
+            cos, sin = rotary_cos_sin(inv_freq, pos[:, None], dtype)  # [B, 1, 1, D]
+            qr, kr = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            want = cache.clone()
+            out_ref = attend(want, 1, pos, qr, kr, v, slot_len)  # rotated outside: the reference
+            out = attend(cache, 1, pos, q, k, v, slot_len, cos[:, 0, 0], sin[:, 0, 0])
+            assert torch.allclose(cache.float(), want.float(), rtol=tol, atol=tol), "the cache holds the rotated k"
+            assert (out.float() - out_ref.float()).abs().max().item() <= tol, dtype
+        print("ok")
+    """)
