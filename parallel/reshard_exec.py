@@ -343,6 +343,20 @@ def _run_p2p(plan, me, shards, out, tboxes, gboxes, *, groups, bucket_bytes, dty
     _finish(pending, stats)
 
 
+
+def _bucket_views(by_peer: list[list[_Op]], flat: torch.Tensor, tensors: dict, names: dict,
+                  boxes: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ops' boxes laid out back to back in `flat` (peer by peer, as all_to_all_single splits it),
+    and the same boxes as slices of their tensors (`boxes` gives each tensor's origin)."""
+    flat_views, tensor_views, off = [], [], 0
+    for lst in by_peer:
+        for op in lst:
+            n = box_numel(op.box)
+            flat_views.append(flat[off:off + n].view(tuple(b - a for a, b in op.box)))
+            tensor_views.append(tensors[names[op.param]][box_slices(op.box, origin=boxes[op.param])])
+            off += n
+    return flat_views, tensor_views
+
 def _run_alltoall(plan, me, shards, out, tboxes, gboxes, *, groups, bucket_bytes, dtype, device, stats) -> None:
     if not _group_is_active(plan, me):
         return
@@ -366,22 +380,10 @@ def _run_alltoall(plan, me, shards, out, tboxes, gboxes, *, groups, bucket_bytes
         outp = torch.empty(sum(out_splits), dtype=dtype, device=device)
         staged = (inp.numel() + outp.numel()) * item
         stats.alloc(staged)
-        dst_views, src_views, off = [], [], 0
-        for lst in send_by:
-            for op in lst:
-                n = box_numel(op.box)
-                dst_views.append(inp[off:off + n].view(tuple(b - a for a, b in op.box)))
-                src_views.append(shards[names[op.param]][box_slices(op.box, origin=tboxes[op.param])])
-                off += n
+        dst_views, src_views = _bucket_views(send_by, inp, shards, names, tboxes)
         if dst_views:
             torch._foreach_copy_(dst_views, src_views)  # pack (and cast) in one call
-        gen_views, recv_views, off = [], [], 0
-        for lst in recv_by:
-            for op in lst:
-                n = box_numel(op.box)
-                recv_views.append(outp[off:off + n].view(tuple(b - a for a, b in op.box)))
-                gen_views.append(out[names[op.param]][box_slices(op.box, origin=gboxes[op.param])])
-                off += n
+        recv_views, gen_views = _bucket_views(recv_by, outp, out, names, gboxes)
         stats.bytes_sent += inp.numel() * item
         stats.bytes_received += outp.numel() * item
         stats.buckets += 1
