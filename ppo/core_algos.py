@@ -249,14 +249,17 @@ def _metrics(keys: tuple[str, ...], stats: torch.Tensor, sync: bool) -> dict[str
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip_c: float | None = 3.0,
-                agg: str = "token-mean", denom: float | None = None,
+                agg: str = "token-mean", denom: float | None = None, max_len: int | None = None,
+                token_weights: torch.Tensor | None = None,
                 sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate (decoupled clip range, DAPO's clip-higher) with optional dual clip.
 
     logp, old_logp, advantages, mask: [B, T] -> (loss scalar, metrics). Dual clip (Ye et al. 2020)
     bounds the loss of negative-advantage tokens by -A * c, c > 1, so a token whose ratio exploded
-    cannot dominate. metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (k1 of old
-    vs new), ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
+    cannot dominate. token_weights [B, T] (no gradient; e.g. rollout-correction weights) scale each
+    token's clipped loss before aggregation; max_len is agg_loss's (seq-mean-token-sum-norm).
+    metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (k1 of old vs new),
+    ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
     (no device sync inside the micro-batch loop: accumulate them and call .item() once per step).
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -274,7 +277,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss3 = -adv * dual_clip_c
         lower = ((clipped > loss3) & (adv < 0)).float()
         pg = torch.where(adv < 0, torch.minimum(clipped, loss3), clipped)
-    loss = agg_loss(pg, m, agg, denom=denom)
+    if token_weights is not None:
+        pg = pg * token_weights.detach().float()
+    loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
     with torch.no_grad():
         big = torch.finfo(ratio.dtype).max
         lo = torch.where(m > 0, ratio, torch.full_like(ratio, big)).min()
