@@ -90,6 +90,14 @@ def agg_loss(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *, d
     raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
+def agg_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """This micro-batch's share of `agg_loss`'s global `denom`: its token count for token-mean, its
+    sequence count for the seq-mean modes. Sum it over micro-batches and DP ranks to get denom."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    return mask.float().sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]))
+
+
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", **kw: Any) -> torch.Tensor:
     """Alias of `agg_loss` for quantities that are not losses (entropy, KL)."""
     return agg_loss(x, mask, agg, **kw)

@@ -1,4 +1,7 @@
-"""GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per
+"""The policy-gradient term of the actor loss: which surrogate (PPO's token ratio or GSPO's sequence
+ratio) and the rollout-correction weights it is multiplied by.
+
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per
 sequence, the geometric mean of its token ratios, s_i = exp(mean_t(logp - old_logp)), clipped at
 the sequence level. Token ratios of a long response multiply noise; their geometric mean does not
 grow with length, and clipping decides per response, not per token.
@@ -6,16 +9,18 @@ grow with length, and clipping decides per response, not per token.
 Per-token form (the paper's GSPO-token): s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] has the value s_i
 and the gradient s_i * d log pi(y_t), so token-level advantages and every `agg_loss` mode still
 apply. Shapes: B sequences, T response tokens, mask [B, T]. Checked against a per-sequence loop in
-tests/ppo/test_gspo.py.
+tests/ppo/test_policy_losses.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ppo.core_algos import _metrics, agg_loss, masked_mean
+from ppo.core_algos import _metrics, agg_loss, masked_mean, policy_loss
+from ppo.rollout_correction import compute_rollout_correction
 
 POLICY_LOSSES = ("vanilla", "gspo")
 
@@ -71,4 +76,46 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
         ])
     metrics = _metrics(("clipfrac", "clipfrac_lower", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"), stats,
                        sync_metrics)
+    return loss, metrics
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossConfig:
+    """What the policy term needs: the surrogate, its clip ranges, the aggregation, the correction."""
+
+    kind: str = "vanilla"  # vanilla | gspo
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = 3.0
+    agg: str = "token-mean"
+    max_len: int | None = None  # seq-mean-token-sum-norm's constant (rollout.max_response_length)
+    rollout_correction: str = "none"  # none | tis | seq_mask | tis+seq_mask
+    rollout_is_cap: float = 2.0
+    rollout_mask_threshold: float = 1.01
+
+
+def compute_policy_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, *, cfg: PolicyLossConfig, rollout_logp: torch.Tensor | None = None,
+                             denom: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+    """Policy-gradient loss of one micro-batch. All tensors [B, T] -> (loss, metrics).
+
+    old_logp: the trainer's log-probs under the weights that generated the batch (logp.detach()
+    when the update's own forward serves as the old log-probs). rollout_logp: the engine's
+    behaviour log-probs; with them, the mismatch metrics come back as `rollout_corr/<key>` and
+    the correction weights (cfg.rollout_correction) multiply the per-token loss.
+    """
+    if cfg.kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {cfg.kind!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    weights, metrics = None, {}
+    if rollout_logp is not None:
+        w, rc = compute_rollout_correction(old_logp, rollout_logp, mask, mode=cfg.rollout_correction,
+                                           is_cap=cfg.rollout_is_cap, seq_mask_threshold=cfg.rollout_mask_threshold,
+                                           sync_metrics=sync_metrics)
+        weights = None if cfg.rollout_correction == "none" else w
+        metrics.update({f"rollout_corr/{k}": v for k, v in rc.items()})
+    fn = gspo_policy_loss if cfg.kind == "gspo" else policy_loss
+    loss, m = fn(logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                 dual_clip_c=cfg.dual_clip_c, agg=cfg.agg, denom=denom, max_len=cfg.max_len, token_weights=weights,
+                 sync_metrics=sync_metrics)
+    metrics.update(m)
     return loss, metrics

@@ -1,4 +1,5 @@
-"""ppo/gspo.py against a per-sequence loop (values over Python floats, gradients through autograd)."""
+"""ppo/policy_losses.py: GSPO against a per-sequence loop (values over Python floats, gradients
+through autograd); the policy objective composes the chosen loss with the rollout correction."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch
 
-from ppo.gspo import gspo_policy_loss
+from ppo import core_algos as ca
+from ppo.policy_losses import PolicyLossConfig, compute_policy_objective, gspo_policy_loss
+from ppo.rollout_correction import compute_rollout_correction
 
 
 def _batch(seed=0, b=6, t=8):
@@ -95,3 +98,39 @@ def test_gspo_micro_batches_sum_to_full_batch():
     parts = [gspo_policy_loss(lp[s, :w], old[s, :w], adv[s, :w], mask[s, :w], agg="seq-mean-token-sum-norm",
                               denom=6, max_len=8)[0] for s, w in ((slice(0, 2), 8), (slice(2, 6), 7))]
     torch.testing.assert_close(sum(parts), full)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gspo"])
+@pytest.mark.parametrize("correction", ["none", "tis", "tis+seq_mask"])
+def test_policy_objective_composes_loss_and_correction(kind, correction):
+    lp, old, adv, mask = _batch(seed=5)
+    rollout = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(6)) * 0.4
+    cfg = PolicyLossConfig(kind=kind, clip_low=0.1, clip_high=0.2, dual_clip_c=3.0, agg="token-mean",
+                           rollout_correction=correction, rollout_is_cap=1.5, rollout_mask_threshold=1.1)
+    x = lp.clone().requires_grad_()
+    loss, met = compute_policy_objective(x, old, adv, mask, cfg=cfg, rollout_logp=rollout)
+    w, rc = compute_rollout_correction(old, rollout, mask, mode=correction, is_cap=1.5, seq_mask_threshold=1.1)
+    fn = gspo_policy_loss if kind == "gspo" else ca.policy_loss
+    want, want_m = fn(lp, old, adv, mask, clip_low=0.1, clip_high=0.2, dual_clip_c=3.0, agg="token-mean",
+                      token_weights=None if correction == "none" else w)
+    torch.testing.assert_close(loss, want)
+    assert met == {**{f"rollout_corr/{k}": v for k, v in rc.items()}, **want_m}
+    if correction != "none":  # the weights changed the loss
+        plain, _ = fn(lp, old, adv, mask, clip_low=0.1, clip_high=0.2, dual_clip_c=3.0, agg="token-mean")
+        assert abs(plain.item() - loss.item()) > 1e-4
+    # without behaviour log-probs: no correction and no rollout_corr metrics
+    bare, met2 = compute_policy_objective(lp, old, adv, mask, cfg=cfg)
+    assert not any(k.startswith("rollout_corr/") for k in met2)
+    with pytest.raises(ValueError, match="gspo"):
+        compute_policy_objective(lp, old, adv, mask, cfg=PolicyLossConfig(kind="ppo"))
+
+
+@pytest.mark.parametrize("mode", ca.AGG_MODES)
+def test_agg_count_makes_micro_batch_losses_sum_to_the_full_batch(mode):
+    lp, old, adv, mask = _batch(seed=7)
+    cfg = PolicyLossConfig(agg=mode, max_len=8)
+    full, _ = compute_policy_objective(lp, old, adv, mask, cfg=cfg)
+    parts = [slice(0, 1), slice(1, 4), slice(4, 6)]
+    denom = float(sum(ca.agg_count(mask[s], mode) for s in parts))
+    total = sum(compute_policy_objective(lp[s], old[s], adv[s], mask[s], cfg=cfg, denom=denom)[0] for s in parts)
+    torch.testing.assert_close(total, full)
