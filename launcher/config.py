@@ -473,10 +473,9 @@ def _validate_algorithm_variants(cfg: Config) -> None:
 
 def resolved_rollout_correction(cfg: Config) -> str:
     """algorithm.rollout_correction with `auto` resolved: tis on-policy, none with async rollout."""
-    mode = cfg.algorithm.rollout_correction
-    if mode == "auto":
-        return "none" if cfg.trainer.async_rollout else "tis"
-    return mode
+    from ppo.rollout_correction import resolve_mode
+
+    return resolve_mode(cfg.algorithm.rollout_correction, async_rollout=cfg.trainer.async_rollout)
 
 
 def uses_critic(cfg: Config) -> bool:

@@ -14,6 +14,8 @@ from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
+from ppo.policy_losses import PolicyLossConfig, compute_policy_objective
+from ppo.rollout_correction import resolve_mode
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype
 
 
@@ -122,32 +124,45 @@ class Roles:
 
         return RolloutConfig().max_num_batched_tokens
 
+    def policy_loss_config(self) -> PolicyLossConfig:
+        a, alg = self.cfg.actor, self.cfg.algorithm
+        # seq-mean-token-sum-norm divides by one constant length for every micro-batch (Dr. GRPO)
+        return PolicyLossConfig(kind=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                                dual_clip_c=a.dual_clip_c, agg=a.loss_agg, max_len=self.cfg.rollout.max_response_length,
+                                rollout_correction=resolve_mode(alg.rollout_correction,
+                                                                async_rollout=self.cfg.trainer.async_rollout),
+                                rollout_is_cap=alg.rollout_is_cap, rollout_mask_threshold=alg.rollout_mask_threshold)
+
     def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         a = self.cfg.actor
+        pcfg = self.policy_loss_config()
         fused = "old_logp" not in tensors  # the old log-probs are this forward's, detached (ratio == 1)
-        keys = ["advantages", "mask"] + ([] if fused else ["old_logp"]) + (["ref_logp"] if a.use_kl_loss else [])
+        keys = (["advantages", "mask"] + ([] if fused else ["old_logp"]) + (["ref_logp"] if a.use_kl_loss else [])
+                + (["rollout_logp"] if "rollout_logp" in tensors else []))
 
         def loss_fn(logp, entropy, t, denom):
             old = logp.detach() if fused else t["old_logp"]
-            loss, m = algos.policy_loss(logp, old, t["advantages"], t["mask"], clip_low=a.clip_low,
-                                        clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
-                                        denom=denom)
+            loss, m = compute_policy_objective(logp, old, t["advantages"], t["mask"], cfg=pcfg,
+                                               rollout_logp=t.get("rollout_logp"), denom=denom)
             m["pg_loss"] = float(loss.detach())
             if entropy is not None:
-                ent = algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
+                ent = algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom, max_len=pcfg.max_len)
                 m["entropy"] = float(algos.masked_mean(entropy.detach(), t["mask"].float()))
                 if a.entropy_coef:
                     loss = loss - a.entropy_coef * ent
             if a.use_kl_loss:
                 kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
-                kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
+                kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom, max_len=pcfg.max_len)
                 loss = loss + a.kl_loss_coef * kl_loss
                 m["kl_loss"] = float(kl_loss.detach())
             return loss, m
 
         loss_fn.needs_entropy = bool(a.entropy_coef) or fused  # fused: the entropy metric comes from here
-        return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
-                                 epochs=a.ppo_epochs, loss_fn=loss_fn)
+        mine = {k: tensors[k] for k in keys}
+        if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
+            mine["mask"] = tensors["actor_mask"]
+        return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine, epochs=a.ppo_epochs, loss_fn=loss_fn,
+                                 agg=a.loss_agg)
 
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         c = self.cfg.critic
@@ -160,7 +175,7 @@ class Roles:
 
         return self.critic.update(exp, self.critic_plan(exp, max_tokens),
                                   {k: tensors[k] for k in ("values", "returns", "mask")},
-                                  epochs=c.ppo_epochs, loss_fn=loss_fn)
+                                  epochs=c.ppo_epochs, loss_fn=loss_fn, agg=c.loss_agg)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
     def sft_warmup(self, state, *, steps: int, run_dir) -> None:

@@ -23,6 +23,14 @@ METRIC_KEYS = ("kl", "k3_kl", "ratio_mean", "ratio_max", "ratio_min", "logprob_d
                "masked_frac")
 
 
+def resolve_mode(mode: str, *, async_rollout: bool) -> str:
+    """`auto` -> tis on-policy; none with one-step-off async rollout, where the trainer never computes
+    log-probs at the behaviour weights (its PPO ratio divides by the engine's log-probs directly)."""
+    if mode == "auto":
+        return "none" if async_rollout else "tis"
+    return mode
+
+
 def compute_rollout_correction(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *,
                                mode: str = "tis", is_cap: float = 2.0, seq_mask_threshold: float = 1.01,
                                sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -70,7 +78,7 @@ def compute_rollout_correction(train_logp: torch.Tensor, rollout_logp: torch.Ten
         stats = torch.stack([
             masked_mean(-log_ratio, m),
             # k3 of KL(rollout || train) on the engine's samples: (r - 1) - log r, r = train/rollout
-            masked_mean(ratio - 1.0 - log_ratio.clamp(-20.0, 20.0), m),
+            masked_mean(torch.expm1(log_ratio.clamp(-20.0, 20.0)) - log_ratio.clamp(-20.0, 20.0), m),
             masked_mean(ratio, m), torch.where(empty, 1.0, hi), torch.where(empty, 1.0, lo),
             (log_ratio.abs() * m).max() if m.numel() else torch.tensor(0.0),
             masked_sum(truncated, m) / m.sum().clamp_min(1), masked.mean() if masked.numel() else torch.tensor(0.0),

@@ -85,18 +85,56 @@ class PPOTrainer:
         self.state.controller = self.controller
 
     # ------------------------------------------------------------------ one step
-    def generate(self, step: int, timer: StageTimer) -> Experience:
-        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank."""
+    def generate(self, step: int, timer: StageTimer, *, index_offset: int = 0) -> Experience:
+        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank.
+        index_offset numbers the prompts of a further generation round of the same step apart."""
         batch = self.state.next_prompts()
+        if index_offset:
+            batch = [dict(row, index=row["index"] + index_offset) for row in batch]
         mine: list[Sample] = []
         if self.roles.rollout is not None:
+            reshard_before = timer.times.get("reshard", 0.0)
             with timer("gen"):
                 mine = self.roles.rollout.generate(batch, step=step, seed=self.cfg.trainer.seed, timer=timer)
-            timer.times["gen"] -= timer.times.get("reshard", 0.0)  # gen is decoding; reshard its own stage
+            # gen is decoding; this call's reshard is its own stage
+            timer.times["gen"] -= timer.times.get("reshard", 0.0) - reshard_before
         return Experience(share_samples(mine))
 
-    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool) -> dict:
-        """Each role group over its DP shard (concurrently in split placement)."""
+    def generate_informative(self, step: int, timer: StageTimer) -> tuple[Experience, dict, dict[str, float]]:
+        """DAPO dynamic sampling: generation rounds (each scored at once) until the batch holds
+        data.batch_size groups whose samples did not all score the same, at most
+        algorithm.filter_groups.max_num_gen_batches rounds. -> (experience, {uid: score}, metrics)."""
+        from ppo.dapo import fill_informative_groups
+
+        def draw(round_index: int):
+            exp = self.generate(step, timer, index_offset=round_index * self.cfg.data.batch_size)
+            mine = {}
+            if self.roles.reward is not None:
+                with timer("reward"):
+                    mine = self.roles.reward.score(exp)
+            scores = self.shape_scores(exp, merge_results({"score": mine})["score"])
+            return exp.samples, {uid: float(v) for uid, v in scores.items()}
+
+        filled = fill_informative_groups(draw, target_groups=self.cfg.data.batch_size,
+                                         max_rounds=self.cfg.algorithm.filter_groups.max_num_gen_batches)
+        return (Experience(filled.samples), {u: torch.tensor(v) for u, v in filled.scores.items()},
+                filled.metrics)
+
+    def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{uid: score} plus DAPO's soft overlong penalty when algorithm.overlong_buffer.enable."""
+        ob = self.cfg.algorithm.overlong_buffer
+        if not ob.enable:
+            return scores
+        from ppo.dapo import overlong_penalty
+
+        lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
+        pen = overlong_penalty(lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=ob.len,
+                               penalty_factor=ob.penalty_factor)
+        return {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
+
+    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True) -> dict:
+        """Each role group over its DP shard (concurrently in split placement); reward=False when
+        dynamic sampling scored the samples already."""
         roles, results = self.roles, {}
         if roles.actor is not None and old_logp:
             with timer("old_log_prob"):
@@ -111,7 +149,7 @@ class PPOTrainer:
             with timer("values"):
                 results.update(self.budgeted("values", lambda b: roles.critic.compute_values(
                     exp, roles.critic_plan(exp, b)), "critic"))
-        if roles.reward is not None:
+        if roles.reward is not None and reward:
             with timer("reward"):
                 results["score"] = roles.reward.score(exp)
         return results
@@ -122,23 +160,32 @@ class PPOTrainer:
         timer = StageTimer(self.env.device, self.monitor)
         t_step = time.perf_counter()
 
-        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy)
-        exp = self.pending if self.pending is not None else self.generate(step, timer)
+        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy); with
+        #    DAPO dynamic sampling, generated and scored in rounds until every group carries signal
+        scores, sampling_m = None, {}
+        if self.pending is not None:
+            exp = self.pending
+        elif cfg.algorithm.filter_groups.enable:
+            exp, scores, sampling_m = self.generate_informative(step, timer)
+        else:
+            exp = self.generate(step, timer)
         self.pending = None
 
         # 2. scoring; async skips the old-log-prob recompute: the behaviour log-probs recorded at
         #    generation are the importance-ratio denominators
-        results = self.score(exp, timer, old_logp=not (is_async or self.fused_old_logp))
+        results = self.score(exp, timer, old_logp=not (is_async or self.fused_old_logp), reward=scores is None)
         if is_async and step + 1 < cfg.trainer.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending = self.generate(step + 1, timer)
         merged = merge_results(results)
+        merged["score"] = scores if scores is not None else self.shape_scores(exp, merged["score"])
         if is_async:
             merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
 
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv"):
             tensors, adv_metrics = self.compute_advantages(exp, merged)
+        adv_metrics.update(sampling_m)
 
         # 4. updates: actor and critic groups (concurrent when placed apart)
         actor_m, critic_m = {}, {}
@@ -206,9 +253,13 @@ class PPOTrainer:
         if "old_logp" in merged:
             t["old_logp"] = exp.stack(merged["old_logp"])
         metrics: dict[str, float] = {}
+        if not self.cfg.trainer.async_rollout:
+            # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
+            # how far the trainer's disagree (async: they are the ratio's denominator already)
+            t["rollout_logp"] = exp.behaviour_logprobs()
         if "old_logp" in t and not self.cfg.trainer.async_rollout:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
-            diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
+            diff = (t["rollout_logp"] - t["old_logp"]).abs() * mask
             metrics["rollout/logprob_diff_max"] = float(diff.max())
             metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
         if merged.get("entropy"):
@@ -224,6 +275,12 @@ class PPOTrainer:
                 self.state.kl_ctrl.update(kl_m["kl"], n_steps=len(exp.samples))
                 metrics["actor/kl_coef"] = kl_m["kl_coef"]
         group_ids = torch.tensor([s.prompt_index for s in exp.samples])
+        if cfg.rollout.n > 1:
+            # groups whose samples all scored the same: no GRPO/RLOO signal (DAPO dynamic sampling drops them)
+            from ppo.dapo import zero_variance_groups
+
+            flat = zero_variance_groups(scores.tolist(), group_ids.tolist())
+            metrics["reward/zero_var_group_frac"] = sum(flat.values()) / max(len(flat), 1)
         if a.name == "ppo":
             t["values"] = exp.stack(merged["values"])
             adv, ret = algos.compute_gae(token_rewards, t["values"], mask, gamma=a.gamma, lam=a.lam,
@@ -239,9 +296,31 @@ class PPOTrainer:
             adv = algos.compute_reinforce_pp_advantages(token_rewards, mask, gamma=a.gamma)
         adv = adv[0] if isinstance(adv, tuple) else adv
         t["advantages"] = adv * mask
+        metrics.update(self.overlong_metrics(exp))
+        if a.overlong_filter:
+            # DAPO: truncated responses still count in their group's baseline, but get no policy gradient
+            from ppo.dapo import overlong_filter_mask
+
+            truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
+            t["actor_mask"] = overlong_filter_mask(mask, truncated)
         if cfg.actor.use_kl_loss and "ref_logp" not in t:
             raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
         return t, metrics
+
+    def overlong_metrics(self, exp: Experience) -> dict[str, float]:
+        a = self.cfg.algorithm
+        out: dict[str, float] = {}
+        if a.overlong_filter:
+            cut = sum(s.finish_reason == "length" for s in exp.samples)
+            out["dapo/overlong_filtered_frac"] = cut / len(exp.samples)
+        if a.overlong_buffer.enable:
+            from ppo.dapo import overlong_penalty
+
+            lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
+            out["dapo/overlong_penalty_mean"] = float(overlong_penalty(
+                lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=a.overlong_buffer.len,
+                penalty_factor=a.overlong_buffer.penalty_factor).mean())
+        return out
 
     # ------------------------------------------------------------------ metrics
     def collect_metrics(self, step, exp, tensors, adv_metrics, actor_m, critic_m, times) -> dict[str, float]:
@@ -268,7 +347,10 @@ class PPOTrainer:
         for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
             vals = [p[key] for p in parts if p[key]]
             for k in (vals[0] if vals else {}):
-                m[prefix + k] = sum(v[k] for v in vals) / len(vals)
+                # rollout_corr/... keep their own section; *_max / *_min reduce as such over DP ranks
+                name = k if "/" in k else prefix + k
+                red = max if k.endswith("_max") else min if k.endswith("_min") else None
+                m[name] = red(v[k] for v in vals) if red else sum(v[k] for v in vals) / len(vals)
         if "actor/kl" not in m and "actor/kl_loss" in m:  # fused old log-probs: the KL loss term is the KL
             m["actor/kl"] = m["actor/kl_loss"]
         for stage in set().union(*(p["times"] for p in parts)):

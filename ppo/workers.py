@@ -161,10 +161,13 @@ class ShardedWorker:
         return packs, torch.stack(ids), torch.stack(pos)
 
 
-    def _global_denominator(self, mask: torch.Tensor) -> float:
-        """Token count of the mini-batch over all DP ranks, divided by dp because FSDP averages
-        gradients over dp: summed micro-batch losses then equal the global token-mean loss."""
-        n = torch.tensor([float(mask.sum())], device=self.device if self.device.type == "cuda" else "cpu")
+    def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
+        """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
+        divided by dp because FSDP averages gradients over dp: summed micro-batch losses then equal
+        the global loss."""
+        from ppo.core_algos import agg_count
+
+        n = torch.tensor([float(agg_count(mask, agg))], device=self.device if self.device.type == "cuda" else "cpu")
         if self.dp > 1:
             dist.all_reduce(n, group=self.dp_group)
         return max(float(n) / self.dp, 1.0)
@@ -271,12 +274,13 @@ class PolicyWorker(ShardedWorker):
 
     # -- PPO update
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
+               epochs: int, loss_fn, step_scheduler: bool = True, agg: str = "token-mean") -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics). Returns the
-        metrics averaged over micro-batches, grad_norm and lr (meaningful on owner ranks)."""
+        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics); denom is the
+        global count `agg` normalises by. Returns the metrics averaged over micro-batches (keys ending
+        in _max / _min: their max / min), grad_norm and lr (meaningful on owner ranks)."""
         need_ent = getattr(loss_fn, "needs_entropy", False)
         sums: dict[str, float] = {}
         count = 0
@@ -285,7 +289,7 @@ class PolicyWorker(ShardedWorker):
             for mbs in plan:
                 groups = [[exp.samples[i] for i in mb] for mb in mbs]
                 mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.pp > 1:
                     metrics_list = self._pp_update(groups, mbts, denom, loss_fn, need_ent)
@@ -299,14 +303,14 @@ class PolicyWorker(ShardedWorker):
                         metrics_list.append(metrics)
                 for m in metrics_list:
                     for k2, v in m.items():
-                        sums[k2] = sums.get(k2, 0.0) + float(v)
+                        sums[k2] = _reduce_metric(k2, sums.get(k2), float(v))
                     count += 1
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(metrics_list)
                 self.optimizer.step()
                 self.optimizer_steps_in_update += 1
         if step_scheduler:
             self.scheduler.step()
-        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out = {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -324,6 +328,17 @@ class PolicyWorker(ShardedWorker):
         self.model.forward_backward(ids if self.model.has_first else None, loss_fn=pp_loss, position_ids=pos)
         return [m for m in self.model.last_metrics if m] if self.model.has_last else []
 
+
+
+def _reduce_metric(key: str, acc: float | None, v: float) -> float:
+    """Running reduction of one micro-batch metric: max / min for *_max / *_min, else a sum."""
+    if acc is None:
+        return v
+    if key.endswith("_max"):
+        return max(acc, v)
+    if key.endswith("_min"):
+        return min(acc, v)
+    return acc + v
 
 
 def _head(model: nn.Module) -> tuple[torch.Tensor, int]:
@@ -378,13 +393,13 @@ class CriticWorker(ShardedWorker):
         return {"values": out}
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn) -> dict[str, float]:
+               epochs: int, loss_fn, agg: str = "token-mean") -> dict[str, float]:
         sums: dict[str, float] = {}
         count = 0
         self.optimizer_steps_in_update = 0
         for _ in range(epochs):
             for mbs in plan:
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, mb in enumerate(mbs):
                     gradients_synced(self.model, k == len(mbs) - 1)
