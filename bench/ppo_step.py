@@ -61,6 +61,9 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
+           # engine vs trainer mismatch (algorithm.rollout_correction) and DAPO sampling, step means
+           "rollout_corr": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("rollout_corr/")},
+           "dapo": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("dapo/")},
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
            "run_dir": str(run_dir), "warnings": _warnings(run_dir)}
     return out

@@ -134,3 +134,20 @@ def test_agg_count_makes_micro_batch_losses_sum_to_the_full_batch(mode):
     denom = float(sum(ca.agg_count(mask[s], mode) for s in parts))
     total = sum(compute_policy_objective(lp[s], old[s], adv[s], mask[s], cfg=cfg, denom=denom)[0] for s in parts)
     torch.testing.assert_close(total, full)
+
+
+@pytest.mark.gpu
+def test_policy_objective_on_cuda_matches_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (make test-gpu on the GPU machine)")
+    lp, old, adv, mask = _batch(seed=8)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9))
+    for kind in ("vanilla", "gspo"):
+        cfg = PolicyLossConfig(kind=kind, agg="seq-mean-token-sum-norm", max_len=8, rollout_correction="tis+seq_mask",
+                               rollout_is_cap=1.5, rollout_mask_threshold=1.1)
+        cpu, cpu_m = compute_policy_objective(lp, old, adv, mask, cfg=cfg, rollout_logp=rollout)
+        gpu, gpu_m = compute_policy_objective(lp.cuda(), old.cuda(), adv.cuda(), mask.cuda(), cfg=cfg,
+                                              rollout_logp=rollout.cuda())
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-6)
+        for k, v in cpu_m.items():
+            assert gpu_m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
