@@ -160,7 +160,7 @@ class DataConfig:
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose rollout.n samples all scored the same, draw more."""
 
-    enable: bool = False
+    enable: bool = False  # DAPO dynamic sampling: keep only groups whose samples' scores differ
     max_num_gen_batches: int = 4  # generation rounds per step at most; then topped up with dropped groups
 
 
@@ -169,9 +169,9 @@ class OverlongBufferConfig:
     """DAPO soft overlong punishment: the score falls linearly by up to penalty_factor over the last
     `len` tokens before rollout.max_response_length."""
 
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
+    enable: bool = False  # DAPO soft overlong punishment added to the score
+    len: int = 0  # tokens before rollout.max_response_length over which the penalty ramps from 0 to the full factor
+    penalty_factor: float = 1.0  # the penalty at rollout.max_response_length
 
 
 @dataclass
@@ -191,8 +191,8 @@ class AlgorithmConfig:
     rollout_correction: str = "auto"
     rollout_is_cap: float = 2.0  # tis: token weight min(pi_train / pi_rollout, cap)
     rollout_mask_threshold: float = 1.01  # seq_mask: drop a response whose geometric-mean ratio leaves [1/t, t]
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
     overlong_filter: bool = False  # DAPO: responses cut at max_response_length get no policy gradient
 
 
