@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample, all_gather_objects, merge_results, share_samples
 from ppo.roles import build_roles
+from ppo.rollout_correction import resolve_mode
 from ppo.state import TrainState
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
@@ -256,8 +257,14 @@ class PPOTrainer:
         if not self.cfg.trainer.async_rollout:
             # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
             # how far the trainer's disagree (async: they are the ratio's denominator already)
-            t["rollout_logp"] = exp.behaviour_logprobs()
-        if "old_logp" in t and not self.cfg.trainer.async_rollout:
+            missing = [s.uid for s in exp.samples if len(s.behaviour_logprobs) != len(s.response_ids)]
+            if missing and resolve_mode(a.rollout_correction, async_rollout=False) != "none":
+                raise RuntimeError(f"the rollout engine returned no log-probs for samples {missing[:5]} (of "
+                                   f"{len(missing)}): algorithm.rollout_correction={a.rollout_correction} needs them; "
+                                   f"set algorithm.rollout_correction=none")
+            if not missing:
+                t["rollout_logp"] = exp.behaviour_logprobs()
+        if "old_logp" in t and "rollout_logp" in t:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
             diff = (t["rollout_logp"] - t["old_logp"]).abs() * mask
             metrics["rollout/logprob_diff_max"] = float(diff.max())
