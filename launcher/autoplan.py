@@ -148,7 +148,9 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration, 
                                 rejected.append(f"{cand.describe()}: {est.reject}")
                             continue
                         found.append(est)
-    found.sort(key=lambda e: (round(e.step_s, 9), e.candidate.describe()))
+    # equal times: the simpler layout first (fewer GPUs per model replica), then a fixed textual order
+    found.sort(key=lambda e: (round(e.step_s, 6), sum(t * p for _, (t, p, _) in e.candidate.layouts) + e.candidate.gen_tp,
+                              e.candidate.describe()))
     return SearchResult(best=found[:top], evaluated=evaluated, rejected=rejected)
 
 

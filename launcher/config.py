@@ -175,8 +175,9 @@ class PoolConfig:
 
 @dataclass
 class PlacementConfig:
-    mode: str = "colocated"  # colocated | split
+    mode: str = "colocated"  # colocated | split | auto (the cost model picks pools and layouts: launcher/autoplan.py)
     pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
+    calibration: str = "h200"  # auto: machine type (launcher/calibration/<name>.json) or a JSON path
 
 
 @dataclass
@@ -221,7 +222,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
-    "placement.mode": ("colocated", "split"),
+    "placement.mode": ("colocated", "split", "auto"),
     "reward.type": ("rule", "model"),
     "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "critic.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),

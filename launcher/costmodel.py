@@ -168,7 +168,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         actor=ModelShape.of(model), critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
         ref=ModelShape.of(model) if ref else None, reward_model=rm,
         prompts=cfg.data.batch_size, n=cfg.rollout.n,
-        prompt_len=prompt_len or cfg.data.max_prompt_length, response_len=response_len or cfg.rollout.max_response_length,
+        prompt_len=prompt_len or synthetic_prompt_len(cfg) or cfg.data.max_prompt_length,
+        response_len=response_len or cfg.rollout.max_response_length,
         ppo_epochs=a.ppo_epochs, critic_epochs=cfg.critic.ppo_epochs,
         share_prompts=cfg.trainer.share_prompts and a.pp == 1 and cfg.ref.pp == 1, fused_old_logp=fused,
         is_async=is_async, uses_gae=cfg.algorithm.name == "ppo",
@@ -177,6 +178,17 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
                             "ref": cfg.ref.max_tokens_per_micro_batch, "reward": cfg.reward.max_tokens_per_micro_batch},
         max_num_seqs=cfg.rollout.max_num_seqs, kv_memory_fraction=cfg.rollout.gpu_memory_fraction,
         free_memory_on_sleep=cfg.rollout.free_memory_on_sleep, offload=a.offload)
+
+
+def synthetic_prompt_len(cfg) -> int | None:
+    """Mean prompt tokens of the built-in synthetic task under the char tokenizer (+1: BOS), else None
+    (real data: the config's maximum is assumed). Responses are assumed to run to the maximum length."""
+    if cfg.data.train_files or cfg.model.tokenizer != "builtin:char":
+        return None
+    from ppo.tasks import get_task
+
+    rows = get_task(cfg.data.task).generate(64, seed=0)
+    return min(cfg.data.max_prompt_length, round(sum(len(r["prompt"]) for r in rows) / len(rows)) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,13 +301,22 @@ def model_pass_s(w: Workload, cal: Calibration, role: str, m: ModelShape, *, lay
     mfu = cal.mfu_update if train else cal.mfu_forward
     compute = flops / (tp * pp * dp) / (cal.peak_flops * mfu)
     mb = w.micro_batch_tokens.get(role, 16384)
+    micro = max(1, math.ceil(tokens / dp / mb))
+    if pp > 1:
+        micro = max(2 * pp, micro)
+        # stage-to-stage sends of each micro-batch's activations (and gradients back)
+        sent = (2 if train else 1) * epochs * micro * allgather_s(cal, 2 * tokens / dp / micro * m.hidden * BF16,
+                                                                  ranks=2, span=tp * pp)
+        compute += sent
+    # fixed cost per layer and micro-batch (launch gaps, small kernels: the decode benchmark's per-layer
+    # overhead), which is what makes deep pipelines of small micro-batches slow
+    compute += micro * (m.layers / pp) * cal.decode_layer_overhead_s * (3 if train else 1) * epochs
     compute *= _pipeline_factor(tokens / dp, mb, pp)
     # TP: two all-reduces of the activations per layer forward (four with backward), not overlapped
     per_layer = (4 if train else 2) * epochs
     tp_comm = per_layer * (m.layers / pp) * allreduce_s(cal, tokens / dp * m.hidden * BF16, ranks=tp, span=tp)
     # FSDP over dp: parameters gathered per micro-batch (twice with backward), gradients reduce-scattered;
     # overlapped with the layers' compute, so only what exceeds it costs time
-    micro = max(1, math.ceil(tokens / dp / mb))
     gathers = micro * (3 if train else 1) * epochs
     fsdp = gathers * allgather_s(cal, m.n_params * BF16 / (tp * pp), ranks=dp, span=tp * pp * dp)
     return max(compute, fsdp) + tp_comm
