@@ -270,14 +270,20 @@ def generation_s(w: Workload, cal: Calibration, *, gen_tp: int, gen_dp: int, slo
     return waves * (prefill + decode)
 
 
+OFFLOADED_BYTES_PER_PARAM = 8  # actor.offload: Adam's m and v (fp32) go to host memory while generating
+
+
 def reshard_s(w: Workload, cal: Calibration, *, tp: int, pp: int, dp: int, gen_tp: int) -> float:
-    """Bytes each actor rank lacks for its generation shard (it holds 1/(tp pp dp) of the weights)."""
+    """The training -> generation transition: the bytes each actor rank lacks for its generation shard
+    (it holds 1/(tp pp dp) of the weights) and, with actor.offload, the optimizer states to the host
+    and back over PCIe."""
     weights = w.actor.n_params * BF16
     lacking = max(0.0, weights / gen_tp - weights / (tp * pp * dp))
     span = tp * pp * dp
     rate = cal.reshard_bytes_per_s * (1.0 if span <= cal.gpus_per_node
                                       else cal.nccl_inter_bytes_per_s / cal.nccl_intra_bytes_per_s)
-    return lacking / rate
+    offload = 2 * w.actor.n_params * OFFLOADED_BYTES_PER_PARAM / span / cal.pcie_bytes_per_s if w.offload else 0.0
+    return lacking / rate + offload
 
 
 def _pipeline_factor(tokens_per_replica: float, mb_tokens: int, pp: int) -> float:

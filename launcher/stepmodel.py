@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from launcher.costmodel import (
     BF16,
     FROZEN_BYTES_PER_PARAM,
+    OFFLOADED_BYTES_PER_PARAM,
     TRAINED_BYTES_PER_PARAM,
     Calibration,
     Candidate,
@@ -116,7 +117,8 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
     engine = items.get("engine_weights", 0.0) + items.get("kv_cache", 0.0)
     static = sum(items.values()) - act - engine
     if w.free_memory_on_sleep:
-        offloaded = items.get("actor_states", 0.0) * 0.75 if w.offload else 0.0  # all but fp32 master
+        offloaded = items.get("actor_states", 0.0) * OFFLOADED_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM \
+            if w.offload else 0.0
         peak = max(static + act, static - offloaded + engine)
     else:
         peak = static + engine + act
@@ -170,7 +172,7 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     stages["adv"] = host["adv"]
     if not w.reward_model:
         stages["reward"] = host["reward"]
-    stages["transfer"] = transfer_s(w, cal, world=c.world_size) if c.mode == "split" else 0.0
+    stages["transfer"] = transfer_s(w, cal, world=c.world_size)  # share_samples / merge_results, every mode
 
     def per_pool(names) -> list[float]:
         out = [0.0] * len(c.pools)
