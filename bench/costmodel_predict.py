@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, rows in pap["models"].items():
         for r in rows:
             if r["fits"]:
-                print(f"{name:4} {r['gpus']:5} {r['samples_per_s']:8.2f} samples/s useful {r['useful_utilization']:.1%} "
-                      f"scaling {r['strong_scaling']:.1%}  peak {r['peak_gb']} GB  {r['plan']}")
+                print(f"{name:4} {r['gpus']:5} {r['samples_per_s']:8.2f} samples/s "
+                      f"useful {r['useful_utilization']:.1%} scaling {r['strong_scaling']:.1%}  "
+                      f"peak {r['peak_gb']} GB  {r['plan']}")
             else:
                 print(f"{name:4} {r['gpus']:5} does not fit: {r['why'][:1]}")
     print(json.dumps(pred["issue_17"]["ppo_7b_8gpus"]["seed_claims"]))

@@ -62,12 +62,13 @@ def pool_sizes(world: int, parts: int, cal: Calibration) -> list[tuple[int, ...]
 
 
 def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, samples: int,
-                 share_prompts: bool) -> list[tuple[float, tuple[int, int, int]]]:
-    """(seconds, (tp, pp, dp)) of a role on `gpus` GPUs, fastest first, those whose own memory fits."""
+                 share_prompts: bool) -> tuple[list[tuple[float, tuple[int, int, int]]], float]:
+    """(seconds, (tp, pp, dp)) of a role on `gpus` GPUs, fastest first, those whose own memory fits; and
+    the least GB per GPU any layout of the role needs (to say why nothing fits)."""
     m = _role_model(w, role)
     if role == "reward" and m is None:  # rule reward: data parallel over the pool's CPUs
-        return [(0.0, (1, 1, gpus))] if samples % gpus == 0 else []
-    out = []
+        return ([(0.0, (1, 1, gpus))] if samples % gpus == 0 else []), 0.0
+    out, least = [], float("inf")
     for tp in _tp_options(model, cal):
         for pp in _pp_options(model):
             if gpus % (tp * pp) or (pp > 1 and share_prompts and role in ("actor", "ref")):
@@ -84,9 +85,10 @@ def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, 
                 secs += model_pass_s(w, cal, role, m, layout=lay, train=False)
             per = 16 if train else 4
             own = m.n_params * per / (tp * pp * dp) / 1e9 + _activation_gb(w, cal, role, m, lay, train=train)
+            least = min(least, own)
             if own <= cal.hbm_gb:
                 out.append((secs, lay))
-    return sorted(out)
+    return sorted(out), least
 
 
 def _gen_tps(model, cal: Calibration, actor: tuple[int, int, int], samples: int) -> list[int]:
@@ -107,8 +109,9 @@ def _structures(roles: list[str]) -> list[tuple[str, list[tuple[str, ...]]]]:
     return out
 
 
-def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration, schedules: tuple[bool, ...] | None = None,
-           top: int = 5, prompt_len: int | None = None, response_len: int | None = None) -> SearchResult:
+def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
+           schedules: tuple[bool, ...] | None = None, top: int = 5, prompt_len: int | None = None,
+           response_len: int | None = None) -> SearchResult:
     """The `top` fastest feasible candidates (sync/async per `schedules`; default the config's)."""
     from launcher.costmodel import build_workload
     from launcher.plan import active_roles
@@ -131,8 +134,14 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration, 
                     for role in pool:
                         if role != "rollout":
                             shape = reward_model if (role == "reward" and reward_model) else model
-                            per_role[role] = role_layouts(w, cal, role, gpus=n, model=shape, samples=samples,
-                                                          share_prompts=w.share_prompts)[:KEEP_PER_ROLE]
+                            fits, least = role_layouts(w, cal, role, gpus=n, model=shape, samples=samples,
+                                                       share_prompts=w.share_prompts)
+                            per_role[role] = fits[:KEEP_PER_ROLE]
+                            if not fits and len(rejected) < 5:
+                                why = (f"needs {least:.0f} GB per GPU > {cal.hbm_gb:.0f} GB usable at best"
+                                       if least < float("inf") else f"no tp x pp x dp splits {samples} samples")
+                                rejected.append(f"{mode} {'|'.join('+'.join(p) for p in pools)} {sizes}: "
+                                                f"{role} on {n} GPUs {why}")
                 if any(not v for v in per_role.values()):
                     continue
                 names = sorted(per_role)
@@ -149,8 +158,10 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration, 
                             continue
                         found.append(est)
     # equal times: the simpler layout first (fewer GPUs per model replica), then a fixed textual order
-    found.sort(key=lambda e: (round(e.step_s, 6), sum(t * p for _, (t, p, _) in e.candidate.layouts) + e.candidate.gen_tp,
-                              e.candidate.describe()))
+    def simplicity(e: Estimate) -> int:
+        return sum(t * p for _, (t, p, _) in e.candidate.layouts) + e.candidate.gen_tp
+
+    found.sort(key=lambda e: (round(e.step_s, 6), simplicity(e), e.candidate.describe()))
     return SearchResult(best=found[:top], evaluated=evaluated, rejected=rejected)
 
 
