@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -137,7 +138,8 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
 
 def _run(cmd: list[str], out: Path) -> Path:
     """Run one micro-benchmark; its last stdout line (one JSON object) goes to `out`."""
-    res = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, cwd=ROOT, env=env)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
     out.write_text(json.dumps({"command": "python -m " + " ".join(cmd),

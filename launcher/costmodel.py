@@ -187,7 +187,10 @@ def synthetic_prompt_len(cfg) -> int | None:
         return None
     from ppo.tasks import get_task
 
-    rows = get_task(cfg.data.task).generate(64, seed=0)
+    try:
+        rows = get_task(cfg.data.task).generate(64, seed=0)
+    except ValueError:  # a bad task name is the data loader's error to report, not the planner's
+        return None
     return min(cfg.data.max_prompt_length, round(sum(len(r["prompt"]) for r in rows) / len(rows)) + 1)
 
 

@@ -31,14 +31,10 @@ def test_search_is_deterministic_and_fast_at_1024_ranks():
     assert [e.candidate for e in a.best] == [e.candidate for e in b.best] and len(a.best) == 5
     assert [e.step_s for e in a.best] == sorted(e.step_s for e in a.best)
     for e in a.best[:2]:  # the plans printed launch: the planner accepts its overrides at 1024 ranks
-        plan = compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", _launchable(e.candidate)),
+        plan = compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate)),
                             world_size=1024, model=L7B)
         validate_batch(cfg, plan)
         assert candidate_from_plan(plan, is_async=e.candidate.is_async) == e.candidate
-
-
-def _launchable(c):
-    return ["placement.mode=colocated", *overrides_of(c)] if c.mode == "colocated" else overrides_of(c)
 
 
 def test_pool_sizes_whole_nodes_beyond_two():
@@ -64,6 +60,8 @@ def test_auto_refuses_layout_keys_it_would_override():
     with pytest.raises(UserError, match="actor.tp=2"):
         compute_plan(load_config("conf/ppo_tiny.yaml", ["placement.mode=auto", "actor.tp=2"]), world_size=4,
                      model=TINY)
+    with pytest.raises(UserError, match="placement.calibration: no calibration 'b300'"):
+        compute_plan(load_config("conf/ppo_tiny.yaml", ["placement.calibration=b300"]), world_size=4, model=TINY)
 
 
 def test_estimate_of_a_fixed_plan_is_in_plan_json():
