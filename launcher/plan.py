@@ -75,6 +75,13 @@ class DevicePlan:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
+        p = self.predicted
+        if p:
+            busy = "/".join(f"{q['utilization']:.0%}" for q in p["pools"])
+            fit = f"; does not fit: {p['reject']}" if p["reject"] else ""
+            lines.append(f"  cost model ({p.get('calibration', '?')}): {p['predicted_step_s']:.3f} s/step, "
+                         f"{p['samples_per_s']:.1f} samples/s, useful {p['useful_utilization']:.1%}, "
+                         f"pools busy {busy}, peak {p['peak_gb']:.1f} GB per GPU{fit}")
         return "\n".join(lines)
 
 
