@@ -10,7 +10,8 @@ bench.generate (native engine at batches 32, 64, 256: prefill and decode-step ti
 - decode: step = max(W / (HBM fw), F / (peak fm)) + KV / (HBM fkv) + L c, with fkv from the attention
   benchmark, and fw, fm, c least-squares over the three batch sizes (the residuals are reported);
 - activation bytes per token, layer and hidden unit: the update's peak memory minus its 8 bytes/param.
-NCCL numbers need two GPUs (bench.reshard); on one GPU the values of --from-results are kept. What no
+With two GPUs it also runs bench.reshard (NCCL bandwidth) and the update at dp=2 (what FSDP costs per GPU);
+on one GPU the committed results for those are kept (or, absent, dp efficiency 1.0 is stated). What no
 micro-benchmark measures (inter-node bandwidth, latency, PCIe, the host's GAE and rule-reward cost) is
 stated in the file's "source" with where it comes from. Runs only end-to-end PPO steps never feed it:
 those are what bench.costmodel_validate checks the model against.
@@ -44,6 +45,9 @@ HOST = {  # no micro-benchmark: per-unit host costs from the two end-to-end runs
 }
 MICRO = {"env_check": "env_check_h200.json", "decode_attention": "decode_attention_h200.json",
          "generate": "generate_h200.json", "train_step": "train_step_h200.json", "reshard": "reshard_h200.json"}
+DP2 = "train_step_dp2_h200x2.json"  # the same update at dp=2 over two GPUs (optional: needs 2 GPUs)
+TRAIN_SWEEP = ["--model", "llama-1b", "--seq", "2048", "--batch", "4", "--sweep", "ppo:compile:none:bf16:auto",
+               "--steps", "5", "--warmup", "2"]
 
 
 def _load(path: Path) -> dict:
@@ -86,7 +90,7 @@ def fit_decode(rows: list[dict], *, m, peak: float, hbm: float, kv_fraction: flo
 
 def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
     """The calibration dict from the micro-benchmarks' JSON results (MICRO keys -> paths)."""
-    env, att, gen, train, resh = (_load(files[k]) for k in MICRO)
+    env, att, gen, train, resh = (_load(files[k]) for k in MICRO)  # train_step_dp2: optional
     peak, hbm = env["matmul_tflops"] * 1e12, env["copy_tb_s"] * 1e12
     m = _shape(gen.get("model", "llama-1b"))
     kv_fraction = sum(r["best"]["hbm_fraction"] for r in att["rows"]) / len(att["rows"])
@@ -109,11 +113,18 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
     forward_fpt = 2 * m.n_matmul + 4 * m.layers * m.attn_dim * ctx
     tokens = train["batch"] * train["seq"]
     act = (ppo["peak_mem_gb"] * 1e9 - 8 * m.n_params) / (m.layers * tokens * m.hidden)
+    dp_eff = {"update": 1.0, "forward": 1.0}
+    if files.get("train_step_dp2") and Path(files["train_step_dp2"]).is_file():
+        two = _load(files["train_step_dp2"])
+        row = next(r for r in two["results"] if r.get("mode") == "ppo" and "mfu" in r)
+        dp_eff = {"update": round(row["tokens_per_s"] / two["dp"] / ppo["tokens_per_s"], 4),
+                  "forward": round(row["logprob_tokens_per_s"] / two["dp"] / ppo["logprob_tokens_per_s"], 4)}
     cal = {
         "name": name, "peak_flops": peak, "hbm_bytes_per_s": hbm,
         "mfu_update": round(ppo["tokens_per_s"] * update_fpt / peak, 4),
         "mfu_forward": round(ppo["logprob_tokens_per_s"] * forward_fpt / peak, 4),
         "mfu_prefill": round(prefill_flops / big["prefill_s"] / peak, 4),
+        "dp_update_efficiency": dp_eff["update"], "dp_forward_efficiency": dp_eff["forward"],
         "decode_weight_bw_fraction": decode["decode_weight_bw_fraction"],
         "decode_gemm_fraction": decode["decode_gemm_fraction"],
         "decode_kv_bw_fraction": round(kv_fraction, 4),
@@ -125,8 +136,12 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
     cal.update({k: v for k, (v, _) in {**SPEC, **HOST}.items()})
     cal["source"] = {
         "how": "python -m bench.calibrate (derived from the micro-benchmark results listed in files)",
-        "files": {k: str(v) for k, v in files.items()},
+        "files": {k: str(v) for k, v in files.items() if Path(v).is_file()},
         "decode_fit": decode["fit"],
+        "dp_efficiency": (f"bench.train_step at dp=2 over dp=1 ({files['train_step_dp2']})"
+                          if dp_eff != {"update": 1.0, "forward": 1.0} else
+                          "not measured (needs 2 GPUs: python -m bench.calibrate on nvidia-h200-x2): 1.0, "
+                          "i.e. FSDP costs only its overlapped gathers"),
         "decode_gemm_fraction": f"from the kernel profile: {DECODE_GEMM_S_AT_256_ROWS * 1e3} ms of decode GEMMs "
                                 f"per step at 256 rows (generate_h200.json, README 'Rollout')",
         "stated_not_measured": {k: why for k, (_, why) in SPEC.items()},
@@ -158,12 +173,13 @@ def measure(workdir: Path, fallback: Path) -> dict[str, Path]:
         "generate": _run(["bench.generate", "--model", "llama-1b", "--engine", "native", "--batches", "32,64,256",
                           "--native-variants", "triton+compile", "--repeats", "1", "--no-check", "--no-profile"],
                          workdir / MICRO["generate"]),
-        "train_step": _run(["bench.train_step", "--model", "llama-1b", "--seq", "2048", "--batch", "4",
-                            "--sweep", "ppo:compile:none:bf16:auto", "--steps", "5", "--warmup", "2"],
-                           workdir / MICRO["train_step"]),
+        "train_step": _run(["bench.train_step", *TRAIN_SWEEP], workdir / MICRO["train_step"]),
         "reshard": fallback / MICRO["reshard"],
+        "train_step_dp2": fallback / DP2,
     }
     if torch.cuda.device_count() >= 2:
+        files["train_step_dp2"] = _run(["torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                                        "bench.train_step", *TRAIN_SWEEP, "--dp", "2"], workdir / DP2)
         files["reshard"] = _run(["torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                                  "bench.reshard", "--model", "llama-1b", "--train-tp", "2", "--gen-tp", "1",
                                  "--device", "cuda"], workdir / MICRO["reshard"])
@@ -179,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.from_results:
         src = Path(args.from_results)
-        files = {k: src / v for k, v in MICRO.items()}
+        files = {k: src / v for k, v in MICRO.items()} | {"train_step_dp2": src / DP2}
     else:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="calibrate_"))
         work.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ class Calibration:
     mfu_update: float  # forward+backward+optimizer over (6N + causal attention) FLOPs
     mfu_forward: float  # log-prob / value forward over (2N + causal attention) FLOPs
     mfu_prefill: float
+    dp_update_efficiency: float  # per-GPU update speed at dp=2 (FSDP) over dp=1: what FSDP costs beyond the model
+    dp_forward_efficiency: float  # the same for the log-prob forward
     decode_weight_bw_fraction: float  # weight streaming of the decode GEMMs, of hbm_bytes_per_s
     decode_gemm_fraction: float  # decode GEMMs when compute-bound, of peak_flops
     decode_kv_bw_fraction: float  # decode attention streaming the KV cache, of hbm_bytes_per_s
@@ -308,6 +310,8 @@ def model_pass_s(w: Workload, cal: Calibration, role: str, m: ModelShape, *, lay
         epochs = w.ppo_epochs if role == "actor" else w.critic_epochs
         flops *= 3 * epochs * (4 / 3 if w.ac.get(role) == "full" else 1.0)
     mfu = cal.mfu_update if train else cal.mfu_forward
+    if dp > 1:
+        mfu *= cal.dp_update_efficiency if train else cal.dp_forward_efficiency
     compute = flops / (tp * pp * dp) / (cal.peak_flops * mfu)
     mb = w.micro_batch_tokens.get(role, 16384)
     micro = max(1, math.ceil(tokens / dp / mb))

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # round numbers so that every expected value below is a short hand computation
 CAL = Calibration(
     name="test", peak_flops=1e15, hbm_bytes_per_s=1e12, hbm_gb=100.0, gpus_per_node=8, mfu_update=0.5,
-    mfu_forward=0.5, mfu_prefill=0.5, decode_weight_bw_fraction=1.0, decode_gemm_fraction=1.0,
+    mfu_forward=0.5, mfu_prefill=0.5, dp_update_efficiency=1.0, dp_forward_efficiency=1.0,
+    decode_weight_bw_fraction=1.0, decode_gemm_fraction=1.0,
     decode_kv_bw_fraction=1.0, decode_layer_overhead_s=0.0, activation_bytes_per_token_layer_hidden=10.0,
     reshard_bytes_per_s=1e11, nccl_intra_bytes_per_s=1e11, nccl_inter_bytes_per_s=1e10, nccl_latency_s=0.0,
     pcie_bytes_per_s=1e10, host_gae_s_per_token=0.0, host_rule_reward_s_per_sample=0.0)
@@ -69,6 +70,9 @@ def test_forward_and_update_by_hand():
     # ten times the tokens (one micro-batch still): 120 ms of compute hides the 30 ms of gathers
     big = _workload(prompts=100)
     assert model_pass_s(big, CAL, "actor", M, layout=(1, 1, 2), train=True) == pytest.approx(6e9 * 20000 / 1e15)
+    # a measured FSDP efficiency of 0.8 at dp > 1 stretches the compute by 1 / 0.8
+    slow = dataclasses.replace(CAL, dp_update_efficiency=0.8)
+    assert model_pass_s(big, slow, "actor", M, layout=(1, 1, 2), train=True) == pytest.approx(0.12 / 0.8)
 
 
 def test_pipeline_bubble_by_hand():
