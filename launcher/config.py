@@ -177,7 +177,7 @@ class PoolConfig:
 class PlacementConfig:
     mode: str = "colocated"  # colocated | split | auto (the cost model picks pools and layouts: launcher/autoplan.py)
     pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
-    calibration: str = "h200"  # auto: machine type (launcher/calibration/<name>.json) or a JSON path
+    calibration: str = "h200"  # cost model's machine (launcher/calibration/<name>.json or a path): auto, plan estimates
 
 
 @dataclass

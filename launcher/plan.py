@@ -46,7 +46,7 @@ class DevicePlan:
     groups: dict[str, RoleGroup] = field(default_factory=dict)
     gen_tp: int = 1
     gen_dp: int = 1
-    predicted: dict = field(default_factory=dict)  # placement.mode=auto: the cost model's estimate of this plan
+    predicted: dict = field(default_factory=dict)  # the cost model's estimate of this plan (launcher/stepmodel.py)
 
     def roles_of(self, rank: int) -> list[str]:
         return [r for r, g in self.groups.items() if rank in g.ranks]
@@ -241,7 +241,7 @@ def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
         sec.tp, sec.pp = tp, pp
     resolved.rollout.gen_tp = c.gen_tp
     plan = compute_plan(resolved, world_size=world_size, model=model, reward_model=reward_model)
-    plan.predicted = best.summary(cal)
+    plan.predicted.update(chosen_by="placement.mode=auto", candidates_estimated=result.evaluated)
     return plan
 
 
