@@ -32,6 +32,7 @@ class TrainerConfig:
     save_every: int = 0  # 0: only at the end
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2
+    export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints
     resume: str = "never"  # never | auto | <checkpoint dir>
     async_rollout: bool = False  # one-step off-policy: generate batch k+1 while batch k trains
     device: str = "auto"  # auto | cpu | cuda
@@ -215,6 +216,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
+    "trainer.export_hf": ("final", "every_save"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("native", "hf", "vllm"),
     "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),

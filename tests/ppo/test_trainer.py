@@ -186,16 +186,19 @@ def test_split_pipeline_actor_and_critic_train_resume_and_export(tmp_path):
     import torch
 
     common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "data.batch_size=8",
-              "trainer.experiment_name=pp_split", "trainer.save_every=1", "trainer.sft_warmup_steps=0"]
-    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=1", *common))
-    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.resume=auto", *common))
+              "trainer.experiment_name=pp_split", "trainer.save_every=1", "trainer.sft_warmup_steps=0",
+              "trainer.export_hf=every_save", "trainer.keep_last=3"]
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
     run = tmp_path / "pp_split"
     plan = json.loads((run / "plan.json").read_text())
     assert plan["groups"]["actor"]["pp"] == 2 and plan["groups"]["critic"]["ranks"] == [2, 3]
     rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2] and all("critic/vf_loss" in r for r in rows)
-    ckpt = run / "checkpoints" / "step_2"
-    assert sorted(json.loads((ckpt / "COMPLETE").read_text())["roles"]) == ["actor", "critic"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/vf_loss" in r for r in rows)
+    ckpt = run / "checkpoints" / "step_3"
+    for step in (1, 3):  # step 1 is a periodic save, exported too with trainer.export_hf=every_save
+        manifest = json.loads((run / "checkpoints" / f"step_{step}" / "COMPLETE").read_text())
+        assert sorted(manifest["roles"]) == ["actor", "critic"]
     ids = torch.tensor([[1, 5, 9, 22, 7]])
     actor = _load_in_transformers(ckpt / "actor", "LlamaForCausalLM")
     critic = _load_in_transformers(ckpt / "critic", "LlamaForSequenceClassification")
