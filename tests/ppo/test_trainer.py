@@ -181,11 +181,13 @@ def _load_in_transformers(path: Path, cls_name: str):
 
 @pytest.mark.distributed
 def test_split_pipeline_actor_and_critic_train_resume_and_export(tmp_path):
-    """Split placement with actor pp=2 | critic pp=2 (value head on the last stage): trains, resumes,
-    and the final checkpoint's actor and critic load in transformers with the trainer's outputs."""
+    """Split placement with actor pp=2 | critic pp=2 and a reward model pp=2 (value and score heads on
+    the last stage): trains, resumes, and the periodic and final checkpoints' actor and critic load in
+    transformers with the trainer's outputs."""
     import torch
 
-    common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "data.batch_size=8",
+    common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "reward.type=model", "reward.pp=2",
+              "data.batch_size=8",
               "trainer.experiment_name=pp_split", "trainer.save_every=1", "trainer.sft_warmup_steps=0",
               "trainer.export_hf=every_save", "trainer.keep_last=3"]
     _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
@@ -193,8 +195,11 @@ def test_split_pipeline_actor_and_critic_train_resume_and_export(tmp_path):
     run = tmp_path / "pp_split"
     plan = json.loads((run / "plan.json").read_text())
     assert plan["groups"]["actor"]["pp"] == 2 and plan["groups"]["critic"]["ranks"] == [2, 3]
+    assert plan["groups"]["reward"]["pp"] == 2
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/vf_loss" in r for r in rows)
+    # a (random) reward model's continuous scores, not a rule's 0/1 averaged over 8 samples
+    assert all(abs(r["reward/mean"] * 8 - round(r["reward/mean"] * 8)) > 1e-6 for r in rows)
     ckpt = run / "checkpoints" / "step_3"
     for step in (1, 3):  # step 1 is a periodic save, exported too with trainer.export_hf=every_save
         manifest = json.loads((run / "checkpoints" / f"step_{step}" / "COMPLETE").read_text())
