@@ -67,6 +67,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
     checkpoints and LR schedulers treat it as an AdamW.
     """
 
+    states_on_host = True  # checkpoint loaders: hand the moments over as saved, never place them on the device
+
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
