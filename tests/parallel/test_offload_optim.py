@@ -56,7 +56,7 @@ def test_update_equals_adamw_after_steps():
     ref, plain, off, offload = _pair()
     _train(ref, plain, 5, seed=1, skip_head_at=2)
     _train(off, offload, 5, seed=1, skip_head_at=2)
-    assert len(offload._chunks(offload.param_groups[0])) > 3  # the streaming path really chunks
+    assert len(offload._chunks(0, offload.param_groups[0])) > 3  # the streaming path really chunks
     _assert_same(ref, plain, off, offload)
     assert float(offload.state[off.lm_head.weight]["step"]) == 4.0  # one step skipped
     assert offload.host_bytes() == 8 * sum(p.numel() for p in off.parameters())
@@ -78,9 +78,11 @@ def test_state_dict_round_trip_continues_identically():
     _assert_same(ref, plain, resumed_model, resumed)
 
 
-def test_rejects_parameters_on_two_devices():
+def test_rejects_what_one_flat_host_buffer_cannot_hold():
     with pytest.raises(ValueError, match="one device"):
         HostOffloadAdamW([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    with pytest.raises(ValueError, match="groups by dtype"):
+        HostOffloadAdamW([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
 
 
 @pytest.mark.gpu
