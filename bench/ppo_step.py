@@ -85,6 +85,7 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "nvml_util_per_gpu": [v for k, v in sorted(mean.items(), key=lambda kv: _gpu_index(kv[0]))
                                  if _gpu_index(k) >= 0],
            "step_s": mean.get("timing_s/step"), "reward_mean": mean.get("reward/mean"),
+           "optimizer_step_s": mean.get("actor/optimizer_step_s"),  # clip + step, inside timing_s/update_actor
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
@@ -92,7 +93,8 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "run_dir": str(run_dir), "warnings": _warnings(run_dir),
            # the timeline: every step's stages (warm-up included), GPU and host memory
            "per_step": [{"step_s": r.get("timing_s/step"), "peak_mem_gb": r.get("mem/peak_gb"),
-                         "host_rss_gb": r.get("mem/host_rss_gb"),
+                         "host_rss_gb": r.get("mem/host_rss_gb"), "optimizer_step_s": r.get("actor/optimizer_step_s"),
+                         "samples_per_s": r.get("perf/samples_per_s"),
                          "timing_s": {k.split("/", 1)[1]: round(v, 3) for k, v in r.items()
                                       if k.startswith("timing_s/") and k != "timing_s/step"}} for r in rows]}
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -199,8 +200,14 @@ class ShardedWorker:
                     for k2, v in m.items():
                         sums[k2] = sums.get(k2, 0.0) + float(v)
                     count += 1
+                t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
+                    torch.cuda.synchronize(self.device)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm * len(metrics_list)
+                # clip + step, seconds per optimizer step (weighted like the other metrics)
+                sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
+                    metrics_list)
                 self.optimizer_steps_in_update += 1
         return {k: v / max(count, 1) for k, v in sums.items()}
 

@@ -19,6 +19,7 @@ def test_grpo_with_offloaded_optimizer_trains_and_checkpoints(tmp_path):
     assert "optimizer HostOffloadAdamW" in log and "moments in host memory" in log
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1]
+    assert rows[0]["actor/optimizer_step_s"] > 0
     assert rows[0]["mem/host_rss_gb"] > 0 and rows[0]["mem/host_peak_gb"] >= rows[0]["mem/host_rss_gb"]
     state = torch.load(run / "checkpoints" / "step_1" / "rank_0.pt", weights_only=False)
     saved = state["workers"]["actor"]["optim"]["state"]  # AdamW's layout: a resume loads it like any AdamW's
