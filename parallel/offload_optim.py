@@ -47,18 +47,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _pin(buf: torch.Tensor) -> None:
+def _pin(buf: torch.Tensor) -> bool:
     """Page-lock an existing host tensor for asynchronous copies (exact size, unlike pin_memory=True);
-    it is unregistered when the tensor is freed."""
+    it is unregistered when the tensor is freed. False (and a warning) when the driver refuses: the
+    copies then still work, synchronously and slower."""
+    import logging
     import weakref
 
     cudart = torch.cuda.cudart()
     nbytes = buf.numel() * buf.element_size()
     err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB of optimizer moments failed ({err}); "
-                           f"is the host short of memory or is the locked-memory limit (ulimit -l) too low?")
+        logging.getLogger("hybridrl.offload_optim").warning(
+            "cudaHostRegister of %.1f GiB of optimizer moments failed (%s): they stay in pageable host memory, "
+            "so the optimizer step's copies are synchronous and slower; check the host's free memory and the "
+            "locked-memory limit (ulimit -l)", nbytes / 2**30, err)
+        return False
     weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr())
+    return True
 
 
 @dataclass(slots=True)
@@ -114,6 +120,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
         # flat host buffers, one per group, allocated (zeroed: AdamW's initial moments) at the first step
         self._flat: list[torch.Tensor | None] = [None] * len(self.param_groups)
         self._slots: dict[torch.Tensor, _Slot] = {}
+        self.pinned = self.cuda  # every flat buffer page-locked (asynchronous copies)
         for g in self.param_groups:
             dtypes = {_local(p).dtype for p in g["params"]}
             if len(dtypes) > 1:
@@ -131,7 +138,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 start += 2 * n
             buf = torch.zeros(start, dtype=_local(params[0]).dtype)
             if self.cuda:
-                _pin(buf)
+                self.pinned = _pin(buf) and self.pinned
             self._flat[gi] = buf
         return self._flat[gi]
 

@@ -110,4 +110,5 @@ def test_gpu_fused_matches_and_moments_stay_pinned():
         assert staged <= 2 * max(chunk, largest) + (1 << 20), staged  # two chunks in flight, not all moments
         plain.step()
     _assert_same(ref, plain, off, offload)
+    assert offload.pinned
     assert all(s["exp_avg"].is_pinned() and s["exp_avg_sq"].is_pinned() for s in offload.state.values())
