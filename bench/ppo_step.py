@@ -91,6 +91,7 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
            "run_dir": str(run_dir), "warnings": _warnings(run_dir),
+           "generate_memory": _generate_memory(run_dir),
            # the timeline: every step's stages (warm-up included), GPU and host memory
            "per_step": [{"step_s": r.get("timing_s/step"), "peak_mem_gb": r.get("mem/peak_gb"),
                          "host_rss_gb": r.get("mem/host_rss_gb"), "optimizer_step_s": r.get("actor/optimizer_step_s"),
@@ -105,6 +106,16 @@ def _gpu_index(key: str) -> int:
     parts = key.split("/")
     per_gpu = len(parts) == 3 and parts[0] == "gpu" and parts[1].isdigit() and parts[2] == "util_mean"
     return int(parts[1]) if per_gpu else -1
+
+
+def _generate_memory(run_dir: Path) -> list[str]:
+    """Rank 0's last hybrid-engine cycle, phase by phase (release training state, gather, wake_up, ...,
+    restore), from its log: GPU memory allocated / reserved / peak in GB and seconds into the cycle."""
+    log = run_dir / "logs" / "rank_0.log"
+    lines = [ln.split("hybrid ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
+             if " hybrid " in ln] if log.exists() else []
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("start ")]
+    return lines[starts[-1]:] if starts else []
 
 
 def _warnings(run_dir: Path, limit: int = 12) -> list[str]:

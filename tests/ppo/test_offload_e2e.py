@@ -17,6 +17,10 @@ def test_grpo_with_offloaded_optimizer_trains_and_checkpoints(tmp_path):
     run = tmp_path / "offload"
     log = (run / "logs" / "rank_0.log").read_text()
     assert "optimizer HostOffloadAdamW" in log and "moments in host memory" in log
+    from bench.ppo_step import _generate_memory
+
+    cycle = _generate_memory(run)  # the hybrid engine's memory timeline, as the bench row reports it
+    assert cycle[0].startswith("start") and cycle[-1].startswith("restore_training")
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["actor/optimizer_step_s"] > 0
