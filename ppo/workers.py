@@ -74,7 +74,7 @@ def build_optimizer(runner: ModelRunner, optim, *, total_steps: int, offload: bo
     opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                                  offload=offload)
     n = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    logging.getLogger("hybridrl").info("optimizer %s over %.3g parameters on this rank%s", type(opt).__name__, n,
+    logging.getLogger("hybridrl").info("optimizer %s over %.3g parameters%s", type(opt).__name__, n,
                                        ": moments in host memory" if offload else "")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
                                                               schedule=optim.lr_schedule,
