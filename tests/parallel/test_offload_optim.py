@@ -1,6 +1,7 @@
 """HostOffloadAdamW equals torch.optim.AdamW: same parameters and moments after N steps of a tiny
 Llama (fp32, two parameter groups, several staged chunks, a parameter without a gradient on one
-step), and across a state_dict round trip; on a GPU (marked gpu) its moments are pinned host
+step), across a state_dict round trip, and in the actor's FSDP layout (DTensor masters, bf16
+compute) through the runner's clip-and-step; on a GPU (marked gpu) its moments are pinned host
 memory, fused updates match fused AdamW bit for bit and the staging stays within two chunks."""
 
 from __future__ import annotations
@@ -112,3 +113,48 @@ def test_gpu_fused_matches_and_moments_stay_pinned():
     _assert_same(ref, plain, off, offload)
     assert offload.pinned
     assert all(s["exp_avg"].is_pinned() and s["exp_avg_sq"].is_pinned() for s in offload.state.values())
+
+
+def _fsdp_actor_layout_matches_adamw(device: str, backend: str):
+    """The actor's layout on one device (FSDP2: fp32 DTensor masters, bf16 compute, full AC):
+    HostOffloadAdamW steps the DTensor shards through their local tensors exactly as AdamW does,
+    through the runner's optimizer_step (global-norm clipping first)."""
+    import torch.distributed as dist
+
+    from parallel.apply import parallelize_model
+    from parallel.dims import ParallelDims, build_mesh
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dims = ParallelDims(tp=1, pp=1, dp=1)
+        mesh = build_mesh(dims, [0], device_type=device)
+        runners = [parallelize_model(build_model("tiny", seed=3).to(device), mesh=mesh, dims=dims, ac="full",
+                                     param_dtype=torch.bfloat16) for _ in range(2)]
+        opts = [runners[0].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+                runners[1].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, offload=True)]
+        assert isinstance(opts[1], HostOffloadAdamW) and not isinstance(opts[0], HostOffloadAdamW)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            ids = torch.randint(0, 512, (2, 12), generator=g).to(device)
+            for r, o in zip(runners, opts):
+                logits = r.module(ids)
+                F.cross_entropy(logits[:, :-1].reshape(-1, 512).float(), ids[:, 1:].reshape(-1)).backward()
+                r.optimizer_step(o, max_norm=1.0)
+                o.zero_grad(set_to_none=True)
+        pairs = list(zip(runners[0].named_parameters(), runners[1].named_parameters()))
+        assert all(hasattr(b, "to_local") for _, (_, b) in pairs)  # really the FSDP (DTensor) layout
+        for (n, a), (_, b) in pairs:
+            assert torch.equal(a.to_local(), b.to_local()), n
+        start = dict(build_model("tiny", seed=3).named_parameters())
+        assert not torch.equal(pairs[0][1][1].to_local().cpu(), start[pairs[0][0][0]])  # the steps moved it
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_actor_layout_matches_adamw():
+    _fsdp_actor_layout_matches_adamw("cpu", "gloo")
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp_actor_layout_matches_fused_adamw():
+    _fsdp_actor_layout_matches_adamw("cuda", "nccl")
