@@ -132,6 +132,10 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
     stage_layers(cfg, pp=pp, pp_rank=pg_collection.pp.rank())  # validates pp | num_layers
     tconf = transformer_config(cfg, params_dtype=params_dtype, pp=pp, **config_overrides)
     tied = head == "lm" and cfg.tie_word_embeddings
+    if tied and pp > 1 and not torch.cuda.is_available():
+        # GPTModel syncs the last stage's copy of a tied head with `.cuda()` + all-reduce at construction
+        raise ValueError("megatron backend: a tied-embedding model at pp > 1 needs CUDA (megatron-core moves the "
+                         "shared head to the GPU while building); use pp=1 on CPU")
     gpt = GPTModel(config=tconf, transformer_layer_spec=layer_spec(), vocab_size=cfg.vocab_size,
                    max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
                    post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=tied,

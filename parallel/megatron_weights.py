@@ -103,3 +103,18 @@ def gather_hf_state(gpt: nn.Module, pgc, *, device: str | torch.device = "cpu") 
         dist.all_gather(parts, shard.contiguous(), group=pgc.tp)
         out[name] = torch.cat(parts, dim=dim).to(device)
     return out
+
+
+def megatron_reshard_shards(gpt: nn.Module, pgc) -> dict[str, torch.Tensor]:
+    """Training shards in the reshard planner's convention (parallel/reshard.py `train_box`): this rank's TP
+    shard, of which DP replica d offers rows chunk d (torch.chunk split of dim 0). megatron keeps the
+    full TP shard on every DP replica, so each replica hands out a disjoint row view and the replicas
+    together cover the tensor exactly once, as FSDP's shards do for the native backend."""
+    from parallel.reshard import fsdp_rows
+
+    dp, dp_rank = pgc.dp.size(), pgc.dp.rank()
+    out = {}
+    for name, t in megatron_hf_shards(gpt, pgc).items():
+        lo, hi = fsdp_rows(t.shape[0], dp=dp, dp_rank=dp_rank)
+        out[name] = t[lo:hi]
+    return out
