@@ -284,3 +284,45 @@ class MegatronRunner:
                 holder[key] = holder[key].to(dev)
         for buf in self.ddp.buffers:
             buf.reload_from_cpu(move_params=False, move_grads=True)
+
+    # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
+    def state_dict(self) -> dict:
+        """This rank's model shard (megatron names), the optimizer's scalar state and the distributed
+        optimizer's fp32 master + Adam shards (bucket space of this DP rank), all cloned to CPU."""
+        state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
+        if self.optimizer is not None:
+            state["optim"] = _clone_cpu(self.optimizer.state_dict())
+            state["dist_optim"] = _clone_cpu(self.optimizer.get_parameter_state_dp_reshardable())
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(self.gpt.named_parameters())
+        if set(state["params"]) != set(params):
+            raise KeyError("checkpoint was written for another layout or model: megatron parameter names differ "
+                           f"({sorted(set(state['params']) ^ set(params))[:4]}); resume with the same plan")
+        for n, p in params.items():
+            p.copy_(state["params"][n])
+        if self.optimizer is None:
+            return
+        self.optimizer.reload_model_params()
+        if "optim" in state:
+            self.optimizer.load_state_dict(state["optim"])
+        if "dist_optim" in state:
+            dist_state = state["dist_optim"]
+            for gbuf in (v for k, v in dist_state.items() if isinstance(k, int)):
+                for buckets in gbuf.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)  # the getter never writes the key the loader reads
+            self.optimizer.load_parameter_state_from_dp_reshardable(dist_state)
+
+
+def _clone_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_cpu(v) for v in obj)
+    return obj
