@@ -119,7 +119,7 @@ def layer_spec():
 
 def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, post_process: bool,
                          head: str = "lm", params_dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu", **config_overrides: Any) -> nn.Module:
+                         device: str | torch.device = "cpu", seed: int = 0, **config_overrides: Any) -> nn.Module:
     """This rank's pipeline stage of `cfg` as a megatron-core GPTModel (parameters on `device`).
 
     pg_collection: megatron-core ProcessGroupCollection of the role's layout (tp, pp, cp, embd, ...).
@@ -130,6 +130,13 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
         raise ValueError(f"head {head!r}: choose one of {HEADS}")
     pp = pg_collection.pp.size()
     stage_layers(cfg, pp=pp, pp_rank=pg_collection.pp.rank())  # validates pp | num_layers
+    if torch.device(device).type == "cuda" and "use_cpu_initialization" not in config_overrides:
+        # initialise on the GPU (CPU init of 1B+ models is slow): megatron draws from its CUDA
+        # RNG tracker, seeded per TP rank (a process singleton: only the seed offsets depend on the layout)
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0)
+        config_overrides["use_cpu_initialization"] = False
     tconf = transformer_config(cfg, params_dtype=params_dtype, pp=pp, **config_overrides)
     tied = head == "lm" and cfg.tie_word_embeddings
     if tied and pp > 1 and not torch.cuda.is_available():

@@ -225,12 +225,13 @@ class MegatronRunner:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> float:
-        """Clip (global norm over the role group) and apply Adam; returns the pre-clip grad norm."""
+    def step(self) -> float | None:
+        """Clip (global norm over the role group) and apply Adam; returns the pre-clip grad norm (None when
+        clipping is off: megatron-core then does not compute it)."""
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron optimizer skipped the step (non-finite gradients)")
-        return float(grad_norm)
+        return float(grad_norm) if grad_norm is not None else None
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
