@@ -135,7 +135,7 @@ def _reshard_case(native, gpt, pgc, world):
 def _tp_body(rank, world):
     from megatron.core import parallel_state
 
-    from models.megatron_model import head_weight, megatron_hidden
+    from parallel.megatron_runner import MegatronRunner
 
     torch.manual_seed(0)
     ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -146,8 +146,10 @@ def _tp_body(rank, world):
         ref = native(ids, pos).detach()
         for tp in (1, 2):
             gpt, pgc = _megatron(native, tp, world)
-            with torch.no_grad():
-                logits = _gather_vocab(megatron_hidden(gpt, ids, pos).transpose(0, 1) @ head_weight(gpt).t(), pgc)
+            runner = MegatronRunner(gpt, pgc)  # forward-only runner (no optimizer): runs on CPU at pp = 1
+            w, start = runner.head_shard()
+            assert start == pgc.tp.rank() * w.shape[0] and runner.has_first and runner.has_last
+            logits = _gather_vocab(runner.forward(ids, position_ids=pos) @ w.t(), pgc)
             out[(name, tp, "logits")] = (logits - ref).abs().max().item()
             if name != "qwen2_bias":
                 native.zero_grad(set_to_none=True)
