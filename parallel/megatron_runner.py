@@ -1,20 +1,19 @@
-"""`MegatronRunner`: a megatron-core model driven through the project's runner interface.
+"""`MegatronRunner`: a megatron-core model behind the project's runner interface (parallel/runner.py).
 
     pgc = build_process_groups(mesh)
     gpt = build_megatron_model(cfg, pg_collection=pgc, pre_process=..., post_process=..., device="cuda")
-    runner = MegatronRunner(gpt, pgc, attn_factory=DocumentAttention,
-                            optim=MegatronOptimSettings(lr=1e-6, grad_clip=1.0))   # optim: trainable roles
-    hidden = runner.forward(ids, position_ids=pos)                 # [B, T, H] on the last stage, else None
-    losses = runner.forward_backward(ids, position_ids=pos, loss_fn=fn, extras={"adv": adv})
-    grad_norm = runner.step()                                      # distributed optimizer: clip + Adam
+    runner = MegatronRunner(gpt, pgc, mesh=mesh, attn_factory=DocumentAttention)
+    opt = runner.build_optimizer(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)  # trainable roles
+    logps = runner.forward(mbs, reduce=lambda h, k: ...)           # last stage: [R_k], else None
+    metrics = runner.forward_backward(mbs, loss_fn=lambda h, k: (loss, {...}))
+    grad_norm = runner.optimizer_step(opt, max_norm=1.0)           # distributed optimizer: clip + Adam
 
-Rows of the [B, T] batch are split into micro-batches (one per row unless `n_microbatches` says
-otherwise) and run by megatron-core's schedule for the layout (`get_forward_backward_func(pp_size=,
-vp_size=)`: no pipelining at pp = 1, 1F1B otherwise) with an explicit `P2PCommunicator` and our
-`ProcessGroupCollection`. `loss_fn(hidden_mb [b, T, H], extras_mb) -> loss | (loss, metrics)` sees the
-last stage's final-normed hidden states and computes its own (vocab-parallel, chunked) log-probs from
-`head_shard()`; its loss is already normalised by the caller (global token count), so the schedule's
-division by the number of micro-batches is undone here.
+Micro-batches (packed rows [1, T_k], any count, any lengths) run through megatron-core's schedule for
+the layout (`get_forward_backward_func(pp_size=, vp_size=)`: no pipelining at pp = 1, 1F1B otherwise)
+with an explicit `P2PCommunicator` and our `ProcessGroupCollection`. `loss_fn(hidden [1, T, H], k)`
+sees the last stage's final-normed hidden states and computes its own (vocab-parallel, chunked)
+log-probs from `head()`; its loss is already normalised by the caller (global token count), so the
+schedule's division by the number of micro-batches is undone here.
 
 Training uses megatron-core's DDP (fp32 grad buffers, grads averaged over DP like FSDP's) and its
 distributed optimizer (fp32 master shards, clipping over the whole role group). overlap_param_gather
@@ -26,7 +25,7 @@ reshard in between would read stale weights. megatron-core's schedules and optim
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,8 @@ from torch import nn
 
 from models.megatron_model import head_weight, megatron_hidden
 from parallel.megatron_groups import assert_no_global_state
-from parallel.megatron_weights import megatron_hf_shards, megatron_reshard_shards
+from parallel.megatron_weights import gather_hf_state, megatron_hf_shards, megatron_reshard_shards
+from parallel.runner import split_loss
 
 
 @dataclass(slots=True)
@@ -100,25 +100,30 @@ def build_megatron_training(gpt: nn.Module, pgc, optim: MegatronOptimSettings):
 
 
 class MegatronRunner:
-    """One megatron-core pipeline stage (model chunk) of a role, behind the runner interface."""
+    """One megatron-core model chunk (this rank's pipeline stage) of a role, behind parallel.runner's
+    `ModelRunner` interface (forward / forward_backward over packed micro-batches, heads, HF-named
+    shards, export, the backend's optimizer)."""
 
     backend = "megatron"
+    microbatches = None  # megatron-core's schedules take any count, each micro-batch its own length
 
-    def __init__(self, gpt: nn.Module, pgc, *, attn_factory: Callable | None = None,
-                 optim: MegatronOptimSettings | None = None, n_microbatches: int | None = None):
+    def __init__(self, gpt: nn.Module, pgc, *, mesh=None, attn_factory: Callable | None = None):
         assert_no_global_state()
-        self.gpt, self.pgc = gpt, pgc
+        self.gpt, self.pgc, self.mesh = gpt, pgc, mesh
         self.attn_factory = attn_factory
-        self.n_microbatches = n_microbatches
         self.pp = pgc.pp.size()
-        self.ddp, self.optimizer = build_megatron_training(gpt, pgc, optim) if optim is not None else (None, None)
-        self.last_metrics: list[dict] = []
+        self.ddp = self.optimizer = None
         self._p2p = None
 
     # ---- layout
     @property
     def modules(self) -> list[nn.Module]:
         return [self.gpt]
+
+    @property
+    def model_config(self):
+        """The Hugging Face-side ModelConfig (GPTModel.config is megatron's TransformerConfig)."""
+        return self.gpt.hf_config
 
     @property
     def has_first(self) -> bool:
@@ -128,168 +133,136 @@ class MegatronRunner:
     def has_last(self) -> bool:
         return bool(self.gpt.post_process)
 
-    def head_shard(self) -> tuple[torch.Tensor, int]:
-        """(this rank's [V / tp, H] LM head rows, first vocab id of those rows) for vocab-parallel log-probs."""
+    @property
+    def is_exporter(self) -> bool:
+        return self.pgc.pp.rank() == 0 and self.pgc.tp.rank() == 0 and self.pgc.dp.rank() == 0
+
+    def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
+        """(this rank's [V / tp, H] LM head rows, their first vocab id), or the [L, H] `score` head (TP-replicated)."""
+        if not self.has_last:
+            raise RuntimeError("only the last pipeline stage holds the heads")
+        if name == "score":
+            return self.gpt.score.weight, 0
         w = head_weight(self.gpt)
         return w, self.pgc.tp.rank() * w.shape[0]
 
-    def score_weight(self) -> torch.Tensor:
-        """[width, H] value / reward head (replicated over TP), last stage only."""
-        return self.gpt.score.weight
-
-    def hf_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, this rank's TP shard) of every parameter of the stage; views of the parameters where the
-        layout allows (export, checkpoints of HF names)."""
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, this rank's TP shard): views of megatron's parameters where the fused layout allows
+        (read-only use: export, inspection; checkpoints go through `checkpoint_state`)."""
         yield from megatron_hf_shards(self.gpt, self.pgc).items()
 
-    def reshard_shards(self) -> dict[str, torch.Tensor]:
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.gpt.parameters() if p.requires_grad]
+
+    def training_shards(self) -> dict[str, torch.Tensor]:
         """Training shards in the reshard planner's convention (see megatron_reshard_shards)."""
         return megatron_reshard_shards(self.gpt, self.pgc)
 
+    def load_hf_weights(self, path, *, strict: bool = True) -> None:
+        """This rank's slices of an HF checkpoint into the stage (then the optimizer's fp32 masters)."""
+        from parallel.megatron_weights import load_megatron_weights
+
+        load_megatron_weights(self.gpt, self.pgc, path, strict=strict)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def export_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{HF name: full CPU tensor} on the exporter rank, None elsewhere (collective over the role group)."""
+        mine = gather_hf_state(self.gpt, self.pgc)  # TP all-gather inside each stage
+        if self.pgc.tp.rank() or self.pgc.dp.rank():
+            return None
+        if self.pp == 1:
+            return mine
+        parts = [None] * self.pp
+        dst = dist.get_global_rank(self.pgc.pp, 0)
+        dist.gather_object(mine, parts if dist.get_rank() == dst else None, dst=dst, group=self.pgc.pp)
+        return {k: v for part in parts for k, v in part.items()} if self.is_exporter else None
+
     # ---- compute
-    def _attn(self, position_ids: torch.Tensor):
-        return self.attn_factory(position_ids) if self.attn_factory is not None else None
-
-    def _split(self, position_ids: torch.Tensor) -> list[slice]:
-        b = position_ids.shape[0]
-        n = self.n_microbatches or b
-        if b % n:
-            raise ValueError(f"batch({b}) must be divisible by n_microbatches({n})")
-        step = b // n
-        return [slice(i, i + step) for i in range(0, b, step)]
-
-    def _check_inputs(self, input_ids, position_ids):
-        if self.has_first and input_ids is None:
-            raise ValueError("this rank holds the first stage: pass the input ids")
-        if position_ids is None or position_ids.dim() != 2:
-            raise ValueError("pass position_ids [B, T] on every pipeline rank (RoPE and document masks need them)")
+    def _hidden(self, mb, *, hidden_in=None) -> torch.Tensor:
+        """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout)."""
+        attn = self.attn_factory(mb.position_ids) if self.attn_factory is not None else None
+        return megatron_hidden(self.gpt, mb.input_ids if self.has_first else None, mb.position_ids, attn=attn,
+                               hidden_in=hidden_in)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor | None, *, position_ids: torch.Tensor, attn=None) -> torch.Tensor | None:
-        """[B, T] ids -> the last stage's final-normed hidden [B, T, H]; None on other stages."""
-        self._check_inputs(input_ids, position_ids)
-        if self.pp == 1:
-            return megatron_hidden(self.gpt, input_ids, position_ids,
-                                   attn=attn if attn is not None else self._attn(position_ids)).transpose(0, 1)
-        outs = self._run_schedule(input_ids, position_ids, loss_fn=None, extras=None, forward_only=True)
-        return torch.cat(outs, dim=0) if self.has_last else None
+    def forward(self, batches: Sequence, *, reduce: Callable) -> list | None:
+        """No grad; `reduce(hidden [1, T_k, H], k)` on the last stage per micro-batch -> [R_k], None elsewhere."""
+        if self.pp == 1:  # no schedule needed (and this path also runs on CPU)
+            return [reduce(self._hidden(mb).transpose(0, 1), k) for k, mb in enumerate(batches)]
+        results = self._run_schedule(batches, fn=reduce, forward_only=True)
+        return results if self.has_last else None
 
-    def forward_backward(self, input_ids: torch.Tensor | None, *, position_ids: torch.Tensor, loss_fn: Callable,
-                         extras: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """One training pass over the micro-batches; gradients accumulate in megatron's DDP buffers and are
-        reduced (DP, tied embeddings) at the end of the pass. Returns per-micro-batch losses on the last stage."""
-        require_cuda("forward_backward (megatron-core pipeline schedules)")
-        self._check_inputs(input_ids, position_ids)
-        return self._run_schedule(input_ids, position_ids, loss_fn=loss_fn, extras=extras or {}, forward_only=False)
+    def forward_backward(self, batches: Sequence, *, loss_fn: Callable) -> list[dict]:
+        """One gradient-accumulating pass over the micro-batches with megatron-core's schedule; DP and
+        tied-embedding gradient reductions run once at its end (finalize_model_grads). Gradients land in
+        DDP's fp32 buffers; the losses are used unscaled (loss_fn normalises). Metrics on the last stage."""
+        if self.optimizer is None:
+            raise RuntimeError("forward_backward needs the megatron optimizer: call build_optimizer first")
+        metrics = self._run_schedule(batches, fn=loss_fn, forward_only=False)
+        return metrics if self.has_last else []
 
-    def _run_schedule(self, input_ids, position_ids, *, loss_fn, extras, forward_only: bool) -> list[torch.Tensor]:
+    def _run_schedule(self, batches: Sequence, *, fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         require_cuda("megatron-core pipeline schedules")
-        parts = self._split(position_ids)
-        n = len(parts)
-        results: list[torch.Tensor] = []
-        self.last_metrics = [{} for _ in range(n)]
+        n = len(batches)
+        out: list = [None] * n
 
         def forward_step(data_iterator, model):
             k = next(data_iterator)
-            sl = parts[k]
-            ids = input_ids[sl] if self.has_first else None
-            out = megatron_hidden(self.gpt, ids, position_ids[sl], attn=self._attn(position_ids[sl]))
+            output = self._hidden(batches[k])
 
-            def loss_func(output):
-                hidden = output.transpose(0, 1)
-                if loss_fn is None:  # forward only: keep the hidden states
-                    results.append(hidden.detach())
+            def loss_func(output_tensor):
+                hidden = output_tensor.transpose(0, 1)  # [1, T, H]
+                if forward_only:
+                    out[k] = fn(hidden, k)
                     return hidden.new_zeros(()), {}
-                res = loss_fn(hidden, {**{key: v[sl] for key, v in extras.items()}, "mb_index": k})
-                loss, metrics = res if isinstance(res, tuple) else (res, {})
-                self.last_metrics[k] = metrics
-                results.append(loss.detach())
-                # the schedule divides each micro-batch loss by n; ours is already globally normalised
+                loss, metrics = split_loss(fn(hidden, k))
+                out[k] = metrics
+                # the schedule divides each micro-batch loss by n; ours is already normalised by the caller
                 return loss * n, metrics
 
-            return out, loss_func
+            return output, loss_func
 
         if self._p2p is None and self.pp > 1:
             self._p2p = P2PCommunicator(pp_group=self.pgc.pp, config=self.gpt.config)
+        longest = max(mb.position_ids.shape[1] for mb in batches)
         fb = get_forward_backward_func(pp_size=self.pp, vp_size=None)
         fb(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[self.ddp or self.gpt],
-           num_microbatches=n, seq_length=position_ids.shape[1], micro_batch_size=parts[0].stop - parts[0].start,
-           forward_only=forward_only, p2p_communicator=self._p2p, pg_collection=self.pgc)
-        return results if self.has_last else []
+           num_microbatches=n, seq_length=longest, micro_batch_size=1, forward_only=forward_only,
+           p2p_communicator=self._p2p, pg_collection=self.pgc)
+        return out
 
-    # ---- optimizer
-    def zero_grad(self) -> None:
+    # ---- optimizer (the backend's: DDP + distributed optimizer)
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                        grad_clip: float = 1.0):
+        """Wrap the stage in megatron-core DDP and build its distributed optimizer (collective over the role
+        group). Returns the torch optimizer megatron drives (its param_groups carry the LR a scheduler
+        sets; its state is the fp32 master shards' Adam moments)."""
+        settings = MegatronOptimSettings(lr=lr, grad_clip=grad_clip, weight_decay=weight_decay, betas=tuple(betas))
+        self.ddp, self.optimizer = build_megatron_training(self.gpt, self.pgc, settings)
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        return self.optimizer.optimizer
 
-    def step(self) -> float | None:
-        """Clip (global norm over the role group) and apply Adam; returns the pre-clip grad norm (None when
-        clipping is off: megatron-core then does not compute it)."""
+    def optimizer_step(self, optimizer, *, max_norm: float) -> float:
+        """Clip to max_norm (global norm over the role group, inside megatron's step), Adam on the fp32
+        master shards, gather the updated parameters (not lazily: a reshard next reads them), zero the
+        gradient buffers. Returns the pre-clip grad norm."""
+        self.optimizer.config.clip_grad = max_norm
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron optimizer skipped the step (non-finite gradients)")
-        return float(grad_norm) if grad_norm is not None else None
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def weights_loaded(self) -> None:
-        """After writing new weights into the model (HF load, reshard back): refresh the fp32 master copies."""
-        if self.optimizer is not None:
-            self.optimizer.reload_model_params()
-
-    # ---- offload around generation (hybrid engine)
-    def _state_tensors(self):
-        """(holder, key) of every optimizer tensor that may leave the GPU: Adam moments always; the fp32
-        master shards only when the model is half precision (with fp32 params they are views of the model's
-        own parameter buffer, which stays where it is)."""
-        inner = self.optimizer.optimizer  # the torch optimizer megatron-core wraps
-        for st in inner.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    yield st, k
-        if self.gpt.config.params_dtype != torch.float32:
-            for g in inner.param_groups:
-                for p in g["params"]:
-                    yield p, None
-
-    def offload_training_state(self) -> None:
-        """Optimizer state to CPU and DDP grad buffers freed (their storage resized to 0) while generating."""
-        if self.optimizer is None:
-            return
-        for holder, key in self._state_tensors():
-            if key is None:
-                holder.data = holder.data.cpu()
-            else:
-                holder[key] = holder[key].cpu()
-        for buf in self.ddp.buffers:
-            buf.offload_to_cpu(move_params=False, move_grads=True)
-        torch.cuda.empty_cache()
-
-    def reload_training_state(self) -> None:
-        if self.optimizer is None:
-            return
-        dev = torch.device("cuda", torch.cuda.current_device())
-        for holder, key in self._state_tensors():
-            if key is None:
-                holder.data = holder.data.to(dev)
-            else:
-                holder[key] = holder[key].to(dev)
-        for buf in self.ddp.buffers:
-            buf.reload_from_cpu(move_params=False, move_grads=True)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(grad_norm) if grad_norm is not None else 0.0
 
     # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
-    def state_dict(self) -> dict:
+    def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's model shard (megatron names), the optimizer's scalar state and the distributed
-        optimizer's fp32 master + Adam shards (bucket space of this DP rank), all cloned to CPU."""
+        optimizer's fp32 master + Adam shards (bucket space of this DP rank), all cloned to CPU.
+        (`optimizer`: what build_optimizer returned; this runner holds its megatron wrapper itself.)"""
         state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
         if self.optimizer is not None:
             state["optim"] = _clone_cpu(self.optimizer.state_dict())
@@ -297,7 +270,8 @@ class MegatronRunner:
         return state
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
+    def load_checkpoint_state(self, optimizer, state: dict) -> None:
+        """Inverse of checkpoint_state on the same layout: parameters, then optimizer and master shards."""
         params = dict(self.gpt.named_parameters())
         if set(state["params"]) != set(params):
             raise KeyError("checkpoint was written for another layout or model: megatron parameter names differ "
