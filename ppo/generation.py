@@ -46,7 +46,7 @@ class RolloutRole:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
                                    device=env.device, dtype=dtype, eos_token_ids=eos)
-        self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
+        self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
                                    optimizer=actor.optimizer, gen_dtype=dtype)
 
