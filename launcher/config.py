@@ -424,6 +424,8 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
          "virtual pipeline stages are not wired for megatron; use 1"),
         (sec.pp_schedule != "1F1B", f"{role}.pp_schedule={sec.pp_schedule}",
          "megatron-core's schedule for pp > 1 is 1F1B; use 1F1B"),
+        (sec.pp_microbatches != 0, f"{role}.pp_microbatches={sec.pp_microbatches}",
+         "megatron's schedules run the token-budget micro-batches (any count, any lengths); leave it 0"),
         (trains and cfg.model.dtype == "float16", "model.dtype=float16",
          "megatron training here has no loss scaler; use bfloat16 or float32"),
     ]

@@ -19,7 +19,7 @@ from torch import nn
 
 from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
-from parallel.apply import parallelize_model
+from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import (
@@ -49,6 +49,7 @@ class WorkerSpec:
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1
     share_prompts: bool = False  # pack a prompt once with its n responses (policy workers)
+    backend: str = "native"  # native | megatron (parallel/backends.py)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -83,11 +84,12 @@ class ShardedWorker:
         self.tp_group = mesh.get_group("tp")
         self.device = spec.device
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
-        self.runner: ModelRunner = parallelize_model(
+        self.runner: ModelRunner = build_runner(
             # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
             # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
             # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
-            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None, param_dtype=param_dtype,
+            model, backend=spec.backend, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None,
+            param_dtype=param_dtype,
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)

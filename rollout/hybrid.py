@@ -73,7 +73,7 @@ class HybridEngine:
         self.device = local.device
         dtype = gen_dtype or local.dtype
         if specs is None:
-            specs = param_specs(self.modules[0].config, itemsize=torch.empty(0, dtype=dtype).element_size())
+            specs = param_specs(actor.model_config, itemsize=torch.empty(0, dtype=dtype).element_size())
         self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
         self.memory_log: list[MemoryRecord] = []
         self.timings: dict[str, float] = {}
