@@ -37,18 +37,15 @@ def _native(name):
     return model
 
 
-def _megatron(native, tp, world, head="lm", pp=1):
-    from models.megatron_model import build_megatron_model
+def _megatron(native, tp, world, pp=1):
+    """The factory's megatron runner of `native` (same weights) -> (runner, its GPTModel, its groups)."""
+    from parallel.backends import build_runner
     from parallel.dims import ParallelDims, build_mesh
-    from parallel.megatron_groups import build_process_groups
-    from parallel.megatron_weights import load_megatron_weights
 
-    mesh = build_mesh(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)), list(range(world)), device_type="cpu")
-    pgc = build_process_groups(mesh)
-    gpt = build_megatron_model(native.config, pg_collection=pgc, pre_process=pgc.pp.rank() == 0,
-                               post_process=pgc.pp.rank() == pp - 1, head=head)
-    load_megatron_weights(gpt, pgc, {n: p.detach() for n, p in native.named_parameters(remove_duplicate=False)})
-    return gpt, pgc
+    dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
+    mesh = build_mesh(dims, list(range(world)), device_type="cpu")
+    runner = build_runner(native, backend="megatron", mesh=mesh, dims=dims)
+    return runner, runner.gpt, runner.pgc
 
 
 def _gather_vocab(local, pgc):
@@ -113,9 +110,8 @@ def _packing_case(native, gpt):
     return max(err, (packed - native_packed).abs().max().item())
 
 
-def _reshard_case(native, gpt, pgc, world):
+def _reshard_case(native, runner, pgc, world):
     """Megatron training shards (TP=world) -> generation TP=1 equal the native full tensors exactly."""
-    from parallel.megatron_weights import megatron_reshard_shards
     from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
     from parallel.reshard_exec import build_reshard_groups, execute_reshard
 
@@ -126,16 +122,49 @@ def _reshard_case(native, gpt, pgc, world):
     groups = build_reshard_groups((train, gen), list(range(world)))
     plan = plan_reshard(train, gen, param_specs(native.config, itemsize=4), only_rank=rank)
     with torch.no_grad():
-        out = execute_reshard(plan, megatron_reshard_shards(gpt, pgc), groups=groups, bucket_bytes=1 << 16)
+        out = execute_reshard(plan, runner.training_shards(), groups=groups, bucket_bytes=1 << 16)
     full = {n: p.detach() for n, p in native.named_parameters(remove_duplicate=False)}
     assert set(out) == set(full)
     return all(torch.equal(out[n], full[n]) for n in full)
 
 
+def _worker_case(native, rank, world):
+    """A reference PolicyWorker on backend megatron (TP=2, built by the one factory) reports the same response
+    log-probs and entropies as the same worker on the native backend (packed, shared-prompt micro-batches)."""
+    import copy
+
+    from parallel.dims import ParallelDims, build_mesh
+    from ppo.experience import Experience, Sample
+    from ppo.workers import PolicyWorker, WorkerSpec
+
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(4):
+        prompt = torch.randint(3, 500, (5,), generator=g).tolist()
+        for j in range(2):  # two responses per prompt: shared-prompt packing
+            resp = torch.randint(3, 500, (3 + i + j,), generator=g).tolist()
+            samples.append(Sample(uid=2 * i + j, prompt_index=i, prompt_ids=prompt, response_ids=resp,
+                                  behaviour_logprobs=[], finish_reason="stop"))
+    exp = Experience(samples)
+    dims = ParallelDims(tp=2, pp=1, dp=world // 2)
+    mesh = build_mesh(dims, list(range(world)), device_type="cpu")
+    out = {}
+    for backend in ("native", "megatron"):
+        spec = WorkerSpec(mesh=mesh, dims=dims, device=torch.device("cpu"), dtype=torch.float32, backend=backend,
+                          share_prompts=True)
+        worker = PolicyWorker(copy.deepcopy(native), spec, temperature=0.7, pad_id=0, trainable=False)
+        out[backend] = worker.compute_logprobs(exp, worker.plan(exp, mini_batch_size=0, max_tokens=24),
+                                               with_entropy=True)
+    if rank:  # tp rank 1 is no owner: it reports nothing on either backend
+        return not out["native"]["logp"] and not out["megatron"]["logp"]
+    n, m = out["native"], out["megatron"]
+    return max(max((n[k][u] - m[k][u]).abs().max().item() for u in n[k]) for k in ("logp", "entropy")) < TOL
+
+
 def _tp_body(rank, world):
     from megatron.core import parallel_state
 
-    from parallel.megatron_runner import MegatronRunner
+    from parallel.runner import MicroBatch
 
     torch.manual_seed(0)
     ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -145,11 +174,11 @@ def _tp_body(rank, world):
         native = _native(name)
         ref = native(ids, pos).detach()
         for tp in (1, 2):
-            gpt, pgc = _megatron(native, tp, world)
-            runner = MegatronRunner(gpt, pgc)  # forward-only runner (no optimizer): runs on CPU at pp = 1
-            w, start = runner.head_shard()
+            runner, gpt, pgc = _megatron(native, tp, world)  # forward-only (no optimizer): runs on CPU at pp = 1
+            w, start = runner.head("lm_head")
             assert start == pgc.tp.rank() * w.shape[0] and runner.has_first and runner.has_last
-            logits = _gather_vocab(runner.forward(ids, position_ids=pos) @ w.t(), pgc)
+            rows = [MicroBatch(ids[i:i + 1], pos[i:i + 1]) for i in range(len(ids))]
+            logits = _gather_vocab(torch.cat(runner.forward(rows, reduce=lambda h, k, w=w: h @ w.t())), pgc)
             out[(name, tp, "logits")] = (logits - ref).abs().max().item()
             if name != "qwen2_bias":
                 native.zero_grad(set_to_none=True)
@@ -158,7 +187,13 @@ def _tp_body(rank, world):
                 with torch.no_grad():
                     out[(name, tp, "packing")] = _packing_case(native, gpt)
             if tp == 2 and name != "qwen2_bias":
-                out[(name, tp, "reshard")] = _reshard_case(native, gpt, pgc, world)
+                out[(name, tp, "reshard")] = _reshard_case(native, runner, pgc, world)
+                full = runner.export_state_dict()  # TP all-gather; the exporter rank gets the whole model
+                want = {n: p.detach() for n, p in native.named_parameters()}
+                out[(name, tp, "export")] = full is None if rank else (
+                    set(full) >= set(want) and all(torch.equal(full[n], want[n]) for n in want))
+            if tp == 2 and name == "llama":  # (the native TP plan refuses tied heads at tp > 1)
+                out[(name, tp, "worker")] = _worker_case(native, rank, world)
     out["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
     return out
 
@@ -168,7 +203,7 @@ def test_megatron_matches_native_at_tp1_and_tp2():
     for res in run_world(_tp_body, world_size=2, timeout=300):
         assert res.pop("globals_untouched")
         for key, val in res.items():
-            if key[2] == "reshard":
+            if key[2] in ("reshard", "export", "worker"):
                 assert val is True, key
             elif key[2] == "logprob_grad":
                 assert max(val) < TOL, (key, val)
@@ -187,7 +222,7 @@ def _pp_body(rank, world):
     pos = torch.arange(6).expand(2, 6)
     for name in ("llama", "qwen2_bias"):  # tied heads at pp > 1: GPU test (megatron syncs them with .cuda())
         native = _native(name)
-        gpt, pgc = _megatron(native, 2, world, pp=2)
+        _, gpt, pgc = _megatron(native, 2, world, pp=2)
         lay = dict(tp=2, pp=2, pp_rank=pgc.pp.rank())
         full = {n: p.detach() for n, p in native.named_parameters(remove_duplicate=False)}
         from parallel.sharding import tp_slices
