@@ -47,30 +47,29 @@ def _mesh(ranks, *, tp=1, pp=1):
     return build_mesh(ParallelDims(tp=tp, pp=pp, dp=len(ranks) // (tp * pp)), ranks, device_type="cuda")
 
 
-def _runner(native, *, tp=1, pp=1, world=1, dtype=torch.float32, optim=None, n_mb=None, head="lm", mesh=None):
+def _runner(native, *, tp=1, pp=1, world=1, dtype=None, mesh=None, lr=None):
+    """The backend factory's megatron runner of `native` (its weights), with the optimizer when lr is given."""
     from models.llama import DocumentAttention
-    from models.megatron_model import build_megatron_model
-    from parallel.megatron_groups import build_process_groups
-    from parallel.megatron_runner import MegatronRunner
-    from parallel.megatron_weights import load_megatron_weights
+    from parallel.backends import build_runner
+    from parallel.dims import ParallelDims
 
     mesh = mesh if mesh is not None else _mesh(list(range(world)), tp=tp, pp=pp)
-    pgc = build_process_groups(mesh)
-    gpt = build_megatron_model(native.config, pg_collection=pgc, pre_process=pgc.pp.rank() == 0,
-                               post_process=pgc.pp.rank() == pp - 1, head=head, params_dtype=dtype, device="cuda")
-    load_megatron_weights(gpt, pgc, {n: p.detach().float().cpu() for n, p in native.named_parameters(
-        remove_duplicate=False)}, strict=head == "lm")
-    runner = MegatronRunner(gpt, pgc, attn_factory=DocumentAttention, optim=optim, n_microbatches=n_mb)
-    runner.weights_loaded()
-    return runner, pgc
+    dims = ParallelDims(tp=mesh.size(2), pp=mesh.size(0), dp=mesh.size(1))
+    runner = build_runner(native, backend="megatron", mesh=mesh, dims=dims, param_dtype=dtype,
+                          attn_factory=DocumentAttention)
+    opt = runner.build_optimizer(lr=lr, betas=(0.9, 0.999), weight_decay=0.0) if lr is not None else None
+    return runner, opt
 
 
 def _batch(cfg, b=4, t=64, seed=0):
+    """b packed rows [1, t] (two documents each, positions restart), and next-token targets."""
+    from parallel.runner import MicroBatch
+
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, cfg.vocab_size, (b, t), generator=g)
-    # packed rows: two sequences per row (positions restart), as the PPO workers feed them
-    pos = torch.cat([torch.arange(t // 2 + 3), torch.arange(t - t // 2 - 3)]).expand(b, t).contiguous()
-    return ids.cuda(), pos.cuda(), torch.roll(ids, -1, 1).cuda()
+    ids = torch.randint(3, cfg.vocab_size, (b, t), generator=g).cuda()
+    pos = torch.cat([torch.arange(t // 2 + 3), torch.arange(t - t // 2 - 3)]).expand(b, t).contiguous().cuda()
+    mbs = [MicroBatch(ids[i:i + 1], pos[i:i + 1]) for i in range(b)]
+    return mbs, torch.roll(ids, -1, 1)
 
 
 def _logprobs(hidden, w, start, targets, tp_group, with_entropy=False):
@@ -80,22 +79,41 @@ def _logprobs(hidden, w, start, targets, tp_group, with_entropy=False):
                                          tp_group=tp_group, vocab_start=start, with_entropy=with_entropy)
 
 
-# ------------------------------------------------------------------ one GPU
-def _bf16_body(rank, world):
+def _nll(runner, targets):
+    """loss_fn for runner.forward_backward: next-token NLL of micro-batch k summed over its tokens, divided by
+    all tokens of the batch (so the micro-batch losses add up to the batch mean); the loss is also a metric."""
+    def fn(h, k):
+        loss = -_logprobs(h, *runner.head("lm_head"), targets[k], runner.pgc.tp)[0].sum() / targets.numel()
+        return loss, {"loss": float(loss)}
+    return fn
+
+
+def _lm_reduce(runner, targets, with_entropy=False):
+    """reduce for runner.forward: (log-probs, entropies) of micro-batch k."""
+    return lambda h, k: _logprobs(h, *runner.head("lm_head"), targets[k], runner.pgc.tp, with_entropy)
+
+
+def _native_hidden(native, mb):
     from models.llama import DocumentAttention
 
+    return native.hidden_states(mb.input_ids, mb.position_ids, attn=DocumentAttention(mb.position_ids))
+
+
+# ------------------------------------------------------------------ one GPU
+def _bf16_body(rank, world):
     cfg = _cfg()
-    ids, pos, targets = _batch(cfg, b=4, t=256)
+    mbs, targets = _batch(cfg, b=4, t=256)
     ref32 = _native(cfg, torch.float32)
     native = _native(cfg, torch.bfloat16)
-    runner, pgc = _runner(native, dtype=torch.bfloat16)
+    runner, _ = _runner(_native(cfg, torch.bfloat16))
     with torch.no_grad():
-        lp32, _ = _logprobs(ref32.hidden_states(ids, pos, attn=DocumentAttention(pos)), ref32.lm_head.weight, 0,
-                            targets, None)
-        lpn, entn = _logprobs(native.hidden_states(ids, pos, attn=DocumentAttention(pos)), native.lm_head.weight, 0,
-                              targets, None, True)
-        w, start = runner.head_shard()
-        lpm, entm = _logprobs(runner.forward(ids, position_ids=pos), w, start, targets, pgc.tp, True)
+        lp32 = torch.cat([_logprobs(_native_hidden(ref32, mb), ref32.lm_head.weight, 0, targets[k], None)[0]
+                          for k, mb in enumerate(mbs)])
+        nat = [_logprobs(_native_hidden(native, mb), native.lm_head.weight, 0, targets[k], None, True)
+               for k, mb in enumerate(mbs)]
+        meg = runner.forward(mbs, reduce=_lm_reduce(runner, targets, with_entropy=True))
+    lpn, entn = (torch.cat(x) for x in zip(*nat))
+    lpm, entm = (torch.cat(x) for x in zip(*meg))
     return dict(megatron_vs_native=(lpm - lpn).abs().max().item(), native_vs_fp32=(lpn - lp32).abs().max().item(),
                 megatron_vs_fp32=(lpm - lp32).abs().max().item(), entropy_diff=(entm - entn).abs().max().item())
 
@@ -111,45 +129,31 @@ def test_bf16_logprobs_megatron_vs_native():
 
 
 def _train_body(rank, world):
-    from parallel.megatron_runner import MegatronOptimSettings
+    import copy
 
-    torch.manual_seed(0)
+    from parallel.megatron_weights import megatron_hf_shards
+
     cfg = _cfg()
     native = _native(cfg)
-    ids, pos, targets = _batch(cfg)
-    mask = torch.ones_like(ids, dtype=torch.float32)
-    denom = float(mask.sum())
-    settings = MegatronOptimSettings(lr=1e-3, grad_clip=1.0)
-    runner, pgc = _runner(native, optim=settings, n_mb=2)
-
-    def loss_fn(hidden, mb):
-        w, start = runner.head_shard()
-        lp, _ = _logprobs(hidden, w, start, mb["targets"], pgc.tp)
-        return -(lp * mb["mask"].reshape(-1)).sum() / denom
+    runner, opt = _runner(copy.deepcopy(native), lr=1e-3)
+    mbs, targets = _batch(cfg)
+    denom = float(targets.numel())
 
     def mega_step():
-        runner.zero_grad()
-        losses = runner.forward_backward(ids, position_ids=pos, loss_fn=loss_fn,
-                                         extras={"targets": targets, "mask": mask})
-        return float(sum(losses)), runner.step()
+        metrics = runner.forward_backward(mbs, loss_fn=_nll(runner, targets))
+        return sum(m["loss"] for m in metrics), runner.optimizer_step(opt, max_norm=1.0)
 
-    # native: the same loss over the same two micro-batches, AdamW with the same settings, clipped at 1.0
-    from models.llama import DocumentAttention
-
-    opt = torch.optim.AdamW(native.parameters(), lr=1e-3, betas=settings.betas, eps=settings.eps, weight_decay=0.0)
+    # native: the same micro-batches and loss, AdamW with the same settings, clipped at 1.0
+    nopt = torch.optim.AdamW(native.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     nloss = 0.0
-    for sl in (slice(0, 2), slice(2, 4)):
-        h = native.hidden_states(ids[sl], pos[sl], attn=DocumentAttention(pos[sl]))
-        lp, _ = _logprobs(h, native.lm_head.weight, 0, targets[sl], None)
-        loss = -(lp * mask[sl].reshape(-1)).sum() / denom
+    for k, mb in enumerate(mbs):
+        loss = -_logprobs(_native_hidden(native, mb), native.lm_head.weight, 0, targets[k], None)[0].sum() / denom
         loss.backward()
         nloss += float(loss)
     nnorm = float(torch.nn.utils.clip_grad_norm_(native.parameters(), 1.0))
-    opt.step()
+    nopt.step()
     loss0, norm0 = mega_step()
-    from parallel.megatron_weights import megatron_hf_shards
-
-    updated = megatron_hf_shards(runner.gpt, pgc)
+    updated = megatron_hf_shards(runner.gpt, runner.pgc)
     nparams = dict(native.named_parameters(remove_duplicate=False))
     werr = max((updated[n].float() - nparams[n].float()).abs().max().item() for n in updated)
     losses = [loss0] + [mega_step()[0] for _ in range(5)]
@@ -167,28 +171,22 @@ def test_distributed_optimizer_training_matches_native():
 
 
 def _ckpt_body(rank, world):
-    from parallel.megatron_runner import MegatronOptimSettings
-
     cfg = _cfg()
-    ids, pos, targets = _batch(cfg)
+    mbs, targets = _batch(cfg)
     out = []
     for dtype in (torch.float32, torch.bfloat16):
-        native = _native(cfg, dtype)
-        settings = MegatronOptimSettings(lr=1e-3, grad_clip=1.0)
-        a, pgc = _runner(native, optim=settings, dtype=dtype)
-        b, _ = _runner(native, optim=settings, dtype=dtype)
+        a, opt_a = _runner(_native(cfg), dtype=dtype, lr=1e-3)
+        b, opt_b = _runner(_native(cfg), dtype=dtype, lr=1e-3)
 
-        def step(r, tp_group):
-            r.zero_grad()
-            r.forward_backward(ids, position_ids=pos, extras={"targets": targets},
-                               loss_fn=lambda h, mb: -_logprobs(h, *r.head_shard(), mb["targets"], tp_group)[0].mean())
-            return r.step()
+        def step(r, opt):
+            r.forward_backward(mbs, loss_fn=_nll(r, targets))
+            return r.optimizer_step(opt, max_norm=1.0)
 
         for _ in range(2):
-            step(a, pgc.tp)
-        b.load_state_dict(a.state_dict())
+            step(a, opt_a)
+        b.load_checkpoint_state(opt_b, a.checkpoint_state(opt_a))
         same_before = all(torch.equal(x, y) for x, y in zip(a.gpt.parameters(), b.gpt.parameters()))
-        na, nb = step(a, pgc.tp), step(b, pgc.tp)
+        na, nb = step(a, opt_a), step(b, opt_b)
         same_after = all(torch.equal(x, y) for x, y in zip(a.gpt.parameters(), b.gpt.parameters()))
         out.append(dict(dtype=str(dtype), same_before=same_before, same_after=same_after, norms=(na, nb)))
     return out
@@ -206,27 +204,24 @@ def test_checkpoint_round_trip_is_exact():
 # ------------------------------------------------------------------ several GPUs
 def _pp_grad_body(rank, world):
     """1F1B over pp=2 (4 micro-batches): loss and gradients equal a pp=1 run of the same batch."""
+    import copy
+
     import torch.distributed as dist
 
     from models.megatron_map import megatron_to_hf
-    from parallel.megatron_runner import MegatronOptimSettings
 
     cfg = _cfg()
     native = _native(cfg)
-    ids, pos, targets = _batch(cfg)
-    settings = MegatronOptimSettings(lr=0.0, grad_clip=1e9)
+    mbs, targets = _batch(cfg)
     out = {}
     single = [_mesh([r]) for r in range(world)][rank]  # every rank builds both one-rank meshes
     for pp, mesh in ((1, single), (2, _mesh([0, 1], pp=2))):
-        runner, pgc = _runner(native, pp=pp, optim=settings, n_mb=4, mesh=mesh)
-        runner.zero_grad()
-        losses = runner.forward_backward(ids if runner.has_first else None, position_ids=pos, extras={"t": targets},
-                                         loss_fn=lambda h, mb, r=runner, g=pgc.tp: -_logprobs(
-                                             h, *r.head_shard(), mb["t"], g)[0].sum() / ids.numel())
-        norm = runner.step()
-        grads = megatron_to_hf({n: p.main_grad for n, p in runner.gpt.named_parameters()}, cfg, tp=1, pp=pp,
-                               pp_rank=pgc.pp.rank())
-        out[pp] = dict(loss=float(sum(losses)) if losses else None, norm=norm,
+        runner, opt = _runner(copy.deepcopy(native), mesh=mesh, lr=0.0)
+        metrics = runner.forward_backward(mbs, loss_fn=_nll(runner, targets))
+        grads = megatron_to_hf({n: p.main_grad.clone() for n, p in runner.gpt.named_parameters()}, cfg, tp=1, pp=pp,
+                               pp_rank=runner.pgc.pp.rank())
+        norm = runner.optimizer_step(opt, max_norm=1e9)
+        out[pp] = dict(loss=sum(m["loss"] for m in metrics) if metrics else None, norm=norm,
                        grads={n: g.float().cpu() for n, g in grads.items()})
         dist.barrier()
     full = out[1]["grads"]
@@ -246,21 +241,22 @@ def test_1f1b_grads_equal_pp1():
 
 
 def _tp_pp_body(rank, world):
-    """TP2 x PP2 over NCCL: log-probs (forward through the schedule) equal the native model; tied head too."""
-    cfg_out = {}
+    """TP2 x PP2 over NCCL: log-probs (forward through the 1F1B schedule) equal the native model; tied head too."""
+    import copy
+
+    out = {}
     for name, kw in (("llama", {}), ("tied", dict(model_type="qwen2", tie_word_embeddings=True))):
         cfg = _cfg(**kw)
         native = _native(cfg)
-        ids, pos, targets = _batch(cfg)
-        runner, pgc = _runner(native, tp=2, pp=2, world=4, n_mb=2)
+        mbs, targets = _batch(cfg)
+        runner, _ = _runner(copy.deepcopy(native), tp=2, pp=2, world=4)
         with torch.no_grad():
-            hidden = runner.forward(ids if runner.has_first else None, position_ids=pos)
+            got = runner.forward(mbs, reduce=_lm_reduce(runner, targets))
             if runner.has_last:
-                lp, _ = _logprobs(hidden, *runner.head_shard(), targets, pgc.tp)
-                ref, _ = _logprobs(native.hidden_states(ids, pos, attn=runner.attn_factory(pos)),
-                                   native.lm_head.weight, 0, targets, None)
-                cfg_out[name] = (lp - ref).abs().max().item()
-    return cfg_out
+                ref = [_logprobs(_native_hidden(native, mb), native.lm_head.weight, 0, targets[k], None)[0]
+                       for k, mb in enumerate(mbs)]
+                out[name] = (torch.cat([lp for lp, _ in got]) - torch.cat(ref)).abs().max().item()
+    return out
 
 
 @pytest.mark.gpu
@@ -275,22 +271,23 @@ def test_tp2_pp2_logprobs_over_nccl():
 def _split_body(rank, world):
     """Split placement: rank 0 trains a megatron actor, rank 1 a megatron critic, each with its own
     distributed optimizer (megatron's WORLD collectives while building must not hang), then one step each."""
-    from parallel.megatron_runner import MegatronOptimSettings
+    from models.heads import LlamaForValue
+    from models.llama import init_weights
 
     cfg = _cfg()
-    native = _native(cfg)
-    ids, pos, targets = _batch(cfg)
-    settings = MegatronOptimSettings(lr=1e-4, grad_clip=1.0)
+    mbs, targets = _batch(cfg)
     meshes = [_mesh([0]), _mesh([1])]  # the plan's two role groups, built by every rank
     if rank == 0:
-        runner, pgc = _runner(native, optim=settings, mesh=meshes[0])
-        fn = lambda h, mb: -_logprobs(h, *runner.head_shard(), mb["t"], pgc.tp)[0].mean()  # noqa: E731
+        runner, opt = _runner(_native(cfg), mesh=meshes[0], lr=1e-4)
+        fn = _nll(runner, targets)
     else:
-        runner, pgc = _runner(native, optim=settings, mesh=meshes[1], head="value")
-        fn = lambda h, mb: (h.float() @ runner.score_weight().float().t()).square().mean()  # noqa: E731
-    runner.zero_grad()
-    runner.forward_backward(ids, position_ids=pos, loss_fn=fn, extras={"t": targets})
-    return runner.step()
+        critic = LlamaForValue(cfg)
+        init_weights(critic, seed=0)
+        torch.nn.init.normal_(critic.score.weight, std=0.02)
+        runner, opt = _runner(critic.cuda(), mesh=meshes[1], lr=1e-4)
+        fn = lambda h, k: (h.float() @ runner.head("score")[0].float().t()).square().mean()  # noqa: E731
+    runner.forward_backward(mbs, loss_fn=fn)
+    return runner.optimizer_step(opt, max_norm=1.0)
 
 
 @pytest.mark.gpu
@@ -304,16 +301,18 @@ def test_split_placement_megatron_actor_and_critic():
 
 def _reshard_body(rank, world):
     """Megatron actor at TP2 -> generation TP1 through the reshard planner/executor: equals the HF weights."""
+    import copy
+
     from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
     from parallel.reshard_exec import build_reshard_groups, execute_reshard
 
     cfg = _cfg()
     native = _native(cfg, torch.bfloat16)
-    runner, pgc = _runner(native, tp=2, world=2, dtype=torch.bfloat16)
+    runner, _ = _runner(copy.deepcopy(native), tp=2, world=2)
     train, gen = TrainLayout(tp=2, pp=1, dp=1), GenLayout(tp=1, dp=2)
     groups = build_reshard_groups((train, gen), [0, 1], backend="nccl")
     plan = plan_reshard(train, gen, param_specs(cfg, itemsize=2), only_rank=rank)
-    out = execute_reshard(plan, runner.reshard_shards(), groups=groups, bucket_bytes=1 << 20)
+    out = execute_reshard(plan, runner.training_shards(), groups=groups, bucket_bytes=1 << 20)
     full = dict(native.named_parameters(remove_duplicate=False))
     return all(torch.equal(out[n], full[n].detach()) for n in full)
 
