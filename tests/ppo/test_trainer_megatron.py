@@ -22,3 +22,20 @@ def test_grpo_with_megatron_reference_tp2(tmp_path):
     # native reference: 5e-9 on this run; a wrong q/k/v or gate/up layout gives KL of order 1
     assert rows[0]["actor/kl"] < 1e-6, rows[0]["actor/kl"]
     assert rows[1]["actor/kl"] > rows[0]["actor/kl"]  # the actor moved away from the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_grpo_megatron_actor_on_gpu_ratio_exactly_one(tmp_path):
+    """A megatron actor (DDP + distributed optimizer, bf16 params with fp32 masters) trains in the GRPO loop
+    with the hybrid engine; the in-reward KL penalty forces a separate old-log-prob pass, whose log-probs
+    the update's first (only) mini-batch must reproduce bit for bit: ratio exactly 1, nothing clipped."""
+    res = launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "trainer.experiment_name=mgpu",
+                 "trainer.device=cuda", "model.dtype=bfloat16", "actor.backend=megatron",
+                 "algorithm.use_kl_penalty=true", "algorithm.kl_coef=0.001", timeout=600)
+    _ok(res)
+    rows = metrics(tmp_path / "mgpu")
+    for r in rows:
+        assert r["actor/ratio_min"] == 1.0 and r["actor/ratio_max"] == 1.0, r
+        assert r["actor/clipfrac"] == 0.0
+    assert (tmp_path / "mgpu" / "checkpoints" / "step_3" / "actor" / "config.json").exists()  # final HF export
