@@ -264,7 +264,9 @@ class MegatronRunner:
         optimizer's fp32 master + Adam shards (bucket space of this DP rank), all cloned to CPU.
         (`optimizer`: what build_optimizer returned; this runner holds its megatron wrapper itself.)"""
         state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
-        if self.optimizer is not None:
+        # before its first step megatron's optimizer has no state to save (and its state_dict asserts on that):
+        # the masters then equal the parameters, which is what a fresh optimizer starts from
+        if self.optimizer is not None and len(self.optimizer.optimizer.state) > 0:
             state["optim"] = _clone_cpu(self.optimizer.state_dict())
             state["dist_optim"] = _clone_cpu(self.optimizer.get_parameter_state_dp_reshardable())
         return state
