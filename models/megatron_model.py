@@ -135,8 +135,11 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
         # RNG tracker, seeded per TP rank (a process singleton: only the seed offsets depend on the layout)
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        rng = torch.cuda.get_rng_state()  # it also reseeds the global CUDA generator: put that back afterwards
         model_parallel_cuda_manual_seed(seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0)
         config_overrides["use_cpu_initialization"] = False
+    else:
+        rng = None
     tconf = transformer_config(cfg, params_dtype=params_dtype, pp=pp, **config_overrides)
     tied = head == "lm" and cfg.tie_word_embeddings
     if tied and pp > 1 and not torch.cuda.is_available():
@@ -153,6 +156,8 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
         width = 1 if head == "value" else cfg.num_labels
         gpt.score = nn.Linear(cfg.hidden_size, width, bias=False, dtype=params_dtype)
         nn.init.zeros_(gpt.score.weight)  # a zero value head: every value starts at 0 (models/heads.py)
+    if rng is not None:
+        torch.cuda.set_rng_state(rng)
     gpt.hf_config = cfg
     gpt.head_kind = head
     return gpt.to(device)
