@@ -383,7 +383,13 @@ def main(argv: list[str] | None = None) -> dict:
              else [RunSpec(args.mode, args.compile, args.ac, args.master, args.attn)])
     results = []
     backends = ("native", "megatron") if args.backend == "both" else (args.backend,)
+    measured_megatron = set()
     for spec, backend in ((s, b) for s in specs for b in backends):
+        if backend == "megatron":  # megatron runs eager with fp32 masters: compile/master variants are one config
+            key = (spec.mode, spec.ac, spec.attn)
+            if key in measured_megatron:
+                continue
+            measured_megatron.add(key)
         try:
             if backend == "megatron":
                 from bench.megatron_step import run_megatron
