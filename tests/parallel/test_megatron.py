@@ -2,6 +2,7 @@
 
 Each world checks several things at once (spawning a world with megatron-core costs seconds on 2 cores):
 logits equal the native model at tp 1 and 2 for Llama, Qwen2 (q/k/v bias) and a tied-embedding model;
+megatron-core's schedule with our forward step gives the native loss and gradients (micro-batch scaling undone);
 packed and shared-prompt rows equal unpacked; log-probs, entropy and gradients equal the native path;
 HF load -> training shards -> reshard -> generation shards equal the native ones exactly; a TP2 x PP2
 build has the mapping's names and shapes and its pipelined logits equal the native model (tied heads at
@@ -128,6 +129,63 @@ def _reshard_case(native, runner, pgc, world):
     return all(torch.equal(out[n], full[n]) for n in full)
 
 
+def _schedule_case(native, runner):
+    """megatron-core's own no-pipelining schedule drives our forward step and loss on CPU: the summed loss
+    and the gradients of two uneven packed micro-batches equal the native model's (the schedule divides
+    each micro-batch loss by their count; the runner undoes it). The schedule's one CUDA allocation (a
+    token counter, `torch.zeros(device="cuda")`) is redirected to the CPU for this process only."""
+    import types
+
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    import parallel.megatron_runner as megatron_runner
+    from models.llama import DocumentAttention
+    from models.logprobs import compute_token_logprobs
+    from models.megatron_map import megatron_to_hf
+    from parallel.runner import MicroBatch
+    from parallel.sharding import tp_slices
+    from parallel.vocab_parallel import vocab_parallel_token_logprobs
+
+    class _CpuCounters(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *args, device=None, **kwargs):
+            return torch.zeros(*args, **kwargs)
+
+    schedules.torch = _CpuCounters("torch")
+    megatron_runner.require_cuda = lambda what: None
+    runner.attn_factory = DocumentAttention
+    cfg, tp, r = native.config, runner.pgc.tp.size(), runner.pgc.tp.rank()
+    g = torch.Generator().manual_seed(11)
+    mbs = [MicroBatch(torch.randint(3, 500, (1, n), generator=g),
+                      torch.cat([torch.arange(n - 4), torch.arange(4)])[None]) for n in (9, 13)]
+    targets = [torch.roll(mb.input_ids, -1, 1)[0] for mb in mbs]
+    denom = sum(t.numel() for t in targets)
+    for p in runner.gpt.parameters():
+        p.grad = None
+
+    def loss_fn(h, k):
+        w, start = runner.head("lm_head")
+        lp, _ = vocab_parallel_token_logprobs(h[0], w, targets[k], tp_group=runner.pgc.tp, vocab_start=start)
+        loss = -lp.sum() / denom
+        return loss, {"loss": float(loss.detach())}
+
+    metrics = runner._run_schedule(mbs, fn=loss_fn, forward_only=False)
+    native.zero_grad(set_to_none=True)
+    nloss = 0.0
+    for k, mb in enumerate(mbs):
+        h = native.hidden_states(mb.input_ids, mb.position_ids, attn=DocumentAttention(mb.position_ids))
+        loss = -compute_token_logprobs(h[0], native.lm_head.weight, targets[k])[0].sum() / denom
+        loss.backward()
+        nloss += float(loss)
+    grads = megatron_to_hf({n: p.grad for n, p in runner.gpt.named_parameters()}, cfg, tp=tp, pp=1, pp_rank=0)
+    ref = dict(native.named_parameters())
+    gerr = max((gr - ref[n].grad[tp_slices(n, tuple(ref[n].shape), rank=r, world=tp)]).abs().max().item()
+               for n, gr in grads.items())
+    return max(abs(sum(m["loss"] for m in metrics) - nloss), gerr)
+
+
 def _worker_case(native, rank, world):
     """A reference PolicyWorker on backend megatron (TP=2, built by the one factory) reports the same response
     log-probs and entropies as the same worker on the native backend (packed, shared-prompt micro-batches)."""
@@ -194,6 +252,7 @@ def _tp_body(rank, world):
                     set(full) >= set(want) and all(torch.equal(full[n], want[n]) for n in want))
             if tp == 2 and name == "llama":  # (the native TP plan refuses tied heads at tp > 1)
                 out[(name, tp, "worker")] = _worker_case(native, rank, world)
+                out[(name, tp, "schedule")] = _schedule_case(native, runner)
     out["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
     return out
 
