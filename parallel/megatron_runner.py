@@ -258,6 +258,19 @@ class MegatronRunner:
         self.optimizer.zero_grad()
         return float(grad_norm) if grad_norm is not None else 0.0
 
+    # ---- around generation (hybrid engine)
+    def release_gradients(self) -> None:
+        """Free DDP's fp32 gradient buffers (storage resized to 0, 4 bytes per parameter) while generating;
+        they are zero between optimizer steps, so nothing is copied."""
+        if self.ddp is not None:
+            for buf in self.ddp.buffers:
+                buf.offload_to_cpu(move_params=False, move_grads=True)
+
+    def restore_gradients(self) -> None:
+        if self.ddp is not None:
+            for buf in self.ddp.buffers:
+                buf.reload_from_cpu(move_params=False, move_grads=True)  # re-allocated and zeroed
+
     # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's model shard (megatron names), the optimizer's scalar state and the distributed

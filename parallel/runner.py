@@ -41,7 +41,8 @@ The `ModelRunner` protocol, precisely:
   norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard).
 - `model_config`: the models.config.ModelConfig; `load_hf_weights(path, *, strict)`: this rank's slices
   of an HF checkpoint; `checkpoint_state(optimizer) -> dict` / `load_checkpoint_state(optimizer, state)`:
-  this rank's model + optimizer state in the backend's own layout (ppo/state.py writes it atomically).
+  this rank's model + optimizer state in the backend's own layout (ppo/state.py writes it atomically);
+  `release_gradients()` / `restore_gradients()`: gradient storage leaves the GPU around generation.
   megatron-core is one more implementation: parallel/megatron_runner.py (`<role>.backend: megatron`,
   built by parallel/backends.py).
 """
@@ -95,6 +96,8 @@ class ModelRunner(Protocol):
     @property
     def model_config(self): ...
     def load_hf_weights(self, path, *, strict: bool = True) -> None: ...
+    def release_gradients(self) -> None: ...
+    def restore_gradients(self) -> None: ...
     def checkpoint_state(self, optimizer=None) -> dict: ...
     def load_checkpoint_state(self, optimizer, state: dict) -> None: ...
 
@@ -169,6 +172,15 @@ class NativeRunner:
     def model_config(self):
         """The models.config.ModelConfig of the model (every stage carries it)."""
         return self.modules[0].config
+
+    def release_gradients(self) -> None:
+        """Drop gradient storage while the GPU generates (hybrid engine); the next backward recreates it."""
+        for m in self.modules:
+            for p in m.parameters():
+                p.grad = None
+
+    def restore_gradients(self) -> None:
+        """Native gradients are recreated by the next backward: nothing to bring back."""
 
     def load_hf_weights(self, path, *, strict: bool = True) -> None:
         """This rank's slices of a Hugging Face checkpoint into every stage (strict=False keeps tensors the

@@ -130,9 +130,7 @@ class HybridEngine:
 
     # ---- training-only state ----
     def _release_training_state(self) -> None:
-        for m in self.modules:
-            for p in m.parameters():
-                p.grad = None
+        self.actor.release_gradients()  # the backend's gradient storage (megatron: its DDP buffers)
         if not self.offload_optimizer:
             return
         pin = torch.cuda.is_available() and self.device.type == "cuda"
@@ -155,6 +153,7 @@ class HybridEngine:
                 local.data = torch.empty(0, dtype=local.dtype, device=local.device)
 
     def _restore_training_state(self) -> None:
+        self.actor.restore_gradients()
         with torch.no_grad():
             for local, host in self._offloaded:
                 local.data = host.to(self.device, non_blocking=True)
