@@ -299,12 +299,10 @@ class MegatronRunner:
         if "optim" in state:
             self.optimizer.load_state_dict(state["optim"])
         if "dist_optim" in state:
-            dist_state = state["dist_optim"]
-            for gbuf in (v for k, v in dist_state.items() if isinstance(k, int)):
-                for buckets in gbuf.values():
-                    for bucket in buckets:
-                        for entry in bucket:
-                            entry.setdefault("padding", False)  # the getter never writes the key the loader reads
+            # the getter never writes the 'padding' key its loader reads (copies: the caller's state stays as is)
+            dist_state = {k: ({dtype: [[{"padding": False, **entry} for entry in bucket] for bucket in buckets]
+                               for dtype, buckets in v.items()} if isinstance(k, int) else v)
+                          for k, v in state["dist_optim"].items()}
             self.optimizer.load_parameter_state_from_dp_reshardable(dist_state)
 
 
