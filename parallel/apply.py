@@ -170,7 +170,8 @@ def parallelize_model(
                          f"(pp={dims.pp}, dp={dims.dp}, tp={dims.tp}); build it with parallel.dims.build_mesh")
     cfg = model.config
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+                        intermediate_size=cfg.intermediate_size, stages_per_rank=stages_per_rank)
     local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic, param_dtype=param_dtype,
                  reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp)
     if dims.pp == 1:

@@ -124,7 +124,8 @@ class TrainState:
                   "controller": self.controller.state_dict() if self.controller is not None else None}
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared,
-                               export=(lambda tmp: export_weights(roles, tmp)) if final else None,
+                               export=(lambda tmp: export_weights(roles, tmp))
+                               if final or self.cfg.trainer.export_hf == "every_save" else None,
                                keep_last=self.cfg.trainer.keep_last)
         if self.rank == 0:
             self.log.info("checkpoint %s", path)
