@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import torch
 
-from bench.common import H200_BF16_FLOPS, peak_memory_gb, reset_peak_memory, time_steps
+from bench.common import H200_BF16_FLOPS, kernel_profile, peak_memory_gb, reset_peak_memory, time_steps
 from models import preset_config
 from models.llama import DocumentAttention
 from ppo.core_algos import policy_loss
@@ -119,6 +119,8 @@ def run_megatron(spec, args, *, device, dtype, mesh, dims, make_batch, flops_per
         with torch.no_grad():
             fwd = time_steps(logprobs, device=device, warmup=1, steps=args.steps)
         res["logprob_tokens_per_s"] = tokens / sorted(fwd)[len(fwd) // 2]
+    if getattr(args, "profile", False):
+        res["profile"] = kernel_profile(step, device=device)
     if not math.isfinite(res["loss"]):
         raise RuntimeError(f"megatron {spec}: non-finite loss {res['loss']}")
     return res

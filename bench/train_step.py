@@ -51,6 +51,7 @@ from bench.common import (
     add_device_args,
     emit_json,
     init_distributed,
+    kernel_profile,
     peak_memory_gb,
     reset_peak_memory,
     resolve_device,
@@ -280,6 +281,8 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
                mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
                / (world * H200_BF16_FLOPS),
                flops_per_token=fpt, loss=float(metrics["loss"]))
+    if args.profile:
+        res["profile"] = kernel_profile(step, device=device)
     if spec.mode == "ppo":
         res["clipfrac"] = metrics.get("clipfrac")
         res["attn_check_maxdiff"] = attn_diff
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=None, help="log-prob token chunk (default 4096 cuda, 256 cpu)")
     p.add_argument("--attn", choices=("auto", "varlen", "mask"), default="auto",
                    help="ppo attention: varlen flash (cuda) or masked SDPA")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, one step under torch.profiler: top kernels and GEMM share per config")
     p.add_argument("--backend", choices=("native", "megatron", "both"), default="native",
                    help="training backend; both: every config on native then on megatron-core (bench/megatron_step.py)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
