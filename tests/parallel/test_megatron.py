@@ -3,6 +3,7 @@
 Each world checks several things at once (spawning a world with megatron-core costs seconds on 2 cores):
 logits equal the native model at tp 1 and 2 for Llama, Qwen2 (q/k/v bias) and a tied-embedding model;
 megatron-core's schedule with our forward step gives the native loss and gradients (micro-batch scaling undone);
+its WORLD-wide optimizer collective, scoped to the role's group, cannot hang a split placement;
 packed and shared-prompt rows equal unpacked; log-probs, entropy and gradients equal the native path;
 HF load -> training shards -> reshard -> generation shards equal the native ones exactly; a TP2 x PP2
 build has the mapping's names and shapes and its pipelined logits equal the native model (tied heads at
@@ -219,6 +220,27 @@ def _worker_case(native, rank, world):
     return max(max((n[k][u] - m[k][u]).abs().max().item() for u in n[k]) for k in ("logp", "entropy")) < TOL
 
 
+def _split_case(native, rank, world):
+    """Split placement: only rank 1 hosts a megatron role. Building its optimizer's param groups makes
+    megatron-core's WORLD all_gather_object, which rank 0 never joins; scoped to the role's group it
+    completes (rank 0 waits at the barrier meanwhile instead of matching megatron's collective)."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    from parallel.backends import build_runner
+    from parallel.dims import ParallelDims, build_mesh
+    from parallel.megatron_runner import role_scoped_all_gather_object
+
+    meshes = [build_mesh(ParallelDims(), [r], device_type="cpu") for r in range(world)]  # every rank builds all
+    groups = None
+    if rank == 1:
+        runner = build_runner(native, backend="megatron", mesh=meshes[1], dims=ParallelDims())
+        with role_scoped_all_gather_object(runner.pgc.intra_dist_opt):
+            groups = _get_param_groups([runner.gpt], OptimizerConfig(lr=1e-5), None)
+    dist.barrier()
+    return rank == 0 or sum(len(g["params"]) for g in groups) == len(list(runner.gpt.parameters()))
+
+
 def _tp_body(rank, world):
     from megatron.core import parallel_state
 
@@ -253,6 +275,7 @@ def _tp_body(rank, world):
             if tp == 2 and name == "llama":  # (the native TP plan refuses tied heads at tp > 1)
                 out[(name, tp, "worker")] = _worker_case(native, rank, world)
                 out[(name, tp, "schedule")] = _schedule_case(native, runner)
+    out[("llama", 1, "split")] = _split_case(_native("llama"), rank, world)
     out["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
     return out
 
@@ -262,7 +285,7 @@ def test_megatron_matches_native_at_tp1_and_tp2():
     for res in run_world(_tp_body, world_size=2, timeout=300):
         assert res.pop("globals_untouched")
         for key, val in res.items():
-            if key[2] in ("reshard", "export", "worker"):
+            if key[2] in ("reshard", "export", "worker", "split"):
                 assert val is True, key
             elif key[2] == "logprob_grad":
                 assert max(val) < TOL, (key, val)
