@@ -3,7 +3,8 @@
 The plan follows parallel/sharding.py (the table training, generation and resharding
 share): q/k/v/gate/up are column parallel (output features, weight and bias dim 0),
 o/down row parallel (input features, dim 1), embed_tokens and lm_head are vocab
-parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor).
+parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor;
+Qwen3's per-head q/k norms too, their gradients summed over the TP group).
 Between the column and row projections activations stay local tensors of heads/tp
 heads, so the model's `-1`-heads reshapes run unchanged. The only collectives are one
 all-reduce after o_proj, one after down_proj, one after the embedding lookup and (unless
@@ -34,19 +35,26 @@ class ReplicateParallel(ParallelStyle):
     """Replicated parameters (norms) as Replicate DTensors, local tensors in and out.
 
     Keeps every parameter of a TP model a DTensor, so foreach/fused optimizers and grad-norm
-    code never see a mix of Tensor and DTensor. The norm runs on Replicate DTensors (its input
-    is wrapped, its output unwrapped), which needs no collective in either direction.
+    code never see a mix of Tensor and DTensor. The norm runs on DTensors (its input is wrapped,
+    its output unwrapped). `input_shard_dim=None`: the input is the same on every rank
+    (hidden-size norms), no collective either way. `input_shard_dim=d`: the input is this rank's
+    part along dim d (Qwen3's q/k norms see the local heads, dim 1 of [B, H, T, D]); the weight's
+    gradient is then a sum over every rank's heads, which DTensor all-reduces in backward, where a
+    Replicate input would silently keep this rank's partial sum.
     """
+
+    def __init__(self, *, input_shard_dim: int | None = None):
+        super().__init__()
+        self.input_placement = Replicate() if input_shard_dim is None else Shard(input_shard_dim)
 
     @staticmethod
     def _partition(name, module, mesh):
         for pname, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
 
-    @staticmethod
-    def _inputs(module, inputs, mesh):
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
-                     and not isinstance(x, DTensor) else x for x in inputs)
+    def _inputs(self, module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [self.input_placement], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     @staticmethod
     def _outputs(module, outputs, mesh):
@@ -111,6 +119,9 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
             plan[f"{p}.{name}"] = RowwiseParallel()
         for name in ("input_layernorm", "post_attention_layernorm"):
             plan[f"{p}.{name}"] = ReplicateParallel()
+        if trunk.layers[key].self_attn.q_norm is not None:  # Qwen3: [D] weights over [B, H/tp, T, D] heads
+            for name in ("self_attn.q_norm", "self_attn.k_norm"):
+                plan[f"{p}.{name}"] = ReplicateParallel(input_shard_dim=1)
     if trunk.norm is not None:
         plan["model.norm"] = ReplicateParallel()
     if getattr(model, "lm_head", None) is not None:
