@@ -47,10 +47,12 @@ class ReplicateParallel(ParallelStyle):
         super().__init__()
         self.input_placement = Replicate() if input_shard_dim is None else Shard(input_shard_dim)
 
-    @staticmethod
-    def _partition(name, module, mesh):
+    def _partition(self, name, module, mesh):
         for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+            param = nn.Parameter(distribute_tensor(p, mesh, [Replicate()]))
+            if isinstance(self.input_placement, Shard):
+                param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            module.register_parameter(pname, param)
 
     def _inputs(self, module, inputs, mesh):
         return tuple(DTensor.from_local(x, mesh, [self.input_placement], run_check=False)
@@ -62,6 +64,14 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
+
+
+def _reduce_partial_grad(param: nn.Parameter) -> None:
+    """A Replicate weight applied to sharded inputs gets a Partial(sum) gradient: all-reduce it once, here,
+    so optimizers and grad-norm code see Replicate gradients like every other norm's (FSDP2, which
+    re-registers parameters, does the same reduction in its own post-backward)."""
+    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(placements=param.placements)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -154,10 +164,10 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool = False) -> nn.Mo
                     ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
         if n % tp:
             raise ValueError(f"tp({tp}) must divide {what}({n}); choose a tp that divides it")
-    if cfg.tie_word_embeddings and tp > 1:
-        # embed is row-sharded as an embedding, the head column-sharded as a linear: one tensor cannot be both
-        raise ValueError("tie_word_embeddings with tp > 1 is not supported; "
-                         "untie the head (copy the weight) or use tp=1")
     parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
+    if cfg.tie_word_embeddings and hasattr(model, "tie_weights"):
+        # the plan distributed the shared [V, H] weight twice; both modules shard it on dim 0 (vocab rows),
+        # so one Shard(0) DTensor serves both and the lookup's and the head's gradients add up in it
+        model.tie_weights()
     _check_plan_matches_table(model)
     return model
