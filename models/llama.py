@@ -6,8 +6,9 @@ sensitive reshape uses -1 for the head count, so a DTensor-sharded q/k/v project
 
 Attention is pluggable and explicit (STYLE.md #7): `forward(..., attn=backend)` where
 `backend(layer_idx, q, k, v) -> out` with q [B, Hq, T, D], k/v [B, Hkv, T, D] after
-RoPE and out [B, Hq, T, D] (Qwen3: after the per-head q/k RMSNorm too). The default is causal SDPA; `DocumentAttention` handles
-packed rows; the rollout engine passes its KV-cache backend.
+RoPE (Qwen3: after its per-head q/k RMSNorm, then RoPE) and out [B, Hq, T, D]. The default
+is causal SDPA; `DocumentAttention` handles packed rows; the rollout engine passes its
+KV-cache backend.
 
 Pipeline stages are made by setting `model.embed_tokens`, `model.norm` or `lm_head`
 to None and deleting entries of the `model.layers` ModuleDict (keys stay the global

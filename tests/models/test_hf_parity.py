@@ -120,7 +120,7 @@ def test_hidden_states_then_lm_head_equal_forward(hf_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
 def test_bfloat16_cuda_close_to_transformers(hf_models, kind):
     _, path = hf_models(kind)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")

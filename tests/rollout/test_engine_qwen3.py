@@ -73,3 +73,23 @@ def test_qwen3_triton_decode_applies_rope_after_the_qk_norm():
         print("ok")
     """)
     assert "ok" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compile_", [False, True], ids=["graphs", "graphs+compile"])
+def test_qwen3_cuda_graphs_with_triton_decode_equal_trainer_fp32(compile_):
+    """The GPU decode path of a qk-norm model: CUDA graphs, the fused q|k norm, the Triton kernel's RoPE,
+    and Inductor's fusion of all three, against the trainer forward (fp32)."""
+    from tests.rollout.test_engine_gpu import PARAMS, PROMPTS, _trainer_logprobs
+    from tests.rollout.test_engine_gpu import _config as gpu_config
+
+    model = qwen3_model().cuda()
+    engine = NativeEngine.from_model(model, config=gpu_config(decode_attention="triton", compile=compile_))
+    outs = engine.generate(PROMPTS, PARAMS)
+    runner = engine.runner
+    assert len(runner.graphs) > 0 and runner.graph_error is None
+    assert getattr(runner._decode, "error", None) is None
+    for c in outs:
+        p = PARAMS[c.prompt_index]
+        assert (_trainer_logprobs(model, c, p.temperature) - torch.tensor(c.logprobs)).abs().max() < 1e-4

@@ -1,6 +1,7 @@
-"""Qwen3 under DTensor TP=2 equals TP=1 (gloo): logits and every gradient, the per-head q/k norms'
-included (their inputs are this rank's heads, so their weight gradients must be summed over the
-group), untied and tied embeddings (one Shard(0) DTensor shared by the lookup and the head)."""
+"""Qwen3 in the parallel layouts. DTensor TP=2 equals TP=1 (gloo): logits and every gradient, the per-head
+q/k norms' included (their inputs are this rank's heads, so their weight gradients must be summed over
+the group), untied and tied embeddings (one Shard(0) DTensor shared by the lookup and the head), and
+with FSDP2 composed. Pipeline stages chained equal the whole model and keep the norms' HF names."""
 
 from __future__ import annotations
 
@@ -87,3 +88,19 @@ def test_qwen3_tp2_equals_tp1():
                 torch.testing.assert_close(got["norm_local"][name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
                 if not tied:
                     torch.testing.assert_close(got["fsdp_grads"][name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_qwen3_pipeline_stages_chain_to_the_full_model():
+    from parallel.pipeline import split_stage
+
+    ids = _batch()
+    full = _model(False)
+    ref = full(ids)
+    stages = [split_stage(_model(False), num_stages=3, stage=s) for s in range(3)]
+    h = ids
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(stages[-1].lm_head(h), ref, rtol=0, atol=0)
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())
+    assert "model.layers.3.self_attn.k_norm.weight" in dict(stages[2].named_parameters())
