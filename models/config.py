@@ -202,6 +202,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # the tiny body as a Qwen3 (CPU recipes and tests): per-head q/k norms, head_dim 32 with 4 heads of a 64-wide
+    # model (num_heads * head_dim != hidden_size, as in Qwen3-0.6B), tied embeddings
+    "tiny-qwen3": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # Llama-3.2-1B-like body with a Llama-2 vocabulary (the shape the benchmarks are specified on)
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,

@@ -30,7 +30,7 @@ QWEN3_0_6B = {
 
 
 def _tiny_qwen3(**overrides) -> ModelConfig:
-    return preset_config("tiny", model_type="qwen3", head_dim=32, **overrides)  # 4 x 32 != 64 hidden
+    return preset_config("tiny-qwen3", **overrides)  # 4 heads x 32 != 64 hidden
 
 
 def test_published_config_parses_to_the_preset():

@@ -34,7 +34,7 @@ def _loss_terms(hidden, weight, ids, adv):
 def _build(tied: bool):
     if not tied:
         return build_model("tiny", seed=0)
-    return build_model(preset_config("tiny", model_type="qwen3", head_dim=32, tie_word_embeddings=True), seed=0)
+    return build_model(preset_config("tiny-qwen3"), seed=0)
 
 
 def _reference(tied: bool = False):

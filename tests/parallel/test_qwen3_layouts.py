@@ -17,7 +17,7 @@ NORMS = ("model.layers.0.self_attn.q_norm.weight", "model.layers.3.self_attn.k_n
 
 
 def _model(tied: bool):
-    cfg = preset_config("tiny", model_type="qwen3", head_dim=32, tie_word_embeddings=tied)
+    cfg = preset_config("tiny-qwen3", tie_word_embeddings=tied)
     model = build_model(cfg, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # norms away from 1: their values and gradients then matter

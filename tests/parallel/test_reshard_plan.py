@@ -207,7 +207,7 @@ def test_tied_head_is_planned_under_both_names():
 
 
 def test_qwen3_qk_norms_are_planned_replicated():
-    specs = param_specs(preset_config("tiny", model_type="qwen3", head_dim=32), itemsize=4)
+    specs = param_specs(preset_config("tiny-qwen3"), itemsize=4)
     norms = [s for s in specs if s.name.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(norms) == 2 * 4 and all(s.shape == (32,) for s in norms)
     assert next(s for s in specs if s.name.endswith("0.self_attn.q_proj.weight")).shape == (4 * 32, 64)

@@ -13,7 +13,7 @@ from tests.rollout.test_engine import PROMPTS, config, naive_greedy, trainer_log
 def qwen3_model(*, tied: bool = False, seed: int = 0):
     """Tiny Qwen3: 4 heads x head_dim 32 over hidden 64, norms away from 1 (so a missed or misplaced q/k
     norm changes the answer), a scaled head for peaked distributions."""
-    cfg = preset_config("tiny", model_type="qwen3", head_dim=32, tie_word_embeddings=tied)
+    cfg = preset_config("tiny-qwen3", tie_word_embeddings=tied)
     model = build_model(cfg, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
