@@ -95,3 +95,25 @@ def test_save_load_round_trip_keeps_qk_norms(tmp_path, tied):
     save_tensors(tensors, model.config, tmp_path / "partial")
     with pytest.raises(ModelConfigError, match=r"missing \['model.layers.1.self_attn.k_norm.weight'\]"):
         load_pretrained(tmp_path / "partial")
+
+
+def test_qwen3_reward_model_scores_equal_transformers(tmp_path):
+    """A Qwen3ForSequenceClassification checkpoint (reward model / critic trunk) scores like ours."""
+    transformers = pytest.importorskip("transformers")
+    from models import LlamaForSequenceClassification
+    from tests.models.hf_fixtures import hf_config, randomize_
+
+    cfg = hf_config("qwen3", num_labels=1, pad_token_id=0)
+    hf = transformers.Qwen3ForSequenceClassification(cfg).float().eval()
+    randomize_(hf, seed=9)
+    hf.save_pretrained(str(tmp_path))
+    rm = load_pretrained(tmp_path, model_cls=LlamaForSequenceClassification)
+    ids = torch.randint(1, 128, (3, 10), generator=torch.Generator().manual_seed(2))
+    ids[0, 6:] = ids[2, 3:] = 0  # right padding
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=(ids != 0).long()).logits.squeeze(-1)
+        got = rm.sequence_scores(ids)
+    assert ref.std() > 1e-3 and (got - ref).abs().max() <= 1e-4
+    out = save_pretrained(rm, tmp_path / "ours")
+    with open(out / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3ForSequenceClassification"]
