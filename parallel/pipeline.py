@@ -261,6 +261,11 @@ class PipelineRunner(NativeRunner):
             return None
         return p if p.requires_grad else None
 
+    def _counted_twice(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied weight: after the exchange it holds the first stage's gradient, which
+        the global grad norm counts there."""
+        return self._tied_copy() if self.has_last else None
+
     def _add_peer_tied_grad(self, p: nn.Parameter, before: torch.Tensor | None) -> None:
         """Send this call's gradient of the tied copy to the other end of the pipeline and add theirs."""
         grad = _local_grad(p)
