@@ -46,13 +46,13 @@ def _tp_body(rank, world):
     ids = _batch()
     out = {}
     for tied in (False, True):
-        model = parallelize_model(_model(tied), mesh=mesh, dims=dims)
+        model = parallelize_model(_model(tied), mesh=mesh, dims=dims).module
         logits = model(ids)
         _loss(logits, ids).backward()
         norm_grads = {n: model.get_parameter(n).grad for n in NORMS}
         # FSDP2 composed with TP on the same mesh (size-1 dp): its post-backward reduces the norms' gradients,
         # and the tied DTensor is one parameter of the root group
-        model_f = parallelize_model(_model(tied), mesh=mesh, dims=dims, fsdp=True)
+        model_f = parallelize_model(_model(tied), mesh=mesh, dims=dims, fsdp=True).module
         _loss(model_f(ids), ids).backward()
         out[tied] = dict(
             logits=logits.detach(),
