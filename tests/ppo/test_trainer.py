@@ -138,8 +138,9 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
     from launcher.errors import UserError
     from launcher.rundir import prepare_run_dir
 
-    run = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
+    run, lock = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     (run / "metrics.jsonl").write_text("{}\n")
+    lock.release()  # the run ended
     with pytest.raises(UserError, match="already holds a run"):
         prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=True)
