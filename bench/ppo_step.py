@@ -42,7 +42,9 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
     if res.returncode != 0:
         tail = (res.stderr or "")[-3000:]
         return {"ok": False, "error": f"exit {res.returncode}", "stderr_tail": tail, "cmd": " ".join(cmd)}
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from launcher.report import metric_rows, read_jsonl
+
+    rows = metric_rows(read_jsonl(run_dir / "metrics.jsonl"))  # a re-run step's row supersedes the first one
     measured = rows[warmup:] or rows
     keys = sorted({k for r in measured for k in r})
     mean = {k: sum(r[k] for r in measured if r.get(k) is not None) / max(1, sum(r.get(k) is not None

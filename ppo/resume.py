@@ -80,12 +80,13 @@ def select_checkpoint(run_dir: str | os.PathLike, *, policy: str, rank: int, wor
                 _log.warning("trainer.on_damaged_checkpoint=fallback: resuming from %s instead of the damaged %s",
                              path, ", ".join(damaged))
             return path
-        aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside = None
         if rank == 0:
+            aside = _free_name(path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
             os.rename(path, aside)
             _log.warning("checkpoint %s is damaged: %s; moved aside to %s", path, "; ".join(sorted(set(reasons))),
                          aside)
-        all_gather_objects(None)  # nobody looks at the next candidate before the rename
+        aside = _broadcast_from_0(aside, rank=rank)  # nobody looks at the next candidate before the rename
         damaged.append(str(path))
         if policy == "stop":
             older = candidates[i + 1:]
@@ -100,6 +101,14 @@ def select_checkpoint(run_dir: str | os.PathLike, *, policy: str, rank: int, wor
         _log.warning("trainer.on_damaged_checkpoint=fallback: no intact checkpoint remains (damaged: %s); "
                      "starting from step 0", ", ".join(damaged))
     return None
+
+
+def _free_name(path: Path) -> Path:
+    n, out = 1, path
+    while out.exists():
+        n += 1
+        out = path.with_name(f"{path.name}-{n}")
+    return out
 
 
 def layout_of(plan) -> dict:

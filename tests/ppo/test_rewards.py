@@ -232,3 +232,21 @@ def test_sft_examples_end_with_eos_and_filter():
     assert len(low) == 30 and all(int(tok.decode(a[:-1])) < 5 for _, a in low)
     with pytest.raises(ValueError, match="loosen the filter"):
         sft_examples("add:1", 5, seed=0, tokenizer=tok, keep=lambda r: False)
+
+
+def _two_bugs(response, ground_truth):
+    if response.startswith("a"):
+        raise KeyError(response)
+    raise ValueError(f"cannot parse {response!r}")
+
+
+def test_every_distinct_error_is_logged_once_with_a_sample(caplog):
+    mgr = RewardManager(_two_bugs, logger=logging.getLogger("test_rewards"))
+    with caplog.at_level(logging.WARNING, logger="test_rewards"):
+        mgr.score([("s0", "p", "x1", "1"), ("s1", "p", "x2", "1")])  # step 1: one error, twice
+        mgr.score([("s2", "p", "x3", "1"), ("s3", "p", "a4", "1")])  # step 2: a new error appears
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and len(mgr.errors) == 2
+    assert "ValueError: cannot parse 'x1'" in msgs[0] and "sample s0" in msgs[0]
+    assert "KeyError" in msgs[1] and "sample s3" in msgs[1] and "'a4'" in msgs[1]
+    assert mgr.total_failed == 4
