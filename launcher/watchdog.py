@@ -54,6 +54,7 @@ class Watchdog:
         self.stage, self.step, self.beats = "start", 0, 0
         self._seen: dict[int, tuple[object, float]] = {}  # rank -> (last counter, when it changed here)
         self._done = threading.Event()
+        self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
@@ -64,9 +65,13 @@ class Watchdog:
         return self
 
     def set_stage(self, stage: str, step: int | None = None) -> None:
+        """Written at once (a few small writes per step), so a rank that stalls right after
+        entering a stage is reported in that stage."""
         self.stage = stage
         if step is not None:
             self.step = step
+        if self._thread is not None and not self._done.is_set():
+            self._beat("running")
 
     def stop(self, *, clean: bool = True) -> None:
         """clean=False (this rank failed): peers report it at once instead of after the timeout."""
@@ -98,12 +103,13 @@ class Watchdog:
                 self._report(stalled)
 
     def _beat(self, state: str) -> None:
-        self.beats += 1
-        rec = {"rank": self.rank, "pid": self.pid, "host": self.host, "stage": self.stage, "step": self.step,
-               "beat": self.beats, "state": state, "time": time.time()}
-        tmp = self.dir / f".rank_{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, self.dir / f"rank_{self.rank}.json")
+        with self._write_lock:  # the thread and set_stage (main thread) both write
+            self.beats += 1
+            rec = {"rank": self.rank, "pid": self.pid, "host": self.host, "stage": self.stage, "step": self.step,
+                   "beat": self.beats, "state": state, "time": time.time()}
+            tmp = self.dir / f".rank_{self.rank}.json.tmp"
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, self.dir / f"rank_{self.rank}.json")
 
     def read(self, rank: int) -> dict | None:
         try:
