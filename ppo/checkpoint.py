@@ -8,7 +8,7 @@
 
 Layout of a complete checkpoint:
 
-    step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file with its size)
+    step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file's size and SHA-256)
     step_N/shared.pt                rank 0's shared state (sampler position, KL/batch controllers, step, ...)
     step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...)
     step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
@@ -23,6 +23,11 @@ successful save; existing checkpoints are never touched except by `keep_last` pr
 older ones. Multi-node runs need `run_dir` on a shared file system. A rank that fails
 mid-save leaves the others waiting in the barrier until the process group's timeout ends
 the job; the previous checkpoint stays intact.
+
+Loading checks the files it reads against the manifest's sizes and SHA-256 (`verify_checkpoint`;
+each rank hashed its own file when saving) and unpickles with `weights_only=True`, so per-rank
+state holds tensors and plain containers only (RNG states included); anything else raises
+CheckpointError. Choosing among damaged checkpoints is ppo/resume.py's job.
 """
 
 from __future__ import annotations
