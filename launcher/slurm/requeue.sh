@@ -9,9 +9,10 @@
 #   watchdog sees it, the step finishes, a checkpoint is saved, the workers exit 75 (torchrun's
 #   agent would SIGKILL its workers 30 s after forwarding a signal, so the file, not a signal, is
 #   the request). After USR1 the job is requeued (scontrol requeue) and resumes with
-#   trainer.resume=auto. After SIGTERM it is not: scancel means stop, and Slurm requeues a
-#   preempted job itself when the partition's PreemptMode is REQUEUE.
-# - HYBRIDRL_REQUEUE=0 turns requeueing off.
+#   trainer.resume=auto. After SIGTERM it is not by default: scancel means stop, and Slurm requeues
+#   a preempted job itself when the partition's PreemptMode is REQUEUE. Where preemption cancels
+#   (PreemptMode=CANCEL with a GraceTime), export HYBRIDRL_REQUEUE_ON="USR1 TERM" to requeue then too.
+# - HYBRIDRL_REQUEUE_ON="" turns requeueing off.
 
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export HYBRIDRL_STOP_FILE="${HYBRIDRL_STOP_FILE:-${PWD}/logs/slurm/stop-${SLURM_JOB_ID:-local}}"
@@ -37,7 +38,7 @@ run_with_requeue() {
     kill -0 "${pid}" 2>/dev/null || break
   done
   trap - USR1 TERM
-  if [ "${_hybridrl_signal}" = "USR1" ] && [ "${HYBRIDRL_REQUEUE:-1}" = "1" ]; then
+  if [ -n "${_hybridrl_signal}" ] && [[ " ${HYBRIDRL_REQUEUE_ON-USR1} " == *" ${_hybridrl_signal} "* ]]; then
     echo "job ${SLURM_JOB_ID}: requeueing (run exit ${rc}); it continues with trainer.resume=auto" >&2
     scontrol requeue "${SLURM_JOB_ID}"
     return 0
