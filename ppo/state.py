@@ -22,6 +22,7 @@ class TrainState:
         self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
         self.log = logging.getLogger("hybridrl")
         self._tb = None
+        self.resumed_at = 0  # steps after it written by an earlier attempt are superseded (metrics, TensorBoard)
         self._wandb = None
         self.model_params: int | None = None
         self.controller = None
@@ -76,7 +77,8 @@ class TrainState:
             if self._tb is None:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                # purge_step hides the events an earlier attempt wrote for the steps this one re-runs
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.resumed_at + 1)
             for k, v in clean.items():
                 if v is not None and k != "step":
                     self._tb.add_scalar(k, v, step)
@@ -168,7 +170,8 @@ class TrainState:
             self.log.info("resumed from %s at step %d", path, shared["step"])
         pending = Experience([Sample(**s) for s in shared["pending"]]) if shared.get("pending") else None
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
-        return int(shared["step"]), pending
+        self.resumed_at = int(shared["step"])
+        return self.resumed_at, pending
 
 
 # ---------------------------------------------------------------------- worker state
