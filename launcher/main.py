@@ -96,10 +96,15 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
             return path
 
         run_dir = _rank0_then_broadcast(prepare, rank=env.rank)
-        # every rank beats from here on; rank 0's thread also keeps the run-directory lock fresh
+
+        def on_tick() -> None:  # the watchdog thread, every few seconds
+            stop.poll_file()
+            if lock is not None:  # rank 0: keep the run-directory lock fresh
+                lock.refresh()
+
+        # every rank beats from here on
         watchdog = Watchdog(run_dir, rank=env.rank, world_size=env.world_size, timeout_s=t.watchdog_timeout_s,
-                            on_tick=(lambda: (lock.refresh(), stop.poll_file())) if lock else stop.poll_file)
-        watchdog.start()
+                            on_tick=on_tick).start()
         add_file_log(logger, run_dir / "logs", rank=env.rank)
         if env.rank == 0:
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
