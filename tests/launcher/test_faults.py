@@ -111,10 +111,12 @@ def test_reward_raising_on_every_sample_stops_with_a_clear_error(tmp_path):
     assert "ValueError: cannot parse" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_hanging_reward_is_timed_out_and_counted(tmp_path):
-    res = launch(tmp_path, "hangs", "trainer.total_steps=2", "reward.timeout_s=0.2",
-                 f"reward.function={FAULTS}:hangs_on_even_samples", nproc=0)
+def test_hanging_reward_is_timed_out_and_counted_and_timed_checkpoints(tmp_path):
+    # (and a time-based checkpoint interval shorter than a step saves after every step)
+    res = launch(tmp_path, "hangs", "trainer.total_steps=2", "reward.timeout_s=0.2", "trainer.save_every_minutes=1e-6",
+                 "trainer.save_final=false", f"reward.function={FAULTS}:hangs_on_even_samples", nproc=0)
     _ok(res)
+    assert sorted(p.name for p in (tmp_path / "hangs" / "checkpoints").iterdir()) == ["step_1", "step_2"]
     for r in rows(tmp_path / "hangs"):
         assert r["reward/failed"] == 4 and r["reward/failed_frac"] == 0.5
     log = (tmp_path / "hangs" / "logs" / "rank_0.log").read_text()
