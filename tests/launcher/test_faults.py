@@ -88,6 +88,9 @@ def test_sigterm_checkpoints_the_current_step_and_a_relaunch_continues(tmp_path)
     _ok(launch(tmp_path, "pre", "trainer.total_steps=3", *common))
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text()
     assert [r["step"] for r in rows(run)] == [1, 2, 3]
+    # the same run resumed by one process instead of two: a clear error, not a tensor-shape traceback
+    res = launch(tmp_path, "pre", "trainer.total_steps=4", *common, nproc=0)
+    assert res.returncode == 2 and "was written by 2 ranks, this run has 1" in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.distributed
