@@ -67,7 +67,7 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
     from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.rundir import prepare_run_dir, write_atomic
-    from launcher.watchdog import Watchdog
+    from launcher.watchdog import Watchdog, clear_alarm
 
     t = cfg.trainer
     stop_file = os.environ.get("HYBRIDRL_STOP_FILE")  # the Slurm templates' preemption request
@@ -93,6 +93,7 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
         def prepare():
             nonlocal lock
             path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite)
+            clear_alarm(path)  # before the broadcast: no rank watches yet
             return path
 
         run_dir = _rank0_then_broadcast(prepare, rank=env.rank)

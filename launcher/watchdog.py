@@ -5,13 +5,16 @@
     wd.stop(clean=True)                      # peers do not count an exited rank as stalled
 
 Each rank's thread rewrites `run_dir/heartbeat/rank_<r>.json` (its stage, step, pid, host and a
-counter) every `interval_s` and reads every other rank's file. A rank whose counter has not
-changed for `timeout_s` (measured on the reader's own clock, so clock skew between nodes does
-not matter) is reported with its last stage and step, and this process exits with
-EXIT_STALLED. A thread, not the main loop, beats: a rank blocked in a collective waiting for a
-stalled peer still beats, while a rank stopped by SIGSTOP, killed, or swapped out does not. A
-stalled peer on this host is also sent SIGKILL (it cannot exit by itself; torchrun would
-otherwise wait for it).
+counter) every `interval_s` and reads the files of the next WATCH_PEERS ranks (ring order: every
+rank is watched by that many others, and a 1000-rank job does not read a million files per
+interval). A rank whose counter has not changed for `timeout_s` (measured on the reader's own
+clock, so clock skew between nodes does not matter) is reported with its last stage and step in
+`heartbeat/ALARM`, and this process exits with EXIT_STALLED; every other rank sees ALARM at its
+next beat and exits the same way, repeating the message. A thread, not the main loop, beats:
+a rank blocked in a collective waiting for a stalled peer still beats, while a rank stopped by
+SIGSTOP, killed, or swapped out does not. A stalled peer on this host is also sent SIGKILL (it
+cannot exit by itself; torchrun would otherwise wait for it). Limit: a main thread that holds
+the GIL for the whole timeout (a C extension that never releases it) silences the beat too.
 
 The same thread also (1) ends a worker whose torchrun agent died (its parent pid changed), so
 no orphan keeps writing into the run directory, (2) polls the preemption stop file and
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 EXIT_STALLED = 76
+WATCH_PEERS = 8  # ranks each rank watches (all of them in worlds up to 9)
+ALARM = "ALARM"
 FAILED_PEER_S = 10.0  # a peer whose main loop failed (its last beat says so) is reported after this
 
 _log = logging.getLogger("hybridrl")
@@ -52,6 +57,7 @@ class Watchdog:
         self.on_tick, self._exit = on_tick, exit_fn
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.stage, self.step, self.beats = "start", 0, 0
+        self.watched = [(rank + i) % world_size for i in range(1, min(world_size, WATCH_PEERS + 1))]
         self._seen: dict[int, tuple[object, float]] = {}  # rank -> (last counter, when it changed here)
         self._done = threading.Event()
         self._write_lock = threading.Lock()
@@ -97,6 +103,11 @@ class Watchdog:
             return
         if self.on_tick is not None:
             self.on_tick()
+        alarm = read_alarm(self.dir.parent)
+        if alarm is not None and alarm.get("by") != self.rank:
+            self._fail(EXIT_STALLED, f"rank {self.rank} (in stage '{self.stage}' of step {self.step + 1}) stops: "
+                                     f"{alarm.get('message')}")
+            return
         if self.timeout_s > 0:
             stalled = self.stalled_ranks(time.monotonic())
             if stalled:
@@ -120,9 +131,7 @@ class Watchdog:
     def stalled_ranks(self, now: float) -> list[tuple[int, dict | None, float]]:
         """[(rank, its last record or None, seconds without a beat)] over the timeout."""
         out = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
+        for r in self.watched:
             rec = self.read(r)
             if rec is not None and rec.get("state") == "exited":
                 continue
@@ -155,13 +164,28 @@ class Watchdog:
                 except (ProcessLookupError, PermissionError):
                     pass
         ranks = ", ".join(str(r) for r, _, _ in stalled)
-        self._fail(EXIT_STALLED, f"rank {self.rank}: watchdog: rank(s) {ranks} stopped answering for more than "
-                                 f"trainer.watchdog_timeout_s={self.timeout_s:g} s: {'; '.join(parts)}. This rank "
-                                 f"was in stage '{self.stage}' of step {self.step + 1}. Exiting {EXIT_STALLED}; "
-                                 f"trainer.resume=auto continues from the newest complete checkpoint")
+        msg = (f"watchdog: rank(s) {ranks} stopped answering for more than trainer.watchdog_timeout_s="
+               f"{self.timeout_s:g} s: {'; '.join(parts)}. Exiting {EXIT_STALLED}; trainer.resume=auto continues from "
+               f"the newest complete checkpoint")
+        tmp = self.dir / f".{ALARM}.tmp-{self.rank}"
+        tmp.write_text(json.dumps({"by": self.rank, "message": f"rank {self.rank} reported: {msg}"}))
+        os.replace(tmp, self.dir / ALARM)  # every other rank stops at its next beat
+        self._fail(EXIT_STALLED, f"rank {self.rank} (in stage '{self.stage}' of step {self.step + 1}): {msg}")
 
     def _fail(self, code: int, msg: str) -> None:
         _log.error("%s", msg)
         print(msg, file=sys.stderr, flush=True)
         self._done.set()
         self._exit(code)
+
+
+def read_alarm(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / "heartbeat" / ALARM).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_alarm(run_dir: str | os.PathLike) -> None:
+    """Rank 0, before any rank starts its watchdog: an earlier attempt's alarm must not stop this one."""
+    (Path(run_dir) / "heartbeat" / ALARM).unlink(missing_ok=True)

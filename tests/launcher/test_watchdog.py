@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.watchdog import EXIT_STALLED, Watchdog
+from launcher.watchdog import EXIT_STALLED, Watchdog, clear_alarm, read_alarm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_message_names_rank_stage_and_step(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exits == [EXIT_STALLED]
     assert "rank(s) 1 stopped answering" in err and "stage 'reward' of step 3" in err
-    assert "This rank was in stage 'merge' of step 3" in err
+    assert "rank 0 (in stage 'merge' of step 3)" in err
 
 
 def test_exited_peer_is_not_stalled_and_failed_peer_is_reported(tmp_path):
@@ -106,3 +106,21 @@ def test_orphaned_worker_stops_by_itself(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)
         raise AssertionError("the orphaned worker kept running")
+
+
+def test_large_worlds_watch_a_ring_and_an_alarm_stops_every_rank(tmp_path):
+    exits = []
+    wd = Watchdog(tmp_path, rank=12, world_size=16, timeout_s=0.2, watch_parent=False, exit_fn=exits.append)
+    assert wd.watched == [13, 14, 15, 0, 1, 2, 3, 4]  # each rank is watched by 8 others, not by all
+    wd.dir.mkdir(parents=True)
+    for r in wd.watched:
+        _peer(tmp_path, r, stage="ref", step=0)
+    wd.tick()
+    time.sleep(0.3)
+    wd.tick()  # all eight silent: reported, and the alarm is raised for the ranks that do not watch them
+    assert exits == [EXIT_STALLED] and read_alarm(tmp_path)["by"] == 12
+    other = Watchdog(tmp_path, rank=7, world_size=16, timeout_s=60, watch_parent=False, exit_fn=exits.append)
+    other.tick()  # rank 7 watches none of them, and stops at its next beat all the same
+    assert exits == [EXIT_STALLED, EXIT_STALLED]
+    clear_alarm(tmp_path)  # a restarted attempt starts without it
+    assert read_alarm(tmp_path) is None
