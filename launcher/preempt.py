@@ -54,7 +54,7 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested is not None and signum == signal.SIGINT:
-            print(f"rank {os.environ.get('RANK', 0)}: second SIGINT, exiting without a checkpoint", file=sys.stderr)
+            os.write(2, f"rank {os.environ.get('RANK', 0)}: second SIGINT, exiting without a checkpoint\n".encode())
             self._exit(130)
         self.request(name)
 
@@ -68,9 +68,10 @@ class StopRequest:
         if self.requested is not None:
             return
         self.requested, self.since = reason, time.monotonic()
-        # logging from a signal handler may deadlock on the handler's lock: stderr is plain
-        print(f"rank {os.environ.get('RANK', 0)}: {reason}: finishing the step and saving a checkpoint "
-              f"(grace {self.grace_s:g} s)", file=sys.stderr, flush=True)
+        # from a signal handler: not logging (its lock may be held by the interrupted code), not print
+        # (a buffered stream interrupted mid-write raises "reentrant call"); one raw write
+        os.write(2, f"rank {os.environ.get('RANK', 0)}: {reason}: finishing the step and saving a checkpoint "
+                    f"(grace {self.grace_s:g} s)\n".encode())
         if self.grace_s > 0:
             threading.Thread(target=self._deadline, daemon=True, name="preempt-grace").start()
 

@@ -217,6 +217,15 @@ class RewardResult:
     failures: dict[Any, str]  # sample_id -> "ExcType: message" for this batch
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call ran past reward.timeout_s (raised from SIGALRM inside the call)."""
+
+
+# after this many timeouts in a row the rest of the batch is failed without calling: a function that
+# hangs on every sample costs 3 timeouts per step, not batch x timeout_s
+MAX_TIMEOUTS_IN_A_ROW = 3
+
+
 class RewardFailureError(RuntimeError):
     """A step's reward failures reached reward.stop_failed_fraction; the launcher exits with 2."""
 
@@ -251,7 +260,7 @@ class RewardManager:
             return self._call(s)
 
         def expire(signum, frame):
-            raise TimeoutError(f"reward function ran longer than reward.timeout_s={self.timeout_s:g} s")
+            raise RewardTimeout(f"reward function ran longer than reward.timeout_s={self.timeout_s:g} s")
 
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
@@ -278,12 +287,20 @@ class RewardManager:
     def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
         scores: list[float] = []
         failures: dict[Any, str] = {}
+        timeouts_in_a_row = 0
         for s in samples:
             if not isinstance(s, RewardSample):
                 s = RewardSample(*s)
+            if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+                scores.append(self.default_score)
+                failures[s.sample_id] = (f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                         f"in a row in this batch")
+                continue
             try:
                 scores.append(self._call_bounded(s))
+                timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
+                timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
                 scores.append(self.default_score)
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"
                 self._log_if_new(e, s)

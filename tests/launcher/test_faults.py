@@ -123,7 +123,7 @@ def test_hanging_reward_is_timed_out_and_counted_and_timed_checkpoints(tmp_path)
     for r in rows(tmp_path / "hangs"):
         assert r["reward/failed"] == 4 and r["reward/failed_frac"] == 0.5
     log = (tmp_path / "hangs" / "logs" / "rank_0.log").read_text()
-    assert log.count("TimeoutError: reward function ran longer than reward.timeout_s=0.2 s") == 1
+    assert log.count("RewardTimeout: reward function ran longer than reward.timeout_s=0.2 s") == 1
 
 
 def test_second_launch_into_a_live_run_refuses(tmp_path):

@@ -8,7 +8,7 @@ import time
 from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
 
 
-def test_sigterm_is_recorded_and_grace_exits_75(capsys):
+def test_sigterm_is_recorded_and_grace_exits_75(capfd):
     exits = []
     stop = StopRequest(grace_s=0.2, exit_fn=exits.append).install()
     try:
@@ -19,7 +19,7 @@ def test_sigterm_is_recorded_and_grace_exits_75(capsys):
         assert exits == [EXIT_PREEMPTED]
     finally:
         stop.uninstall()
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "finishing the step and saving a checkpoint" in err and "grace of 0.2 s ran out" in err
 
 
