@@ -53,7 +53,6 @@ exit 3
 def _shims(tmp_path):
     import os
     import stat
-    import sys
 
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
@@ -62,7 +61,8 @@ def _shims(tmp_path):
              "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
              "scontrol": (f'#!/bin/bash\nif [ "$1" = show ]; then echo node1; '
                           f'else echo "$*" >> {log}/scontrol.txt; fi\n'),
-             "python": f'#!/bin/bash\nexec {sys.executable} "$@"\n'}
+             # the plan check before launch is the real one in test_usage_error / launcher.plan's tests
+             "python": f'#!/bin/bash\necho "$*" > {log}/python.txt\n'}
     for name, text in shims.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
@@ -94,6 +94,7 @@ def test_preemption_signal_stops_the_run_and_usr1_requeues(tmp_path, template, s
         time.sleep(0.1)
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     out, err = proc.communicate(timeout=30)
+    assert (log / "python.txt").read_text().startswith("-m launcher.plan conf/ppo_tiny.yaml")
     run = (log / "torchrun.txt").read_text()
     assert "saw-stop-file" in run and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run
     assert "--max-restarts 3" in run and "trainer.resume=auto" in run
