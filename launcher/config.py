@@ -100,6 +100,10 @@ class ActorConfig(ParallelConfig):
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # Adam's moments live in pinned host memory and visit the GPU chunk by chunk during the optimizer
+    # step (parallel/offload_optim.py): 8 bytes/parameter less device memory, ~8 bytes/parameter each way
+    # over PCIe per step
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -111,6 +115,7 @@ class CriticConfig(ParallelConfig):
     max_tokens_per_micro_batch: int = 4096
     value_clip: float = 0.2
     loss_agg: str = "token-mean"
+    offload_optimizer: bool = False  # as actor.offload_optimizer
 
 
 @dataclass
@@ -408,6 +413,11 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
                         f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
                         f"pp=1")
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).offload_optimizer and getattr(cfg, role).offload:
+            raise UserError(f"{role}.offload_optimizer=true keeps the optimizer states in host memory all the time, "
+                            f"so {role}.offload=true (move them there while generating) has nothing to move; "
+                            f"set {role}.offload=false")
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():

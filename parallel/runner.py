@@ -37,8 +37,10 @@ The `ModelRunner` protocol, precisely:
 - `training_shards() -> {HF name: local shard}`: what the reshard executor sends (tied: both names).
 - `export_state_dict() -> {HF name: full tensor} | None`: collective over the runner's group;
   the whole model on the rank where `is_exporter` (group coordinate 0, 0, 0), None elsewhere.
-- `build_optimizer(*, lr, betas, weight_decay)` and `optimizer_step(optimizer, *, max_norm) -> grad
-  norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard).
+- `build_optimizer(*, lr, betas, weight_decay, offload=False)` and `optimizer_step(optimizer, *, max_norm)
+  -> grad norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard);
+  `offload` keeps Adam's moments in pinned host memory between steps (native:
+  parallel/offload_optim.py), and a backend that cannot must raise rather than ignore it.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class ModelRunner(Protocol):
     def parameters(self) -> list[nn.Parameter]: ...
     def training_shards(self) -> dict[str, torch.Tensor]: ...
     def export_state_dict(self) -> dict[str, torch.Tensor] | None: ...
-    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float): ...
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                        offload: bool = False): ...
     def optimizer_step(self, optimizer, *, max_norm: float) -> float: ...
 
 
@@ -191,7 +194,11 @@ class NativeRunner:
             return None
         return {k: v for part in parts for k, v in part.items()}
 
-    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float):
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float, offload: bool = False):
+        if offload:
+            from parallel.offload_optim import HostOffloadAdamW
+
+            return HostOffloadAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                  fused=self._device().type == "cuda")
 

@@ -214,6 +214,10 @@ def load_worker_state(worker, state: dict) -> None:
     saved = state["optim"]
     # rebuild optimizer state tensors with each parameter's own placement (DTensor or plain)
     order = [p for g in opt.param_groups for p in g["params"]]
+    if getattr(opt, "states_on_host", False):  # parallel/offload_optim.py: its loader puts them in pinned memory
+        opt.load_state_dict(saved)
+        worker.scheduler.load_state_dict(state["sched"])
+        return
     new_state = {}
     for idx, st in saved["state"].items():
         p = order[int(idx)]

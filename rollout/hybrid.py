@@ -125,8 +125,9 @@ class HybridEngine:
             rec = MemoryRecord(step, live, live, live, time.perf_counter() - self._t0)
         self.memory_log.append(rec)
         if self.log is not None:
-            self.log.info("hybrid %-16s allocated %.3f GB reserved %.3f GB peak %.3f GB at %.3f s", step,
-                          rec.allocated / 1e9, rec.reserved / 1e9, rec.peak / 1e9, rec.seconds)
+            # debug: the rank's log file keeps every generate's memory timeline, the console stays quiet
+            self.log.debug("hybrid %-16s allocated %.3f GB reserved %.3f GB peak %.3f GB at %.3f s", step,
+                           rec.allocated / 1e9, rec.reserved / 1e9, rec.peak / 1e9, rec.seconds)
 
     # ---- training-only state ----
     def _release_training_state(self) -> None:
