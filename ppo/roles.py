@@ -34,6 +34,7 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False, frozen: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype, frozen=frozen,
+                      backend=cfg_section.backend,
                       ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
                       pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
                       stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
@@ -175,14 +176,10 @@ class Roles:
     def load_reference(self, path, *, critic_trunk: bool) -> None:
         """Reference (and optionally the critic's trunk) from an HF directory, e.g. the SFT warm-up's;
         on resume only the reference is reloaded (the critic comes back from the checkpoint)."""
-        from parallel.loading import load_sharded_weights
-
         if self.ref is not None:
-            for m in self.ref.runner.modules:
-                load_sharded_weights(m, path, strict=False)
-        if self.critic is not None and critic_trunk:
-            for m in self.critic.runner.modules:  # trunk only: the value head keeps its init
-                load_sharded_weights(m, path, strict=False)
+            self.ref.runner.load_hf_weights(path, strict=False)
+        if self.critic is not None and critic_trunk:  # trunk only: the value head keeps its init
+            self.critic.runner.load_hf_weights(path, strict=False)
 
     def _sft_actor(self, state, *, steps: int) -> None:
         log = logging.getLogger("hybridrl")

@@ -21,7 +21,7 @@ from torch import nn
 
 from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
-from parallel.apply import parallelize_model
+from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import (
@@ -55,6 +55,7 @@ class WorkerSpec:
     # FSDP's mixed precision would cast the masters to that dtype for every forward anyway, so the
     # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
     frozen: bool = False
+    backend: str = "native"  # native | megatron (parallel/backends.py)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -94,14 +95,12 @@ class ShardedWorker:
         self.tp_group = mesh.get_group("tp")
         self.device = spec.device
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
-        if spec.frozen and param_dtype is not None:
-            model.to(param_dtype)  # the RoPE frequencies stay fp32 (LlamaModel._apply)
-            param_dtype = None
-        self.runner: ModelRunner = parallelize_model(
+        self.runner: ModelRunner = build_runner(
             # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
             # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
             # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
-            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None, param_dtype=param_dtype,
+            model, backend=spec.backend, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None,
+            param_dtype=param_dtype, frozen=spec.frozen,
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)

@@ -73,7 +73,7 @@ class HybridEngine:
         self.device = local.device
         dtype = gen_dtype or local.dtype
         if specs is None:
-            specs = param_specs(self.modules[0].config, itemsize=torch.empty(0, dtype=dtype).element_size())
+            specs = param_specs(actor.model_config, itemsize=torch.empty(0, dtype=dtype).element_size())
         self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
         self.memory_log: list[MemoryRecord] = []
         self.timings: dict[str, float] = {}
@@ -131,9 +131,7 @@ class HybridEngine:
 
     # ---- training-only state ----
     def _release_training_state(self) -> None:
-        for m in self.modules:
-            for p in m.parameters():
-                p.grad = None
+        self.actor.release_gradients()  # the backend's gradient storage (megatron: its DDP buffers)
         if not self.offload_optimizer:
             return
         pin = torch.cuda.is_available() and self.device.type == "cuda"
@@ -156,6 +154,7 @@ class HybridEngine:
                 local.data = torch.empty(0, dtype=local.dtype, device=local.device)
 
     def _restore_training_state(self) -> None:
+        self.actor.restore_gradients()
         with torch.no_grad():
             for local, host in self._offloaded:
                 local.data = host.to(self.device, non_blocking=True)
