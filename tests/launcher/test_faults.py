@@ -22,9 +22,14 @@ TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enab
         "trainer.save_every_minutes=0"]
 
 
+def _pythonpath() -> str:
+    """The repo first, then what the caller had (the GPU machine's carried wheels live on PYTHONPATH)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def launch(tmp_path: Path, name: str, *overrides: str, nproc: int = 2, restarts: int = 0, fault: dict | None = None,
            timeout: int = 240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(fault or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), **(fault or {}))
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={restarts}", "--monitor-interval=0.5"]

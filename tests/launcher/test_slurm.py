@@ -69,7 +69,8 @@ def _shims(tmp_path):
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     for d in ("launcher", "conf"):
         (tmp_path / d).symlink_to(root / d)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(root), SLURM_JOB_ID="4242",
+    pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=pythonpath, SLURM_JOB_ID="4242",
                SLURM_NNODES="1", SLURM_JOB_NODELIST="node1", GPUS_PER_NODE="2")
     env.pop("HYBRIDRL_STOP_FILE", None)
     return env, log
