@@ -26,6 +26,7 @@ def test_grpo_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
     for r in rows:
         assert r["reward/zero_var_group_frac"] == 0.0, r  # no zero-variance group reached the update
         assert r["dapo/filled_zero_var_groups"] == 0.0
+        assert r["reward/failed"] == 0.0  # the rounds' reward results reach the step with the kept samples
         assert 1 <= r["dapo/gen_rounds"] <= 12
         for key in ("rollout_corr/kl", "rollout_corr/ratio_max", "rollout_corr/ratio_min", "rollout_corr/masked_frac",
                     "rollout_corr/tis_clipfrac", "dapo/overlong_filtered_frac",
