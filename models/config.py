@@ -189,6 +189,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # tiny with head_dim 32 (q/k/v project 64 -> 4 x 32): vLLM's CPU attention needs head_dim >= 32
+    "tiny-hd32": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # Llama-3.2-1B-like body with a Llama-2 vocabulary (the shape the benchmarks are specified on)
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
