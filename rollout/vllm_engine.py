@@ -10,8 +10,8 @@ vLLM reuses the already initialised torch.distributed world and cuts it into con
 `tensor_parallel_size` ranks, one engine per block; each block is one generation TP group of the
 device plan (checked at start-up), blocks are independent replicas (vLLM's "external DP"). vLLM
 creates its groups with collectives over the WHOLE world, so every rank of the world constructs an
-engine at the same time; a rank without the rollout role builds an idle one (`idle_tp`: one
-sequence of KV, never asked to generate). Every rank of a TP group passes the same prompts.
+engine at the same time; a rank without the rollout role builds an idle one (`idle_tp`, never asked
+to generate) of the same KV size (vLLM sizes every engine's KV cache to the minimum over the world). Every rank of a TP group passes the same prompts.
 
 Weights: the engine starts from vLLM's dummy weights; `update_weights` takes this rank's HF-named
 generation TP shards, all-gathers them inside the TP group one bounded bucket at a time into the
@@ -139,18 +139,17 @@ class VLLMEngine:
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same draws for unseeded requests
         cuda = self.device.type == "cuda"
         self.sleep_level = 2 if cuda and config.free_memory_on_sleep else 0
-        max_seqs = 1 if idle_tp else config.max_num_seqs
         kw = {}
         if cuda:
             kw["gpu_memory_utilization"] = config.gpu_memory_fraction
         else:  # vLLM's CPU default asks for most of host memory; give it what the native engine would take
-            tokens = config.max_model_len if idle_tp else (config.kv_cache_tokens or config.max_model_len * max_seqs)
+            tokens = config.kv_cache_tokens or config.max_model_len * config.max_num_seqs
             kw["kv_cache_memory_bytes"] = tokens * kv_bytes_per_token(model_config, tp=self.tp, dtype=dtype)
         self._dir = tempfile.TemporaryDirectory(prefix="hybridrl-vllm-")
         write_hf_config(model_config, self._dir.name, dtype=dtype)
         self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                        tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
-                       max_model_len=config.max_model_len, max_num_seqs=max_seqs,
+                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
                        enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
                        enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0, **kw)
