@@ -11,7 +11,8 @@ vLLM reuses the already initialised torch.distributed world and cuts it into con
 device plan (checked at start-up), blocks are independent replicas (vLLM's "external DP"). vLLM
 creates its groups with collectives over the WHOLE world, so every rank of the world constructs an
 engine at the same time; a rank without the rollout role builds an idle one (`idle_tp`, never asked
-to generate) of the same KV size (vLLM sizes every engine's KV cache to the minimum over the world). Every rank of a TP group passes the same prompts.
+to generate) of the same KV size (vLLM sizes every engine's KV cache to the minimum over the world).
+Every rank of a TP group passes the same prompts.
 
 Weights: the engine starts from vLLM's dummy weights; `update_weights` takes this rank's HF-named
 generation TP shards, all-gathers them inside the TP group one bounded bucket at a time into the

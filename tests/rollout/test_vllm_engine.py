@@ -95,6 +95,16 @@ def _single_rank(rank, world):
     out["greedy_is_argmax"] = all(torch.equal(torch.tensor(c.token_ids),
                                               _trainer_logprobs(model, c.prompt_ids, c.token_ids, 0)[1]) for c in g)
 
+    # CPU: sleep()/wake_up() are no-ops that never block; generating while asleep is refused, not hung
+    engine.sleep()
+    try:
+        engine.generate(prompts, greedy)
+        out["asleep_refused"] = False
+    except RuntimeError as e:
+        out["asleep_refused"] = "sleeping" in str(e)
+    engine.wake_up()
+    out["same_after_wake"] = [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in g]
+
     # a stop token ends the completion and is included (with its log-prob)
     stop = g[0].token_ids[2]
     s = engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop]))[0]
@@ -137,6 +147,7 @@ def test_vllm_engine_single_rank():
     assert r["alone_equal"] and r["samples_differ"] and r["other_seed_differs"]
     assert r["err_sampled"] < 1e-5 and r["err_greedy"] < 1e-5, r
     assert r["greedy_is_argmax"]
+    assert r["asleep_refused"] and r["same_after_wake"]
     assert r["stop"] == ("stop", True, True)
     assert r["budget"] == 4 and r["budget_same_tokens"]
     assert r["errors"][0] == "error" and r["errors"][1] == "error" and r["errors"][2] == "length"
