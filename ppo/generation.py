@@ -36,30 +36,29 @@ def engine_config(cfg, env) -> EngineConfig:
                         seed=cfg.trainer.seed)
 
 
-def idle_vllm_engine(cfg, *, plan, env, model_config):
-    """The placeholder vLLM replica of a rank without the rollout role (collective with the real ones)."""
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    return build_vllm_engine(cfg, model_config, engine_config(cfg, env), env=env, dtype=dtype, eos=None,
-                             idle_tp=plan.gen_tp)
-
-
-def build_vllm_engine(cfg, model_config, engine_cfg, *, env, dtype, eos, tp_group=None, idle_tp: int = 0):
-    """rollout.engine=vllm (rollout/vllm_engine.py). vLLM creates its groups over the whole world, so the
-    ranks without the rollout role build an idle replica too (idle_tp: the generation TP size)."""
-    from rollout.vllm_engine import VLLMEngine
-    from rollout.vllm_support import logprobs_mode_for
+def vllm_options(cfg, env, *, idle_tp: int = 0):
+    """rollout.engine=vllm: the settings only vLLM reads, from the run's rollout keys."""
+    from rollout.vllm_support import VLLMOptions, logprobs_mode_for
 
     r = cfg.rollout
     compiled = r.compile or (env.device.type == "cuda" and r.enable_cuda_graph)
-    return VLLMEngine(model_config, config=engine_cfg, tp_group=tp_group, device=env.device, dtype=dtype,
-                      eos_token_ids=eos, enforce_eager=not compiled, bucket_bytes=r.bucket_mb * 2**20,
-                      logprobs_mode=logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-                      idle_tp=idle_tp)
+    return VLLMOptions(logprobs_mode=logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                       enforce_eager=not compiled, bucket_bytes=r.bucket_mb * 2**20, idle_tp=idle_tp)
+
+
+def idle_vllm_engine(cfg, *, plan, env, model_config):
+    """rollout.engine=vllm on a rank without the rollout role: vLLM's start-up is collective over the whole
+    world, so this rank starts a replica too (same KV size; never asked to generate)."""
+    from rollout.factory import build_rollout_engine
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    return build_rollout_engine("vllm", model_config, config=engine_config(cfg, env), device=env.device,
+                                dtype=dtype, vllm=vllm_options(cfg, env, idle_tp=plan.gen_tp))
 
 
 class RolloutRole:
     def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
-        from rollout.engine import NativeEngine
+        from rollout.factory import build_rollout_engine
         from rollout.hybrid import HybridEngine
 
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -70,13 +69,10 @@ class RolloutRole:
         engine_cfg = engine_config(cfg, env)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        if r.engine == "vllm":
-            self.engine = build_vllm_engine(cfg, model_config, engine_cfg, env=env, dtype=dtype, eos=eos,
-                                            tp_group=groups.gen_tp_group)
-        else:
-            self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
-                                       device=env.device, dtype=dtype, eos_token_ids=eos)
-        self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
+        self.engine = build_rollout_engine(r.engine, model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
+                                           device=env.device, dtype=dtype, eos_token_ids=eos,
+                                           vllm=vllm_options(cfg, env) if r.engine == "vllm" else None)
+        self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
                                    optimizer=actor.optimizer, gen_dtype=dtype)
 

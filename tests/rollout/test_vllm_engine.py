@@ -171,11 +171,11 @@ def _hybrid_tp2(rank, world):
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
     gen = GenLayout.for_world(world, tp=2)
     groups = build_reshard_groups((dims, gen), list(range(world)))
-    engine = _engine(actor.config, tp_group=groups.gen_tp_group, bucket_bytes=64 << 10)
+    full = _model()
+    engine = _engine(full.config, tp_group=groups.gen_tp_group, bucket_bytes=64 << 10)
     hybrid = HybridEngine(actor, engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=64 << 10,
                           offload_optimizer=True, optimizer=opt)
-    full = _model()
-    full.load_state_dict(full_state_dict(actor))
+    full.load_state_dict(full_state_dict(actor.module))
     prompts = [[1, 5, 9, 22], [1, 300, 7]]
     sampling = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5, ignore_eos=True)
     got = hybrid.generate(prompts, sampling)
