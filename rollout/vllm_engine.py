@@ -162,6 +162,8 @@ class VLLMEngine:
         self._max_budget = max(config.max_num_batched_tokens, config.max_model_len)  # vLLM's buffers are this big
         self.asleep = False
         self.loaded = False
+        if idle_tp:
+            self.sleep()  # never generates: on CUDA its weights and KV cache leave the GPU for good
 
     # ---- RolloutEngine protocol ----
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
