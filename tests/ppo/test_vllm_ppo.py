@@ -22,21 +22,21 @@ def _on_policy(rows):
         assert r["rollout/logprob_diff_max"] < 1e-4, r  # vLLM's fp32 log-probs are the trainer's
 
 
-def test_colocated_gen_tp2_then_resume(tmp_path):
-    common = [*VLLM, "actor.tp=2", "trainer.experiment_name=tp2"]
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
-    res = launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common)
-    _ok(res)
+def test_colocated_gen_tp2(tmp_path):
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *VLLM, "actor.tp=2",
+               "trainer.experiment_name=tp2"))
     rows = metrics(tmp_path / "tp2")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert (tmp_path / "tp2" / "checkpoints" / "step_2").is_dir()
+    assert [r["step"] for r in rows] == [1, 2]
     _on_policy(rows)
 
 
-def test_colocated_gen_tp1_dp2(tmp_path):
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *VLLM, "trainer.experiment_name=dp2"))
+def test_colocated_gen_tp1_dp2_then_resume(tmp_path):
+    common = [*VLLM, "trainer.experiment_name=dp2"]
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
     rows = metrics(tmp_path / "dp2")
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "dp2" / "checkpoints" / "step_2").is_dir()
     _on_policy(rows)
 
 
