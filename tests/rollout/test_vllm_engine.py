@@ -3,8 +3,9 @@
 Proves: per-request seeds reproduce n samples alone or inside a batch; fp32 behaviour log-probs equal
 the trainer's (log softmax(logits / T), T = 1 greedy) within 1e-5; after a PPO update, update_weights
 makes vLLM's greedy tokens and log-probs those of the updated model, also for a prompt that hits the
-prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV);
-the hybrid engine drives vLLM at gen TP=2 from a TP=2 actor (bucketed all-gather of the shards).
+prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV).
+The hybrid engine driving vLLM at gen TP=2 from a TP=2 actor is tests/ppo/test_vllm_ppo.py (log-probs
+against the trainer's recompute); the bucketed TP all-gather is tests/rollout/test_vllm_support.py.
 """
 
 from __future__ import annotations
@@ -154,35 +155,3 @@ def test_vllm_engine_single_rank():
     assert r["changed"], "the PPO update did not change the greedy tokens: the update test proves nothing"
     assert r["err_after_update"] < 1e-5 and r["argmax_after_update"], r
     assert r["err_stale_without_reset"] > 1e-3, r  # the cache was really in play
-
-
-def _hybrid_tp2(rank, world):
-    """A TP=2 actor drives vLLM at gen TP=2 through the hybrid engine; equals the single-device model."""
-    from parallel.apply import parallelize_model
-    from parallel.dims import ParallelDims, build_mesh
-    from parallel.loading import full_state_dict
-    from parallel.reshard import GenLayout
-    from parallel.reshard_exec import build_reshard_groups
-    from rollout.base import SamplingParams
-    from rollout.hybrid import HybridEngine
-
-    dims = ParallelDims(tp=2, pp=1, dp=1)
-    actor = parallelize_model(_model(), mesh=build_mesh(dims, list(range(world)), device_type="cpu"), dims=dims)
-    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-    gen = GenLayout.for_world(world, tp=2)
-    groups = build_reshard_groups((dims, gen), list(range(world)))
-    full = _model()
-    engine = _engine(full.config, tp_group=groups.gen_tp_group, bucket_bytes=64 << 10)
-    hybrid = HybridEngine(actor, engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=64 << 10,
-                          offload_optimizer=True, optimizer=opt)
-    full.load_state_dict(full_state_dict(actor.module))
-    prompts = [[1, 5, 9, 22], [1, 300, 7]]
-    sampling = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5, ignore_eos=True)
-    got = hybrid.generate(prompts, sampling)
-    return {"tokens": [c.token_ids for c in got], "err": _max_logprob_error(full, got, 1.0)}
-
-
-def test_hybrid_engine_drives_vllm_tp2():
-    a, b = run_world(_hybrid_tp2, world_size=2, timeout=300)
-    assert a["tokens"] == b["tokens"]  # both TP ranks decode together and return the same completions
-    assert a["err"] < 1e-5, a

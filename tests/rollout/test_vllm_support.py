@@ -9,6 +9,7 @@ import pytest
 from launcher.config import load_config
 from launcher.errors import UserError
 from rollout.vllm_support import logprobs_mode_for, request_matches_mode, vllm_install_problem
+from tests.dist_utils import run_world
 
 
 def test_logprobs_mode_matches_our_convention():
@@ -57,3 +58,24 @@ def test_engine_vllm_config_mismatches_exit_before_launch(monkeypatch, overrides
     monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.20.1")
     with pytest.raises(UserError, match="supports vLLM 0.32.x, found 0.20.1"):
         load_config("conf/ppo_tiny.yaml", ["rollout.engine=vllm"])
+
+
+def _gather(rank, world):
+    import torch
+
+    from models import build_model
+    from parallel.sharding import tp_slices
+    from rollout.vllm_engine import gather_full_tensors
+
+    full = build_model("tiny-hd32", seed=0).state_dict()
+    shards = [(k, v[tp_slices(k, tuple(v.shape), rank=rank, world=world)].contiguous()) for k, v in full.items()]
+    # 20 KiB buckets: several per layer, so bucket edges fall inside and between tensors
+    got = list(gather_full_tensors(iter(shards), group=None if world == 1 else torch.distributed.group.WORLD,
+                                   bucket_bytes=20 << 10))
+    return [k for k, _ in got] == list(full) and all(torch.equal(t, full[k]) for k, t in got)
+
+
+@pytest.mark.distributed
+def test_update_weights_gathers_tp_shards_into_full_tensors():
+    """What VLLMEngine.update_weights streams into vLLM (no vLLM needed): TP=2 shards -> the full tensors."""
+    assert run_world(_gather, world_size=2) == [True, True]
