@@ -138,17 +138,21 @@ class PPOTrainer:
         kept = {key: {s.uid: per_uid[s.uid] for s in filled.samples} for key, per_uid in rewards.items()}
         return Experience(filled.samples), kept, filled.metrics
 
-    def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{uid: score} plus DAPO's soft overlong penalty when algorithm.overlong_buffer.enable."""
+    def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
+        """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
         ob = self.cfg.algorithm.overlong_buffer
         if not ob.enable:
-            return scores
+            return None
         from ppo.dapo import overlong_penalty
 
         lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
-        pen = overlong_penalty(lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=ob.len,
-                               penalty_factor=ob.penalty_factor)
-        return {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
+        return overlong_penalty(lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=ob.len,
+                                penalty_factor=ob.penalty_factor)
+
+    def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
+        pen = self.overlong_penalties(exp)
+        return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
     def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True) -> dict:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
@@ -330,31 +334,19 @@ class PPOTrainer:
             adv = algos.compute_reinforce_pp_advantages(token_rewards, mask, gamma=a.gamma)
         adv = adv[0] if isinstance(adv, tuple) else adv
         t["advantages"] = adv * mask
-        metrics.update(self.overlong_metrics(exp))
+        pen = self.overlong_penalties(exp)
+        if pen is not None:
+            metrics["dapo/overlong_penalty_mean"] = float(pen.mean())
         if a.overlong_filter:
             # DAPO: truncated responses still count in their group's baseline, but get no policy gradient
             from ppo.dapo import overlong_filter_mask
 
             truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
+            metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
             t["actor_mask"] = overlong_filter_mask(mask, truncated)
         if cfg.actor.use_kl_loss and "ref_logp" not in t:
             raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
         return t, metrics
-
-    def overlong_metrics(self, exp: Experience) -> dict[str, float]:
-        a = self.cfg.algorithm
-        out: dict[str, float] = {}
-        if a.overlong_filter:
-            cut = sum(s.finish_reason == "length" for s in exp.samples)
-            out["dapo/overlong_filtered_frac"] = cut / len(exp.samples)
-        if a.overlong_buffer.enable:
-            from ppo.dapo import overlong_penalty
-
-            lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
-            out["dapo/overlong_penalty_mean"] = float(overlong_penalty(
-                lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=a.overlong_buffer.len,
-                penalty_factor=a.overlong_buffer.penalty_factor).mean())
-        return out
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""

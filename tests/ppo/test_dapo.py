@@ -113,8 +113,6 @@ def test_dynamic_sampling_skips_a_prompt_drawn_twice():
 
 
 def test_trainer_adds_the_overlong_penalty_to_the_scores():
-    from types import SimpleNamespace
-
     from launcher.config import load_config
     from ppo.experience import Experience
     from ppo.trainer import PPOTrainer
@@ -123,8 +121,10 @@ def test_trainer_adds_the_overlong_penalty_to_the_scores():
                              "algorithm.overlong_buffer.penalty_factor=0.5", "rollout.max_response_length=4"])
     exp = Experience([Sample(uid=i, prompt_index=0, prompt_ids=[1], response_ids=[2] * n, behaviour_logprobs=[0.0] * n,
                              finish_reason="stop") for i, n in enumerate([1, 2, 3, 4])])
-    out = PPOTrainer.shape_scores(SimpleNamespace(cfg=cfg), exp, {i: torch.tensor(1.0) for i in range(4)})
+    trainer = PPOTrainer.__new__(PPOTrainer)  # only its config: no process group, no roles
+    trainer.cfg = cfg
+    out = trainer.shape_scores(exp, {i: torch.tensor(1.0) for i in range(4)})
     assert [round(float(out[i]), 6) for i in range(4)] == [1.0, 1.0, 0.75, 0.5]
-    off = load_config(None, [])
+    trainer.cfg = load_config(None, [])
     same = {i: torch.tensor(1.0) for i in range(4)}
-    assert PPOTrainer.shape_scores(SimpleNamespace(cfg=off), exp, same) is same
+    assert trainer.shape_scores(exp, same) is same
