@@ -128,3 +128,43 @@ def test_trainer_adds_the_overlong_penalty_to_the_scores():
     trainer.cfg = load_config(None, [])
     same = {i: torch.tensor(1.0) for i in range(4)}
     assert trainer.shape_scores(exp, same) is same
+
+
+def _trainer(*overrides):
+    from launcher.config import load_config
+    from ppo.trainer import PPOTrainer
+
+    trainer = PPOTrainer.__new__(PPOTrainer)  # only its config: no process group, no roles
+    trainer.cfg = load_config(None, ["algorithm.name=grpo", "rollout.n=2", "algorithm.use_kl_penalty=false",
+                                     "rollout.max_response_length=3", *overrides])
+    return trainer
+
+
+def _exp(lengths, reasons, logprobs=True):
+    from ppo.experience import Experience
+
+    return Experience([Sample(uid=i, prompt_index=i // 2, prompt_ids=[1], response_ids=[2] * n,
+                              behaviour_logprobs=[-0.5] * n if logprobs else [], finish_reason=r)
+                       for i, (n, r) in enumerate(zip(lengths, reasons))])
+
+
+def test_step_tensors_carry_the_filter_mask_and_the_engine_logprobs():
+    exp = _exp([3, 1, 2, 3], ["length", "stop", "stop", "length"])
+    scores = {"score": {i: torch.tensor(v) for i, v in enumerate([1.0, 0.0, 1.0, 1.0])}}
+    t, m = _trainer("algorithm.overlong_filter=true").compute_advantages(exp, scores)
+    torch.testing.assert_close(t["rollout_logp"], -0.5 * t["mask"].float())
+    torch.testing.assert_close(t["actor_mask"].float(), torch.tensor([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]],
+                                                                     dtype=torch.float32))
+    assert (t["advantages"][0] != 0).all()  # the truncated sample keeps its advantage (group baseline)
+    assert m["dapo/overlong_filtered_frac"] == 0.5 and m["reward/zero_var_group_frac"] == 0.5
+    t, m = _trainer().compute_advantages(exp, scores)
+    assert "actor_mask" not in t and "dapo/overlong_filtered_frac" not in m
+
+
+def test_an_engine_without_logprobs_stops_a_rollout_correction():
+    exp = _exp([2, 2], ["stop", "stop"], logprobs=False)
+    scores = {"score": {0: torch.tensor(1.0), 1: torch.tensor(0.0)}}
+    with pytest.raises(RuntimeError, match="algorithm.rollout_correction=none"):
+        _trainer().compute_advantages(exp, scores)
+    t, _ = _trainer("algorithm.rollout_correction=none").compute_advantages(exp, scores)
+    assert "rollout_logp" not in t  # metrics only, and nothing to measure them on
