@@ -7,12 +7,33 @@ as `Sample`s, so each sample enters the step's experience exactly once.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
+
 import torch
 
 from ppo.experience import Sample
-from ppo.roles import request_seed
 from rollout.base import RolloutConfig as EngineConfig
 from rollout.base import SamplingParams
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
+    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**62 - 1)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One generate call on this rank: its samples, and what it cost.
+
+    timings: {"reshard": s} seconds of the weight gather (a stage of its own in timing_s/, the
+    rest of the call is decoding); metrics: the hybrid engine's reshard/bytes_received,
+    reshard/peak_staging_bytes and mem/hybrid_peak_gb (this rank's)."""
+
+    samples: list[Sample]
+    timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def build_rollout_groups(cfg, plan):
@@ -55,26 +76,28 @@ class RolloutRole:
         per = -(-len(batch) // self.gen_dp)
         return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
 
-    def generate(self, batch: list[dict], *, step: int, seed: int, timer=None) -> list[Sample]:
+    def generate(self, batch: list[dict], *, step: int, seed: int) -> Generation:
+        """This replica's share of `batch`, n samples per prompt (collective over the actor ranks);
+        only gen-TP rank 0 reports samples, every rank reports its timings and metrics."""
         r = self.cfg.rollout
         rows = self.my_prompts(batch)
         sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                    max_tokens=r.max_response_length, n=r.n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
         completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
-        if timer is not None:  # the hybrid engine's gather is reported as its own stage
-            timer.times["reshard"] = timer.times.get("reshard", 0.0) + self.hybrid.timings["reshard"]
+        hybrid = self.hybrid.metrics()
+        out = Generation([], timings={"reshard": hybrid.pop("timing_s/reshard")},
+                         metrics={k: v for k, v in hybrid.items() if not k.startswith("timing_s/")})
         if self.gen_tp_rank != 0:
-            return []
-        out = []
+            return out
         for c in completions:
             row = rows[c.prompt_index]
             if c.finish_reason == "error":
                 raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
-            out.append(Sample(uid=row["index"] * r.n + c.sample_index, prompt_index=row["index"],
-                              prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
-                              behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-                              ground_truth=row.get("ground_truth")))
+            out.samples.append(Sample(uid=row["index"] * r.n + c.sample_index, prompt_index=row["index"],
+                                      prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
+                                      behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
+                                      ground_truth=row.get("ground_truth")))
         return out
 
     def set_token_budget(self, tokens: int) -> None:

@@ -3,7 +3,6 @@ and the loss functions the updates use. The trainer composes these objects (STYL
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
+from ppo.generation import RolloutRole, build_rollout_groups
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
 
@@ -37,12 +37,6 @@ def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False) -> Wo
                       ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
                       pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
                       stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
-
-
-def request_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
-    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**62 - 1)
 
 
 class RuleReward:
@@ -121,32 +115,29 @@ class Roles:
 
         return RolloutConfig().max_num_batched_tokens
 
-    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
-        a = self.cfg.actor
-        fused = "old_logp" not in tensors  # the old log-probs are this forward's, detached (ratio == 1)
-        keys = ["advantages", "mask"] + ([] if fused else ["old_logp"]) + (["ref_logp"] if a.use_kl_loss else [])
+    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
+                     fused_old_logp: bool) -> dict[str, float]:
+        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided)."""
+        a, settings = self.cfg.actor, self.policy_loss
+        keys = ["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"]) + (["ref_logp"] if settings.needs_ref
+                                                                                     else [])
 
         def loss_fn(logp, entropy, t, denom):
-            old = logp.detach() if fused else t["old_logp"]
-            loss, m = algos.policy_loss(logp, old, t["advantages"], t["mask"], clip_low=a.clip_low,
-                                        clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
-                                        denom=denom)
-            m["pg_loss"] = float(loss.detach())
-            if entropy is not None:
-                ent = algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
-                m["entropy"] = float(algos.masked_mean(entropy.detach(), t["mask"].float()))
-                if a.entropy_coef:
-                    loss = loss - a.entropy_coef * ent
-            if a.use_kl_loss:
-                kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
-                kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
-                loss = loss + a.kl_loss_coef * kl_loss
-                m["kl_loss"] = float(kl_loss.detach())
-            return loss, m
+            return algos.compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t["old_logp"],
+                                             advantages=t["advantages"], mask=t["mask"], settings=settings,
+                                             entropy=entropy, ref_logp=t.get("ref_logp"), denom=denom)
 
-        loss_fn.needs_entropy = bool(a.entropy_coef) or fused  # fused: the entropy metric comes from here
+        # fused: no scoring forward measured the entropy, so the update reports it
         return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
-                                 epochs=a.ppo_epochs, loss_fn=loss_fn)
+                                 epochs=a.ppo_epochs, loss_fn=loss_fn,
+                                 with_entropy=settings.needs_entropy or fused_old_logp)
+
+    @property
+    def policy_loss(self) -> algos.PolicyLossSettings:
+        a = self.cfg.actor
+        return algos.PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
+                                        agg=a.loss_agg, entropy_coef=a.entropy_coef, use_kl_loss=a.use_kl_loss,
+                                        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
 
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         c = self.cfg.critic
@@ -197,7 +188,8 @@ class Roles:
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
             m = self.actor.update(exp, self.actor_plan(exp, self.cfg.actor.max_tokens_per_micro_batch),
-                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, step_scheduler=False)
+                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, with_entropy=False,
+                                  step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
                 log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
         for g, lr in zip(opt.param_groups, saved):
@@ -254,8 +246,6 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
-    from ppo.generation import RolloutRole, build_rollout_groups
-
     layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
         roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,

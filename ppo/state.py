@@ -23,8 +23,6 @@ class TrainState:
         self.log = logging.getLogger("hybridrl")
         self._tb = None
         self._wandb = None
-        self.model_params: int | None = None
-        self.controller = None
 
     @classmethod
     def create(cls, cfg, *, run_dir: Path, rank: int) -> TrainState:
@@ -116,13 +114,15 @@ class TrainState:
             self._wandb.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, roles, *, final: bool, pending=None) -> Path:
+    def save(self, step: int, roles, *, final: bool, pending=None, controller=None) -> Path:
+        """Checkpoint `step`: every rank's workers and RNG, the sampler, KL and batch controllers and the
+        async batch generated ahead (`pending`). Collective over the world."""
         from ppo.checkpoint import capture_rng_state, save_checkpoint
 
         per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
         shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                   "pending": pending.samples if pending is not None else None,
-                  "controller": self.controller.state_dict() if self.controller is not None else None}
+                  "controller": controller.state_dict() if controller is not None else None}
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared,
                                export=(lambda tmp: export_weights(roles, tmp))
@@ -132,9 +132,9 @@ class TrainState:
             self.log.info("checkpoint %s", path)
         return path
 
-    def maybe_resume(self, roles):
-        """Restore the newest complete checkpoint when trainer.resume asks.
-        Returns (start step, the async batch generated ahead or None)."""
+    def maybe_resume(self, roles, *, controller=None):
+        """Restore the newest complete checkpoint when trainer.resume asks (into roles, this state and
+        the batch controller). Returns (start step, the async batch generated ahead or None)."""
         from ppo.checkpoint import find_latest_checkpoint, load_checkpoint, restore_rng_state
         from ppo.experience import Experience
 
@@ -151,8 +151,8 @@ class TrainState:
         self.sampler.load_state_dict(shared["sampler"])
         self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
         restore_rng_state(per_rank["rng"])
-        if self.controller is not None and shared.get("controller"):
-            self.controller.load_state_dict(shared["controller"])
+        if controller is not None and shared.get("controller"):
+            controller.load_state_dict(shared["controller"])
         if self.rank == 0:
             self.log.info("resumed from %s at step %d", path, shared["step"])
         pending = Experience(shared["pending"]) if shared.get("pending") else None

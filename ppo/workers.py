@@ -247,16 +247,15 @@ class PolicyWorker(ShardedWorker):
         return out
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
+               epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics). Returns the
-        metrics averaged over micro-batches, grad_norm and lr (meaningful on owner ranks)."""
-        need_ent = getattr(loss_fn, "needs_entropy", False)
-
+        KL loss). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
+        with_entropy else None. Returns the metrics averaged over micro-batches, grad_norm and lr
+        (meaningful on owner ranks)."""
         def mb_loss(packed, hidden, t, denom):
-            logp, ent = self._response_logprobs(packed, hidden, with_entropy=need_ent)
+            logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
             return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
 
         out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss)
