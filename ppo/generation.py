@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ppo.experience import Sample
-from rollout.base import RolloutConfig as EngineConfig
-from rollout.base import SamplingParams
+from rollout.base import RolloutConfig, SamplingParams
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -58,7 +57,7 @@ class RolloutRole:
         self.groups = groups
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
         max_len = cfg.data.max_prompt_length + r.max_response_length
-        engine_cfg = EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+        engine_cfg = RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                                   max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
                                   decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
                                   kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
