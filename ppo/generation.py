@@ -8,12 +8,11 @@ as `Sample`s, so each sample enters the step's experience exactly once.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass, field, replace
 
 from ppo.experience import Sample
-from rollout.base import RolloutConfig, SamplingParams
+from ppo.settings import GenerationSettings
+from rollout.base import SamplingParams
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -35,7 +34,7 @@ class Generation:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def build_rollout_groups(cfg, plan):
+def build_rollout_groups(plan):
     """The hybrid engine's process groups (collective: every rank of the world calls this)."""
     from parallel.reshard import GenLayout, TrainLayout
     from parallel.reshard_exec import build_reshard_groups
@@ -47,28 +46,22 @@ def build_rollout_groups(cfg, plan):
 
 
 class RolloutRole:
-    def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
+    def __init__(self, settings: GenerationSettings, *, plan, actor, env, model_config, tokenizer, layouts):
         from rollout.factory import build_rollout_engine
         from rollout.hybrid import HybridEngine
 
-        self.cfg, self.tokenizer = cfg, tokenizer
-        r = cfg.rollout
+        self.settings, self.tokenizer = settings, tokenizer
         train, gen, groups = layouts
         self.groups = groups
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
-        max_len = cfg.data.max_prompt_length + r.max_response_length
-        engine_cfg = RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
-                                  max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
-                                  decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
-                                  kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
-                                  seed=cfg.trainer.seed)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.engine = build_rollout_engine(r.engine, model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
-                                           device=env.device, dtype=dtype, eos_token_ids=eos)
+        # a copy: the batch controller moves this engine's token budget, never the launcher's settings
+        self.engine = build_rollout_engine(settings.engine_kind, model_config, config=replace(settings.engine),
+                                           tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
+                                           eos_token_ids=eos)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
-                                   bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
-                                   optimizer=actor.optimizer, gen_dtype=dtype)
+                                   bucket_bytes=settings.bucket_bytes, offload_optimizer=settings.offload_optimizer,
+                                   optimizer=actor.optimizer, gen_dtype=settings.dtype)
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
@@ -78,7 +71,7 @@ class RolloutRole:
     def generate(self, batch: list[dict], *, step: int, seed: int) -> Generation:
         """This replica's share of `batch`, n samples per prompt (collective over the actor ranks);
         only gen-TP rank 0 reports samples, every rank reports its timings and metrics."""
-        r = self.cfg.rollout
+        r = self.settings
         rows = self.my_prompts(batch)
         sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                    max_tokens=r.max_response_length, n=r.n,

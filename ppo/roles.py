@@ -14,6 +14,7 @@ from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
 from ppo.generation import RolloutRole, build_rollout_groups
+from ppo.settings import PPOSettings, RolesSettings
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
 
@@ -88,7 +89,7 @@ class RewardModelWorker(ShardedWorker):
 
 @dataclass
 class Roles:
-    cfg: object  # launcher.config.Config (duck-typed: ppo does not import the launcher)
+    settings: RolesSettings
     model_config: ModelConfig | None = None
     actor: PolicyWorker | None = None
     ref: PolicyWorker | None = None
@@ -98,13 +99,14 @@ class Roles:
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
-        return self.actor.plan(exp, mini_batch_size=self.cfg.actor.mini_batch_size, max_tokens=max_tokens)
+        return self.actor.plan(exp, mini_batch_size=self.settings.actor_update.mini_batch_size, max_tokens=max_tokens)
 
     def ref_plan(self, exp, max_tokens: int):
         return self.ref.plan(exp, mini_batch_size=0, max_tokens=max_tokens)
 
     def critic_plan(self, exp, max_tokens: int):
-        return self.critic.plan(exp, mini_batch_size=self.cfg.critic.mini_batch_size, max_tokens=max_tokens)
+        return self.critic.plan(exp, mini_batch_size=self.settings.critic_update.mini_batch_size,
+                                max_tokens=max_tokens)
 
     # -- updates
     def rollout_token_budget(self) -> int:
@@ -118,7 +120,7 @@ class Roles:
     def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
                      fused_old_logp: bool) -> dict[str, float]:
         """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided)."""
-        a, settings = self.cfg.actor, self.policy_loss
+        settings = self.settings.policy_loss
         keys = ["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"]) + (["ref_logp"] if settings.needs_ref
                                                                                      else [])
 
@@ -129,28 +131,21 @@ class Roles:
 
         # fused: no scoring forward measured the entropy, so the update reports it
         return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
-                                 epochs=a.ppo_epochs, loss_fn=loss_fn,
+                                 epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
                                  with_entropy=settings.needs_entropy or fused_old_logp)
 
-    @property
-    def policy_loss(self) -> algos.PolicyLossSettings:
-        a = self.cfg.actor
-        return algos.PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
-                                        agg=a.loss_agg, entropy_coef=a.entropy_coef, use_kl_loss=a.use_kl_loss,
-                                        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
-
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
-        c = self.cfg.critic
+        v = self.settings.value_loss
 
         def loss_fn(values, t, denom):
-            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=c.value_clip,
-                                       agg=c.loss_agg, denom=denom)
+            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=v.clip, agg=v.agg,
+                                       denom=denom)
             m["vf_loss"] = float(loss.detach())
             return loss, m
 
         return self.critic.update(exp, self.critic_plan(exp, max_tokens),
                                   {k: tensors[k] for k in ("values", "returns", "mask")},
-                                  epochs=c.ppo_epochs, loss_fn=loss_fn)
+                                  epochs=self.settings.critic_update.epochs, loss_fn=loss_fn)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
     def sft_warmup(self, state, *, steps: int, run_dir) -> None:
@@ -177,7 +172,7 @@ class Roles:
         opt = self.actor.optimizer
         saved = [g["lr"] for g in opt.param_groups]
         for g in opt.param_groups:
-            g["lr"] = self.cfg.trainer.sft_lr
+            g["lr"] = self.settings.sft_lr
 
         def nll(logp, entropy, t, denom):
             loss = -(logp * t["mask"]).sum() / denom
@@ -187,7 +182,7 @@ class Roles:
             pairs = state.sft_batch(i)
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
-            m = self.actor.update(exp, self.actor_plan(exp, self.cfg.actor.max_tokens_per_micro_batch),
+            m = self.actor.update(exp, self.actor_plan(exp, self.settings.sft_max_tokens),
                                   {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, with_entropy=False,
                                   step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
@@ -208,15 +203,18 @@ class Roles:
         return path
 
 
-def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
-    """Construct the workers of every role this rank hosts."""
+def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: ModelConfig, tokenizer,
+                run_dir) -> Roles:
+    """Construct the workers of every role this rank hosts. cfg (launcher.config.Config, duck-typed:
+    ppo does not import the launcher) gives the models' sources, layouts and optimizers; the updates,
+    losses and generation read only the typed `settings`."""
     from ppo.rewards import RewardManager, load_reward_function
 
-    roles = Roles(cfg, model_config=model_config)
+    roles = Roles(settings.roles, model_config=model_config)
     rank, seed = env.rank, cfg.trainer.seed
     dtype = model_dtype(cfg.model.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    temperature = cfg.rollout.temperature
+    temperature = settings.generation.temperature
     total = cfg.trainer.total_steps
     here = set(plan.roles_of(rank))
     if "actor" in here:
@@ -246,8 +244,8 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
-    layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
+    layouts = build_rollout_groups(plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
-        roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,
-                                    tokenizer=tokenizer, layouts=layouts)
+        roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=env,
+                                    model_config=model_config, tokenizer=tokenizer, layouts=layouts)
     return roles

@@ -26,6 +26,7 @@ from ppo import core_algos as algos
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
 from ppo.roles import build_roles
+from ppo.settings import PPOSettings
 from ppo.state import TrainState
 from ppo.step_plan import old_logp_source
 
@@ -60,12 +61,14 @@ class StageTimer:
 
 
 class PPOTrainer:
-    def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None):
+    def __init__(self, cfg, *, settings: PPOSettings, plan, groups, env, run_dir: Path, model_config, monitor=None):
+        """cfg: launcher.config.Config (the step loop's own sections: trainer, data, algorithm, controller);
+        settings: the typed pieces the roles and the generation read (launcher/handoff.py)."""
         self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, Path(run_dir)
         self.log = logging.getLogger("hybridrl")
         self.rank = env.rank
         self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank)
-        self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
+        self.roles = build_roles(cfg, settings=settings, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
         self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
@@ -367,10 +370,10 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
 
 
-def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None) -> None:
+def run_training(cfg, *, settings: PPOSettings, plan, groups, env, run_dir, model_config, monitor=None) -> None:
     """cfg: launcher.config.Config; monitor: an optional GPU monitor with set_stage/step_summary/stop."""
-    trainer = PPOTrainer(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_config,
-                         monitor=monitor)
+    trainer = PPOTrainer(cfg, settings=settings, plan=plan, groups=groups, env=env, run_dir=run_dir,
+                         model_config=model_config, monitor=monitor)
     trainer.fit()
     if env.rank == 0:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from ppo.generation import Generation, request_seed
-from ppo.trainer import PPOTrainer
 from tests.ppo.world import tiny_run, world_of_one
 
 
@@ -15,8 +14,7 @@ def trainer(tmp_path_factory):
     with world_of_one():
         run = tiny_run(tmp_path_factory.mktemp("gen"), "rollout.n=2", "algorithm.name=grpo",
                        config="conf/grpo_tiny.yaml")
-        yield PPOTrainer(run.cfg, plan=run.plan, groups=run.groups, env=run.env,
-                         run_dir=run.cfg.trainer.runs_dir, model_config=run.model_config)
+        yield run.trainer()
 
 
 def test_request_seed_is_stable_and_distinct():

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from ppo.trainer import PPOTrainer
 from tests.ppo.world import tiny_run, world_of_one
 
 
@@ -20,9 +19,7 @@ def world():
 
 
 def _trainer(tmp_path, *overrides, config="conf/ppo_tiny.yaml"):
-    run = tiny_run(tmp_path, *overrides, config=config)
-    return PPOTrainer(run.cfg, plan=run.plan, groups=run.groups, env=run.env, run_dir=tmp_path,
-                      model_config=run.model_config)
+    return tiny_run(tmp_path, *overrides, config=config).trainer(tmp_path)
 
 
 def test_step_metrics_follow_the_old_logp_source(world, tmp_path):

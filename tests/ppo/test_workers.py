@@ -11,7 +11,7 @@ from models.heads import LlamaForValue
 from models.llama import LlamaForCausalLM
 from ppo.roles import _build
 from ppo.state import load_worker_state, worker_state
-from ppo.trainer import PPOTrainer, StageTimer
+from ppo.trainer import StageTimer
 from tests.ppo.world import tiny_run, world_of_one
 
 
@@ -19,8 +19,7 @@ from tests.ppo.world import tiny_run, world_of_one
 def trainer(tmp_path_factory):
     with world_of_one():
         run = tiny_run(tmp_path_factory.mktemp("workers"))
-        t = PPOTrainer(run.cfg, plan=run.plan, groups=run.groups, env=run.env, run_dir=run.cfg.trainer.runs_dir,
-                       model_config=run.model_config)
+        t = run.trainer()
         exp, _ = t.generate(0, StageTimer(run.env.device))
         yield t, exp
 

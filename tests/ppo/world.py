@@ -3,7 +3,7 @@ the pieces the launcher hands `ppo` (config, plan, role groups, environment), no
 
     with world_of_one():
         run = tiny_run(tmp_path, "algorithm.name=grpo")
-        roles = build_roles(run.cfg, plan=run.plan, groups=run.groups, env=run.env, ...)
+        trainer = run.trainer()                    # PPOTrainer with the launcher's typed settings
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from launcher.config import load_config
 from launcher.dist import DistEnv, build_role_groups
+from launcher.handoff import build_ppo_settings
 from launcher.plan import compute_plan, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,10 +39,17 @@ def world_of_one():
 @dataclass
 class Run:
     cfg: object
+    settings: object  # ppo.settings.PPOSettings
     plan: object
     groups: dict
     env: DistEnv
     model_config: object
+
+    def trainer(self, run_dir: Path | None = None):
+        from ppo.trainer import PPOTrainer
+
+        return PPOTrainer(self.cfg, settings=self.settings, plan=self.plan, groups=self.groups, env=self.env,
+                          run_dir=run_dir or Path(self.cfg.trainer.runs_dir), model_config=self.model_config)
 
 
 def tiny_run(tmp_path: Path, *overrides: str, config: str = "conf/ppo_tiny.yaml") -> Run:
@@ -51,4 +59,4 @@ def tiny_run(tmp_path: Path, *overrides: str, config: str = "conf/ppo_tiny.yaml"
     plan = compute_plan(cfg, world_size=1, model=model_config)
     groups = build_role_groups(plan, rank=0, device_type="cpu")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    return Run(cfg, plan, groups, env, model_config)
+    return Run(cfg, build_ppo_settings(cfg, device=env.device), plan, groups, env, model_config)
