@@ -8,6 +8,7 @@ as `Sample`s, so each sample enters the step's experience exactly once.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field, replace
 
 from ppo.experience import Sample
@@ -61,7 +62,8 @@ class RolloutRole:
                                            eos_token_ids=eos)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=settings.bucket_bytes, offload_optimizer=settings.offload_optimizer,
-                                   optimizer=actor.optimizer, gen_dtype=settings.dtype)
+                                   optimizer=actor.optimizer, gen_dtype=settings.dtype,
+                                   logger=logging.getLogger("hybridrl"))
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
