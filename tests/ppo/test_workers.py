@@ -3,6 +3,8 @@ per-sequence forward of the same weights, and the fused old-log-prob update equa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,8 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     roles, actor = t.roles, t.roles.actor
     mask = exp.response_mask()
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
-    before = worker_state(actor)
+    before = copy.deepcopy(worker_state(actor))  # model shards, optimizer and LR schedule
+    start = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
     fused_m = roles.update_actor(exp, {"advantages": adv, "mask": mask}, max_tokens=40, fused_old_logp=True)
     fused = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
     load_worker_state(actor, before)
@@ -82,7 +85,7 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     recomputed_m = roles.update_actor(exp, tensors, max_tokens=40, fused_old_logp=False)
     for n, p in actor.runner.named_parameters():
         torch.testing.assert_close(p.detach(), fused[n], rtol=0, atol=1e-6, msg=n)
-        assert not torch.equal(p.detach(), before["params"][n]), f"{n} did not move"
+        assert not torch.equal(p.detach(), start[n]), f"{n} did not move"
     for m in (fused_m, recomputed_m):
         assert m["clipfrac"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0)
     assert fused_m["pg_loss"] == pytest.approx(recomputed_m["pg_loss"], abs=1e-6)
