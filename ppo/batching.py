@@ -136,15 +136,6 @@ def balance_across_dp(lengths: Sequence[int], dp: int, *, equal_size: bool = Tru
     return ref if imbalance(lengths, ref) < imbalance(lengths, parts) else parts
 
 
-def sequence_flops(lengths: Sequence[int], *, num_params: int, num_layers: int, hidden_size: int) -> list[int]:
-    """Forward FLOPs of each sequence: 2 N L for the matmuls plus 2 * layers * hidden * L^2 for causal
-    attention (QK^T and AV, half the square). Pass these instead of token counts to
-    balance_across_dp / karmarkar_karp when responses are long: attention adds a relative
-    L * layers * hidden / N of work per sequence (13% at 4k tokens for the llama-1b preset, as much
-    as the matmuls at ~30k), which token-balanced ranks do not see."""
-    return [2 * num_params * n + 2 * num_layers * hidden_size * n * n for n in lengths]
-
-
 def _first_fit_decreasing(lengths: Sequence[int], idx: list[int], max_tokens: int) -> list[list[int]]:
     bins: list[list[int]] = []
     sums: list[int] = []

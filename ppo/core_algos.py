@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
@@ -99,13 +98,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     logits = logits.float()  # bf16 log-softmax loses ~2 digits; the PPO ratio needs them
     picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> entropy of softmax [...] in fp32."""
-    logits = logits.float()
-    logp = F.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------- advantages
