@@ -70,8 +70,8 @@ def test_resume_gives_identical_metrics(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for k in a:
-            if k.startswith(("timing_s/", "perf/")):
-                continue
+            if k.startswith(("timing_s/", "perf/", "mem/")) or k.endswith("_s"):
+                continue  # times and memory vary from run to run; the numerics must not
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
 
 
