@@ -129,7 +129,11 @@ def _role_section(cfg: Config, role: str):
 
 def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig) -> None:
     """Layouts megatron-core cannot shard: its embedding is vocab-parallel in every role (tp | vocab), its
-    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers)."""
+    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers).
+    Qwen3's per-head q/k norms are not mapped to megatron's q/k layernorms yet: refused, never dropped."""
+    if shape.qk_norm:
+        raise UserError(f"{role}.backend=megatron: model_type {shape.model_type!r} (per-head q/k RMSNorm) is not "
+                        f"mapped to megatron-core yet; use {role}.backend=native")
     for what, n, k in (("vocab_size", shape.vocab_size, tp), ("num_key_value_heads", shape.num_key_value_heads, tp),
                        ("num_hidden_layers", shape.num_hidden_layers, pp)):
         if n % k:
@@ -213,14 +217,13 @@ def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
 
 def validate_role_layout(role: str, shape: ModelConfig, *, tp: int, pp: int, stages_per_rank: int = 1) -> None:
     """Whether `role` can shard a model of `shape` over tp x pp (parallel.dims.ParallelDims.validate_model:
-    heads, KV heads, intermediate size, vocabulary, layers, tied embeddings). Raises TopologyError.
+    heads, KV heads, intermediate size, vocabulary, layers). Raises TopologyError.
     The one size rule of the planner and of the auto search, so the search never proposes a layout
     the planner then refuses."""
     ParallelDims(tp=tp, pp=pp, dp=1).validate_model(
         num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
         num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size, intermediate_size=shape.intermediate_size,
-        stages_per_rank=stages_per_rank, tied_embeddings_trained=role == "actor" and shape.tie_word_embeddings,
-        role=role)
+        stages_per_rank=stages_per_rank, role=role)
 
 
 AUTO_CHOSEN = ("tp", "pp", "dp")
