@@ -27,8 +27,16 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
                            # CPU has no memory fraction to size the KV cache from: room for every sequence
                            kv_cache_tokens=None if device.type == "cuda" else max_len * r.max_num_seqs,
                            seed=cfg.trainer.seed)
+    vllm = None
+    if r.engine == "vllm":  # the settings only vLLM reads
+        from rollout.vllm_support import VLLMOptions, logprobs_mode_for
+
+        compiled = r.compile or (device.type == "cuda" and r.enable_cuda_graph)
+        vllm = VLLMOptions(logprobs_mode=logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                           enforce_eager=not compiled, bucket_bytes=r.bucket_mb * 2**20)
     generation = GenerationSettings(
         engine_kind=r.engine, engine=engine, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
-        offload_optimizer=a.offload, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+        offload_optimizer=a.offload, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        vllm=vllm)
     return PPOSettings(roles=roles, generation=generation)

@@ -46,6 +46,15 @@ def build_rollout_groups(plan):
     return train, gen, build_reshard_groups((train, gen), actor.ranks)
 
 
+def idle_vllm_engine(settings: GenerationSettings, *, plan, env, model_config):
+    """rollout.engine=vllm on a rank without the rollout role: vLLM's start-up is collective over the whole
+    world, so this rank starts a replica too (same KV size; never asked to generate)."""
+    from rollout.factory import build_rollout_engine
+
+    return build_rollout_engine("vllm", model_config, config=replace(settings.engine), device=env.device,
+                                dtype=settings.dtype, vllm=replace(settings.vllm, idle_tp=plan.gen_tp))
+
+
 class RolloutRole:
     def __init__(self, settings: GenerationSettings, *, plan, actor, env, model_config, tokenizer, layouts):
         from rollout.factory import build_rollout_engine
@@ -59,7 +68,7 @@ class RolloutRole:
         # a copy: the batch controller moves this engine's token budget, never the launcher's settings
         self.engine = build_rollout_engine(settings.engine_kind, model_config, config=replace(settings.engine),
                                            tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
-                                           eos_token_ids=eos)
+                                           eos_token_ids=eos, vllm=settings.vllm)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=settings.bucket_bytes, offload_optimizer=settings.offload_optimizer,
                                    optimizer=actor.optimizer, gen_dtype=settings.dtype,

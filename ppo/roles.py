@@ -13,7 +13,7 @@ from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
-from ppo.generation import RolloutRole, build_rollout_groups
+from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 from ppo.settings import PPOSettings, RolesSettings
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
@@ -48,11 +48,13 @@ class RuleReward:
         self.manager, self.tokenizer = manager, tokenizer
         self.rank_in_group, self.group_size = rank_in_group, group_size
 
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}}."""
         mine = exp.samples[self.rank_in_group::self.group_size]
         items = [(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth) for s in mine]
-        scores = self.manager.score_batch(items)
-        return {s.uid: torch.tensor(float(v)) for s, v in zip(mine, scores)}
+        res = self.manager.score(items)
+        return {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
+                "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
 
     def _text(self, s: Sample) -> str:
         ids = s.response_ids
@@ -70,7 +72,8 @@ class RewardModelWorker(ShardedWorker):
         self.pad_id, self.max_tokens = pad_id, max_tokens
 
     @torch.no_grad()
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}} (a model has no failures to count)."""
         out: dict[int, torch.Tensor] = {}
         for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens):
             packs, batches = self._packs(exp, mini, self.pad_id)
@@ -85,7 +88,7 @@ class RewardModelWorker(ShardedWorker):
             for mb, scores in zip(mini, results):
                 for i, v in zip(mb, scores.float().cpu()):
                     out[exp.samples[i].uid] = v
-        return out
+        return {"score": out}
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Roles:
     critic: CriticWorker | None = None
     reward: object | None = None
     rollout: object | None = None
+    idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
@@ -240,7 +244,8 @@ def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: 
         else:
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
-            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"))
+            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
+                                    timeout_s=cfg.reward.timeout_s or None)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
@@ -248,4 +253,6 @@ def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: 
     if "rollout" in here:
         roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=env,
                                     model_config=model_config, tokenizer=tokenizer, layouts=layouts)
+    elif settings.generation.engine_kind == "vllm":  # vLLM's start-up is collective over the whole world
+        roles.idle_engine = idle_vllm_engine(settings.generation, plan=plan, env=env, model_config=model_config)
     return roles

@@ -53,6 +53,7 @@ class GenerationSettings:
     bucket_bytes: int = 256 << 20  # reshard bucket size
     offload_optimizer: bool = False  # the actor's optimizer states to pinned CPU while generating
     dtype: torch.dtype = torch.float32  # of the generation weights
+    vllm: object | None = None  # rollout.vllm_support.VLLMOptions when engine_kind == "vllm"
 
 
 @dataclass(frozen=True, slots=True)
