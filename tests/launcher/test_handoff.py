@@ -23,3 +23,14 @@ def test_config_keys_reach_the_typed_settings():
     assert g.engine.max_num_seqs == 16 and g.engine.max_model_len == max_len
     assert g.engine.kv_cache_tokens == max_len * 16  # CPU: room for every sequence, no memory fraction
     assert build_ppo_settings(cfg, device=torch.device("cuda", 0)).generation.engine.kv_cache_tokens is None
+
+
+def test_vllm_options_only_for_the_vllm_engine(monkeypatch):
+    import rollout.vllm_support as support
+
+    assert build_ppo_settings(load_config("conf/ppo_tiny.yaml"), device=torch.device("cpu")).generation.vllm is None
+    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.32.0")
+    cfg = load_config("conf/ppo_tiny.yaml", ["rollout.engine=vllm", "rollout.bucket_mb=32"])
+    g = build_ppo_settings(cfg, device=torch.device("cpu")).generation
+    assert g.engine_kind == "vllm" and g.vllm.bucket_bytes == 32 << 20 and g.vllm.idle_tp == 0
+    assert g.vllm.enforce_eager  # CPU, no compile: vLLM runs eagerly
