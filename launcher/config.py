@@ -55,7 +55,7 @@ class TrainerConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelSourceConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
     preset: str = "tiny"
     dtype: str = "float32"  # float32 | bfloat16
@@ -137,7 +137,7 @@ class RewardConfig(ParallelConfig):
 
 
 @dataclass
-class RolloutConfig:
+class RolloutRoleConfig:
     engine: str = "native"  # native | hf | vllm
     gen_tp: int = 0  # 0: the actor's tp
     n: int = 1  # samples per prompt
@@ -213,12 +213,12 @@ class ControllerConfig:
 @dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -507,14 +507,14 @@ _MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank
 def _validate_roles_keys(cfg: Config) -> None:
     """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
     optimizer to offload while generating, model layout keys of a rule reward."""
-    from rollout.base import RolloutConfig as EngineConfig
+    from rollout.base import RolloutConfig
     from rollout.factory import ENGINES, NOT_BUILT
 
     r = cfg.rollout
     if r.engine not in ENGINES:
         raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
     try:  # the engine's own checks, once, before launch
-        EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                      decode_attention=r.decode_attention).validate()
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None
