@@ -29,7 +29,11 @@ class TrainerConfig:
     runs_dir: str = "runs"
     total_steps: int = 20
     seed: int = 42
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 0  # steps between checkpoints; 0: none by step count (see save_every_minutes)
+    save_every_minutes: float = 30.0  # also checkpoint when this long has passed since the last one; 0: off
+    preempt_grace_s: float = 100.0  # SIGTERM/SIGINT: finish the step and save within this, else exit 75 anyway
+    watchdog_timeout_s: float = 180.0  # a rank silent this long makes every rank exit naming it; 0: off
+    on_damaged_checkpoint: str = "stop"  # resume=auto and the newest checkpoint is damaged: stop | fallback
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2
     export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints
@@ -127,6 +131,8 @@ class RewardConfig(ParallelConfig):
     function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
     model_path: str | None = None  # reward model (*ForSequenceClassification) directory
     default_score: float = 0.0  # score of a sample whose reward function raised
+    timeout_s: float = 30.0  # per sample; a call running longer is a failure (default_score); 0: no limit
+    stop_failed_fraction: float = 1.0  # stop the run when this fraction of a step's samples failed (1: all)
     max_tokens_per_micro_batch: int = 8192
 
 
@@ -223,6 +229,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
+    "trainer.on_damaged_checkpoint": ("stop", "fallback"),
     "trainer.export_hf": ("final", "every_save"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("native", "hf", "vllm"),
@@ -304,6 +311,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
         node = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 - yaml errors come in many types
         raise UserError(f"{path}: cannot parse YAML: {e}") from None
+    if not hasattr(node, "keys"):  # a list, or a scalar: not a config
+        raise UserError(f"{path}: the top level of a config file must be a mapping of sections (trainer:, actor:, "
+                        f"...), not a {type(node).__name__.replace('ListConfig', 'list')}")
+    if len(node) == 0:
+        raise UserError(f"{path}: the config file is empty; it needs at least one section (e.g. trainer:) or an "
+                        f"'extends: ppo_tiny.yaml' line (every key left out takes its schema default)")
     out = []
     bases = node.pop("extends", None) if hasattr(node, "pop") else None
     for base in [bases] if isinstance(bases, str) else list(bases or []):
@@ -373,6 +386,23 @@ def validate_config(cfg: Config) -> None:
         (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
         (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
+        (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
+        (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
+        (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
+                               f"long a collective waits for a missing rank"),
+        (t.preempt_grace_s >= 0, f"trainer.preempt_grace_s({t.preempt_grace_s}) must be >= 0 (0: no limit)"),
+        (t.watchdog_timeout_s >= 0, f"trainer.watchdog_timeout_s({t.watchdog_timeout_s}) must be >= 0 (0: off)"),
+        (cfg.reward.timeout_s >= 0, f"reward.timeout_s({cfg.reward.timeout_s}) must be >= 0 (0: no limit)"),
+        (0 < cfg.reward.stop_failed_fraction <= 1,
+         f"reward.stop_failed_fraction({cfg.reward.stop_failed_fraction}) must be in (0, 1] (1: stop only when "
+         f"every sample of a step failed)"),
+        (cfg.actor.mini_batch_size >= 0,
+         f"actor.mini_batch_size({cfg.actor.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.mini_batch_size >= 0,
+         f"critic.mini_batch_size({cfg.critic.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.ppo_epochs >= 1, f"critic.ppo_epochs({cfg.critic.ppo_epochs}) must be >= 1"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import threading
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -216,9 +217,25 @@ class RewardResult:
     failures: dict[Any, str]  # sample_id -> "ExcType: message" for this batch
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call ran past reward.timeout_s (raised from SIGALRM inside the call)."""
+
+
+# after this many timeouts in a row the rest of the batch is failed without calling: a function that
+# hangs on every sample costs 3 timeouts per step, not batch x timeout_s
+MAX_TIMEOUTS_IN_A_ROW = 3
+
+
+class RewardFailureError(RuntimeError):
+    """A step's reward failures reached reward.stop_failed_fraction; the launcher exits with 2."""
+
+
 class RewardManager:
     """Scores batches with `fn(response, ground_truth, **extra)`; a sample whose call raises (or
-    returns a non-number / NaN) gets `default_score` and is logged once by id, and the run goes on.
+    returns a non-number / NaN, or runs past timeout_s) gets `default_score` and is counted as
+    failed (the trainer reports `reward/failed` and stops past reward.stop_failed_fraction).
+    Every distinct error (exception type and the line that raised it) is logged once, with the
+    sample that hit it first; `errors` keeps {error: example} for the stop message.
 
     fn may return a float or a dict with a "score" key (verl style). Only the extras fn accepts
     are passed (prompt, sample_id and the sample's extra dict), so plain fn(response, gt) works.
@@ -234,7 +251,7 @@ class RewardManager:
         self.logger = logger or _log
         self.total_failed = 0
         self.total_scored = 0
-        self._logged: set[Any] = set()
+        self.errors: dict[tuple[str, str], str] = {}  # (type, raising line) -> first message with its sample
         self._accepts = _accepted_kwargs(fn)
 
     def _call_bounded(self, s: RewardSample) -> float:
@@ -243,7 +260,7 @@ class RewardManager:
             return self._call(s)
 
         def expire(signum, frame):
-            raise TimeoutError(f"reward function ran longer than timeout_s={self.timeout_s}")
+            raise RewardTimeout(f"reward function ran longer than reward.timeout_s={self.timeout_s:g} s")
 
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
@@ -270,21 +287,38 @@ class RewardManager:
     def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
         scores: list[float] = []
         failures: dict[Any, str] = {}
+        timeouts_in_a_row = 0
         for s in samples:
             if not isinstance(s, RewardSample):
                 s = RewardSample(*s)
+            if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+                scores.append(self.default_score)
+                failures[s.sample_id] = (f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                         f"in a row in this batch")
+                continue
             try:
                 scores.append(self._call_bounded(s))
+                timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
+                timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
                 scores.append(self.default_score)
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"
-                if s.sample_id not in self._logged:
-                    self._logged.add(s.sample_id)
-                    self.logger.warning("reward function failed on sample %s (%s: %s); using default score %s",
-                                        s.sample_id, type(e).__name__, e, self.default_score)
+                self._log_if_new(e, s)
         self.total_failed += len(failures)
         self.total_scored += len(scores)
         return RewardResult(scores=scores, num_failed=len(failures), failures=failures)
+
+    def _log_if_new(self, e: Exception, s: RewardSample) -> None:
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?"
+        key = (type(e).__name__, where)
+        if key in self.errors:
+            return
+        self.errors[key] = (f"{type(e).__name__}: {e} (at {where}; first on sample {s.sample_id}, response "
+                            f"{s.response[:200]!r}, ground truth {str(s.ground_truth)[:100]!r})")
+        self.logger.warning("reward function failed: %s; the sample scores reward.default_score=%s (further "
+                            "failures with this error are counted in reward/failed, not logged)",
+                            self.errors[key], self.default_score)
 
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""

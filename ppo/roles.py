@@ -53,11 +53,13 @@ class RuleReward:
         self.manager, self.tokenizer = manager, tokenizer
         self.rank_in_group, self.group_size = rank_in_group, group_size
 
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}}."""
         mine = exp.samples[self.rank_in_group::self.group_size]
         items = [(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth) for s in mine]
-        scores = self.manager.score_batch(items)
-        return {s.uid: torch.tensor(float(v)) for s, v in zip(mine, scores)}
+        res = self.manager.score(items)
+        return {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
+                "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
 
     def _text(self, s: Sample) -> str:
         ids = s.response_ids
@@ -75,7 +77,8 @@ class RewardModelWorker(ShardedWorker):
         self.pad_id, self.max_tokens = pad_id, max_tokens
 
     @torch.no_grad()
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}} (a model has no failures to count)."""
         out: dict[int, torch.Tensor] = {}
         for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens):
             packs, batches = self._packs(exp, mini, self.pad_id)
@@ -90,7 +93,7 @@ class RewardModelWorker(ShardedWorker):
             for mb, scores in zip(mini, results):
                 for i, v in zip(mb, scores.float().cpu()):
                     out[exp.samples[i].uid] = v
-        return out
+        return {"score": out}
 
 
 @dataclass
@@ -250,7 +253,8 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
         else:
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
-            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"))
+            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
+                                    timeout_s=cfg.reward.timeout_s or None)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))

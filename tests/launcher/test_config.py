@@ -114,3 +114,31 @@ def test_keys_that_would_be_ignored_are_rejected(override, needle):
 def test_model_reward_takes_its_layout_keys():
     cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2"])
     assert cfg.reward.tp == 2
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s(0) must be > 0"),
+    ("actor.mini_batch_size=-3", "actor.mini_batch_size(-3) must be >= 0"),
+    ("critic.mini_batch_size=-1", "critic.mini_batch_size(-1) must be >= 0"),
+    ("reward.stop_failed_fraction=0", "reward.stop_failed_fraction(0.0) must be in (0, 1]"),
+    ("reward.timeout_s=-1", "reward.timeout_s(-1.0) must be >= 0"),
+    ("trainer.watchdog_timeout_s=-5", "trainer.watchdog_timeout_s(-5.0) must be >= 0"),
+    ("trainer.on_damaged_checkpoint=skip", "trainer.on_damaged_checkpoint='skip' is not one of stop, fallback"),
+])
+def test_reliability_keys_are_validated(override, needle):
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", [override])
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "the config file is empty"),
+    ("# only a comment\n", "the config file is empty"),
+    ("- trainer\n- actor\n", "must be a mapping of sections"),
+])
+def test_empty_or_list_config_file(tmp_path, text, needle):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and needle in str(e.value)

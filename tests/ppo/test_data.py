@@ -150,3 +150,15 @@ def test_sampler_validation():
     with pytest.raises(ValueError, match=">= 1"):
         PromptSampler(3, batch_size=0, seed=0)
     assert PromptSampler(3, batch_size=4, seed=0, drop_last=False).next_batch().__len__() == 3
+
+
+def test_non_utf8_file_and_non_text_prompt_name_file_line_and_row(tmp_path):
+    tok = load_tokenizer("builtin:char")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        PromptDataset.from_files([str(latin1)], tokenizer=tok, prompt_key="prompt", answer_key="answer")
+    ints = tmp_path / "ints.jsonl"
+    ints.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": 7, "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"ints.jsonl row 1, column 'prompt': prompt must be a string .* got int \(7\)"):
+        PromptDataset.from_files([str(ints)], tokenizer=tok, prompt_key="prompt", answer_key="answer")

@@ -75,7 +75,7 @@ def test_resume_gives_identical_metrics(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for k in a:
-            if k.startswith(("timing_s/", "perf/")):
+            if k.startswith(("timing_s/", "perf/", "mem/")) or k.endswith("_s"):  # wall times, memory
                 continue
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
 
@@ -143,8 +143,9 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
     from launcher.errors import UserError
     from launcher.rundir import prepare_run_dir
 
-    run = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
+    run, lock = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     (run / "metrics.jsonl").write_text("{}\n")
+    lock.release()  # the run ended
     with pytest.raises(UserError, match="already holds a run"):
         prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=True)
