@@ -190,8 +190,10 @@ def _train_body(rank, world):
     for n in updated:
         diff = (updated[n] - nparams[n].detach()).abs()
         # the whole native-vs-megatron weight difference must come from the gradient differences through
-        # Adam's first-step sensitivity, plus one rounding of each result
-        slack = diff - _adam_sensitivity_bound(mgrad[n], ngrad[n], lr=lr, eps=eps) - 2 * _ulp(nparams[n].detach())
+        # Adam's first-step sensitivity, plus rounding: of each new weight (an ulp each) and of each fp32
+        # update (a few ulps of lr: 1e-6 lr covers 8 ulps on both sides)
+        rounding = 2 * _ulp(nparams[n].detach()) + 1e-6 * lr
+        slack = diff - _adam_sensitivity_bound(mgrad[n], ngrad[n], lr=lr, eps=eps) - rounding
         i = int(diff.argmax())
         if worst is None or diff.flatten()[i] > worst["weight_diff"]:
             worst = dict(param=n, weight_diff=diff.flatten()[i].item(), native_grad=ngrad[n].flatten()[i].item(),
