@@ -16,7 +16,8 @@ log-probs from `head()`; its loss is already normalised by the caller (global to
 schedule's division by the number of micro-batches is undone here.
 
 Training uses megatron-core's DDP (fp32 grad buffers, grads averaged over DP like FSDP's) and its
-distributed optimizer (fp32 master shards, clipping over the whole role group). overlap_param_gather
+distributed optimizer (fp32 master shards, clipping over the whole role group), stepping with torch's
+fused AdamW over one param group (the native backend's optimizer) and a one-sync grad norm. overlap_param_gather
 stays off: with it, updated parameters are gathered lazily in the next forward and a hybrid-engine
 reshard in between would read stale weights. megatron-core's schedules and optimizer need CUDA;
 `forward` at pp = 1 also runs on CPU (the parity tests).
