@@ -429,6 +429,8 @@ def validate_config(cfg: Config) -> None:
     if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
+    if r.engine == "vllm":
+        _validate_vllm(cfg)
     for pool in cfg.placement.pools:
         for role in pool.roles:
             if role not in ROLES:
@@ -437,6 +439,24 @@ def validate_config(cfg: Config) -> None:
                 raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
         if pool.size < 1:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def _validate_vllm(cfg: Config) -> None:
+    """rollout.engine=vllm: vLLM installed in a supported version, a log-prob convention that matches ours,
+    and no key that only the native engine reads."""
+    from rollout.vllm_support import installed_vllm_version, logprobs_mode_for, vllm_install_problem
+
+    r = cfg.rollout
+    problem = vllm_install_problem(installed_vllm_version())
+    if problem is not None:
+        raise UserError(problem)
+    try:
+        logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if r.decode_attention != "auto":
+        raise UserError(f"rollout.decode_attention={r.decode_attention!r} selects a native-engine kernel; vLLM picks "
+                        "its own attention backend: leave it at auto with rollout.engine=vllm")
 
 
 def _validate_megatron_role(cfg: Config, role: str) -> None:

@@ -202,6 +202,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # tiny with head_dim 32 (q/k/v project 64 -> 4 x 32): vLLM's CPU attention needs head_dim >= 32
+    "tiny-hd32": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # the tiny body as a Qwen3 (CPU recipes and tests): per-head q/k norms, head_dim 32 with 4 heads of a 64-wide
     # model (num_heads * head_dim != hidden_size, as in Qwen3-0.6B), tied embeddings
     "tiny-qwen3": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=176,

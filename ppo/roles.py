@@ -105,6 +105,7 @@ class Roles:
     critic: CriticWorker | None = None
     reward: object | None = None
     rollout: object | None = None
+    idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
@@ -258,10 +259,12 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
-    from ppo.generation import RolloutRole, build_rollout_groups
+    from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 
     layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
         roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,
                                     tokenizer=tokenizer, layouts=layouts)
+    elif cfg.rollout.engine == "vllm":  # vLLM's start-up is collective over the whole world
+        roles.idle_engine = idle_vllm_engine(cfg, plan=plan, env=env, model_config=model_config)
     return roles

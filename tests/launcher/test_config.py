@@ -95,7 +95,6 @@ def test_yaml_syntax_error(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.engine=vllm", "rollout.engine=vllm: the vLLM backend is not built yet"),
     ("rollout.engine=hf", "rollout.engine=hf: the Hugging Face engine"),
     ("critic.offload=true", "critic.offload=true: only the actor offloads"),
     ("ref.offload=true", "ref.offload=true"),
