@@ -1,5 +1,6 @@
 """The torch-optimizer plumbing around megatron-core's distributed optimizer (parallel/megatron_runner.py)
-that runs without megatron or a GPU: fused AdamW switch, checkpoint padding flags, un-shared Adam steps.
+that runs without megatron or a GPU: fused AdamW switch, checkpoint padding flags, un-shared Adam steps
+(the one-sync grad norm is checked over gloo in tests/parallel/test_megatron.py's TP world).
 (The distributed optimizer itself needs CUDA: tests/parallel/test_megatron_gpu.py.)"""
 
 import pytest
@@ -8,11 +9,9 @@ import torch
 from parallel.megatron_runner import (
     _unshare_steps,
     _with_padding_flags,
-    grad_norm_one_sync,
     megatron_optimizers,
     use_fused_adamw,
 )
-from tests.dist_utils import run_world
 
 
 def _params(seed=0):
@@ -103,26 +102,3 @@ def test_megatron_optimizers_unwraps_the_chain_and_skips_stubs():
     assert megatron_optimizers(Chained()) == [real]
     assert megatron_optimizers(real) == [real]
 
-
-def _norm_body(rank, world):
-    import torch.distributed as dist
-
-    g = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(n, generator=g) for n in (5, 64, 300)]
-
-    class FakeDistOpt:  # the two methods megatron's DistributedOptimizer offers
-        def get_main_grads_for_grad_norm(self):
-            return grads
-
-        def get_grad_stats_parallel_group(self):
-            return dist.group.WORLD
-
-    return grad_norm_one_sync(FakeDistOpt()), torch.cat(grads)
-
-
-@pytest.mark.distributed
-def test_grad_norm_one_sync_is_the_global_l2_norm():
-    """Each rank's gradient shards -> the L2 norm of all of them together, on every rank."""
-    res = run_world(_norm_body, 2)
-    want = torch.linalg.vector_norm(torch.cat([flat for _, flat in res]).double()).item()
-    assert all(abs(norm - want) <= 1e-6 * want for norm, _ in res)
