@@ -480,7 +480,9 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
         raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
                         f"{device}; use {role}.backend=native on CPU")
     refused = [
-        (sec.compile, f"{role}.compile=true", "torch.compile of megatron-core layers is not wired; set it to false"),
+        (sec.compile and sec.activation_checkpointing == "full",
+         f"{role}.compile=true with activation_checkpointing=full",
+         "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
         (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
          "megatron's selective recompute targets its own core attention; use none or full"),
         (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
