@@ -55,7 +55,7 @@ class TrainerConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelSourceConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
     preset: str = "tiny"
     dtype: str = "float32"  # float32 | bfloat16
@@ -140,7 +140,7 @@ class RewardConfig(ParallelConfig):
 
 
 @dataclass
-class RolloutConfig:
+class RolloutRoleConfig:
     engine: str = "native"  # native | hf | vllm
     gen_tp: int = 0  # 0: the actor's tp
     n: int = 1  # samples per prompt
@@ -242,12 +242,12 @@ class ControllerConfig:
 @dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -566,7 +566,9 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
         raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
                         f"{device}; use {role}.backend=native on CPU")
     refused = [
-        (sec.compile, f"{role}.compile=true", "torch.compile of megatron-core layers is not wired; set it to false"),
+        (sec.compile and sec.activation_checkpointing == "full",
+         f"{role}.compile=true with activation_checkpointing=full",
+         "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
         (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
          "megatron's selective recompute targets its own core attention; use none or full"),
         (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
@@ -593,14 +595,14 @@ _MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank
 def _validate_roles_keys(cfg: Config) -> None:
     """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
     optimizer to offload while generating, model layout keys of a rule reward."""
-    from rollout.base import RolloutConfig as EngineConfig
+    from rollout.base import RolloutConfig
     from rollout.factory import ENGINES, NOT_BUILT
 
     r = cfg.rollout
     if r.engine not in ENGINES:
         raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
     try:  # the engine's own checks, once, before launch
-        EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                      decode_attention=r.decode_attention).validate()
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None

@@ -14,12 +14,11 @@ tests/ppo/test_policy_losses.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ppo.core_algos import _metrics, agg_loss, masked_mean, policy_loss
+from ppo.core_algos import PolicyLossSettings, _metrics, agg_loss, masked_mean, policy_loss
 from ppo.rollout_correction import compute_rollout_correction
 
 POLICY_LOSSES = ("vanilla", "gspo")
@@ -79,23 +78,8 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     return loss, metrics
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyLossConfig:
-    """What the policy term needs: the surrogate, its clip ranges, the aggregation, the correction."""
-
-    kind: str = "vanilla"  # vanilla | gspo
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float | None = 3.0
-    agg: str = "token-mean"
-    max_len: int | None = None  # seq-mean-token-sum-norm's constant (rollout.max_response_length)
-    rollout_correction: str = "none"  # none | tis | seq_mask | tis+seq_mask
-    rollout_is_cap: float = 2.0
-    rollout_mask_threshold: float = 1.01
-
-
 def compute_policy_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                             mask: torch.Tensor, *, cfg: PolicyLossConfig, rollout_logp: torch.Tensor | None = None,
+                             mask: torch.Tensor, *, cfg: PolicyLossSettings, rollout_logp: torch.Tensor | None = None,
                              denom: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """Policy-gradient loss of one micro-batch. All tensors [B, T] -> (loss, metrics).
 

@@ -24,14 +24,7 @@ from models.logprobs import compute_token_logprobs
 from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
-from ppo.batching import (
-    balance_across_dp,
-    gather_response_logprobs,
-    karmarkar_karp,
-    micro_batches_by_tokens,
-    pack,
-    unpack_responses,
-)
+from ppo.batching import gather_response_logprobs, pack, plan_micro_batches, unpack_responses
 from ppo.experience import Experience, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,39 +113,20 @@ class ShardedWorker:
     def plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
         """This DP rank's mini-batches, each a list of micro-batches (indices into exp.samples).
 
-        Every rank holds the whole batch and computes every rank's partition (pure, deterministic),
-        so all DP ranks agree on the number of micro-batches of each mini-batch: FSDP runs
-        collectives per micro-batch and unequal counts would hang. Balanced tokens per rank
-        (Karmarkar-Karp), then token-budget micro-batches, or exactly the runner's count when its
-        schedule fixes one (`runner.microbatches`, a pipeline's).
-        The same plan serves the old-log-prob recompute and the update (ratio == 1 on-policy).
+        ppo.batching.plan_micro_batches over the samples (or, sharing prompts, each prompt's run of
+        samples), with exactly the runner's micro-batch count when its schedule fixes one
+        (`runner.microbatches`, a pipeline's). The same plan serves the old-log-prob recompute and
+        the update (ratio == 1 on-policy).
         """
         # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
         # tokens it packs to (prompt once + every response)
         units, lengths = exp.prompt_units() if self.share_prompts else ([], [])
         if len(units) % self.dp or not units:  # not sharing, or uneven groups: plan samples (share within)
             units, lengths = [[i] for i in range(len(exp.samples))], [s.length for s in exp.samples]
-        if len(lengths) % self.dp:
-            raise ValueError(f"{len(lengths)} samples do not split evenly over dp={self.dp}")
         per_unit = len(exp.samples) // len(units)
-        mini_batch_size = mini_batch_size // per_unit if mini_batch_size else 0
-        shards = balance_across_dp(lengths, self.dp, equal_size=True)
-        per_rank = max(1, mini_batch_size // self.dp) if mini_batch_size else len(shards[0])
-        fixed = self.runner.microbatches
-        out = []
-        for start in range(0, len(shards[0]), per_rank):
-            minis = [s[start:start + per_rank] for s in shards]
-            mine = minis[self.dp_idx]
-            if fixed is not None:
-                if len(mine) < fixed:
-                    raise ValueError(f"a mini-batch of {len(mine)} units per DP rank cannot fill {fixed} "
-                                     "pipeline micro-batches; raise the mini-batch size")
-                parts = karmarkar_karp([lengths[i] for i in mine], fixed)
-                out.append([[mine[j] for j in p] for p in parts])
-                continue
-            count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
-            mbs = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
-            out.append([[mine[j] for j in mb] for mb in mbs])
+        out = plan_micro_batches(lengths, dp=self.dp, rank=self.dp_idx, max_tokens=max_tokens,
+                                 mini_batch_size=mini_batch_size // per_unit if mini_batch_size else 0,
+                                 fixed_count=self.runner.microbatches)
         # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
         return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
 
@@ -282,17 +256,17 @@ class PolicyWorker(ShardedWorker):
         return out
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn, step_scheduler: bool = True, agg: str = "token-mean") -> dict[str, float]:
+               epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
+               agg: str = "token-mean") -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics); denom is the
-        global count `agg` normalises by. Returns the metrics averaged over micro-batches (keys ending
-        in _max / _min: their max / min), grad_norm and lr (meaningful on owner ranks)."""
-        need_ent = getattr(loss_fn, "needs_entropy", False)
-
+        KL loss). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
+        with_entropy else None; denom is the global count `agg` normalises by. Returns the metrics
+        averaged over micro-batches (keys ending in _max / _min: their max / min), grad_norm and lr
+        (meaningful on owner ranks)."""
         def mb_loss(packed, hidden, t, denom):
-            logp, ent = self._response_logprobs(packed, hidden, with_entropy=need_ent)
+            logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
             return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
 
         out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)

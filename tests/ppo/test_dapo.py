@@ -151,13 +151,13 @@ def _exp(lengths, reasons, logprobs=True):
 def test_step_tensors_carry_the_filter_mask_and_the_engine_logprobs():
     exp = _exp([3, 1, 2, 3], ["length", "stop", "stop", "length"])
     scores = {"score": {i: torch.tensor(v) for i, v in enumerate([1.0, 0.0, 1.0, 1.0])}}
-    t, m = _trainer("algorithm.overlong_filter=true").compute_advantages(exp, scores)
+    t, m = _trainer("algorithm.overlong_filter=true").compute_advantages(exp, scores, old_logp="fused")
     torch.testing.assert_close(t["rollout_logp"], -0.5 * t["mask"].float())
     torch.testing.assert_close(t["actor_mask"].float(), torch.tensor([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]],
                                                                      dtype=torch.float32))
     assert (t["advantages"][0] != 0).all()  # the truncated sample keeps its advantage (group baseline)
     assert m["dapo/overlong_filtered_frac"] == 0.5 and m["reward/zero_var_group_frac"] == 0.5
-    t, m = _trainer().compute_advantages(exp, scores)
+    t, m = _trainer().compute_advantages(exp, scores, old_logp="fused")
     assert "actor_mask" not in t and "dapo/overlong_filtered_frac" not in m
 
 
@@ -165,6 +165,6 @@ def test_an_engine_without_logprobs_stops_a_rollout_correction():
     exp = _exp([2, 2], ["stop", "stop"], logprobs=False)
     scores = {"score": {0: torch.tensor(1.0), 1: torch.tensor(0.0)}}
     with pytest.raises(RuntimeError, match="algorithm.rollout_correction=none"):
-        _trainer().compute_advantages(exp, scores)
-    t, _ = _trainer("algorithm.rollout_correction=none").compute_advantages(exp, scores)
+        _trainer().compute_advantages(exp, scores, old_logp="fused")
+    t, _ = _trainer("algorithm.rollout_correction=none").compute_advantages(exp, scores, old_logp="fused")
     assert "rollout_logp" not in t  # metrics only, and nothing to measure them on

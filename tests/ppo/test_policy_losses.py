@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ppo import core_algos as ca
-from ppo.policy_losses import PolicyLossConfig, compute_policy_objective, gspo_policy_loss
+from ppo.core_algos import PolicyLossSettings
+from ppo.policy_losses import compute_policy_objective, gspo_policy_loss
 from ppo.rollout_correction import compute_rollout_correction
 
 
@@ -105,7 +106,7 @@ def test_gspo_micro_batches_sum_to_full_batch():
 def test_policy_objective_composes_loss_and_correction(kind, correction):
     lp, old, adv, mask = _batch(seed=5)
     rollout = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(6)) * 0.4
-    cfg = PolicyLossConfig(kind=kind, clip_low=0.1, clip_high=0.2, dual_clip_c=3.0, agg="token-mean",
+    cfg = PolicyLossSettings(kind=kind, clip_low=0.1, clip_high=0.2, dual_clip_c=3.0, agg="token-mean",
                            rollout_correction=correction, rollout_is_cap=1.5, rollout_mask_threshold=1.1)
     x = lp.clone().requires_grad_()
     loss, met = compute_policy_objective(x, old, adv, mask, cfg=cfg, rollout_logp=rollout)
@@ -122,13 +123,13 @@ def test_policy_objective_composes_loss_and_correction(kind, correction):
     bare, met2 = compute_policy_objective(lp, old, adv, mask, cfg=cfg)
     assert not any(k.startswith("rollout_corr/") for k in met2)
     with pytest.raises(ValueError, match="gspo"):
-        compute_policy_objective(lp, old, adv, mask, cfg=PolicyLossConfig(kind="ppo"))
+        compute_policy_objective(lp, old, adv, mask, cfg=PolicyLossSettings(kind="ppo"))
 
 
 @pytest.mark.parametrize("mode", ca.AGG_MODES)
 def test_agg_count_makes_micro_batch_losses_sum_to_the_full_batch(mode):
     lp, old, adv, mask = _batch(seed=7)
-    cfg = PolicyLossConfig(agg=mode, max_len=8)
+    cfg = PolicyLossSettings(agg=mode, max_len=8)
     full, _ = compute_policy_objective(lp, old, adv, mask, cfg=cfg)
     parts = [slice(0, 1), slice(1, 4), slice(4, 6)]
     denom = float(sum(ca.agg_count(mask[s], mode) for s in parts))
@@ -143,7 +144,7 @@ def test_policy_objective_on_cuda_matches_cpu():
     lp, old, adv, mask = _batch(seed=8)
     rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9))
     for kind in ("vanilla", "gspo"):
-        cfg = PolicyLossConfig(kind=kind, agg="seq-mean-token-sum-norm", max_len=8, rollout_correction="tis+seq_mask",
+        cfg = PolicyLossSettings(kind=kind, agg="seq-mean-token-sum-norm", max_len=8, rollout_correction="tis+seq_mask",
                                rollout_is_cap=1.5, rollout_mask_threshold=1.1)
         cpu, cpu_m = compute_policy_objective(lp, old, adv, mask, cfg=cfg, rollout_logp=rollout)
         gpu, gpu_m = compute_policy_objective(lp.cuda(), old.cuda(), adv.cuda(), mask.cuda(), cfg=cfg,
