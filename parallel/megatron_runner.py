@@ -328,21 +328,21 @@ class MegatronRunner:
     # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's model shard (megatron names), and per distributed optimizer (megatron chains one per
-        param kind) its scalar state and its fp32 master + Adam shards (bucket space of this DP rank), all
-        cloned to CPU. (`optimizer`: what build_optimizer returned; this runner holds its megatron wrapper.)"""
+        param kind) its fp32 master shards with their Adam state (step, moments) keyed by parameter name, all
+        cloned to CPU. Param-group hyperparameters are not saved: they come from the config, and the LR from
+        the scheduler's own state. (`optimizer`: what build_optimizer returned; this runner holds its wrapper.)"""
         state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
         opts = megatron_optimizers(self.optimizer) if self.optimizer is not None else []
-        # before its first step megatron's optimizer has no state to save (and its state_dict asserts on that):
-        # the masters then equal the parameters, which is what a fresh optimizer starts from
+        # before its first step the optimizer has no Adam state: the masters then equal the parameters, which is
+        # what a fresh optimizer starts from
         if opts and all(len(o.optimizer.state) > 0 for o in opts):
-            state["optim"] = [_clone_cpu(o.state_dict()) for o in opts]
             names = {p: n for n, p in self.gpt.named_parameters()}
             state["dist_optim"] = [_clone_cpu(_master_shards(o, names)) for o in opts]
         return state
 
     @torch.no_grad()
     def load_checkpoint_state(self, optimizer, state: dict) -> None:
-        """Inverse of checkpoint_state on the same layout: parameters, then optimizer and master shards."""
+        """Inverse of checkpoint_state on the same layout: parameters, then master shards and Adam state."""
         params = dict(self.gpt.named_parameters())
         if set(state["params"]) != set(params):
             raise KeyError("checkpoint was written for another layout or model: megatron parameter names differ "
@@ -352,15 +352,15 @@ class MegatronRunner:
         if self.optimizer is None:
             return
         self.optimizer.reload_model_params()  # masters from the parameters (overwritten below when saved)
-        if "optim" not in state:
+        if "dist_optim" not in state:
             return
         opts = megatron_optimizers(self.optimizer)
-        if len(opts) != len(state["optim"]) or len(opts) != len(state["dist_optim"]):
-            raise KeyError(f"checkpoint holds {len(state['optim'])} megatron optimizers, this run builds {len(opts)}")
-        for opt, scalars, shards in zip(opts, state["optim"], state["dist_optim"]):
-            opt.load_state_dict(scalars)  # allocates the Adam state, param-group hyperparameters, step
-            _load_master_shards(opt, shards, names={p: n for n, p in self.gpt.named_parameters()})
-            _unshare_steps(opt.optimizer)
+        if len(opts) != len(state["dist_optim"]):
+            raise KeyError(f"checkpoint holds {len(state['dist_optim'])} megatron optimizers, this run builds "
+                           f"{len(opts)}")
+        names = {p: n for n, p in self.gpt.named_parameters()}
+        for opt, shards in zip(opts, state["dist_optim"]):
+            _load_master_shards(opt, shards, names=names)
 
 
 def _bucket_params(opt):
@@ -371,34 +371,48 @@ def _bucket_params(opt):
                 yield from bucket["param_map"]
 
 
+def _main_param(opt, model_param) -> torch.Tensor:
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    return opt.optimizer.param_groups[group_index]["params"][group_order]
+
+
 def _master_shards(opt, names: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """{megatron param name: {param (fp32 master shard), exp_avg, exp_avg_sq, ...}} of one distributed optimizer.
-    Keyed by name, not by bucket position: megatron's own dp_reshardable getter/loader pair matches entries by
-    their order in each bucket's param map, which differs between two builds of the same model (seen on the
-    H200: a [1048576] master loaded from a [256] entry after a restart)."""
-    return {names[p]: opt._get_main_param_and_optimizer_states(p) for p in _bucket_params(opt)}
+    """{megatron param name: {param (fp32 master shard), step, exp_avg, exp_avg_sq}} of one distributed optimizer.
+    Keyed by name, never by position: megatron's own pair (state_dict / load_state_dict plus the dp_reshardable
+    getter / loader) matches entries by their order in the param groups and buckets, which differs between two
+    builds of the same model (seen on the H200: a [1048576] master given a [256] parameter's Adam state)."""
+    out = {}
+    for p in _bucket_params(opt):
+        main = _main_param(opt, p)
+        out[names[p]] = {"param": main, **opt.optimizer.state[main]}
+    return out
 
 
 def _load_master_shards(opt, shards: dict, *, names: dict) -> None:
+    """Each master shard and its Adam state set by name; the state is rebuilt per parameter (own step tensor,
+    placed as torch places a loaded step: on the parameter's device for fused/capturable groups, else CPU)."""
     mine = {names[p]: p for p in _bucket_params(opt)}
     if set(mine) != set(shards):
         raise KeyError("checkpoint's optimizer shards were written for another layout: parameters differ "
                        f"({sorted(set(mine) ^ set(shards))[:4]}); resume with the same plan")
+    step_on_device = {id(q): bool(g.get("fused") or g.get("capturable"))
+                      for g in opt.optimizer.param_groups for q in g["params"]}
     for name, p in mine.items():
-        opt._set_main_param_and_optimizer_states(p, shards[name])
-
-
-def _unshare_steps(opt: torch.optim.Optimizer) -> None:
-    """megatron's load_state_dict (torch optimizer path) puts ONE step tensor into every parameter's state;
-    torch keeps it shared unless the group is fused/capturable (then each param gets its own device copy).
-    A shared CPU step would be bumped once per parameter by foreach AdamW, so give each state its own."""
-    seen: set[int] = set()
-    for s in opt.state.values():
-        step = s.get("step")
-        if isinstance(step, torch.Tensor):
-            if id(step) in seen:
-                s["step"] = step.clone()
-            seen.add(id(s["step"]))
+        main, saved = _main_param(opt, p), shards[name]
+        if saved["param"].shape != main.shape:
+            raise KeyError(f"checkpoint's master shard of {name} has shape {tuple(saved['param'].shape)}, this run "
+                           f"holds {tuple(main.shape)}; resume with the same plan")
+        with torch.no_grad():
+            main.copy_(saved["param"])
+        st = {}
+        for k, v in saved.items():
+            if k == "param":
+                continue
+            if k == "step":
+                st[k] = v.to(dtype=torch.float32, device=main.device if step_on_device[id(main)] else "cpu").clone()
+            else:
+                st[k] = v.to(device=main.device, dtype=main.dtype).clone()
+        opt.optimizer.state[main] = st
 
 
 def _clone_cpu(obj):

@@ -1,5 +1,5 @@
 """The torch-optimizer plumbing around megatron-core's distributed optimizer (parallel/megatron_runner.py)
-that runs without megatron or a GPU: fused AdamW switch, name-keyed master shards, un-shared Adam steps
+that runs without megatron or a GPU: fused AdamW switch, master shards and Adam state keyed by name
 (the one-sync grad norm is checked over gloo in tests/parallel/test_megatron.py's TP world).
 (The distributed optimizer itself needs CUDA: tests/parallel/test_megatron_gpu.py.)"""
 
@@ -9,7 +9,6 @@ import torch
 from parallel.megatron_runner import (
     _load_master_shards,
     _master_shards,
-    _unshare_steps,
     megatron_optimizers,
     use_fused_adamw,
 )
@@ -54,66 +53,52 @@ def test_fused_switch_refuses_an_optimizer_with_state():
         use_fused_adamw(opt)
 
 
-def test_unshare_steps_gives_each_state_its_own_counter():
-    """megatron's load_state_dict puts one step tensor into every state: foreach AdamW would bump it once per
-    parameter. After _unshare_steps two more steps count 2 for every parameter and match an unloaded run."""
-    a, b = _params(), _params()
-    kw = dict(lr=1e-2, foreach=True)
-    opt, ref = torch.optim.AdamW(a, **kw), torch.optim.AdamW(b, **kw)
-    for seed in range(2):
-        _grads(a, seed)
-        _grads(b, seed)
-        opt.step()
-        ref.step()
-    saved = opt.state_dict()
-    shared = torch.tensor(2.0)
-    for s in saved["state"].values():  # the layout megatron's DistributedOptimizer.load_state_dict builds
-        s["step"] = shared
-    opt.load_state_dict(saved)
-    assert len({id(s["step"]) for s in opt.state.values()}) == 1  # torch keeps it shared (not fused)
-    _unshare_steps(opt)
-    assert len({id(s["step"]) for s in opt.state.values()}) == len(a)
-    for seed in (5, 6):
-        _grads(a, seed)
-        _grads(b, seed)
-        opt.step()
-        ref.step()
-    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 class _FakeDistOpt:
-    """The two megatron DistributedOptimizer hooks the checkpoint uses, over per-parameter master/Adam tensors;
-    `order` is the bucket order of its param map (it differs between two builds of the same model)."""
+    """What the checkpoint reads of a megatron DistributedOptimizer: its param-group index map, its torch
+    optimizer over fp32 masters, and its buckets' param maps. `order` is the order of the groups and buckets,
+    which differs between two builds of the same model."""
 
-    def __init__(self, params: dict, order: list[str], seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.states = {p: {"param": torch.randn(p.numel(), generator=g), "exp_avg": torch.randn(p.numel(), generator=g)}
-                       for p in params.values()}
+    def __init__(self, params: dict, order: list[str]):
+        self.masters = {n: torch.nn.Parameter(params[n].detach().clone()) for n in order}
+        self.optimizer = torch.optim.AdamW([self.masters[n] for n in order], lr=1e-2, foreach=True)
+        self.model_param_group_index_map = {params[n]: (0, i) for i, n in enumerate(order)}
         self.gbuf_ranges = [{torch.float32: [{"param_map": {params[n]: None for n in order}}]}]
 
-    def _get_main_param_and_optimizer_states(self, p):
-        return self.states[p]
+    def train(self, seeds):
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            for n in sorted(self.masters):
+                self.masters[n].grad = torch.randn(self.masters[n].shape, generator=g)
+            self.optimizer.step()
 
-    def _set_main_param_and_optimizer_states(self, p, tensors):
-        for k, v in self.states[p].items():
-            v.copy_(tensors[k])
+
+def _model_params():
+    return {n: torch.nn.Parameter(torch.randn(k, generator=torch.Generator().manual_seed(k)))
+            for n, k in zip(("w", "norm", "b"), (64, 4, 8))}
 
 
-def test_master_shards_round_trip_by_name_whatever_the_bucket_order():
-    names = ["w", "norm", "b"]
-    a_params = {n: torch.nn.Parameter(torch.zeros(k)) for n, k in zip(names, (64, 4, 8))}
-    b_params = {n: torch.nn.Parameter(torch.zeros(k)) for n, k in zip(names, (64, 4, 8))}
-    a = _FakeDistOpt(a_params, order=names, seed=0)
-    b = _FakeDistOpt(b_params, order=names[::-1], seed=1)  # another build: another bucket order
+def test_master_shards_and_adam_state_round_trip_by_name_whatever_the_order():
+    a_params, b_params, ref_params = _model_params(), _model_params(), _model_params()
+    a = _FakeDistOpt(a_params, order=["w", "norm", "b"])
+    b = _FakeDistOpt(b_params, order=["b", "norm", "w"])  # another build: another order
+    ref = _FakeDistOpt(ref_params, order=["w", "norm", "b"])
+    a.train([0, 1])
+    ref.train([0, 1])
     saved = {n: {k: v.clone() for k, v in st.items()}
              for n, st in _master_shards(a, {p: n for n, p in a_params.items()}).items()}
     _load_master_shards(b, saved, names={p: n for n, p in b_params.items()})
-    for n in names:
-        for k in ("param", "exp_avg"):
-            assert torch.equal(b.states[b_params[n]][k], a.states[a_params[n]][k]), (n, k)
+    b.train([2, 3])
+    ref.train([2, 3])
+    for n in ref.masters:
+        assert torch.equal(b.masters[n], ref.masters[n]), n
+        st = b.optimizer.state[b.masters[n]]
+        assert float(st["step"]) == 4.0 and torch.equal(st["exp_avg"], ref.optimizer.state[ref.masters[n]]["exp_avg"])
+    assert len({id(st["step"]) for st in b.optimizer.state.values()}) == 3  # each parameter its own counter
     with pytest.raises(KeyError, match="another layout"):
         _load_master_shards(b, {"w": saved["w"]}, names={p: n for n, p in b_params.items()})
+    wrong = dict(saved, w={**saved["w"], "param": torch.zeros(3)})
+    with pytest.raises(KeyError, match="shape"):
+        _load_master_shards(b, wrong, names={p: n for n, p in b_params.items()})
 
 
 def test_megatron_optimizers_unwraps_the_chain_and_skips_stubs():
