@@ -3,7 +3,13 @@
     fn = load_reward_function("my_rewards.py:score")      # fn(response, ground_truth, **extra) -> float
     manager = RewardManager(fn, default_score=0.0, logger=log)
     result = manager.score([RewardSample("s0", prompt, response, "42")])
-    result.scores, result.num_failed
+    result.scores, result.num_failed, result.extras          # extras: a dict result's other numeric keys
+
+Two calling conventions, told apart by the function's parameter names (or `reward.signature`):
+hybridrl's `fn(response, ground_truth, **extra)` and verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)`, called by keyword as verl
+calls it. Either may also name data columns as parameters (`difficulty=None`): they are passed
+from the sample's data row (`plan_reward_call` checks them against the data's columns).
 
 Built-ins: `math_answer_reward` (GSM8K `#### 42` / `\\boxed{42}` answers), `format_reward`
 (regex), `length_penalty` (DAPO's soft over-long punishment).
@@ -197,6 +203,87 @@ def _builtin_reward(spec: str) -> Callable[..., Any]:
     raise RewardFunctionError(f"unknown built-in reward {spec!r}; built-ins: {', '.join(BUILTIN_REWARDS)}")
 
 
+# ---------------------------------------------------------------- calling conventions
+
+REWARD_SIGNATURES = ("auto", "hybridrl", "verl")
+# verl's reward managers call compute_score(data_source=, solution_str=, ground_truth=, extra_info=)
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# what every sample offers a hybridrl-convention function beyond (response, ground_truth)
+STANDARD_EXTRAS = ("prompt", "sample_id", "data_source", "extra_info", "response_length")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardCall:
+    """How one reward function is called: its convention, the keywords it takes (None: it takes
+    **kwargs) and the data columns it names as parameters (passed from each sample's row)."""
+
+    signature: str  # hybridrl | verl
+    accepts: frozenset[str] | None
+    columns: tuple[str, ...]
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins have no signature: call them the plain way
+        return None
+
+
+def detect_signature(fn: Callable[..., Any]) -> str:
+    """'verl' when fn names verl's `solution_str` or starts with `data_source`, else 'hybridrl'."""
+    params = _parameters(fn) or []
+    names = [p.name for p in params]
+    return "verl" if "solution_str" in names or names[:1] == ["data_source"] else "hybridrl"
+
+
+def plan_reward_call(fn: Callable[..., Any], *, signature: str = "auto",
+                     columns: Iterable[str] | None = None) -> RewardCall:
+    """Decide how to call fn. `columns` (the data's column names, when known) turns a required
+    parameter that names no column into a RewardFunctionError naming it and the columns."""
+    if signature not in REWARD_SIGNATURES:
+        raise RewardFunctionError(f"reward.signature={signature!r} is not one of {', '.join(REWARD_SIGNATURES)}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    params = _parameters(fn)
+    if params is None:
+        return RewardCall("verl" if signature == "verl" else "hybridrl", None, ())
+    sig = detect_signature(fn) if signature == "auto" else signature
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    if sig == "verl":
+        if "solution_str" not in named and not takes_kwargs:
+            raise RewardFunctionError(f"reward.signature=verl but {name}{inspect.signature(fn)} has no "
+                                      f"'solution_str' parameter (verl calls compute_score(data_source, "
+                                      f"solution_str, ground_truth, extra_info)); use reward.signature=hybridrl "
+                                      f"for fn(response, ground_truth, **extra)")
+        own = set(VERL_PARAMS)
+    else:
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            raise RewardFunctionError(f"reward function {name}{inspect.signature(fn)} must take (response, "
+                                      f"ground_truth, ...) or verl's (data_source, solution_str, ground_truth, "
+                                      f"extra_info)")
+        own = {p.name for p in positional[:2]} | set(STANDARD_EXTRAS)
+    wanted = []
+    known = None if columns is None else set(columns)
+    for p in named.values():
+        if p.name in own:
+            continue
+        if known is None or p.name in known:
+            wanted.append(p.name)
+        elif p.default is p.empty:
+            raise RewardFunctionError(
+                f"reward function {name} asks for {p.name!r}, which names no data column (columns: "
+                f"{sorted(known)}); rename the parameter to a column, give it a default, or add the column")
+    return RewardCall(sig, None if takes_kwargs else frozenset(named), tuple(wanted))
+
+
+def _numeric(v: Any) -> float | None:
+    if isinstance(v, bool | int | float) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
+        x = float(v)
+        return x if math.isfinite(x) else None
+    return None
+
+
 # ---------------------------------------------------------------- batch scoring
 
 
@@ -206,7 +293,7 @@ class RewardSample:
     prompt: str
     response: str
     ground_truth: Any
-    extra: dict[str, Any] = field(default_factory=dict)  # data_source, extra_info, response_length, ...
+    extra: dict[str, Any] = field(default_factory=dict)  # data_source, extra_info, the row's columns, ...
 
 
 @dataclass(slots=True)
@@ -214,20 +301,23 @@ class RewardResult:
     scores: list[float]
     num_failed: int
     failures: dict[Any, str]  # sample_id -> "ExcType: message" for this batch
+    extras: list[dict[str, float]] = field(default_factory=list)  # per sample: a dict result's numeric keys
 
 
 class RewardManager:
-    """Scores batches with `fn(response, ground_truth, **extra)`; a sample whose call raises (or
-    returns a non-number / NaN) gets `default_score` and is logged once by id, and the run goes on.
+    """Scores batches with a user function; a sample whose call raises (or returns a non-number /
+    NaN) gets `default_score` and is logged once by id, and the run goes on.
 
-    fn may return a float or a dict with a "score" key (verl style). Only the extras fn accepts
-    are passed (prompt, sample_id and the sample's extra dict), so plain fn(response, gt) works.
-    timeout_s bounds each call (SIGALRM; main thread on Unix only) so a hanging rule costs one
-    sample, not the run.
+    fn follows hybridrl's `fn(response, ground_truth, **extra)` or verl's `compute_score(data_source,
+    solution_str, ground_truth, extra_info)` (`signature`: auto | hybridrl | verl). It may return a
+    float or a dict with a "score" key (verl style); the dict's other numeric keys come back in
+    `RewardResult.extras`. Only the keywords fn accepts are passed, so plain fn(response, gt)
+    works. timeout_s bounds each call (SIGALRM; main thread on Unix only) so a hanging rule costs
+    one sample, not the run.
     """
 
     def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
-                 logger: logging.Logger | None = None, timeout_s: float | None = None):
+                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto"):
         self.fn = fn
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
@@ -235,9 +325,9 @@ class RewardManager:
         self.total_failed = 0
         self.total_scored = 0
         self._logged: set[Any] = set()
-        self._accepts = _accepted_kwargs(fn)
+        self.call = plan_reward_call(fn, signature=signature)
 
-    def _call_bounded(self, s: RewardSample) -> float:
+    def _call_bounded(self, s: RewardSample) -> tuple[float, dict[str, float]]:
         if not self.timeout_s or threading.current_thread() is not threading.main_thread() \
                 or not hasattr(signal, "setitimer"):
             return self._call(s)
@@ -253,30 +343,45 @@ class RewardManager:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
-    def _call(self, s: RewardSample) -> float:
-        extra = {"prompt": s.prompt, "sample_id": s.sample_id, **s.extra}
-        if self._accepts is not None:
-            extra = {k: v for k, v in extra.items() if k in self._accepts}
-        out = self.fn(s.response, s.ground_truth, **extra)
+    def _kwargs(self, s: RewardSample) -> dict[str, Any]:
+        c = self.call
+        columns = {k: s.extra[k] for k in c.columns if k in s.extra}
+        if c.signature == "verl":
+            kw = {"data_source": s.extra.get("data_source"), "solution_str": s.response,
+                  "ground_truth": s.ground_truth, "extra_info": s.extra.get("extra_info"), **columns}
+        else:
+            kw = {"prompt": s.prompt, "sample_id": s.sample_id, **{k: s.extra[k] for k in STANDARD_EXTRAS
+                                                                   if k in s.extra}, **columns}
+        return kw if c.accepts is None else {k: v for k, v in kw.items() if k in c.accepts}
+
+    def _call(self, s: RewardSample) -> tuple[float, dict[str, float]]:
+        kw = self._kwargs(s)
+        out = self.fn(**kw) if self.call.signature == "verl" else self.fn(s.response, s.ground_truth, **kw)
+        extras: dict[str, float] = {}
         if isinstance(out, dict):
             if "score" not in out:
                 raise TypeError(f"reward dict has no 'score' key (keys: {sorted(out)})")
+            extras = {str(k): x for k, v in out.items() if k != "score" and (x := _numeric(v)) is not None}
             out = out["score"]
         value = float(out)  # bools and numpy scalars are fine; strings / None raise here
         if not math.isfinite(value):
             raise ValueError(f"reward is {value}")
-        return value
+        return value, extras
 
     def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
         scores: list[float] = []
+        extras: list[dict[str, float]] = []
         failures: dict[Any, str] = {}
         for s in samples:
             if not isinstance(s, RewardSample):
                 s = RewardSample(*s)
             try:
-                scores.append(self._call_bounded(s))
+                value, extra = self._call_bounded(s)
+                scores.append(value)
+                extras.append(extra)
             except Exception as e:  # a user function must not be able to kill the run
                 scores.append(self.default_score)
+                extras.append({})
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"
                 if s.sample_id not in self._logged:
                     self._logged.add(s.sample_id)
@@ -284,19 +389,8 @@ class RewardManager:
                                         s.sample_id, type(e).__name__, e, self.default_score)
         self.total_failed += len(failures)
         self.total_scored += len(scores)
-        return RewardResult(scores=scores, num_failed=len(failures), failures=failures)
+        return RewardResult(scores=scores, num_failed=len(failures), failures=failures, extras=extras)
 
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""
         return self.score(samples).scores
-
-
-def _accepted_kwargs(fn: Callable[..., Any]) -> set[str] | None:
-    """Keyword names fn takes beyond its first two, or None if it takes **kwargs (pass all)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

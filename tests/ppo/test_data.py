@@ -77,8 +77,12 @@ def test_ground_truth_keys():
     rows = [{"prompt": "a", "ground_truth": "1", "answer": "wrong"}, {"prompt": "b", "meta": {"gold": 7}}]
     assert PromptDataset.from_rows(rows[:1], tokenizer=tok)[0].ground_truth == "1"
     assert PromptDataset.from_rows(rows[1:], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == 7
-    # an explicit key that a row lacks falls back to the standard ones
-    assert PromptDataset.from_rows(rows[:1], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == "1"
+    # an explicit key that a row lacks is an error naming it and the row's columns (no silent fallback)
+    with pytest.raises(DataError, match=r"row 0: data.answer_key='meta.gold' names no column; columns: "
+                                        r"\['prompt', 'ground_truth', 'answer'\]"):
+        PromptDataset.from_rows(rows[:1], tokenizer=tok, answer_key="meta.gold")
+    with pytest.raises(DataError, match=r"'meta.glod' names no column; columns: \['prompt', 'meta', 'meta.gold'\]"):
+        PromptDataset.from_rows(rows[1:], tokenizer=tok, answer_key="meta.glod")
     flat = [{"question": "q", "reward_model.ground_truth": "3"}]
     assert PromptDataset.from_rows(flat, tokenizer=tok, prompt_key="question")[0].ground_truth == "3"
 
@@ -93,11 +97,11 @@ def test_clear_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{oops\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         PromptDataset.from_file(str(tmp_path / "bad.jsonl"), tokenizer=tok)
-    with pytest.raises(DataError, match=r"row 0: no prompt column 'question'.*data.prompt_key"):
+    with pytest.raises(DataError, match=r"row 0: data.prompt_key='question' names no column; columns: \['prompt'"):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}], tokenizer=tok, prompt_key="question")
     with pytest.raises(DataError, match=r"row 1: no ground truth at reward_model.ground_truth / ground_truth / answer"):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], tokenizer=tok)
-    with pytest.raises(DataError, match=r"no ground truth at gold / reward_model.*data.answer_key"):
+    with pytest.raises(DataError, match=r"data.answer_key='gold' names no column; columns: \['prompt'\]"):
         PromptDataset.from_rows([{"prompt": "b"}], tokenizer=tok, answer_key="gold")
     with pytest.raises(DataError, match="raise data.max_prompt_length"):
         PromptDataset.from_rows([{"prompt": "abcdef", "answer": "1"}], tokenizer=tok, max_prompt_length=3)
@@ -113,7 +117,8 @@ def test_from_task():
     assert [r.prompt_text for r in ds.records] == [r["prompt"] for r in rows]
     assert [r.ground_truth for r in ds.records] == [r["ground_truth"] for r in rows]
     assert ds.row(3) == {"prompt_ids": tok.encode(rows[3]["prompt"]), "ground_truth": rows[3]["ground_truth"],
-                         "data_source": "reverse:3", "extra_info": {}}
+                         "data_source": "reverse:3", "extra_info": {},
+                         "columns": {"ground_truth": rows[3]["ground_truth"]}}
 
 
 def test_sampler_epochs_cover_dataset():
