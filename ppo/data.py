@@ -212,6 +212,46 @@ class PromptDataset:
 
 
 
+# ---------------------------------------------------------------- supervised warm-up on the data
+
+
+def _answer_text(record: PromptRecord, answer_key: str | None) -> tuple[Any, str]:
+    """(the SFT target of a record, where it came from): the ground truth, or the dotted column key."""
+    if not answer_key:
+        return record.ground_truth, "the ground truth"
+    row = {**record.columns, "data_source": record.data_source, "extra_info": record.extra_info}
+    try:
+        return _get(row, answer_key), f"data.sft_answer_key={answer_key!r}"
+    except KeyError:
+        raise DataError(f"row {record.index}: data.sft_answer_key={answer_key!r} names no column; columns: "
+                        f"{column_names(row)}") from None
+
+
+def check_sft_answers(dataset: PromptDataset, *, answer_key: str | None = None) -> None:
+    """The SFT warm-up needs answer text in every row: a string or a number, not empty. Raises a
+    DataError naming the first row without one and the way out."""
+    for r in dataset.records:
+        value, where = _answer_text(r, answer_key)
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or str(value).strip() == "":
+            shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+            raise DataError(f"trainer.sft_warmup_steps trains on the answers of data.train_files, but row {r.index} "
+                            f"of {dataset.source} has no answer text at {where} ({type(value).__name__} {shown}); "
+                            f"set data.sft_answer_key to a column holding answer text, or trainer.sft_warmup_steps=0")
+
+
+def sft_pairs(dataset: PromptDataset, n: int, *, seed: int, tokenizer: Any,
+              answer_key: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """n supervised pairs (prompt ids, answer ids + eos) drawn from the dataset with a seeded generator
+    (rows repeat only when n exceeds the dataset). The loss goes on the answer ids only."""
+    if tokenizer.eos_token_id is None:
+        raise DataError("the SFT warm-up needs a tokenizer with an eos token (the model must learn to stop)")
+    g = torch.Generator().manual_seed(seed % 2**63)
+    order = torch.randperm(len(dataset), generator=g).tolist()
+    picks = [dataset.records[order[i % len(order)]] for i in range(n)]
+    return [(list(r.prompt_ids), tokenizer.encode(str(_answer_text(r, answer_key)[0])) + [tokenizer.eos_token_id])
+            for r in picks]
+
+
 class PromptSampler:
     """Seeded, epoch-aware batches of dataset indices that resume exactly.
 

@@ -15,6 +15,13 @@ from rollout.base import RolloutConfig as EngineConfig
 from rollout.base import SamplingParams
 
 
+def sample_info(row: dict) -> dict:
+    """What a sample carries from its data row to the reward function: data_source, extra_info and
+    the row's other columns."""
+    return {**row.get("columns", {}), "data_source": row.get("data_source", ""),
+            "extra_info": row.get("extra_info", {})}
+
+
 def build_rollout_groups(cfg, plan):
     """The hybrid engine's process groups (collective: every rank of the world calls this)."""
     from parallel.reshard import GenLayout, TrainLayout
@@ -55,11 +62,16 @@ class RolloutRole:
         per = -(-len(batch) // self.gen_dp)
         return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
 
-    def generate(self, batch: list[dict], *, step: int, seed: int, timer=None) -> list[Sample]:
+    def generate(self, batch: list[dict], *, step: int, seed: int, timer=None, n: int | None = None,
+                 temperature: float | None = None) -> list[Sample]:
+        """Samples of this replica's prompts; n / temperature override rollout.n / rollout.temperature
+        (validation: rollout.val_n, rollout.val_temperature)."""
         r = self.cfg.rollout
+        n = r.n if n is None else n
+        temperature = r.temperature if temperature is None else temperature
         rows = self.my_prompts(batch)
-        sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                   max_tokens=r.max_response_length, n=r.n,
+        sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
+                                   max_tokens=r.max_response_length, n=n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
         completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
         if timer is not None:  # the hybrid engine's gather is reported as its own stage
@@ -71,10 +83,10 @@ class RolloutRole:
             row = rows[c.prompt_index]
             if c.finish_reason == "error":
                 raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
-            out.append(Sample(uid=row["index"] * r.n + c.sample_index, prompt_index=row["index"],
+            out.append(Sample(uid=row["index"] * n + c.sample_index, prompt_index=row["index"],
                               prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
                               behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-                              ground_truth=row.get("ground_truth")))
+                              ground_truth=row.get("ground_truth"), info=sample_info(row)))
         return out
 
     def set_token_budget(self, tokens: int) -> None:

@@ -14,6 +14,7 @@ from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
+from ppo.rewards import RewardSample
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype
 
 
@@ -52,11 +53,18 @@ class RuleReward:
         self.manager, self.tokenizer = manager, tokenizer
         self.rank_in_group, self.group_size = rank_in_group, group_size
 
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}} plus {"reward/<key>": {uid: value}} for each numeric extra key a dict
+        result carried (a sample without that key contributes nothing to its mean)."""
         mine = exp.samples[self.rank_in_group::self.group_size]
-        items = [(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth) for s in mine]
-        scores = self.manager.score_batch(items)
-        return {s.uid: torch.tensor(float(v)) for s, v in zip(mine, scores)}
+        items = [RewardSample(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth,
+                              {**(s.info or {}), "response_length": len(s.response_ids)}) for s in mine]
+        res = self.manager.score(items)
+        out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)}}
+        for s, extra in zip(mine, res.extras):
+            for k, v in extra.items():
+                out.setdefault(f"reward/{k}", {})[s.uid] = torch.tensor(v)
+        return out
 
     def _text(self, s: Sample) -> str:
         ids = s.response_ids
@@ -74,7 +82,7 @@ class RewardModelWorker(ShardedWorker):
         self.pad_id, self.max_tokens = pad_id, max_tokens
 
     @torch.no_grad()
-    def score(self, exp: Experience) -> dict[int, torch.Tensor]:
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
         from models.llama import DocumentAttention
 
         out: dict[int, torch.Tensor] = {}
@@ -86,7 +94,7 @@ class RewardModelWorker(ShardedWorker):
             if self.is_owner:
                 for s, v in zip(samples, per_token[0, last, 0].float().cpu()):
                     out[s.uid] = v
-        return out
+        return {"score": out}
 
 
 def _modules(worker) -> list:
@@ -258,7 +266,8 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
         else:
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
-            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"))
+            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
+                                    signature=cfg.reward.signature)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))

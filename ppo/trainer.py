@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample, all_gather_objects, merge_results, share_samples
 from ppo.roles import build_roles
+from ppo.samples import SampleLog
 from ppo.state import TrainState
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
@@ -54,13 +55,19 @@ class StageTimer:
 
 class PPOTrainer:
     def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None):
-        self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, Path(run_dir)
+        self.plan, self.env, self.run_dir = plan, env, Path(run_dir)
         self.log = logging.getLogger("hybridrl")
         self.rank = env.rank
         self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank)
+        self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
         self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
+        t = cfg.trainer
+        self.sample_log = None  # rank 0 shows a few samples every trainer.log_samples_every steps
+        if self.rank == 0 and t.log_samples_every:
+            self.sample_log = SampleLog(self.run_dir, every=t.log_samples_every, count=t.log_samples_count,
+                                        tokenizer=self.state.tokenizer)
         self.state.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         # One epoch over one mini-batch, and no in-reward KL penalty: the old log-probs would be the
@@ -113,7 +120,7 @@ class PPOTrainer:
                     exp, roles.critic_plan(exp, b)), "critic"))
         if roles.reward is not None:
             with timer("reward"):
-                results["score"] = roles.reward.score(exp)
+                results.update(roles.reward.score(exp))  # "score", and "reward/<key>" of dict results
         return results
 
     def step(self, step: int) -> dict[str, float]:
@@ -151,6 +158,8 @@ class PPOTrainer:
                 critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),
                                          "critic", retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
         timer.times["step"] = time.perf_counter() - t_step
+        if self.sample_log is not None and self.sample_log.due(step):
+            self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
         return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times)
 
     def budgeted(self, stage: str, fn, role: str, *, retry_safe=None):
@@ -205,7 +214,7 @@ class PPOTrainer:
         t = {"mask": mask, "scores": scores}
         if "old_logp" in merged:
             t["old_logp"] = exp.stack(merged["old_logp"])
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = _reward_extra_metrics(merged)
         if "old_logp" in t and not self.cfg.trainer.async_rollout:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
             diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
@@ -309,6 +318,25 @@ class PPOTrainer:
                 "perf/mfu/actor": flops["update_actor"] / actor_s / (n_actor * H200_PEAK_BF16_FLOPS)
                 if actor_s > 0 else 0.0}
 
+    # ------------------------------------------------------------------ validation
+    def validation_due(self, step: int) -> bool:
+        """After step (0-based) `step`: every trainer.test_freq steps and after the last one."""
+        t = self.cfg.trainer
+        return self.state.val_dataset is not None and (
+            step + 1 == t.total_steps or (t.test_freq > 0 and (step + 1) % t.test_freq == 0))
+
+    def validate(self, step: int) -> dict[str, float]:
+        """val/* metrics on rank 0 ({} elsewhere); collective over the world."""
+        from ppo.validation import run_validation
+
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed, val_n=r.val_n,
+                           temperature=r.val_temperature, threshold=self.cfg.reward.pass_threshold, rank=self.rank)
+        if m:
+            m["timing_s/val"] = time.perf_counter() - t0
+        return m
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> None:
         cfg = self.cfg
@@ -317,9 +345,13 @@ class PPOTrainer:
             self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
         elif cfg.trainer.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
+        if self.state.val_dataset is not None and cfg.trainer.val_before_train and start == 0:
+            self.state.log_metrics({"step": 0, **self.validate(0)})
         bar = self.state.progress(start)
         for step in range(start, cfg.trainer.total_steps):
             metrics = self.step(step)
+            if self.validation_due(step):
+                metrics.update(self.validate(step + 1))
             if self.monitor is not None:
                 gpu = self.monitor.step_summary()
                 # NVML's memory includes the allocator's cache: keep it apart from torch's mem/peak_gb
@@ -339,6 +371,12 @@ class PPOTrainer:
         if bar is not None:
             bar.close()
         self.state.close()
+
+
+def _reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, float]:
+    """`reward/<key>/mean` for each extra numeric key of the reward function's dict results."""
+    return {f"{k}/mean": float(torch.stack(list(v.values())).float().mean())
+            for k, v in merged.items() if k.startswith("reward/") and v}
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
