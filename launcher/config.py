@@ -60,7 +60,7 @@ class TrainerConfig:
 class ModelConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
     preset: str = "tiny"  # model shape when path is None (models/presets.py)
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
     # auto: model.path's tokenizer when that folder has tokenizer.json, else builtin:char;
     # or builtin:char, or a local tokenizer directory
     tokenizer: str = "auto"
@@ -127,8 +127,9 @@ class RefConfig(ParallelConfig):
 class RewardConfig(ParallelConfig):
     type: str = "rule"  # rule | model
     function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
-    # auto: verl's compute_score(data_source, solution_str, ground_truth, extra_info) when the function
-    # names solution_str or starts with data_source, else fn(response, ground_truth, **extra)
+    # auto | hybridrl | verl; auto: verl's compute_score(data_source, solution_str, ground_truth,
+    # extra_info) when the function names solution_str or starts with data_source, else hybridrl's
+    # fn(response, ground_truth, **extra)
     signature: str = "auto"
     model_path: str | None = None  # reward model (*ForSequenceClassification) directory
     default_score: float = 0.0  # score of a sample whose reward function raised

@@ -1,7 +1,7 @@
 """Every config key with its type, default and one-line meaning, generated from the schema.
 
     python -m launcher.config                 # all sections
-    python -m launcher.config rollout         # one section (or a dotted prefix: actor.optim)
+    python -m launcher.config rollout data    # some sections (or dotted prefixes: actor.optim)
 
 The meanings are the comments written beside (or just above) each field of the dataclasses in
 launcher/config.py, so the listing cannot drift from the schema: a field without a comment shows
@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import re
 import sys
 import tokenize
 import typing
@@ -113,7 +114,7 @@ def describe(cls: type | None = None, prefix: str = "") -> list[KeyDoc]:
             continue
         meaning = _meaning(cls, f.name)
         choices = CHOICES.get(key)
-        if choices and not all(c in meaning for c in choices):
+        if choices and not set(choices) <= set(re.findall(r"[\w.:-]+", meaning)):
             meaning += f" (one of: {' | '.join(choices)})"
         out.append(KeyDoc(key, _type_name(t), _show(_default(f)), meaning))
         if elem is not None and dataclasses.is_dataclass(elem):
@@ -149,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     docs = describe()
     if argv:
-        want = argv[0].rstrip(".")
-        docs = [d for d in docs if d.key == want or d.key.startswith(want + ".") or d.key.startswith(want + "[]")]
-        if not docs:
-            sections = sorted({d.key.split(".")[0] for d in describe()})
-            print(f"error: no config keys under {argv[0]!r}; sections: {', '.join(sections)}", file=sys.stderr)
-            return 2
+        picked = []
+        for want in (a.rstrip(".") for a in argv):
+            under = [d for d in docs if d.key == want or d.key.startswith((want + ".", want + "[]"))]
+            if not under:
+                sections = sorted({d.key.split(".")[0] for d in docs})
+                print(f"error: no config keys under {want!r}; sections: {', '.join(sections)}", file=sys.stderr)
+                return 2
+            picked += [d for d in under if d not in picked]
+        docs = picked
     print("key  type  default  meaning   (set with `key=value` after the YAML file, or in the YAML; "
           "lists as [a,b])\n")
     print(render(docs))

@@ -70,7 +70,7 @@ class SampleLog:
         if tensorboard is not None:
             # markdown table: TensorBoard's text plugin renders it
             rows = ["| uid | source | score | prompt | response | ground truth |", "|---|---|---|---|---|---|"]
-            rows += [f"| {r['uid']} | {r['data_source']} | {r['score']:.3g} | {_cell(r['prompt'])} | "
+            rows += [f"| {r['uid']} | {_cell(r['data_source'])} | {r['score']:.3g} | {_cell(r['prompt'])} | "
                      f"{_cell(r['response'])} | {_cell(str(r['ground_truth']))} |" for r in recs]
             tensorboard.add_text("samples", "\n".join(rows), step + 1)
         return recs
