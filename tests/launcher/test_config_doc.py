@@ -28,7 +28,8 @@ def test_every_key_has_a_meaning():
     # choices are appended when the comment does not list them all
     assert "(one of: auto | hybridrl | verl)" not in docs["reward.signature"].meaning  # the comment names them
     assert "(one of" not in docs["model.dtype"].meaning
-    assert docs["rollout.decode_attention"].meaning.endswith("(one of: auto | triton | sdpa | sdpa-efficient | sdpa-cudnn | bmm)")
+    assert docs["rollout.decode_attention"].meaning.endswith(
+        "(one of: auto | triton | sdpa | sdpa-efficient | sdpa-cudnn | bmm)")
     assert "(one of: ppo | grpo | rloo | reinforce_pp)" not in docs["algorithm.name"].meaning
     assert "(one of: 1F1B | interleaved)" not in docs["ref.pp_schedule"].meaning
 
