@@ -155,3 +155,52 @@ def test_sampler_validation():
     with pytest.raises(ValueError, match=">= 1"):
         PromptSampler(3, batch_size=0, seed=0)
     assert PromptSampler(3, batch_size=4, seed=0, drop_last=False).next_batch().__len__() == 3
+
+
+def test_sft_warmup_trains_on_the_data_answers(tmp_path):
+    """trainer.sft_warmup_steps with data.train_files: pairs from the data's rows, not the synthetic task."""
+    from launcher.config import load_config
+    from ppo.data import check_sft_answers, sft_pairs
+    from ppo.state import TrainState
+
+    tok = load_tokenizer("builtin:char")
+    rows = [{"prompt": f"q{i}", "reward_model": {"ground_truth": str(i)}, "extra_info": {"answer": f"so {i}"}}
+            for i in range(6)]
+    ds = PromptDataset.from_rows(rows, tokenizer=tok)
+    pairs = sft_pairs(ds, 8, seed=0, tokenizer=tok)
+    texts = {tok.decode(p): tok.decode(a) for p, a in pairs}
+    assert len(pairs) == 8 and len(texts) == 6  # every row once before any repeats
+    assert all(a == f"{p[1:]}</s>" for p, a in texts.items())
+    solution = sft_pairs(ds, 2, seed=0, tokenizer=tok, answer_key="extra_info.answer")
+    assert all(tok.decode(a).startswith("so ") for _, a in solution)
+    assert pairs == sft_pairs(ds, 8, seed=0, tokenizer=tok) != sft_pairs(ds, 8, seed=1, tokenizer=tok)
+    check_sft_answers(ds)
+    # ground truths that are not answer text (test cases, a dict) are rejected with the way out
+    cases = PromptDataset.from_rows([{"prompt": "p", "ground_truth": {"tests": ["assert f(1) == 2"]}}], tokenizer=tok)
+    with pytest.raises(DataError, match=r"row 0 of <rows> has no answer text at the ground truth \(dict "
+                                        r".*set data.sft_answer_key .* or trainer.sft_warmup_steps=0"):
+        check_sft_answers(cases)
+    with pytest.raises(DataError, match=r"data.sft_answer_key='extra_info.answr' names no column"):
+        check_sft_answers(ds, answer_key="extra_info.answr")
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows * 4))
+    cfg = load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3", "data.batch_size=4"])
+    batch = TrainState.create(cfg, run_dir=tmp_path, rank=0).sft_batch(0)
+    assert len(batch) == 4 and all(tok.decode(p).startswith("q") for p, _ in batch)  # not "3+5=" of add:1
+    path.write_text(json.dumps({"prompt": "p", "ground_truth": ["a", "b"]}) + "\n")
+    with pytest.raises(DataError, match="trainer.sft_warmup_steps trains on the answers of data.train_files"):
+        TrainState.create(load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3",
+                                             "data.batch_size=1"]), run_dir=tmp_path, rank=0)
+
+
+def test_total_epochs_sets_the_step_count(tmp_path):
+    from launcher.config import load_config
+    from ppo.state import TrainState
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(50)))
+    cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_epochs=3"])
+    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 3 * (50 // 8)
+    cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_steps=7"])
+    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 7
