@@ -59,7 +59,7 @@ class TrainerConfig:
 @dataclass
 class ModelConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
-    preset: str = "tiny"  # model shape when path is None (models/presets.py)
+    preset: str = "tiny"  # model shape when path is None (models/config.py PRESETS); none: model.path is required
     dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
     # auto: model.path's tokenizer when that folder has tokenizer.json, else builtin:char;
     # or builtin:char, or a local tokenizer directory
@@ -161,7 +161,9 @@ class RolloutConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
     val_files: list[str] = field(default_factory=list)  # JSONL / Parquet validation prompts; empty: no validation
-    task: str = "add:1"  # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty
+    # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty;
+    # none: data.train_files is required
+    task: str = "add:1"
     task_size: int = 4096  # rows of the synthetic task
     prompt_key: str = "prompt"  # column of the prompt (text or chat messages); dotted for nested
     answer_key: str | None = None  # ground-truth column (dotted); None: reward_model.ground_truth, ground_truth, answer
@@ -433,6 +435,13 @@ def validate_config(cfg: Config) -> None:
         if not ok:
             raise UserError(msg)
     d = cfg.data
+    # recipes for real models and data say preset/task "none": forgetting the path is an error, not a toy run
+    if cfg.model.path is None and cfg.model.preset == "none":
+        raise UserError("model.path is required (model.preset=none: no random initialisation); "
+                        "set model.path=<Hugging Face model directory>")
+    if not d.train_files and d.task == "none":
+        raise UserError("data.train_files is required (data.task=none: no synthetic task); "
+                        "set data.train_files=train.parquet (or [a.parquet,b.parquet])")
     if t.test_freq and not d.val_files:
         raise UserError(f"trainer.test_freq={t.test_freq} validates on data.val_files, which is empty; set "
                         f"data.val_files=[val.parquet] or trainer.test_freq=0")
@@ -452,7 +461,8 @@ def validate_config(cfg: Config) -> None:
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors")
+        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors "
+                        f"(set model.path=<Hugging Face model directory>)")
     if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
