@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import logging
-import math
 import os
 import re
 import signal
@@ -31,11 +29,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from ppo.reward_calls import RewardFunctionError, call_reward, plan_reward_call
+
 _log = logging.getLogger(__name__)
-
-
-class RewardFunctionError(ValueError):
-    """A user reward function that cannot be loaded; the launcher exits with code 2 on it."""
 
 
 # ---------------------------------------------------------------- answer extraction
@@ -203,87 +199,6 @@ def _builtin_reward(spec: str) -> Callable[..., Any]:
     raise RewardFunctionError(f"unknown built-in reward {spec!r}; built-ins: {', '.join(BUILTIN_REWARDS)}")
 
 
-# ---------------------------------------------------------------- calling conventions
-
-REWARD_SIGNATURES = ("auto", "hybridrl", "verl")
-# verl's reward managers call compute_score(data_source=, solution_str=, ground_truth=, extra_info=)
-VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
-# what every sample offers a hybridrl-convention function beyond (response, ground_truth)
-STANDARD_EXTRAS = ("prompt", "sample_id", "data_source", "extra_info", "response_length")
-
-
-@dataclass(frozen=True, slots=True)
-class RewardCall:
-    """How one reward function is called: its convention, the keywords it takes (None: it takes
-    **kwargs) and the data columns it names as parameters (passed from each sample's row)."""
-
-    signature: str  # hybridrl | verl
-    accepts: frozenset[str] | None
-    columns: tuple[str, ...]
-
-
-def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
-    try:
-        return list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # some builtins have no signature: call them the plain way
-        return None
-
-
-def detect_signature(fn: Callable[..., Any]) -> str:
-    """'verl' when fn names verl's `solution_str` or starts with `data_source`, else 'hybridrl'."""
-    params = _parameters(fn) or []
-    names = [p.name for p in params]
-    return "verl" if "solution_str" in names or names[:1] == ["data_source"] else "hybridrl"
-
-
-def plan_reward_call(fn: Callable[..., Any], *, signature: str = "auto",
-                     columns: Iterable[str] | None = None) -> RewardCall:
-    """Decide how to call fn. `columns` (the data's column names, when known) turns a required
-    parameter that names no column into a RewardFunctionError naming it and the columns."""
-    if signature not in REWARD_SIGNATURES:
-        raise RewardFunctionError(f"reward.signature={signature!r} is not one of {', '.join(REWARD_SIGNATURES)}")
-    name = getattr(fn, "__qualname__", repr(fn))
-    params = _parameters(fn)
-    if params is None:
-        return RewardCall("verl" if signature == "verl" else "hybridrl", None, ())
-    sig = detect_signature(fn) if signature == "auto" else signature
-    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
-    if sig == "verl":
-        if "solution_str" not in named and not takes_kwargs:
-            raise RewardFunctionError(f"reward.signature=verl but {name}{inspect.signature(fn)} has no "
-                                      f"'solution_str' parameter (verl calls compute_score(data_source, "
-                                      f"solution_str, ground_truth, extra_info)); use reward.signature=hybridrl "
-                                      f"for fn(response, ground_truth, **extra)")
-        own = set(VERL_PARAMS)
-    else:
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
-            raise RewardFunctionError(f"reward function {name}{inspect.signature(fn)} must take (response, "
-                                      f"ground_truth, ...) or verl's (data_source, solution_str, ground_truth, "
-                                      f"extra_info)")
-        own = {p.name for p in positional[:2]} | set(STANDARD_EXTRAS)
-    wanted = []
-    known = None if columns is None else set(columns)
-    for p in named.values():
-        if p.name in own:
-            continue
-        if known is None or p.name in known:
-            wanted.append(p.name)
-        elif p.default is p.empty:
-            raise RewardFunctionError(
-                f"reward function {name} asks for {p.name!r}, which names no data column (columns: "
-                f"{sorted(known)}); rename the parameter to a column, give it a default, or add the column")
-    return RewardCall(sig, None if takes_kwargs else frozenset(named), tuple(wanted))
-
-
-def _numeric(v: Any) -> float | None:
-    if isinstance(v, bool | int | float) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
-        x = float(v)
-        return x if math.isfinite(x) else None
-    return None
-
-
 # ---------------------------------------------------------------- batch scoring
 
 
@@ -343,30 +258,9 @@ class RewardManager:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
-    def _kwargs(self, s: RewardSample) -> dict[str, Any]:
-        c = self.call
-        columns = {k: s.extra[k] for k in c.columns if k in s.extra}
-        if c.signature == "verl":
-            kw = {"data_source": s.extra.get("data_source"), "solution_str": s.response,
-                  "ground_truth": s.ground_truth, "extra_info": s.extra.get("extra_info"), **columns}
-        else:
-            kw = {"prompt": s.prompt, "sample_id": s.sample_id, **{k: s.extra[k] for k in STANDARD_EXTRAS
-                                                                   if k in s.extra}, **columns}
-        return kw if c.accepts is None else {k: v for k, v in kw.items() if k in c.accepts}
-
     def _call(self, s: RewardSample) -> tuple[float, dict[str, float]]:
-        kw = self._kwargs(s)
-        out = self.fn(**kw) if self.call.signature == "verl" else self.fn(s.response, s.ground_truth, **kw)
-        extras: dict[str, float] = {}
-        if isinstance(out, dict):
-            if "score" not in out:
-                raise TypeError(f"reward dict has no 'score' key (keys: {sorted(out)})")
-            extras = {str(k): x for k, v in out.items() if k != "score" and (x := _numeric(v)) is not None}
-            out = out["score"]
-        value = float(out)  # bools and numpy scalars are fine; strings / None raise here
-        if not math.isfinite(value):
-            raise ValueError(f"reward is {value}")
-        return value, extras
+        return call_reward(self.call, self.fn, s.response, s.ground_truth, prompt=s.prompt,
+                           sample_id=s.sample_id, extra=s.extra)
 
     def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
         scores: list[float] = []

@@ -200,7 +200,8 @@ def with_epoch_steps(cfg, batches_per_epoch: int):
 def check_reward_columns(cfg, columns: list[str]) -> None:
     """Load the rule reward function on every rank and check the data columns it names exist, so a
     bad function or a missing column stops every rank before training (RewardFunctionError)."""
-    from ppo.rewards import load_reward_function, plan_reward_call
+    from ppo.reward_calls import plan_reward_call
+    from ppo.rewards import load_reward_function
 
     spec = cfg.reward.function if cfg.reward.function != "builtin:task" else f"builtin:task:{cfg.data.task}"
     plan_reward_call(load_reward_function(spec), signature=cfg.reward.signature, columns=columns)

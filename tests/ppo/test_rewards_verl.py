@@ -9,14 +9,8 @@ import torch
 from launcher.config import load_config
 from ppo.experience import Experience, Sample
 from ppo.generation import sample_info
-from ppo.rewards import (
-    RewardFunctionError,
-    RewardManager,
-    RewardSample,
-    detect_signature,
-    load_reward_function,
-    plan_reward_call,
-)
+from ppo.reward_calls import RewardFunctionError, detect_signature, plan_reward_call
+from ppo.rewards import RewardManager, RewardSample, load_reward_function
 from ppo.roles import RuleReward
 from ppo.state import check_reward_columns
 from ppo.tokenizer import load_tokenizer
