@@ -195,8 +195,9 @@ class PoolConfig:
 
 @dataclass
 class PlacementConfig:
-    mode: str = "colocated"  # colocated | split
+    mode: str = "colocated"  # colocated | split | auto (the cost model picks pools and layouts: launcher/autoplan.py)
     pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
+    calibration: str = "h200"  # cost model's machine (launcher/calibration/<name>.json or a path): auto, plan estimates
 
 
 @dataclass
@@ -241,7 +242,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
-    "placement.mode": ("colocated", "split"),
+    "placement.mode": ("colocated", "split", "auto"),
     "reward.type": ("rule", "model"),
     "reward.signature": ("auto", "hybridrl", "verl"),
     "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),

@@ -4,9 +4,12 @@ Offline, for any world size, without starting a process:
 
     python -m launcher.plan conf/ppo_7b.yaml --world-size 8
     python -m launcher.plan conf/ppo_7b.yaml --world-size 1024 --json
+    python -m launcher.plan conf/ppo_7b.yaml --world-size 64 --auto [--json] [--schedules sync,async]
 
 `compute_plan` is a pure function of the config, the model shape and the world size;
 rank 0 calls it at start-up, broadcasts the result, and every rank builds the groups.
+`--auto` ranks placements and layouts by the calibrated cost model (launcher/autoplan.py);
+`placement.mode: auto` launches the best of them (same search, deterministic on every rank).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class DevicePlan:
     groups: dict[str, RoleGroup] = field(default_factory=dict)
     gen_tp: int = 1
     gen_dp: int = 1
+    predicted: dict = field(default_factory=dict)  # the cost model's estimate of this plan (launcher/stepmodel.py)
 
     def roles_of(self, rank: int) -> list[str]:
         return [r for r, g in self.groups.items() if rank in g.ranks]
@@ -54,7 +58,7 @@ class DevicePlan:
     def from_dict(cls, d: dict) -> DevicePlan:
         groups = {k: RoleGroup(**v) for k, v in d["groups"].items()}
         return cls(world_size=d["world_size"], mode=d["mode"], pools=d["pools"], groups=groups,
-                   gen_tp=d["gen_tp"], gen_dp=d["gen_dp"])
+                   gen_tp=d["gen_tp"], gen_dp=d["gen_dp"], predicted=d.get("predicted") or {})
 
     def table(self) -> str:
         def span(ranks: list[int]) -> str:
@@ -71,6 +75,13 @@ class DevicePlan:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
+        p = self.predicted
+        if p:
+            busy = "/".join(f"{q['utilization']:.0%}" for q in p["pools"])
+            fit = f"; does not fit: {p['reject']}" if p["reject"] else ""
+            lines.append(f"  cost model ({p.get('calibration', '?')}): {p['predicted_step_s']:.3f} s/step, "
+                         f"{p['samples_per_s']:.1f} samples/s, useful {p['useful_utilization']:.1%}, "
+                         f"pools busy {busy}, peak {p['peak_gb']:.1f} GB per GPU{fit}")
         return "\n".join(lines)
 
 
@@ -121,6 +132,8 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     """Assign ranks to roles and validate every layout. Raises UserError with the numbers."""
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
+    if cfg.placement.mode == "auto":
+        return auto_plan(cfg, world_size=world_size, model=model, reward_model=reward_model)
     roles = active_roles(cfg)
     pools = _pools(cfg, roles)
     if cfg.placement.mode == "split" and world_size < len(pools):
@@ -167,6 +180,68 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     if (actor.tp * actor.pp) % plan.gen_tp:
         raise UserError(f"rollout.gen_tp({plan.gen_tp}) must divide the actor's tp({actor.tp}) x pp({actor.pp}) "
                         f"= {actor.tp * actor.pp}: each training replica splits into whole generation replicas")
+    plan.predicted = predict_plan(cfg, plan, model=model, reward_model=reward_model)
+    return plan
+
+
+def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
+                 reward_model: ModelConfig | None = None) -> dict:
+    """The cost model's estimate of a plan on placement.calibration's machine (plan.json carries it, so a
+    run's measured stage times can be set beside it)."""
+    from launcher.autoplan import candidate_from_plan
+    from launcher.costmodel import build_workload, load_calibration
+    from launcher.stepmodel import estimate
+
+    try:
+        cal = load_calibration(cfg.placement.calibration)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"placement.calibration: {e}") from None
+    w = build_workload(cfg, model=model, reward_model=reward_model)
+    est = estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout))
+    return dict(est.summary(cal), calibration=cal.name, prompt_len=w.prompt_len, response_len=w.response_len)
+
+
+AUTO_CHOSEN = ("tp", "pp", "dp")
+
+
+def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
+              reward_model: ModelConfig | None = None) -> DevicePlan:
+    """placement.mode=auto: the cost model's fastest feasible plan for the config's sync/async schedule.
+
+    The search picks the pools and every role's layout, so a config that also fixes them is refused
+    (a key that would be silently overridden)."""
+    import copy
+
+    from launcher.autoplan import search
+    from launcher.costmodel import load_calibration
+
+    fixed = [f"{r}.{k}={getattr(getattr(cfg, r), k)}" for r in ("actor", "critic", "ref", "reward")
+             for k in AUTO_CHOSEN if getattr(getattr(cfg, r), k) != (0 if k == "dp" else 1)]
+    fixed += [f"rollout.gen_tp={cfg.rollout.gen_tp}"] if cfg.rollout.gen_tp else []
+    fixed += ["placement.pools=[...]"] if cfg.placement.pools else []
+    if fixed:
+        raise UserError(f"placement.mode=auto chooses the pools and layouts itself, but the config sets "
+                        f"{', '.join(fixed)}; remove them (tp/pp=1, dp=0, gen_tp=0, pools=[]) or pick "
+                        f"placement.mode=colocated|split")
+    try:
+        cal = load_calibration(cfg.placement.calibration)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"placement.calibration: {e}") from None
+    result = search(cfg, world_size=world_size, model=model, reward_model=reward_model, cal=cal, top=1)
+    if not result.best:
+        why = "; ".join(result.rejected[:3]) or "no layout divides the batch and the model"
+        raise UserError(f"placement.mode=auto: no plan fits {world_size} GPUs of {cal.name}: {why}")
+    best = result.best[0]
+    c = best.candidate
+    resolved = copy.deepcopy(cfg)
+    resolved.placement.mode = c.mode
+    resolved.placement.pools = [PoolConfig(roles=list(r), size=n) for r, n in c.pools] if c.mode == "split" else []
+    for role, (tp, pp, _) in c.layouts:
+        sec = getattr(resolved, role)
+        sec.tp, sec.pp = tp, pp
+    resolved.rollout.gen_tp = c.gen_tp
+    plan = compute_plan(resolved, world_size=world_size, model=model, reward_model=reward_model)
+    plan.predicted.update(chosen_by="placement.mode=auto", candidates_estimated=result.evaluated)
     return plan
 
 
@@ -211,16 +286,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--json", action="store_true", help="print plan.json instead of the table")
+    ap.add_argument("--auto", action="store_true", help="rank placements and layouts by the cost model")
+    ap.add_argument("--top", type=int, default=5, help="--auto: how many plans to print")
+    ap.add_argument("--schedules", default="config",
+                    help="--auto: config (trainer.async_rollout as set), or a list of sync,async")
+    ap.add_argument("--calibration", default=None, help="--auto: machine type or JSON (default placement.calibration)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="--auto: assumed prompt tokens")
+    ap.add_argument("--response-len", type=int, default=None, help="--auto: assumed response tokens")
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        plan = compute_plan(cfg, world_size=args.world_size, model=resolve_model_config(cfg),
-                            reward_model=resolve_reward_model_config(cfg))
+        model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+        if args.auto:
+            return _print_auto(cfg, args, model=model, reward_model=rm)
+        plan = compute_plan(cfg, world_size=args.world_size, model=model, reward_model=rm)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     print(plan.to_json() if args.json else plan.table())
     return 0
+
+
+def _print_auto(cfg: Config, args, *, model: ModelConfig, reward_model: ModelConfig | None) -> int:
+    from launcher.autoplan import format_table, overrides_of, search
+    from launcher.costmodel import load_calibration
+
+    if args.world_size < 1:
+        raise UserError(f"world size must be >= 1, got {args.world_size}")
+    try:
+        cal = load_calibration(args.calibration or cfg.placement.calibration)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"calibration: {e}") from None
+    names = {"sync": False, "async": True}
+    if args.schedules == "config":
+        schedules = None
+    else:
+        bad = [s for s in args.schedules.split(",") if s not in names]
+        if bad:
+            raise UserError(f"--schedules: {bad} unknown; use config, sync, async or sync,async")
+        schedules = tuple(names[s] for s in args.schedules.split(","))
+    result = search(cfg, world_size=args.world_size, model=model, reward_model=reward_model, cal=cal,
+                    schedules=schedules, top=args.top, prompt_len=args.prompt_len, response_len=args.response_len)
+    if args.json:
+        print(json.dumps({"world_size": args.world_size, "calibration": cal.name, "evaluated": result.evaluated,
+                          "plans": [dict(e.summary(cal), overrides=overrides_of(e.candidate)) for e in result.best],
+                          "rejected_examples": result.rejected}, indent=2))
+    else:
+        print(format_table(result, cal, world_size=args.world_size))
+        if result.best:
+            print("  launch the best: " + " ".join(repr(o) if " " in o else o
+                                                    for o in overrides_of(result.best[0].candidate)))
+    return 0 if result.best else 2
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,179 @@
+"""Predicted vs measured: the cost model (launcher/costmodel.py) against every committed PPO/GRPO run.
+
+    python -m bench.costmodel_validate                      # writes bench/results/costmodel_validation.json
+    python -m bench.costmodel_validate --calibration h200 --out /tmp/v.json
+
+For each run of bench.placement under bench/results/ it rebuilds the run's config (the committed YAML
+plus the mode's overrides and the run's own), plans it with launcher.plan, estimates it with the
+calibration (derived from micro-benchmarks only: nothing here feeds back into it) and records
+predicted and measured step seconds, samples/s, useful utilization, peak memory and every stage,
+with the relative error of each. Runs are then grouped by workload (config, GPUs) to check that the
+predicted ranking of modes is the measured one. Eager shakeout runs (before training was compiled)
+are listed as excluded: the calibration measures the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.placement import MODES
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TARGET = 0.15  # step-time error the issue asks for
+GIB = 2**30 / 1e9  # the trainer's mem/peak_gb is in GiB
+
+
+# what each run's own record says about a miss (README "Measured results"); reported, never fitted
+KNOWN = {
+    "grpo_a_noshare_h200": "the reference forward recompiled for a new packed shape inside a measured step "
+                           "(README: ref 1.71 s against ~0.33 s); compilation is not modelled",
+    "grpo_a_dynamic_h200": "compiled with dynamic=True, measured 9% slower updates than the automatic-dynamic "
+                           "compile the micro-benchmark calibrates",
+    "placement_b_colocated-sync_h200x2": "every role data parallel over 2 GPUs (FSDP): forwards and updates "
+                                         "run 12-27% slower per token than one GPU's micro-benchmark; the model "
+                                         "overlaps FSDP's gathers fully and misses that cost",
+}
+
+
+def _err(pred: float, meas: float | None) -> float | None:
+    return None if not meas else round(pred / meas - 1, 4)
+
+
+def _runs() -> tuple[list[tuple[Path, dict, dict]], list[dict]]:
+    """(file, its JSON, one row) of every placement result, and the excluded ones with why."""
+    runs, excluded = [], []
+    for path in sorted(RESULTS.glob("*.json")):
+        d = json.loads(path.read_text())
+        res = d.get("result")
+        if not isinstance(res, dict) or res.get("bench") != "placement":
+            continue
+        for row in res["rows"]:
+            if "shakeout" in path.name:
+                excluded.append({"file": path.name, "mode": row.get("mode"),
+                                 "why": "eager shakeout run (training not compiled); the calibration is of compiled "
+                                        "kernels"})
+            elif not row.get("ok"):
+                excluded.append({"file": path.name, "mode": row.get("mode"), "why": f"run failed: {row.get('error')}"})
+            else:
+                runs.append((path, d, row))
+    return runs, excluded
+
+
+def predict_run(d: dict, row: dict, cal):
+    """(Estimate, config) of one measured row: its config, mode overrides and extra overrides."""
+    from launcher.autoplan import candidate_from_plan
+    from launcher.config import load_config
+    from launcher.costmodel import build_workload
+    from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config
+    from launcher.stepmodel import estimate
+
+    res = d["result"]
+    overrides = [*MODES[row["mode"]], *(res.get("overrides") or [])]
+    cfg = load_config(ROOT / res["config"], overrides)
+    model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+    plan = compute_plan(cfg, world_size=res["nproc"], model=model, reward_model=rm)
+    w = build_workload(cfg, model=model, reward_model=rm)
+    return estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout)), overrides
+
+
+def record(path: Path, d: dict, row: dict, cal) -> dict:
+    est, overrides = predict_run(d, row, cal)
+    meas = row["timing_s"]
+    stages = {}
+    for stage, pred in est.stages.items():
+        m = meas.get(stage)
+        if m is None and pred < 1e-3:
+            continue
+        stages[stage] = {"predicted_s": round(pred, 4), "measured_s": m, "error": _err(pred, m)}
+    for stage in sorted(set(meas) - set(est.stages) - {"step"}):
+        stages[stage] = {"predicted_s": None, "measured_s": meas[stage], "error": None}
+    peak_meas = row.get("peak_mem_gb")
+    return {
+        "run": f"{path.stem}:{row['mode']}", "file": path.name, "config": d["result"]["config"],
+        "gpus": d["result"]["nproc"], "mode": row["mode"], "overrides": overrides,
+        "measured_commit": d.get("git_commit"),
+        "plan": est.candidate.describe(),
+        "predicted_step_s": round(est.step_s, 4), "measured_step_s": round(row["step_s"], 4),
+        "step_error": _err(est.step_s, row["step_s"]),
+        "within_target": abs(est.step_s / row["step_s"] - 1) <= TARGET,
+        "predicted_samples_per_s": round(est.samples_per_s, 2),
+        "measured_samples_per_s": round(row["samples_per_s"], 2),
+        "predicted_useful_util": round(est.useful_utilization(cal) * cal.peak_flops / 790e12, 4),
+        "measured_useful_util": round(row["useful_util"], 4),
+        "predicted_pool_busy": [round(u, 3) for u in est.pool_utilization()],
+        "measured_nvml_util": round(row["nvml_util"], 3) if row.get("nvml_util") else None,
+        "predicted_peak_gb": round(max(est.peak_gb), 1),
+        "measured_peak_gb": round(peak_meas * GIB, 1) if peak_meas else None,
+        "stages": stages,
+        "known_miss": KNOWN.get(path.stem),
+    }
+
+
+def rankings(records: list[dict]) -> list[dict]:
+    """Per workload (config, GPUs) with 2+ modes: measured and predicted order of the modes."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["overrides"][len(MODES[r["mode"]]):]:  # runs with extra overrides are not a mode of the workload
+            continue
+        groups.setdefault((r["config"], r["gpus"]), []).append(r)
+    out = []
+    for (config, gpus), rs in sorted(groups.items()):
+        if len(rs) < 2:
+            continue
+        measured = [r["mode"] for r in sorted(rs, key=lambda r: r["measured_step_s"])]
+        predicted = [r["mode"] for r in sorted(rs, key=lambda r: r["predicted_step_s"])]
+        # modes whose measured times are within 5% of each other are a tie: either order is right
+        ties = [(a["mode"], b["mode"]) for a in rs for b in rs
+                if a is not b and abs(a["measured_step_s"] / b["measured_step_s"] - 1) < 0.05]
+        out.append({"config": config, "gpus": gpus, "measured_fastest_first": measured,
+                    "predicted_fastest_first": predicted, "same_order": measured == predicted,
+                    "same_order_up_to_ties": _same_up_to_ties(measured, predicted, ties), "ties_within_5pct": ties})
+    return out
+
+
+def _same_up_to_ties(measured: list[str], predicted: list[str], ties: list[tuple[str, str]]) -> bool:
+    tied = set(ties)
+    pos = {m: i for i, m in enumerate(predicted)}
+    return all(pos[a] < pos[b] or (a, b) in tied for i, a in enumerate(measured) for b in measured[i + 1:])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from bench.common import git_commit
+    from launcher.costmodel import load_calibration
+
+    ap = argparse.ArgumentParser(prog="python -m bench.costmodel_validate", description=__doc__.splitlines()[0])
+    ap.add_argument("--calibration", default="h200")
+    ap.add_argument("--out", default=str(RESULTS / "costmodel_validation.json"))
+    args = ap.parse_args(argv)
+    cal = load_calibration(args.calibration)
+    runs, excluded = _runs()
+    records = [record(p, d, row, cal) for p, d, row in runs]
+    errors = [abs(r["step_error"]) for r in records]
+    out = {
+        "command": "python -m bench.costmodel_validate", "git_commit": git_commit(), "calibration": cal.name,
+        "calibration_source": cal.source.get("how"), "target_step_error": TARGET,
+        "summary": {"runs": len(records), "within_target": sum(r["within_target"] for r in records),
+                    "max_abs_step_error": round(max(errors), 4),
+                    "mean_abs_step_error": round(sum(errors) / len(errors), 4)},
+        "rankings": rankings(records), "records": records, "excluded": excluded,
+        "notes": ["useful utilization: both against 790 TFLOP/s as the trainer reports it",
+                  "measured peak memory converted from the trainer's GiB to GB",
+                  "predicted_pool_busy: fraction of the step each pool computes (no host stages), beside NVML's "
+                  "utilization of the run (NVML also counts kernels that wait, e.g. NCCL)"],
+    }
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for r in records:
+        print(f"{r['run']:60} pred {r['predicted_step_s']:7.3f}  meas {r['measured_step_s']:7.3f}  "
+              f"err {r['step_error']:+.1%}")
+    for g in out["rankings"]:
+        print(f"ranking {g['config']} x{g['gpus']}: same={g['same_order']} measured={g['measured_fastest_first']} "
+              f"predicted={g['predicted_fastest_first']}")
+    print(json.dumps(out["summary"]))
+    return out
+
+
+if __name__ == "__main__":
+    main()
