@@ -92,3 +92,22 @@ def test_verl_task_and_reward_learn_with_validation(tmp_path):
     from launcher.report import render_report
 
     assert "validation.png" in {p.name for p in render_report(run)}
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_verl_recipe_on_one_gpu_with_greedy_validation(tmp_path):
+    """The same recipe on a GPU (CUDA graphs in the engine), validating greedily as verl does by default."""
+    pytest.importorskip("pyarrow")
+    res = run_recipe(tmp_path, "trainer.device=cuda", "rollout.val_n=1", "rollout.val_temperature=0",
+                     "trainer.tensorboard=false")
+    assert res.returncode == 0, f"STDOUT\n{res.stdout[-3000:]}\nSTDERR\n{res.stderr[-5000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "grpo_verl_tiny" / "metrics.jsonl").read_text()
+            .splitlines()]
+    val = [r for r in rows if "val/reward/mean" in r]
+    assert [r["step"] for r in val] == [0, 10, 20, 30]
+    assert all("val/toy/copy/pass@1" in r and "val/pass@2" not in r for r in val)
+    train = [r for r in rows if "reward/mean" in r]
+    first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (train[:5], train[-5:]))
+    assert last >= first + 0.15, (first, last)
+    assert val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"], [r["val/reward/mean"] for r in val]
