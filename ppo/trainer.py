@@ -330,11 +330,13 @@ class PPOTrainer:
         from ppo.validation import run_validation
 
         r = self.cfg.rollout
-        t0 = time.perf_counter()
-        m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed, val_n=r.val_n,
-                           temperature=r.val_temperature, threshold=self.cfg.reward.pass_threshold, rank=self.rank)
+        timer = StageTimer(self.env.device, self.monitor)  # the GPU monitor tags these samples "val"
+        with timer("val"):
+            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed,
+                               val_n=r.val_n, temperature=r.val_temperature,
+                               threshold=self.cfg.reward.pass_threshold, rank=self.rank)
         if m:
-            m["timing_s/val"] = time.perf_counter() - t0
+            m["timing_s/val"] = timer.times["val"]
         return m
 
     # ------------------------------------------------------------------ loop
