@@ -443,9 +443,17 @@ def validate_config(cfg: Config) -> None:
     if not d.train_files and d.task == "none":
         raise UserError("data.train_files is required (data.task=none: no synthetic task); "
                         "set data.train_files=train.parquet (or [a.parquet,b.parquet])")
-    if t.test_freq and not d.val_files:
-        raise UserError(f"trainer.test_freq={t.test_freq} validates on data.val_files, which is empty; set "
-                        f"data.val_files=[val.parquet] or trainer.test_freq=0")
+    # validation and sample-log keys act only with their switch: set without it, they are refused
+    unused = [(key, value) for key, value, default, active in (
+        ("trainer.test_freq", t.test_freq, 0, d.val_files), ("rollout.val_n", r.val_n, 1, d.val_files),
+        ("rollout.val_temperature", r.val_temperature, 0.0, d.val_files),
+        ("reward.pass_threshold", cfg.reward.pass_threshold, 1.0, d.val_files),
+        ("trainer.log_samples_count", t.log_samples_count, 4, t.log_samples_every)) if value != default and not active]
+    for key, value in unused:
+        switch = "trainer.log_samples_every" if key == "trainer.log_samples_count" else "data.val_files"
+        example = "10" if switch == "trainer.log_samples_every" else "[val.parquet]"
+        raise UserError(f"{key}={value} acts only with {switch}, which is not set; set {switch}={example} "
+                        f"or remove {key}")
     if r.val_n > 1 and r.val_temperature == 0:
         raise UserError(f"rollout.val_n={r.val_n} with rollout.val_temperature=0 (greedy) draws {r.val_n} identical "
                         f"samples; set rollout.val_temperature=1.0 (for pass@{r.val_n}) or rollout.val_n=1")

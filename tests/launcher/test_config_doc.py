@@ -64,7 +64,11 @@ def test_list_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["trainer.test_freq=5"], "trainer.test_freq=5 validates on data.val_files, which is empty"),
+    (["trainer.test_freq=5"], "trainer.test_freq=5 acts only with data.val_files, which is not set; set "
+                              "data.val_files=[val.parquet] or remove trainer.test_freq"),
+    (["rollout.val_n=4", "rollout.val_temperature=1"], "rollout.val_n=4 acts only with data.val_files"),
+    (["trainer.log_samples_count=8"], "trainer.log_samples_count=8 acts only with trainer.log_samples_every, "
+                                      "which is not set; set trainer.log_samples_every=10"),
     (["data.val_files=v.jsonl", "rollout.val_n=4"], "draws 4 identical samples; set rollout.val_temperature=1.0"),
     (["data.sft_answer_key=extra_info.answer"], "data.sft_answer_key='extra_info.answer' is read by the SFT warm-up"),
     (["trainer.total_epochs=-1"], "trainer.total_epochs(-1) must be >= 0"),
