@@ -30,6 +30,11 @@ def verl_default_style(data_source, solution_str, ground_truth, extra_info=None,
     return 0.5 if extra_info is not None else -1.0
 
 
+def verl_gsm8k_style(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    """The signature of verl's own verl/utils/reward_score/gsm8k.py compute_score (called by keyword)."""
+    return score if solution_str.split("####")[-1].strip() == ground_truth else format_score
+
+
 def _sample(uid, response, gt="42", **extra):
     return RewardSample(uid, "Q?", response, gt, {"data_source": "openai/gsm8k",
                                                    "extra_info": {"split": "test", "index": uid}, **extra})
@@ -45,6 +50,10 @@ def test_verl_signature_detected_and_called_by_keyword():
     assert res.extras == [{"acc": 1.0, "len": 2.0}, {"acc": 0.0, "len": 3.0}]
     res = RewardManager(verl_default_style).score([_sample(0, "x")])
     assert res.scores == [0.5] and res.num_failed == 0
+    call = plan_reward_call(verl_gsm8k_style, columns=["data_source", "extra_info", "reward_model"])
+    assert call.signature == "verl" and call.columns == ()  # method/format_score/score keep their defaults
+    res = RewardManager(verl_gsm8k_style).score([_sample(0, "so #### 42"), _sample(1, "#### 41")])
+    assert res.scores == [1.0, 0.0] and res.num_failed == 0
 
 
 def test_explicit_signature_key():
