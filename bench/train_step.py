@@ -145,7 +145,9 @@ def _build(spec: RunSpec, args, *, device, dtype, mesh, dims):
                               param_dtype=dtype if mixed else None, fsdp=True if mixed else None,
                               n_microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                               stages_per_rank=args.stages_per_rank, attn_factory=attn_factory)
-    params = [p for m in model.modules for p in m.parameters()] if dims.pp > 1 else list(model.parameters())
+    params = model.parameters()
+    if dims.pp == 1:
+        model = model.module  # the tensor-level pp = 1 path below calls the module itself
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
     return cfg, model, opt
@@ -207,7 +209,7 @@ def _pipeline_step_fns(spec: RunSpec, args, runner, batch, *, tp_group, metrics)
         return policy_loss(logp, mb["old"], mb["adv"], mb["mask"], denom=denom)
 
     def logprobs():
-        hidden = runner.forward(ids, position_ids=pos)
+        hidden = runner.forward_rows(ids, position_ids=pos)
         return head_logprobs(hidden, batch["targets"], False)[0] if runner.has_last else None
 
     if spec.mode == "ppo":
@@ -217,7 +219,7 @@ def _pipeline_step_fns(spec: RunSpec, args, runner, batch, *, tp_group, metrics)
     extras = {k: batch[k] for k in ("targets", "mask", "old", "adv") if k in batch}
 
     def step():
-        losses = runner.forward_backward(ids, position_ids=pos, extras=extras, loss_fn=loss_fn)
+        losses = runner.forward_backward_rows(ids, position_ids=pos, extras=extras, loss_fn=loss_fn)
         if losses:
             metrics["loss"] = torch.stack([x.detach() for x in losses]).sum()
             clip = [m["clipfrac"] for m in runner.last_metrics if "clipfrac" in m]

@@ -33,6 +33,7 @@ class TrainerConfig:
     save_every: int = 0  # checkpoint every N steps; 0: only at the end
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
+    export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints
     resume: str = "never"  # never | auto | <checkpoint dir>
     async_rollout: bool = False  # one-step off-policy: generate batch k+1 while batch k trains
     device: str = "auto"  # auto | cpu | cuda
@@ -236,6 +237,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
+    "trainer.export_hf": ("final", "every_save"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("native", "hf", "vllm"),
     "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),
@@ -422,7 +424,6 @@ def validate_config(cfg: Config) -> None:
         (r.temperature >= 0, f"rollout.temperature({r.temperature}) must be >= 0"),
         (0 < r.top_p <= 1, f"rollout.top_p({r.top_p}) must be in (0, 1]"),
         (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
-        (0 < r.gpu_memory_fraction < 1, f"rollout.gpu_memory_fraction({r.gpu_memory_fraction}) must be in (0, 1)"),
         (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
         (t.total_epochs >= 0, f"trainer.total_epochs({t.total_epochs}) must be >= 0 (0: use trainer.total_steps)"),
@@ -435,6 +436,7 @@ def validate_config(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    _validate_roles_keys(cfg)
     d = cfg.data
     # recipes for real models and data say preset/task "none": forgetting the path is an error, not a toy run
     if cfg.model.path is None and cfg.model.preset == "none":
@@ -483,6 +485,38 @@ def validate_config(cfg: Config) -> None:
                 raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
         if pool.size < 1:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+# ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
+_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "activation_checkpointing",
+               "compile")
+
+
+def _validate_roles_keys(cfg: Config) -> None:
+    """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
+    optimizer to offload while generating, model layout keys of a rule reward."""
+    from rollout.base import RolloutConfig as EngineConfig
+    from rollout.factory import ENGINES, NOT_BUILT
+
+    r = cfg.rollout
+    if r.engine not in ENGINES:
+        raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
+    try:  # the engine's own checks, once, before launch
+        EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                     decode_attention=r.decode_attention).validate()
+    except ValueError as e:
+        raise UserError(f"rollout.{e}") from None
+    for role in ("critic", "ref", "reward"):
+        if getattr(cfg, role).offload:
+            raise UserError(f"{role}.offload=true: only the actor offloads (its optimizer states, while the rollout "
+                            f"generates on its GPUs); set {role}.offload=false")
+    if cfg.reward.type == "rule":
+        default = RewardConfig()
+        for key in (*_MODEL_KEYS, "model_path", "max_tokens_per_micro_batch"):
+            if getattr(cfg.reward, key) != getattr(default, key):
+                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=rule "
+                                f"(a rule function runs data parallel over its pool, no model); remove it or set "
+                                f"reward.type=model")
 
 
 def uses_critic(cfg: Config) -> bool:

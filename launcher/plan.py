@@ -162,8 +162,10 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                 try:
                     ParallelDims(tp=tp, pp=pp, dp=1).validate_model(
                         num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
-                        num_layers=shape.num_hidden_layers,
-                        vocab_size=shape.vocab_size if role in ("actor", "rollout") else None, role=role)
+                        num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size,
+                        intermediate_size=shape.intermediate_size,
+                        stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank,
+                        tied_embeddings_trained=role == "actor" and shape.tie_word_embeddings, role=role)
                 except TopologyError as e:
                     raise UserError(str(e).replace("rollout tp", "rollout.gen_tp")) from None
             if n % (tp * pp):

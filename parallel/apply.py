@@ -1,10 +1,11 @@
 """`parallelize_model`: the one entry point that turns a single-device model into its 3-D layout.
 
     mesh = build_mesh(dims, ranks, device_type="cuda")          # dims ("pp", "dp", "tp")
-    model = parallelize_model(model, mesh=mesh, dims=dims, ac="selective", compile=True,
-                              param_dtype=torch.bfloat16)       # pp == 1: the model
+    runner = parallelize_model(model, mesh=mesh, dims=dims, ac="selective", compile=True,
+                               param_dtype=torch.bfloat16)      # pp == 1: a LocalRunner
     runner = parallelize_model(model, mesh=mesh, dims=ParallelDims(tp=2, pp=2, dp=2),
                                n_microbatches=8)                # pp > 1: a PipelineRunner
+    # both are parallel.runner.ModelRunner: callers never branch on the layout
 
 Order (as in torchtitan): pipeline split -> tensor parallel -> activation checkpointing
 -> per-layer torch.compile -> FSDP2 (compile with ac="full" checkpoints around the compiled
@@ -30,6 +31,7 @@ from torch import nn
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.pipeline import PipelineRunner, build_stages
+from parallel.runner import LocalRunner, ModelRunner
 from parallel.tensor_parallel import apply_tp
 
 AC_MODES = ("none", "full", "selective")
@@ -152,13 +154,14 @@ def parallelize_model(
     pp_schedule: str = "1f1b",
     stages_per_rank: int = 1,
     attn_factory: Callable | None = None,
-) -> nn.Module | PipelineRunner:
+) -> ModelRunner:
     """Apply PP/TP/AC/compile/FSDP to `model` for this rank's coordinate in `mesh`.
 
     mesh: DeviceMesh with dims ("pp", "dp", "tp") of sizes (dims.pp, dims.dp, dims.tp), as
-    parallel.dims.build_mesh returns. pp == 1 returns `model` (modified in place); pp > 1
-    returns a PipelineRunner over this rank's stage(s), whose stages return hidden states
-    (see parallel/pipeline.py; `attn_factory(position_ids)` picks their attention backend).
+    parallel.dims.build_mesh returns. pp == 1 returns a LocalRunner over `model` (modified in
+    place; `runner.module`); pp > 1 a PipelineRunner over this rank's stage(s), whose stages
+    return hidden states (see parallel/pipeline.py). `attn_factory(position_ids)` picks the
+    attention backend of the runner's forward passes (e.g. DocumentAttention for packed rows).
     fsdp None: on when dp > 1 or param_dtype is set. dynamic: torch.compile's (see apply_compile).
     """
     got = tuple(mesh.mesh_dim_names or ())
@@ -167,11 +170,12 @@ def parallelize_model(
                          f"(pp={dims.pp}, dp={dims.dp}, tp={dims.tp}); build it with parallel.dims.build_mesh")
     cfg = model.config
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+                        intermediate_size=cfg.intermediate_size, stages_per_rank=stages_per_rank)
     local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic, param_dtype=param_dtype,
                  reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp)
     if dims.pp == 1:
-        return _apply_local(model, **local)
+        return LocalRunner(_apply_local(model, **local), mesh=mesh, attn_factory=attn_factory)
     if n_microbatches is None:
         raise ValueError(f"pp({dims.pp}) > 1 needs n_microbatches (at least pp x stages_per_rank)")
     # activations between stages are in the compute dtype: FSDP's param_dtype, else the stored one
@@ -182,7 +186,8 @@ def parallelize_model(
     if stages_per_rank > 1 and pp_schedule == "1f1b":
         pp_schedule = "interleaved_1f1b"
     return PipelineRunner(stages, pp_group=mesh.get_group("pp"), num_stages=dims.pp * stages_per_rank,
-                          n_microbatches=n_microbatches, schedule=pp_schedule, activation_dtype=act_dtype)
+                          n_microbatches=n_microbatches, schedule=pp_schedule, activation_dtype=act_dtype,
+                          mesh=mesh)
 
 
 def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.runner import LossFn, MicroBatch, NativeRunner, ReduceFn, split_loss
 from parallel.sharding import pp_stage_layers
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -103,8 +104,12 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class PipelineRunner:
+class PipelineRunner(NativeRunner):
     """Runs forward/backward of this rank's stages with a torch.distributed.pipelining schedule.
+
+    The `parallel.runner.ModelRunner` methods (`forward`, `forward_backward` over packed
+    micro-batches) pad the micro-batches to one length and run them as the rows of one batch;
+    `forward_rows` / `forward_backward_rows` take that [B, T] batch directly.
 
     Stage objects and schedules are built per distinct input shape and cached (the last few).
     With `activation_dtype` the stages declare their [mb, T, H] activations; without it torch
@@ -112,7 +117,8 @@ class PipelineRunner:
     """
 
     def __init__(self, stages: list[tuple[int, nn.Module]], *, pp_group: dist.ProcessGroup, num_stages: int,
-                 n_microbatches: int, schedule: str = "1f1b", activation_dtype: torch.dtype | None = None):
+                 n_microbatches: int, schedule: str = "1f1b", activation_dtype: torch.dtype | None = None,
+                 mesh=None):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
         if len(stages) > 1 and schedule != "interleaved_1f1b":
@@ -120,6 +126,8 @@ class PipelineRunner:
         if schedule == "1f1b" and n_microbatches < num_stages:
             raise ValueError(f"1F1B needs n_microbatches({n_microbatches}) >= stages({num_stages})")
         self.stages = stages
+        self.modules = [m for _, m in stages]
+        self.mesh = mesh  # ("pp", "dp", "tp") DeviceMesh: export picks its (dp 0, tp 0) ranks
         self.pp_group = pp_group
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
@@ -134,10 +142,6 @@ class PipelineRunner:
         self._extras: list[dict[str, torch.Tensor]] = []
 
     @property
-    def modules(self) -> list[nn.Module]:
-        return [m for _, m in self.stages]
-
-    @property
     def has_first(self) -> bool:
         return self.stages[0][0] == 0
 
@@ -146,8 +150,8 @@ class PipelineRunner:
         return self.stages[-1][0] == self.num_stages - 1
 
     @property
-    def last_module(self) -> nn.Module | None:
-        return self.stages[-1][1] if self.has_last else None
+    def microbatches(self) -> int:
+        return self.n_microbatches
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         idx = int(target.reshape(-1)[0])
@@ -204,7 +208,7 @@ class PipelineRunner:
         # every rank must agree on the cache key, so it is built from position_ids only
         return args, {"position_ids": position_ids}, tuple(position_ids.shape)
 
-    def forward_backward(self, inputs: torch.Tensor | None, *, loss_fn: Callable,
+    def forward_backward_rows(self, inputs: torch.Tensor | None, *, loss_fn: Callable,
                          position_ids: torch.Tensor,
                          extras: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """One training pass over all micro-batches; gradients accumulate in the stage parameters.
@@ -227,9 +231,44 @@ class PipelineRunner:
         return losses if self.has_last else []
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor | None, *, position_ids: torch.Tensor) -> torch.Tensor | None:
+    def forward_rows(self, inputs: torch.Tensor | None, *, position_ids: torch.Tensor) -> torch.Tensor | None:
         """Forward only (log-prob / value recompute): [B, T] ids -> last stage's [B, T, H] hidden, None elsewhere."""
         args, kwargs, shape = self._kwargs(inputs, position_ids)
         sched = self._get_schedule(shape, training=False)
         out = sched.step(*args, **kwargs)
         return out if self.has_last else None
+
+    # ---- the ModelRunner interface: packed micro-batches of any lengths -> rows of one length
+    def _rows(self, batches: list[MicroBatch]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        if len(batches) != self.n_microbatches:
+            raise ValueError(f"the pipeline schedule takes exactly {self.n_microbatches} micro-batches, "
+                             f"got {len(batches)}")
+        lens = [mb.position_ids.shape[-1] for mb in batches]
+        t = max(lens)
+        ids, pos = [], []
+        for mb, n in zip(batches, lens):
+            dev = mb.position_ids.device
+            # the padding is a document of its own (positions restart at 0): it never attends to real tokens
+            ids.append(torch.cat([mb.input_ids.reshape(-1), torch.zeros(t - n, dtype=torch.long, device=dev)]))
+            pos.append(torch.cat([mb.position_ids.reshape(-1), torch.arange(t - n, device=dev)]))
+        return torch.stack(ids), torch.stack(pos), lens
+
+    @torch.no_grad()
+    def forward(self, batches, *, reduce: ReduceFn) -> list | None:
+        ids, pos, lens = self._rows(list(batches))
+        hidden = self.forward_rows(ids if self.has_first else None, position_ids=pos)
+        if hidden is None:
+            return None
+        return [reduce(hidden[k: k + 1, :n], k) for k, n in enumerate(lens)]
+
+    def forward_backward(self, batches, *, loss_fn: LossFn) -> list[dict]:
+        ids, pos, lens = self._rows(list(batches))
+        metrics: list[dict] = [{} for _ in lens]
+
+        def row_loss(hidden_mb, extras):
+            k = extras["mb_index"]
+            loss, metrics[k] = split_loss(loss_fn(hidden_mb[:, : lens[k]], k))
+            return loss
+
+        self.forward_backward_rows(ids if self.has_first else None, loss_fn=row_loss, position_ids=pos)
+        return metrics if self.has_last else []

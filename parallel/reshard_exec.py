@@ -2,7 +2,7 @@
 
     groups = build_reshard_groups((train, gen), ranks=list(range(world)))   # collective, every rank
     plan = plan_reshard(train, gen, specs, only_rank=groups.local_rank)
-    gen_weights = execute_reshard(plan, training_shards(model), groups=groups, bucket_bytes=256 << 20)
+    gen_weights = execute_reshard(plan, training_shards(runner), groups=groups, bucket_bytes=256 << 20)
 
 Transfers stay inside this rank's micro-DP gather group: together they are one all-gather per
 group, all groups at once, but with no padding and no duplicate norms, so every rank receives
@@ -20,7 +20,6 @@ to move a bucket (`method`):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -103,30 +102,10 @@ def build_reshard_groups(plan_or_layouts: ReshardPlan | tuple[TrainLayout, GenLa
 
 # ---------------------------------------------------------------- shards in and out
 
-_WRAPPERS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
-
-
-def training_shards(model) -> dict[str, torch.Tensor]:
-    """HF name -> this rank's local training shard (`to_local()` of DTensor params, TP+FSDP2).
-
-    model: a module, or a parallel.pipeline.PipelineRunner (its stage modules are read). FSDP
-    modules are put back to their sharded state first, where `to_local()` is the dp chunk. The
-    tensors share storage with the parameters (detached, no copy).
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    stages = getattr(model, "stages", None)
-    modules = [m for _, m in stages] if stages is not None else [model]
-    out = {}
-    for mod in modules:
-        for m in mod.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()  # a root left gathered after forward would otherwise hand out full tensors
-        for name, p in mod.named_parameters(remove_duplicate=False):  # tied head: both names, one tensor
-            t = p.to_local() if isinstance(p, DTensor) else p
-            out[_WRAPPERS.sub("", name)] = t.detach()
-    return out
+def training_shards(runner) -> dict[str, torch.Tensor]:
+    """HF name -> this rank's local training shard of a parallel.runner.ModelRunner (TP+FSDP2
+    `to_local()` views that share storage with the parameters; see `NativeRunner.training_shards`)."""
+    return runner.training_shards()
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], train: TrainLayout, rank: int, *,

@@ -239,13 +239,16 @@ def save_checkpoint(
     barrier: Callable[[], None] | None = None,
     keep_last: int | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    export: Callable[[Path], list[str]] | None = None,
 ) -> Path:
     """Collective: every rank of `group` calls it. Returns the final `step_N` path.
 
     `per_rank_state` is written by each rank; `shared_state`, `model_states` ({role: full state
     dict in HF names}) and `model_configs` ({role: HF config.json dict}) only by rank 0 (other
-    ranks' values are ignored). `barrier` defaults to `dist.barrier(group)`; `keep_last` keeps the
-    newest K complete checkpoints (never fewer than 1).
+    ranks' values are ignored). `export(staging_dir) -> roles` is called on every rank (a collective
+    export of parallelized models, each role's directory written by whichever rank holds it) and
+    returns the same list of roles it wrote on every rank. `barrier` defaults to `dist.barrier(group)`;
+    `keep_last` keeps the newest K complete checkpoints (never fewer than 1).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last({keep_last}) must be >= 1: the newest complete checkpoint is never deleted")
@@ -266,13 +269,14 @@ def save_checkpoint(
         _torch_save_synced(shared_state or {}, tmp / "shared.pt")
         for role, sd in (model_states or {}).items():
             _save_role(sd, tmp / role, config=(model_configs or {}).get(role), max_shard_bytes=max_shard_bytes)
+    exported = export(tmp) if export is not None else []
     barrier()
     if rank == 0:
         missing = [r for r in range(world_size) if not (tmp / f"rank_{r}.pt").exists()]
         if missing:
             raise RuntimeError(f"checkpoint step {step}: rank files {missing} missing from {tmp}; "
                                "is run_dir on a file system shared by all nodes?")
-        _write_manifest(tmp, step=step, world_size=world_size, roles=sorted(model_states or {}))
+        _write_manifest(tmp, step=step, world_size=world_size, roles=sorted({*(model_states or {}), *exported}))
         for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
             fsync_path(d)
         if final.exists():  # re-saving a step (resumed before it): swap, then drop the old copy

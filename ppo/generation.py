@@ -35,7 +35,7 @@ def build_rollout_groups(cfg, plan):
 
 class RolloutRole:
     def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
-        from rollout.engine import NativeEngine
+        from rollout.factory import build_rollout_engine
         from rollout.hybrid import HybridEngine
 
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -51,9 +51,9 @@ class RolloutRole:
                                   seed=cfg.trainer.seed)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.engine = NativeEngine(model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
-                                   device=env.device, dtype=dtype, eos_token_ids=eos)
-        self.hybrid = HybridEngine(actor.model, self.engine, train_layout=train, gen_layout=gen, groups=groups,
+        self.engine = build_rollout_engine(r.engine, model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
+                                           device=env.device, dtype=dtype, eos_token_ids=eos)
+        self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
                                    optimizer=actor.optimizer, gen_dtype=dtype)
 

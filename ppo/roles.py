@@ -15,7 +15,7 @@ from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
 from ppo.rewards import RewardSample
-from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype
+from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
 
 def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: int):
@@ -83,22 +83,21 @@ class RewardModelWorker(ShardedWorker):
 
     @torch.no_grad()
     def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
-        from models.llama import DocumentAttention
-
         out: dict[int, torch.Tensor] = {}
-        for mb in [mb for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens) for mb in mini]:
-            samples = [exp.samples[i] for i in mb]
-            packed = self._pack(samples, self.pad_id)
-            per_token = self.model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
-            last = packed.cu_seqlens[1:].long() - 1
-            if self.is_owner:
-                for s, v in zip(samples, per_token[0, last, 0].float().cpu()):
-                    out[s.uid] = v
+        for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens):
+            packs, batches = self._packs(exp, mini, self.pad_id)
+
+            def last_scores(hidden, k, packs=packs):
+                last = packs[k].cu_seqlens[1:].long() - 1  # each sequence's last token
+                return score_heads(self.runner, hidden[0, last])[:, 0]
+
+            results = self.runner.forward(batches, reduce=last_scores)
+            if not self.is_owner or results is None:
+                continue
+            for mb, scores in zip(mini, results):
+                for i, v in zip(mb, scores.float().cpu()):
+                    out[exp.samples[i].uid] = v
         return {"score": out}
-
-
-def _modules(worker) -> list:
-    return worker.model.modules if worker.pp > 1 else [worker.model]
 
 
 @dataclass
@@ -184,10 +183,10 @@ class Roles:
         from parallel.loading import load_sharded_weights
 
         if self.ref is not None:
-            for m in _modules(self.ref):
+            for m in self.ref.runner.modules:
                 load_sharded_weights(m, path, strict=False)
         if self.critic is not None and critic_trunk:
-            for m in _modules(self.critic):  # trunk only: the value head keeps its init
+            for m in self.critic.runner.modules:  # trunk only: the value head keeps its init
                 load_sharded_weights(m, path, strict=False)
 
     def _sft_actor(self, state, *, steps: int) -> None:
@@ -216,21 +215,14 @@ class Roles:
         """The actor's full weights as an HF directory `<run_dir>/sft_warmup` (collective on the world)."""
         import torch.distributed as dist
 
-        from models.hf_io import save_tensors
-        from parallel.loading import full_state_dict
-        from ppo.experience import all_gather_objects
+        from ppo.state import export_hf
 
-        mine = {}
-        if self.actor is not None:
-            sds = [full_state_dict(m) for m in _modules(self.actor)]  # collective within the actor group
-            if self.actor.dp_idx == 0 and self.actor.tp_idx == 0:
-                mine = {k: v for sd in sds for k, v in sd.items()}
-        merged = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
         path = run_dir / "sft_warmup"
-        if dist.get_rank() == 0:
-            save_tensors(merged, self.model_config, path)
+        if self.actor is not None:
+            export_hf(self.actor, path, architecture="ForCausalLM")
         dist.barrier()
         return path
+
 
 def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
     """Construct the workers of every role this rank hosts."""

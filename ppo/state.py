@@ -151,10 +151,11 @@ class TrainState:
         shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                   "pending": pending.samples if pending is not None else None,
                   "controller": self.controller.state_dict() if self.controller is not None else None}
-        model_states, configs = export_weights(roles) if final else ({}, {})
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
-                               per_rank_state=per_rank, shared_state=shared, model_states=model_states,
-                               model_configs=configs, keep_last=self.cfg.trainer.keep_last)
+                               per_rank_state=per_rank, shared_state=shared,
+                               export=(lambda tmp: export_weights(roles, tmp))
+                               if final or self.cfg.trainer.export_hf == "every_save" else None,
+                               keep_last=self.cfg.trainer.keep_last)
         if self.rank == 0:
             self.log.info("checkpoint %s", path)
         return path
@@ -222,10 +223,7 @@ def _to_local(obj):
 
 
 def _params_of(worker) -> dict[str, torch.nn.Parameter]:
-    from ppo.roles import _modules
-
-    mods = _modules(worker)
-    return {f"{i}.{n}": p for i, m in enumerate(mods) for n, p in m.named_parameters()}
+    return dict(worker.runner.named_parameters())  # HF names: unique over this rank's stages
 
 
 def worker_state(worker) -> dict:
@@ -280,16 +278,27 @@ def load_roles_state(roles, state: dict) -> None:
         load_worker_state(worker, st)
 
 
-def export_weights(roles) -> tuple[dict, dict]:
-    """Full HF-named weights of actor and critic for the final checkpoint (collective over each group)."""
-    from parallel.loading import full_state_dict
+EXPORTED_ROLES = {"actor": "ForCausalLM", "critic": "ForSequenceClassification"}
 
-    states, configs = {}, {}
-    for name in ("actor", "critic"):
-        w = getattr(roles, name)
-        if w is None or w.pp > 1:
-            continue
-        sd = full_state_dict(w.model)
-        arch = "ForSequenceClassification" if name == "critic" else "ForCausalLM"
-        states[name], configs[name] = sd, w.model.config.to_hf(architecture=arch)
-    return states, configs
+
+def export_hf(worker, path: Path, *, architecture: str) -> bool:
+    """Write the worker's whole model as a Hugging Face directory at `path` (transformers loads it;
+    a critic saves as a 1-label *ForSequenceClassification: trunk + value head). Collective over the
+    worker's group, any layout; the group's exporter rank writes. Returns whether this rank wrote."""
+    from models.hf_io import save_tensors
+
+    sd = worker.runner.export_state_dict()
+    if sd is None:
+        return False
+    save_tensors(sd, worker.runner.modules[0].config, path, architecture=architecture)
+    return True
+
+
+def export_weights(roles, out: Path) -> list[str]:
+    """HF directories `<out>/<role>` of actor and critic, any layout or placement (collective over
+    the world). Returns the roles exported anywhere in the world."""
+    mine = [name for name, arch in EXPORTED_ROLES.items()
+            if (w := getattr(roles, name)) is not None and export_hf(w, out / name, architecture=arch)]
+    from ppo.experience import all_gather_objects
+
+    return sorted({r for part in all_gather_objects(mine) for r in part})

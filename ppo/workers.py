@@ -1,7 +1,8 @@
 """Role workers: a policy (actor or reference), a critic, and their shared parallel plumbing.
 
-Each worker lives on the ranks of its role group, owns a parallelized model (TP x PP x DP
-from parallel/), and works on its DP shard of the step's `Experience`, packed into
+Each worker lives on the ranks of its role group, owns a parallelized model behind the
+`parallel.runner.ModelRunner` interface (any TP x PP x DP layout, any backend: the workers
+never branch on either), and works on its DP shard of the step's `Experience`, packed into
 micro-batches by token budget. The same partition serves the old-log-prob recompute and
 the first update epoch, so the PPO ratio is exactly 1 on-policy.
 """
@@ -13,16 +14,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
-from parallel.apply import forward_hidden, head_shard, parallelize_model
-from parallel.fsdp import gradients_synced
+from parallel.apply import parallelize_model
+from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import (
     balance_across_dp,
     gather_response_logprobs,
+    karmarkar_karp,
     micro_batches_by_tokens,
     pack,
     unpack_responses,
@@ -45,7 +48,7 @@ class WorkerSpec:
     pp_microbatches: int = 0
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1
-    share_prompts: bool = False  # pack a prompt once with its n responses (pp=1 policy workers)
+    share_prompts: bool = False  # pack a prompt once with its n responses (policy workers)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -59,9 +62,9 @@ def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
     return f
 
 
-def build_optimizer(params, optim, *, total_steps: int, device: torch.device):
-    opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                            fused=device.type == "cuda")
+def build_optimizer(runner: ModelRunner, optim, *, total_steps: int):
+    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule."""
+    opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
                                                               schedule=optim.lr_schedule,
                                                               min_ratio=optim.min_lr_ratio))
@@ -69,40 +72,37 @@ def build_optimizer(params, optim, *, total_steps: int, device: torch.device):
 
 
 class ShardedWorker:
-    """Common plumbing: coordinates in the group, DP sharding, micro-batching, packing."""
+    """Common plumbing: coordinates in the group, DP sharding, micro-batching, packing, the update loop."""
 
     def __init__(self, model: nn.Module, spec: WorkerSpec):
         self.spec = spec
         mesh, dims = spec.mesh, spec.dims
         self.pp_idx, self.dp_idx, self.tp_idx = mesh.get_coordinate()
-        self.dp, self.tp, self.pp = dims.dp, dims.tp, dims.pp
+        self.dp, self.tp = dims.dp, dims.tp
         self.dp_group = mesh.get_group("dp")
         self.tp_group = mesh.get_group("tp")
-        self.pp_group = mesh.get_group("pp")
         self.device = spec.device
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
-        n_mb = spec.pp_microbatches or 2 * dims.pp
-        self.model = parallelize_model(
+        self.runner: ModelRunner = parallelize_model(
             # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
             # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
             # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
             model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None, param_dtype=param_dtype,
-            n_microbatches=n_mb if dims.pp > 1 else None,
+            n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
-        self.n_microbatches = n_mb
-        self.share_prompts = spec.share_prompts and dims.pp == 1
+        self.share_prompts = spec.share_prompts
         self.grad_clip = 1.0
+        self.optimizer = self.scheduler = None
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
 
     @property
     def is_owner(self) -> bool:
         """The rank that reports this DP shard's results: tp rank 0 of the last pipeline stage."""
-        return self.tp_idx == 0 and self.pp_idx == self.pp - 1
+        return self.tp_idx == 0 and self.runner.has_last
 
     def parameters(self):
-        mods = self.model.modules if self.pp > 1 else [self.model]
-        return [p for m in mods for p in m.parameters() if p.requires_grad]
+        return self.runner.parameters()
 
     def plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
         """This DP rank's mini-batches, each a list of micro-batches (indices into exp.samples).
@@ -110,7 +110,8 @@ class ShardedWorker:
         Every rank holds the whole batch and computes every rank's partition (pure, deterministic),
         so all DP ranks agree on the number of micro-batches of each mini-batch: FSDP runs
         collectives per micro-batch and unequal counts would hang. Balanced tokens per rank
-        (Karmarkar-Karp), token-budget micro-batches, or exactly n_microbatches rows under PP.
+        (Karmarkar-Karp), then token-budget micro-batches, or exactly the runner's count when its
+        schedule fixes one (`runner.microbatches`, a pipeline's).
         The same plan serves the old-log-prob recompute and the update (ratio == 1 on-policy).
         """
         # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
@@ -124,21 +125,19 @@ class ShardedWorker:
         mini_batch_size = mini_batch_size // per_unit if mini_batch_size else 0
         shards = balance_across_dp(lengths, self.dp, equal_size=True)
         per_rank = max(1, mini_batch_size // self.dp) if mini_batch_size else len(shards[0])
+        fixed = self.runner.microbatches
         out = []
         for start in range(0, len(shards[0]), per_rank):
             minis = [s[start:start + per_rank] for s in shards]
-            if self.pp > 1:  # the pipeline schedule wants exactly n_microbatches rows
-                from ppo.batching import karmarkar_karp
-
-                if len(minis[0]) < self.n_microbatches:
-                    raise ValueError(f"a mini-batch of {len(minis[0])} samples per DP rank cannot fill "
-                                     f"{self.n_microbatches} pipeline micro-batches; raise the mini-batch size")
-                mine = minis[self.dp_idx]
-                parts = karmarkar_karp([lengths[i] for i in mine], self.n_microbatches)
+            mine = minis[self.dp_idx]
+            if fixed is not None:
+                if len(mine) < fixed:
+                    raise ValueError(f"a mini-batch of {len(mine)} units per DP rank cannot fill {fixed} "
+                                     "pipeline micro-batches; raise the mini-batch size")
+                parts = karmarkar_karp([lengths[i] for i in mine], fixed)
                 out.append([[mine[j] for j in p] for p in parts])
                 continue
             count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
-            mine = minis[self.dp_idx]
             mbs = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
             out.append([[mine[j] for j in mb] for mb in mbs])
         # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
@@ -149,17 +148,10 @@ class ShardedWorker:
         return pack(seqs, pad_id=pad_id, prompt_lens=[len(s.prompt_ids) for s in samples], device=self.device,
                     share_prompts=self.share_prompts)
 
-    def _pack_rows(self, groups: list[list[Sample]], pad_id: int):
-        """Pipeline input: one packed row per micro-batch, padded to a common length -> [k, T]."""
-        packs = [self._pack(g, pad_id) for g in groups]
-        t = max(p.num_tokens for p in packs)
-        ids, pos = [], []
-        for p in packs:
-            extra = t - p.num_tokens
-            ids.append(torch.cat([p.input_ids[0], torch.full((extra,), pad_id, device=self.device)]))
-            pos.append(torch.cat([p.position_ids[0], torch.arange(extra, device=self.device)]))
-        return packs, torch.stack(ids), torch.stack(pos)
-
+    def _packs(self, exp: Experience, mbs: list[list[int]], pad_id: int):
+        """Packed micro-batches of one mini-batch and their runner inputs."""
+        packs = [self._pack([exp.samples[i] for i in mb], pad_id) for mb in mbs]
+        return packs, [MicroBatch(p.input_ids, p.position_ids) for p in packs]
 
     def _global_denominator(self, mask: torch.Tensor) -> float:
         """Token count of the mini-batch over all DP ranks, divided by dp because FSDP averages
@@ -169,31 +161,35 @@ class ShardedWorker:
             dist.all_reduce(n, group=self.dp_group)
         return max(float(n) / self.dp, 1.0)
 
-    def _clip(self) -> float:
-        """Global grad-norm clipping: DTensor norms reduce over dp/tp, pipeline stages all-reduce."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        # DTensor grads (TP/FSDP) and plain ones (e.g. an unsharded value head) cannot share one
-        # foreach norm: take each kind's norm, then combine
-        parts = []
-        for kind in (True, False):
-            group = [g for g in grads if hasattr(g, "full_tensor") == kind]
-            if group:
-                n = torch.nn.utils.get_total_norm(group)
-                parts.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-        norm = torch.stack([p.float() for p in parts]).square().sum().sqrt()
-        if self.pp > 1:
-            sq = norm.float() ** 2
-            dist.all_reduce(sq, group=self.pp_group)
-            norm = sq.sqrt()
-        norm = float(norm)
-        coef = self.grad_clip / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+    def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, pad_id: int, mb_loss) -> dict[str, float]:
+        """Epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
 
+        mb_loss(packed, hidden [1, T, H], mb_tensors {name: [B_k, R] on the device}, denom) ->
+        (loss, metrics). Returns the metrics averaged over micro-batches and grad_norm
+        (meaningful on owner ranks)."""
+        sums: dict[str, float] = {}
+        count = 0
+        self.optimizer_steps_in_update = 0
+        for _ in range(epochs):
+            for mbs in plan:
+                packs, batches = self._packs(exp, mbs, pad_id)
+                mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
+                self.optimizer.zero_grad(set_to_none=True)
+
+                def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
+                    return mb_loss(packs[k], hidden, mbts[k], denom)
+
+                metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
+                for m in metrics_list:
+                    for k2, v in m.items():
+                        sums[k2] = sums.get(k2, 0.0) + float(v)
+                    count += 1
+                grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm * len(metrics_list)
+                self.optimizer_steps_in_update += 1
+        return {k: v / max(count, 1) for k, v in sums.items()}
 
 
 class PolicyWorker(ShardedWorker):
@@ -205,45 +201,27 @@ class PolicyWorker(ShardedWorker):
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
         self.trainable = trainable
-        self.optimizer = self.scheduler = None
         if trainable:
             self.grad_clip = optim.grad_clip
-            self.optimizer, self.scheduler = build_optimizer(self.parameters(), optim, total_steps=total_steps,
-                                                             device=self.device)
+            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         else:
             for p in self.parameters():
                 p.requires_grad_(False)
 
-    # -- log-probs of one packed micro-batch: hidden states -> chunked (vocab-parallel) log-probs
-    def _token_logprobs(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool):
-        w, vocab_start = _head(model)
+    def _token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool):
+        """hidden [N, H], labels [N] -> (log-probs [N], entropies [N] | None), chunked and vocab-parallel."""
+        w, vocab_start = self.runner.head("lm_head")
         if self.tp > 1:
             return vocab_parallel_token_logprobs(hidden, w, labels, tp_group=self.tp_group, vocab_start=vocab_start,
                                                  temperature=self.temperature, with_entropy=with_entropy)
         return compute_token_logprobs(hidden, w.to(hidden.dtype), labels, temperature=self.temperature,
                                       with_entropy=with_entropy)
 
-    def _mb_logprobs(self, packed, *, with_entropy: bool):
-        """[B, R] log-probs (and entropies) of one packed micro-batch; the LM head runs on the response
-        tokens' predicting positions only (never on prompt tokens)."""
-        hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids,
-                                attn=DocumentAttention(packed.position_ids))
+    def _response_logprobs(self, packed, hidden: torch.Tensor, *, with_entropy: bool):
+        """[B, R] log-probs (and entropies) of one packed micro-batch from its hidden [1, T, H]; the LM
+        head runs on the response tokens' predicting positions only (never on prompt tokens)."""
         return gather_response_logprobs(hidden[0], packed, lambda h, labels: self._token_logprobs(
-            self.model, h, labels, with_entropy=with_entropy))
-
-    def _pp_logprobs(self, groups: list[list[Sample]], *, with_entropy: bool):
-        """One pipeline pass over n_microbatches packed rows -> [(logp [B_k, R], ent)] on the last stage."""
-        packs, ids, pos = self._pack_rows(groups, self.pad_id)
-        hidden = self.model.forward(ids if self.model.has_first else None, position_ids=pos)
-        if hidden is None:
-            return None
-        out = []
-        for k, p in enumerate(packs):
-            logp, ent = self._token_logprobs(self.model.last_module, hidden[k, : p.num_tokens], p.labels[0],
-                                             with_entropy=with_entropy)
-            out.append((unpack_responses(logp[None], p),
-                        unpack_responses(ent[None], p) if ent is not None else None))
-        return out
+            h, labels, with_entropy=with_entropy))
 
     @torch.no_grad()
     def compute_logprobs(self, exp: Experience, plan: list[list[list[int]]], *,
@@ -252,24 +230,22 @@ class PolicyWorker(ShardedWorker):
         Uses the same mini-batch -> micro-batch partition as `update`, so the ratio is 1 on-policy."""
         out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
         for mini in plan:
-            groups = [[exp.samples[i] for i in mb] for mb in mini]
-            if self.pp > 1:
-                results = self._pp_logprobs(groups, with_entropy=with_entropy)
-            else:
-                results = [self._mb_logprobs(self._pack(g, self.pad_id), with_entropy=with_entropy) for g in groups]
+            packs, batches = self._packs(exp, mini, self.pad_id)
+            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_logprobs(
+                packs[k], h, with_entropy=with_entropy))
             if not self.is_owner or results is None:
                 continue
-            for g, (logp, ent) in zip(groups, results):
+            for mb, (logp, ent) in zip(mini, results):
                 logp = logp.float().cpu()  # one device->host copy per micro-batch, then split on the host
                 ent = ent.float().cpu() if ent is not None else None
-                for j, s in enumerate(g):
+                for j, i in enumerate(mb):
+                    s = exp.samples[i]
                     n = len(s.response_ids)
                     out["logp"][s.uid] = logp[j, :n]
                     if ent is not None:
                         out["entropy"][s.uid] = ent[j, :n]
         return out
 
-    # -- PPO update
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
@@ -278,76 +254,27 @@ class PolicyWorker(ShardedWorker):
         KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics). Returns the
         metrics averaged over micro-batches, grad_norm and lr (meaningful on owner ranks)."""
         need_ent = getattr(loss_fn, "needs_entropy", False)
-        sums: dict[str, float] = {}
-        count = 0
-        self.optimizer_steps_in_update = 0
-        for _ in range(epochs):
-            for mbs in plan:
-                groups = [[exp.samples[i] for i in mb] for mb in mbs]
-                mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.pp > 1:
-                    metrics_list = self._pp_update(groups, mbts, denom, loss_fn, need_ent)
-                else:
-                    metrics_list = []
-                    for k, (g, mbt) in enumerate(zip(groups, mbts)):
-                        gradients_synced(self.model, k == len(groups) - 1)  # reduce-scatter once per mini-batch
-                        logp, ent = self._mb_logprobs(self._pack(g, self.pad_id), with_entropy=need_ent)
-                        loss, metrics = loss_fn(logp, ent, _to(mbt, self.device, logp.shape[1]), denom)
-                        loss.backward()
-                        metrics_list.append(metrics)
-                for m in metrics_list:
-                    for k2, v in m.items():
-                        sums[k2] = sums.get(k2, 0.0) + float(v)
-                    count += 1
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(metrics_list)
-                self.optimizer.step()
-                self.optimizer_steps_in_update += 1
+
+        def mb_loss(packed, hidden, t, denom):
+            logp, ent = self._response_logprobs(packed, hidden, with_entropy=need_ent)
+            return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
+
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss)
         if step_scheduler:
             self.scheduler.step()
-        out = {k: v / max(count, 1) for k, v in sums.items()}
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
-
-    def _pp_update(self, groups, mbts, denom, loss_fn, need_ent) -> list[dict]:
-        packs, ids, pos = self._pack_rows(groups, self.pad_id)
-
-        def pp_loss(hidden_mb, extras):
-            p = packs[extras["mb_index"]]
-            logp, ent = self._token_logprobs(self.model.last_module, hidden_mb[0, : p.num_tokens], p.labels[0],
-                                             with_entropy=need_ent)
-            logp = unpack_responses(logp[None], p)
-            ent = unpack_responses(ent[None], p) if ent is not None else None
-            return loss_fn(logp, ent, _to(mbts[extras["mb_index"]], self.device, logp.shape[1]), denom)
-
-        self.model.forward_backward(ids if self.model.has_first else None, loss_fn=pp_loss, position_ids=pos)
-        return [m for m in self.model.last_metrics if m] if self.model.has_last else []
-
-
-
-def _head(model: nn.Module) -> tuple[torch.Tensor, int]:
-    """(this rank's [V/tp, H] head weight, its vocab start). A pipeline stage's head is used outside
-    the stage's forward, so FSDP may hold it sharded over dp: gather those dims differentiably
-    (all-gather forward, reduce-scatter backward into the sharded parameter's gradient)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    w = model.lm_head.weight
-    if isinstance(w, DTensor):
-        names = w.device_mesh.mesh_dim_names or ()
-        if any(n != "tp" and w.device_mesh.size(i) > 1 and not isinstance(p, Replicate)
-               for i, (n, p) in enumerate(zip(names, w.placements))):
-            placements = [p if n == "tp" else Replicate() for n, p in zip(names, w.placements)]
-            w = w.redistribute(w.device_mesh, placements)
-            from parallel.loading import local_slices
-
-            return w.to_local(), local_slices(w)[0].start or 0
-    return head_shard(model)
 
 
 def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
     """Response-aligned [B, R_max] CPU tensors -> [B, width] on the device (width = longest response)."""
     return {k: v[:, :width].to(device) for k, v in tensors.items()}
+
+
+def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """Last stage's hidden [..., H] -> fp32 scores [..., L] of the value / reward head (`score`)."""
+    w, _ = runner.head("score")
+    return F.linear(hidden.float(), w.float())
 
 
 class CriticWorker(ShardedWorker):
@@ -356,52 +283,39 @@ class CriticWorker(ShardedWorker):
     def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int):
         super().__init__(model, spec)
         self.pad_id = pad_id
-        self.optimizer, self.scheduler = build_optimizer(self.parameters(), optim, total_steps=total_steps,
-                                                         device=self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         self.grad_clip = optim.grad_clip
 
-    def _mb_values(self, packed):
-        values = self.model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
-        return unpack_responses(values.float(), packed)
+    def _response_values(self, packed, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [1, T, H] -> values [B, R] fp32 at the response tokens' predicting positions."""
+        return unpack_responses(score_heads(self.runner, hidden).squeeze(-1), packed)
 
     @torch.no_grad()
     def compute_values(self, exp: Experience, plan: list[list[list[int]]]):
         out: dict[int, torch.Tensor] = {}
         for mini in plan:
-            for mb in mini:
-                samples = [exp.samples[i] for i in mb]
-                values = self._mb_values(self._pack(samples, self.pad_id))
-                if self.is_owner:
-                    values = values.cpu()
-                    for j, s in enumerate(samples):
-                        out[s.uid] = values[j, : len(s.response_ids)]
+            packs, batches = self._packs(exp, mini, self.pad_id)
+            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_values(packs[k], h))
+            if not self.is_owner or results is None:
+                continue
+            for mb, values in zip(mini, results):
+                values = values.cpu()
+                for j, i in enumerate(mb):
+                    s = exp.samples[i]
+                    out[s.uid] = values[j, : len(s.response_ids)]
         return {"values": out}
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, loss_fn) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        count = 0
-        self.optimizer_steps_in_update = 0
-        for _ in range(epochs):
-            for mbs in plan:
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
-                self.optimizer.zero_grad(set_to_none=True)
-                for k, mb in enumerate(mbs):
-                    gradients_synced(self.model, k == len(mbs) - 1)
-                    values = self._mb_values(self._pack([exp.samples[i] for i in mb], self.pad_id))
-                    loss, metrics = loss_fn(values, _to({k2: v[mb] for k2, v in tensors.items()}, self.device,
-                                                        values.shape[1]), denom)
-                    loss.backward()
-                    for k2, v in metrics.items():
-                        sums[k2] = sums.get(k2, 0.0) + float(v)
-                    count += 1
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip() * len(mbs)
-                self.optimizer.step()
-                self.optimizer_steps_in_update += 1
+        """loss_fn(values [B, R], mb_tensors, denom) -> (loss, metrics)."""
+        def mb_loss(packed, hidden, t, denom):
+            values = self._response_values(packed, hidden)
+            return loss_fn(values, _to(t, self.device, values.shape[1]), denom)
+
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss)
         self.scheduler.step()
-        return {k: v / max(count, 1) for k, v in sums.items()}
+        return out
 
 
 def model_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
-

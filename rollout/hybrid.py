@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from parallel.reshard import GenLayout, ParamSpec, TrainLayout, param_specs, plan_reshard
-from parallel.reshard_exec import ReshardGroups, ReshardStats, execute_reshard, training_shards
+from parallel.reshard_exec import ReshardGroups, ReshardStats, execute_reshard
+from parallel.runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -45,27 +45,21 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _modules(actor) -> list[nn.Module]:
-    """The actor's modules: a model, or the stage modules of a parallel.pipeline.PipelineRunner."""
-    stages = getattr(actor, "stages", None)
-    return [m for _, m in stages] if stages is not None else [actor]
-
-
 class HybridEngine:
-    def __init__(self, actor_model, engine, *, train_layout: TrainLayout, gen_layout: GenLayout,
+    def __init__(self, actor: ModelRunner, engine, *, train_layout: TrainLayout, gen_layout: GenLayout,
                  groups: ReshardGroups, bucket_bytes: int, offload_optimizer: bool,
                  optimizer: torch.optim.Optimizer | None = None, logger: logging.Logger | None = None,
                  gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None,
                  method: str = "alltoall"):
-        """actor_model: the parallelized actor (module, or PipelineRunner when pp > 1); engine: a
+        """actor: the parallelized actor (a parallel.runner.ModelRunner, any layout); engine: a
         rollout.base.RolloutEngine whose TP group is groups.gen_tp_group. gen_dtype: dtype of the
         generation shard (default: the training shards' dtype; bf16 halves the bytes moved when the
         masters are fp32). specs: full parameter shapes (default: from the actor's config). method:
         how buckets move (parallel/reshard_exec.py: "alltoall" or "p2p")."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
-        self.actor = actor_model
-        self.modules = _modules(actor_model)
+        self.actor = actor
+        self.modules = actor.modules
         self.engine = engine
         self.groups = groups
         self.bucket_bytes = bucket_bytes
@@ -190,7 +184,7 @@ class HybridEngine:
         # training-only state goes first, so the generation shard never coexists with the optimizer states
         self._release_training_state()
         self._record("release_training")
-        shards = training_shards(self.actor)
+        shards = self.actor.training_shards()
         self._alias_sources = list(shards.values())
         stats = ReshardStats()
         t = time.perf_counter()

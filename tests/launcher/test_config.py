@@ -92,3 +92,25 @@ def test_yaml_syntax_error(tmp_path):
         """))
     with pytest.raises(UserError, match="YAML"):
         load_config(p)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.engine=vllm", "rollout.engine=vllm: the vLLM backend is not built yet"),
+    ("rollout.engine=hf", "rollout.engine=hf: the Hugging Face engine"),
+    ("critic.offload=true", "critic.offload=true: only the actor offloads"),
+    ("ref.offload=true", "ref.offload=true"),
+    ("reward.offload=true", "reward.offload=true"),
+    ("reward.tp=2", "reward.tp=2 has no effect with reward.type=rule"),
+    ("reward.pp=2", "reward.pp=2 has no effect"),
+    ("reward.compile=true", "reward.compile=True has no effect"),
+    ("rollout.gpu_memory_fraction=1.5", "rollout.gpu_memory_fraction=1.5 must be in (0, 1]"),
+])
+def test_keys_that_would_be_ignored_are_rejected(override, needle):
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", [override])
+    assert needle in str(e.value)
+
+
+def test_model_reward_takes_its_layout_keys():
+    cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2"])
+    assert cfg.reward.tp == 2

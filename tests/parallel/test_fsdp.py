@@ -47,7 +47,7 @@ def _fsdp_body(rank, world, ckpt):
     ids = _batch()[dp_rank * (B // 2):(dp_rank + 1) * (B // 2)]  # each DP rank its half of the batch
     out = {}
     for ac in ("none", "selective", "full"):
-        model = parallelize_model(build_model("tiny", seed=7), mesh=mesh, dims=dims, ac=ac)
+        model = parallelize_model(build_model("tiny", seed=7), mesh=mesh, dims=dims, ac=ac).module
         loaded = load_sharded_weights(model, ckpt)
         if ac == "none":
             out["loaded"] = loaded
@@ -91,7 +91,7 @@ def _pipelined(dims, *, ckpt):
         # normalised by this rank's whole batch: micro-batch losses add up, FSDP averages the DP ranks
         return -logp.sum() / (rows * (T - 1))
 
-    runner.forward_backward(ids if runner.has_first else None, position_ids=pos, extras={"ids": ids},
+    runner.forward_backward_rows(ids if runner.has_first else None, position_ids=pos, extras={"ids": ids},
                             loss_fn=loss_fn)
     return {n: g for m in runner.modules for n, g in _full_grads(m).items()}
 

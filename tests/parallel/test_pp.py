@@ -59,12 +59,12 @@ def _run_config(rank, world, schedule, stages_per_rank, n_mb, act_dtype):
         loss = _loss_terms(hidden, w, mb["ids"], mb["adv"])
         return loss, {"n": hidden.shape[0]}
 
-    losses = runner.forward_backward(ids if runner.has_first else None, position_ids=pos,
+    losses = runner.forward_backward_rows(ids if runner.has_first else None, position_ids=pos,
                                      extras={"ids": ids, "adv": adv}, loss_fn=loss_fn)
     grads = {n: p.grad.clone() for m in runner.modules for n, p in m.named_parameters()}
-    hidden = runner.forward(ids if runner.has_first else None, position_ids=pos)
+    hidden = runner.forward_rows(ids if runner.has_first else None, position_ids=pos)
     # a second step reuses the cached schedule and accumulates the same gradients again
-    runner.forward_backward(ids if runner.has_first else None, position_ids=pos,
+    runner.forward_backward_rows(ids if runner.has_first else None, position_ids=pos,
                             extras={"ids": ids, "adv": adv}, loss_fn=loss_fn)
     grads2 = {n: p.grad.clone() for m in runner.modules for n, p in m.named_parameters()}
     return {"losses": [x.detach() for x in losses], "grads": grads, "grads2": grads2, "hidden": hidden,

@@ -46,7 +46,7 @@ def _tp_body(rank, world, ckpt):
     ids = _batch()
     dims = ParallelDims(tp=2)
     mesh = build_mesh(dims, [0, 1], device_type="cpu")
-    model = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims)
+    model = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims).module
     placements = {n: ([pl.dim for pl in p.placements if isinstance(pl, Shard)] if isinstance(p, DTensor) else [])
                   for n, p in model.named_parameters()}
     local_q = model.model.layers["0"].self_attn.q_proj.weight.to_local().shape
@@ -72,7 +72,7 @@ def _tp_body(rank, world, ckpt):
     # loss-parallel logits: a vocab-sharded DTensor, cross-entropy without gathering them
     from torch.distributed.tensor.parallel import loss_parallel
 
-    model_lp = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, loss_parallel=True)
+    model_lp = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, loss_parallel=True).module
     logits_lp = model_lp(ids)
     with loss_parallel():
         _lm_loss(logits_lp, ids).backward()
@@ -80,7 +80,7 @@ def _tp_body(rank, world, ckpt):
     lp_logits = logits_lp.full_tensor().detach()
 
     # FSDP2 on the size-1 dp dim of the same mesh, composed with TP=2, must change nothing
-    model_f = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, fsdp=True)
+    model_f = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, fsdp=True).module
     _lm_loss(model_f(ids), ids).backward()
     fsdp1_grads = _grads(model_f)
 
@@ -158,7 +158,7 @@ def _compiled_body(rank, world):
 
     dims = ParallelDims(tp=2)
     mesh = build_mesh(dims, [0, 1], device_type="cpu")
-    model = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, ac="full", compile=True)
+    model = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, ac="full", compile=True).module
     ids = _batch()
     _lm_loss(model(ids), ids).backward()
     return _grads(model)

@@ -149,11 +149,12 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
 
 @pytest.mark.distributed
 def test_pipeline_parallel_actor_four_ranks(tmp_path):
-    """Actor pp=2 x dp=2 (1F1B over gloo, FSDP2 inside each stage): its log-probs equal the rollout
-    engine's on the same weights and the first update sees ratio exactly 1."""
-    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "actor.pp=2", "data.batch_size=16",
-               "trainer.experiment_name=pp2"))
+    """Actor and critic pp=2 x dp=2 (1F1B over gloo, FSDP2 inside each stage): the actor's log-probs
+    equal the rollout engine's on the same weights and the first update sees ratio exactly 1."""
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "actor.pp=2", "critic.pp=2",
+               "data.batch_size=16", "trainer.experiment_name=pp2"))
     rows = metrics(tmp_path / "pp2")
+    assert all(r["critic/vf_loss"] is not None for r in rows)
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5
     assert rows[0]["actor/clipfrac"] == 0.0 and rows[0]["actor/ratio_max"] == 1.0
@@ -168,3 +169,50 @@ def test_tensor_parallel_roles_two_ranks(tmp_path):
     rows = metrics(tmp_path / "tp2")
     assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in rows)
     assert rows[0]["actor/clipfrac"] == 0.0
+
+
+def _load_in_transformers(path: Path, cls_name: str):
+    import transformers
+
+    model, info = getattr(transformers, cls_name).from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model
+
+
+@pytest.mark.distributed
+def test_split_pipeline_actor_and_critic_train_resume_and_export(tmp_path):
+    """Split placement with actor pp=2 | critic pp=2 and a reward model pp=2 (value and score heads on
+    the last stage): trains, resumes, and the periodic and final checkpoints' actor and critic load in
+    transformers with the trainer's outputs."""
+    import torch
+
+    common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "reward.type=model", "reward.pp=2",
+              "data.batch_size=8",
+              "trainer.experiment_name=pp_split", "trainer.save_every=1", "trainer.sft_warmup_steps=0",
+              "trainer.export_hf=every_save", "trainer.keep_last=3"]
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
+    _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
+    run = tmp_path / "pp_split"
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["groups"]["actor"]["pp"] == 2 and plan["groups"]["critic"]["ranks"] == [2, 3]
+    assert plan["groups"]["reward"]["pp"] == 2
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/vf_loss" in r for r in rows)
+    # a (random) reward model's continuous scores, not a rule's 0/1 averaged over 8 samples
+    assert all(abs(r["reward/mean"] * 8 - round(r["reward/mean"] * 8)) > 1e-6 for r in rows)
+    ckpt = run / "checkpoints" / "step_3"
+    for step in (1, 3):  # step 1 is a periodic save, exported too with trainer.export_hf=every_save
+        manifest = json.loads((run / "checkpoints" / f"step_{step}" / "COMPLETE").read_text())
+        assert sorted(manifest["roles"]) == ["actor", "critic"]
+    ids = torch.tensor([[1, 5, 9, 22, 7]])
+    actor = _load_in_transformers(ckpt / "actor", "LlamaForCausalLM")
+    critic = _load_in_transformers(ckpt / "critic", "LlamaForSequenceClassification")
+    from models.heads import LlamaForValue
+    from models.hf_io import load_pretrained
+
+    ours = load_pretrained(ckpt / "actor")
+    torch.testing.assert_close(actor(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)
+    ours_v = load_pretrained(ckpt / "critic", model_cls=LlamaForValue)
+    assert critic.config.num_labels == 1 and float(ours_v.score.weight.detach().abs().sum()) > 0  # the head was trained
+    hidden = critic.model(ids).last_hidden_state
+    torch.testing.assert_close(critic.score(hidden)[..., 0].float(), ours_v(ids), rtol=1e-4, atol=1e-5)

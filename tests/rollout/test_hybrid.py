@@ -32,7 +32,7 @@ def _reference(full_model, prompts, sampling):
 def _train_step(model, opt, ids) -> float:
     import torch.nn.functional as F
 
-    logits = model(ids[:, :-1])
+    logits = model.module(ids[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
     loss.backward()
     opt.step()
@@ -77,7 +77,7 @@ def _body(rank, world):
     ref_dims, ref_actor, ref_opt = _tp_fsdp_actor(world)
     assert _train_step(actor, opt, batches[0]) == _train_step(ref_actor, ref_opt, batches[0])
     full = build_model("tiny", seed=0)
-    full.load_state_dict(full_state_dict(actor))
+    full.load_state_dict(full_state_dict(actor.module))
     expected = _reference(full, prompts, greedy)
     for gen_tp in (2, 1):
         gen = GenLayout.for_world(world, tp=gen_tp)

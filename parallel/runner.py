@@ -1,0 +1,266 @@
+"""One runner interface for a trained model in every layout and backend.
+
+`parallelize_model` always returns a runner: a `LocalRunner` (pp = 1) or a
+`parallel.pipeline.PipelineRunner` (pp > 1); another training backend (megatron-core)
+is one more class with the same methods. Callers (ppo/ workers, the hybrid engine, the
+reshard executor, checkpoint export) never branch on the layout or on the runner's type.
+
+    runner = parallelize_model(model, mesh=mesh, dims=dims, n_microbatches=4)
+    mbs = [MicroBatch(ids_k, pos_k) for ...]                 # packed rows [1, T_k], any T_k
+    if runner.microbatches is not None: assert len(mbs) == runner.microbatches
+    logps = runner.forward(mbs, reduce=lambda h, k: ...)      # last stage: [fn(h_k, k)], else None
+    metrics = runner.forward_backward(mbs, loss_fn=lambda h, k: (loss, {"pg_loss": ...}))
+    w, vocab_start = runner.head("lm_head")                   # last stage, after a forward
+    opt = runner.build_optimizer(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    grad_norm = runner.optimizer_step(opt, max_norm=1.0)      # clip + step (a backend may clip inside step)
+    sd = runner.export_state_dict()                           # {HF name: full tensor} on runner.is_exporter
+
+The `ModelRunner` protocol, precisely:
+
+- `modules: list[nn.Module]`: this rank's model chunks (pipeline stages keep global HF names).
+- `has_first`, `has_last: bool`: whether this rank holds the embedding / the final norm + heads.
+- `microbatches: int | None`: the exact number of micro-batches each call must pass (a pipeline
+  schedule's), or None when any number works.
+- `forward(batches: Sequence[MicroBatch], *, reduce: (hidden [1, T_k, H], k) -> R) -> list[R] | None`:
+  no grad; `reduce` runs on the last stage on each micro-batch's final-normed hidden states
+  (never the [T, V] logits); returns [R_0, ..., R_{n-1}] on the last stage, None elsewhere.
+- `forward_backward(batches, *, loss_fn: (hidden [1, T_k, H], k) -> loss | (loss, metrics))
+  -> list[dict]`: one gradient-accumulating pass over all micro-batches (DP gradient
+  reduction happens once, after the last); the summed losses' gradients land in the
+  parameters, unscaled (normalise inside loss_fn). Returns each micro-batch's metrics on the
+  last stage, [] elsewhere.
+- `head(name="lm_head" | "score") -> (weight [V_local, H] or [L, H], vocab_start)`: the last
+  stage's head, differentiable, after a forward inside `reduce`/`loss_fn`; under TP the
+  lm_head's rows are this rank's vocab slice starting at vocab_start.
+- `named_parameters() -> Iterator[(HF name, Parameter)]`: this rank's parameters under Hugging
+  Face names (DTensors keep their placements; tied weights once); `parameters()`: the trainable ones.
+- `training_shards() -> {HF name: local shard}`: what the reshard executor sends (tied: both names).
+- `export_state_dict() -> {HF name: full tensor} | None`: collective over the runner's group;
+  the whole model on the rank where `is_exporter` (group coordinate 0, 0, 0), None elsewhere.
+- `build_optimizer(*, lr, betas, weight_decay)` and `optimizer_step(optimizer, *, max_norm) -> grad
+  norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.fsdp import gradients_synced
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """One packed micro-batch: documents concatenated in a single row."""
+
+    input_ids: torch.Tensor  # [1, T] token ids (read by the first stage only)
+    position_ids: torch.Tensor  # [1, T] restarting at 0 per document (every stage: RoPE and masks)
+
+
+ReduceFn = Callable[[torch.Tensor, int], Any]
+LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, dict]"]
+
+
+class ModelRunner(Protocol):
+    modules: list[nn.Module]
+
+    @property
+    def has_first(self) -> bool: ...
+    @property
+    def has_last(self) -> bool: ...
+    @property
+    def microbatches(self) -> int | None: ...
+    @property
+    def is_exporter(self) -> bool: ...
+    def forward(self, batches: Sequence[MicroBatch], *, reduce: ReduceFn) -> list | None: ...
+    def forward_backward(self, batches: Sequence[MicroBatch], *, loss_fn: LossFn) -> list[dict]: ...
+    def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]: ...
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def parameters(self) -> list[nn.Parameter]: ...
+    def training_shards(self) -> dict[str, torch.Tensor]: ...
+    def export_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float): ...
+    def optimizer_step(self, optimizer, *, max_norm: float) -> float: ...
+
+
+def split_loss(res) -> tuple[torch.Tensor, dict]:
+    """loss_fn's result -> (loss, metrics)."""
+    return res if isinstance(res, tuple) else (res, {})
+
+
+# wrapper prefixes torch.compile / checkpoint wrappers / DDP put in front of parameter names
+_WRAPPERS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
+
+
+def hf_name(name: str) -> str:
+    return _WRAPPERS.sub("", name)
+
+
+def head_weight(module: nn.Module, name: str = "lm_head") -> tuple[torch.Tensor, int]:
+    """(this rank's head weight, its vocab start) for `module.<name>`, differentiable.
+
+    A head used outside the module's forward may still be sharded over dp by FSDP: those mesh
+    dims are gathered (all-gather forward, reduce-scatter backward into the sharded gradient);
+    a TP-sharded lm_head keeps this rank's vocab rows.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from parallel.loading import local_slices
+
+    w = getattr(module, name).weight
+    if not isinstance(w, DTensor):
+        return w, 0
+    names = w.device_mesh.mesh_dim_names or ()
+    placements = [p if n == "tp" else Replicate() for n, p in zip(names, w.placements)]
+    if list(placements) != list(w.placements):
+        w = w.redistribute(w.device_mesh, placements)
+    return w.to_local(), local_slices(w)[0].start or 0
+
+
+class NativeRunner:
+    """What the native runners share: HF-named parameters, heads, export, the optimizer.
+
+    Subclasses set `modules`, `mesh` (("pp", "dp", "tp") DeviceMesh or None on one process)
+    and `pp_group` (None without pipeline stages) and implement forward / forward_backward.
+    """
+
+    modules: list[nn.Module]
+    mesh: Any
+    pp_group: dist.ProcessGroup | None
+
+    @property
+    def last_module(self) -> nn.Module | None:
+        return self.modules[-1] if self.has_last else None
+
+    @property
+    def is_exporter(self) -> bool:
+        return self.mesh is None or all(c == 0 for c in self.mesh.get_coordinate())
+
+    def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
+        if not self.has_last:
+            raise RuntimeError("only the last pipeline stage holds the heads")
+        return head_weight(self.modules[-1], name)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for m in self.modules:
+            for n, p in m.named_parameters():
+                yield hf_name(n), p
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters() if p.requires_grad]
+
+    def training_shards(self) -> dict[str, torch.Tensor]:
+        """HF name -> this rank's local shard (`to_local()` of DTensors, no copy), FSDP resharded first."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for mod in self.modules:
+            for m in mod.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()  # a root left gathered after forward would otherwise hand out full tensors
+            for name, p in mod.named_parameters(remove_duplicate=False):  # tied head: both names, one tensor
+                t = p.to_local() if isinstance(p, DTensor) else p
+                out[hf_name(name)] = t.detach()
+        return out
+
+    def export_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{HF name: full CPU tensor} of the whole model on the exporter rank, None elsewhere.
+
+        Collective over the runner's group: each stage's tensors are gathered over dp/tp
+        (DTensor.full_tensor), then the stages of the (dp 0, tp 0) ranks meet on pp rank 0.
+        """
+        from parallel.loading import full_state_dict
+
+        mine = {hf_name(k): v for m in self.modules for k, v in full_state_dict(m).items()}
+        if self.pp_group is None:
+            return mine if self.is_exporter else None
+        _, dp_idx, tp_idx = self.mesh.get_coordinate()
+        if dp_idx or tp_idx:
+            return None
+        parts = [None] * dist.get_world_size(self.pp_group)
+        dst = dist.get_global_rank(self.pp_group, 0)
+        dist.gather_object(mine, parts if dist.get_rank() == dst else None, dst=dst, group=self.pp_group)
+        if not self.is_exporter:
+            return None
+        return {k: v for part in parts for k, v in part.items()}
+
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float):
+        return torch.optim.AdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                 fused=self._device().type == "cuda")
+
+    def optimizer_step(self, optimizer, *, max_norm: float) -> float:
+        """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = 0.0
+        if grads or self.pp_group is not None:
+            norm = self._grad_norm(grads)
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        optimizer.step()
+        return norm
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        # DTensor grads (TP/FSDP) and plain ones (e.g. an unsharded value head) cannot share one
+        # foreach norm: take each kind's norm, then combine
+        sq = torch.zeros((), dtype=torch.float32)
+        for kind in (True, False):
+            group = [g for g in grads if hasattr(g, "full_tensor") == kind]
+            if group:
+                n = torch.nn.utils.get_total_norm(group)
+                n = n.full_tensor() if hasattr(n, "full_tensor") else n
+                sq = sq.to(n.device) + n.float().square()
+        if self.pp_group is not None:
+            if not grads:
+                sq = sq.to(self._device())
+            dist.all_reduce(sq, group=self.pp_group)
+        return float(sq.sqrt())
+
+    def _device(self) -> torch.device:
+        p = next(p for m in self.modules for p in m.parameters())
+        return (p.to_local() if hasattr(p, "to_local") else p).device
+
+
+class LocalRunner(NativeRunner):
+    """The whole model on this rank (pp = 1; TP and FSDP live inside the module)."""
+
+    def __init__(self, model: nn.Module, *, mesh=None, attn_factory: Callable | None = None):
+        self.modules = [model]
+        self.mesh = mesh
+        self.pp_group = None
+        self.attn_factory = attn_factory
+
+    has_first = True
+    has_last = True
+    microbatches = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
+
+    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
+        from parallel.apply import forward_hidden
+
+        attn = self.attn_factory(mb.position_ids) if self.attn_factory is not None else None
+        return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attn)
+
+    @torch.no_grad()
+    def forward(self, batches: Sequence[MicroBatch], *, reduce: ReduceFn) -> list:
+        return [reduce(self._hidden(mb), k) for k, mb in enumerate(batches)]
+
+    def forward_backward(self, batches: Sequence[MicroBatch], *, loss_fn: LossFn) -> list[dict]:
+        out = []
+        for k, mb in enumerate(batches):
+            gradients_synced(self.modules[0], k == len(batches) - 1)  # reduce-scatter once, after the last
+            loss, metrics = split_loss(loss_fn(self._hidden(mb), k))
+            loss.backward()
+            out.append(metrics)
+        return out

@@ -1,0 +1,35 @@
+"""The one place a rollout engine is chosen: `build_rollout_engine(kind, ...)`.
+
+    engine = build_rollout_engine("native", model_config, config=RolloutConfig(...), tp_group=g,
+                                  device=dev, dtype=torch.bfloat16, eos_token_ids=[2])
+
+`ENGINES` lists the kinds this function builds; the launcher rejects any other `rollout.engine`
+before launch with the reason in `NOT_BUILT` (a new backend is one more branch here and one
+entry moved from NOT_BUILT to ENGINES).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from rollout.base import RolloutConfig, RolloutEngine
+
+ENGINES = ("native",)
+NOT_BUILT = {
+    "vllm": "the vLLM backend is not built yet; use rollout.engine=native",
+    "hf": "the Hugging Face engine (rollout/hf_engine.py) is a test reference that cannot take the actor's "
+          "resharded weights; use rollout.engine=native",
+}
+
+
+def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         eos_token_ids: list[int] | None = None) -> RolloutEngine:
+    """A sleeping-capable engine of `kind` whose generation TP group is `tp_group`."""
+    if kind == "native":
+        from rollout.engine import NativeEngine
+
+        return NativeEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
+                            eos_token_ids=eos_token_ids)
+    raise ValueError(f"rollout engine {kind!r}: {NOT_BUILT.get(kind, 'unknown')}")
