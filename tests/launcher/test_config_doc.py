@@ -79,3 +79,18 @@ def test_new_keys_are_checked(overrides, needle):
     with pytest.raises(UserError) as e:
         load_config(None, overrides)
     assert needle in str(e.value)
+
+
+def test_recipe_configs_name_what_is_missing(tmp_path):
+    """conf/grpo_gsm8k_qwen3.yaml needs a model, data and validation data: each missing one is named."""
+    given = []
+    for override, needle in ((f"model.path={tmp_path}", "model.path is required"),
+                             ("data.train_files=train.parquet", "data.train_files is required"),
+                             ("data.val_files=test.parquet", "trainer.test_freq=10 acts only with data.val_files")):
+        with pytest.raises(UserError, match=needle):
+            load_config(ROOT / "conf" / "grpo_gsm8k_qwen3.yaml", given)
+        given.append(override)
+    cfg = load_config(ROOT / "conf" / "grpo_gsm8k_qwen3.yaml", given)
+    assert (cfg.model.tokenizer, cfg.reward.signature, cfg.algorithm.name) == ("auto", "auto", "grpo")
+    tiny = load_config(ROOT / "conf" / "grpo_verl_tiny.yaml", given[1:])
+    assert (tiny.model.path, tiny.model.preset, tiny.trainer.device, tiny.rollout.val_n) == (None, "tiny", "cpu", 2)
