@@ -155,6 +155,7 @@ def _gpu_body(rank, world):
     from parallel.dims import ParallelDims
     from parallel.reshard import GenLayout
     from parallel.reshard_exec import build_reshard_groups
+    from parallel.runner import LocalRunner
     from rollout.base import SamplingParams
     from rollout.engine import NativeEngine
     from rollout.hybrid import HybridEngine
@@ -162,16 +163,16 @@ def _gpu_body(rank, world):
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     ids = [torch.randint(3, 512, (4, 17), generator=torch.Generator().manual_seed(i)).to(dev) for i in range(3)]
-    models = [build_model("tiny", seed=0, device=dev) for _ in range(2)]
+    models = [LocalRunner(build_model("tiny", seed=0, device=dev)) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     assert _train_step(models[0], opts[0], ids[0]) == _train_step(models[1], opts[1], ids[0])
     dims, gen = ParallelDims(), GenLayout(tp=1, dp=1)
     groups = build_reshard_groups((dims, gen), [0])
-    engine = NativeEngine(models[0].config, config=_engine_config(), device=dev, dtype=torch.bfloat16)
+    engine = NativeEngine(models[0].module.config, config=_engine_config(), device=dev, dtype=torch.bfloat16)
     hybrid = HybridEngine(models[0], engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=1 << 20,
                           offload_optimizer=True, optimizer=opts[0], gen_dtype=torch.bfloat16)
     ref = build_model("tiny", seed=0)
-    ref.load_state_dict(models[0].state_dict())
+    ref.load_state_dict(models[0].module.state_dict())
     ref = ref.to(device=dev, dtype=torch.bfloat16)
     prompts, greedy = [[1, 5, 9, 22], [1, 300, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     want = NativeEngine.from_model(ref, config=_engine_config()).generate(prompts, greedy)
