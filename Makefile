@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py
 	  else $(PY_SYS) -m venv $(VENV); fi; fi
 	$(PY) -m pip install -q --upgrade pip
 	@if ! $(PY) -c "import torch" 2>/dev/null; then echo "installing $(TORCH_SPEC)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,megatron]"
 	@# shellcheck (Debian) lints the Slurm templates in the tests; best effort, the test skips without it
 	@command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get install -y -qq shellcheck >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && \

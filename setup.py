@@ -24,8 +24,9 @@ setup(
         "jinja2",
     ],
     extras_require={
-        # megatron-core GPU backend; needs CUDA at run time
-        "megatron": ["megatron-core>=0.12"],
+        # megatron-core training backend (<role>.backend: megatron); its model also runs on CPU for the
+        # parity tests, its schedules and optimizer need CUDA. 0.16.1 installs on Python 3.11 and 3.12.
+        "megatron": ["megatron-core==0.16.1"],
         "vllm": ["vllm"],
         "te": ["transformer-engine[pytorch]"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it

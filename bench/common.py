@@ -84,6 +84,29 @@ def time_steps(step: Callable[[], object], *, device: torch.device, warmup: int,
     return times
 
 
+def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int = 15) -> dict:
+    """One `step` under torch.profiler: where its device time goes. Returns the step's total kernel time
+    and the `top` kernels by total time ({name, calls, ms, share}), plus the GEMM share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) if device.type == "cuda" else ev.self_cpu_time_total
+        if t and (device.type != "cuda" or ev.device_type.name == "CUDA"):
+            rows.append((ev.key, ev.count, t / 1e3))
+    total = sum(ms for _, _, ms in rows) or 1.0
+    rows.sort(key=lambda r: -r[2])
+    gemm = sum(ms for name, _, ms in rows if any(k in name.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet")))
+    return {"total_kernel_ms": total, "gemm_share": gemm / total,
+            "top": [{"name": n[:120], "calls": c, "ms": round(ms, 3), "share": round(ms / total, 4)}
+                    for n, c, ms in rows[:top]]}
+
+
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size); starts a process group (under torchrun, or a world of one) if none exists.
 

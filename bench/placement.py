@@ -42,19 +42,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--modes", default="colocated-sync,split-sync,split-async,split-async+controller")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=1800,
+                    help="seconds per mode before its run is killed (the row records it; the JSON line still prints)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     rows = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
-        r = run_workload(args.config, nproc=args.nproc, overrides=[*MODES[mode], *args.overrides],
-                         warmup=args.warmup, name=mode.replace("+", "_"))
+        try:
+            r = run_workload(args.config, nproc=args.nproc, overrides=[*MODES[mode], *args.overrides],
+                             warmup=args.warmup, name=mode.replace("+", "_"), timeout=args.timeout)
+        except Exception as e:  # noqa: BLE001 - a broken run becomes a failed row; the JSON line still prints
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         r["mode"] = mode
         rows.append(r)
     base = next((r for r in rows if r.get("ok")), None)
     header = f"{'mode':24} {'nvml_util':>9} {'useful':>7} {'samples/s':>9} {'tok/s/gpu':>10} {'mfu':>6} " \
-             f"{'peak_GB':>8} {'speedup':>7}"
+             f"{'peak_GB':>8} {'host_GB':>8} {'speedup':>7}"
     print(header)
     for r in rows:
         if not r.get("ok"):
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         r["speedup"] = r["samples_per_s"] / base["samples_per_s"] if base else None
         print(f"{r['mode']:24} {_fmt(r['nvml_util'], '.2f'):>9} {_fmt(r['useful_util']):>7} "
               f"{_fmt(r['samples_per_s'], '.1f'):>9} {_fmt(r['tokens_per_s_per_gpu'], '.0f'):>10} "
-              f"{_fmt(r['mfu_actor']):>6} {_fmt(r['peak_mem_gb'], '.1f'):>8} {_fmt(r['speedup'], '.2f'):>7}")
+              f"{_fmt(r['mfu_actor']):>6} {_fmt(r['peak_mem_gb'], '.1f'):>8} {_fmt(r['host_peak_gb'], '.1f'):>8} "
+              f"{_fmt(r['speedup'], '.2f'):>7}")
     from bench.common import git_commit
 
     print(json.dumps({"bench": "placement", "config": args.config, "nproc": args.nproc,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,33 +37,70 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            # no final checkpoint: a 1B PPO run writes ~12 GB, and a GPU batch of runs filled a 128 GB disk
            "trainer.save_final=false", *overrides]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # a session of its own: on timeout the whole torchrun tree is killed (workers would keep the GPU)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+        error = f"exit {proc.returncode}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        error = f"timed out after {timeout} s"
     wall = time.perf_counter() - t0
     run_dir = runs / name
-    if res.returncode != 0:
-        tail = (res.stderr or "")[-3000:]
-        return {"ok": False, "error": f"exit {res.returncode}", "stderr_tail": tail, "cmd": " ".join(cmd)}
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    if error is not None:
+        # the steps that finished still say something (e.g. the step before an OOM): summarised beside the error
+        out = {"ok": False, "error": error, "stderr_tail": (stderr or "")[-3000:], "cmd": " ".join(cmd),
+               "wall_s": round(wall, 1), "steps_done": len(rows),
+               "warnings": _warnings(run_dir) if run_dir.exists() else []}
+        if rows:
+            out["partial"] = _summary(rows, warmup=warmup, nproc=nproc, run_dir=run_dir)
+        return out
+    out = {"ok": True, "wall_s": round(wall, 1), "nproc": nproc}
+    out.update(_summary(rows, warmup=warmup, nproc=nproc, run_dir=run_dir))
+    return out
+
+
+def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dict:
+    """Means over the measured steps (all steps when there are no more than `warmup`)."""
     measured = rows[warmup:] or rows
     keys = sorted({k for r in measured for k in r})
     mean = {k: sum(r[k] for r in measured if r.get(k) is not None) / max(1, sum(r.get(k) is not None
                                                                                for r in measured))
             for k in keys}
     plan = json.loads((run_dir / "plan.json").read_text())
-    out = {"ok": True, "steps_measured": len(measured), "wall_s": round(wall, 1), "nproc": nproc,
+    out = {"steps_measured": len(measured),
            "placement": plan["mode"], "groups": {r: g["ranks"] for r, g in plan["groups"].items()},
            "samples_per_s": mean.get("perf/samples_per_s"), "tokens_per_s": mean.get("perf/tokens_per_s"),
            "tokens_per_s_per_gpu": (mean.get("perf/tokens_per_s") or 0) / nproc,
            "mfu_actor": mean.get("perf/mfu/actor"), "useful_util": mean.get("perf/useful_util"),
            "nvml_util": mean.get("gpu/util_mean"), "peak_mem_gb": mean.get("mem/peak_gb"),
+           "nvml_mem_peak_gb": mean.get("gpu/mem_peak_gb"),
+           # host memory of the busiest rank (GiB): resident now, and its peak over the whole run
+           "host_rss_gb": mean.get("mem/host_rss_gb"),
+           "host_peak_gb": max((r.get("mem/host_peak_gb") or 0.0 for r in rows), default=None),
            "nvml_util_per_gpu": [v for k, v in sorted(mean.items(), key=lambda kv: _gpu_index(kv[0]))
                                  if _gpu_index(k) >= 0],
            "step_s": mean.get("timing_s/step"), "reward_mean": mean.get("reward/mean"),
+           "optimizer_step_s": mean.get("actor/optimizer_step_s"),  # clip + step, inside timing_s/update_actor
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
+           # extremes over every step (warm-up included): exactly 1.0 when the update is on-policy
+           "actor_ratio_min": min((r["actor/ratio_min"] for r in rows if "actor/ratio_min" in r), default=None),
+           "actor_ratio_max": max((r["actor/ratio_max"] for r in rows if "actor/ratio_max" in r), default=None),
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
-           "run_dir": str(run_dir), "warnings": _warnings(run_dir)}
+           "run_dir": str(run_dir), "warnings": _warnings(run_dir),
+           "generate_memory": _generate_memory(run_dir),
+           # the timeline: every step's stages (warm-up included), GPU and host memory
+           "per_step": [{"step_s": r.get("timing_s/step"), "peak_mem_gb": r.get("mem/peak_gb"),
+                         "host_rss_gb": r.get("mem/host_rss_gb"), "optimizer_step_s": r.get("actor/optimizer_step_s"),
+                         "samples_per_s": r.get("perf/samples_per_s"),
+                         "timing_s": {k.split("/", 1)[1]: round(v, 3) for k, v in r.items()
+                                      if k.startswith("timing_s/") and k != "timing_s/step"}} for r in rows]}
     return out
 
 
@@ -71,6 +109,16 @@ def _gpu_index(key: str) -> int:
     parts = key.split("/")
     per_gpu = len(parts) == 3 and parts[0] == "gpu" and parts[1].isdigit() and parts[2] == "util_mean"
     return int(parts[1]) if per_gpu else -1
+
+
+def _generate_memory(run_dir: Path) -> list[str]:
+    """Rank 0's last hybrid-engine cycle, phase by phase (release training state, gather, wake_up, ...,
+    restore), from its log: GPU memory allocated / reserved / peak in GB and seconds into the cycle."""
+    log = run_dir / "logs" / "rank_0.log"
+    lines = [ln.split("hybrid ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
+             if " hybrid " in ln] if log.exists() else []
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("start ")]
+    return lines[starts[-1]:] if starts else []
 
 
 def _warnings(run_dir: Path, limit: int = 12) -> list[str]:
@@ -91,12 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs-dir", default=None)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds before the run is killed (its row says so)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     from bench.common import git_commit
 
     result = run_workload(args.config, nproc=args.nproc, overrides=args.overrides, warmup=args.warmup,
-                          runs_dir=args.runs_dir)
+                          runs_dir=args.runs_dir, timeout=args.timeout)
     import torch
 
     result.update(bench="ppo_step", config=args.config, overrides=args.overrides, git_commit=git_commit(),

@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 2 -m bench.train_step --model llama-1b --tp 2 --compile  # or --dp 2
     torchrun --nproc_per_node 2 -m bench.train_step --model llama-1b --pp 2 --batch 8 --microbatches 4
     python -m bench.train_step --model tiny --device cpu --steps 2 --sweep             # CPU check
+    python -m bench.train_step --model llama-1b --seq 2048 --batch 4 --master fp32 --backend both  # native vs megatron
 
 One step = forward + backward + AdamW step on `--batch` rows of `--seq` tokens per
 data-parallel rank. The loss never forms [N, V] fp32 logits: final hidden states go
@@ -28,6 +29,10 @@ N = parameters without the input embedding (the lookup does no matmul; the head 
 C = attention context per token: seq for lm, sum(len^2)/sum(len) over the packed
 sequences for ppo (a token attends only inside its own sequence). Last stdout line: one
 JSON object with every config's result.
+
+`--backend megatron` (or `both`: each config on the native backend, then on megatron-core, in one process)
+runs the step with megatron-core's GPTModel, DDP, distributed optimizer (bf16 params, fp32 master shards)
+and schedules: bench/megatron_step.py. Each result carries its `backend`.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from bench.common import (
     add_device_args,
     emit_json,
     init_distributed,
+    kernel_profile,
     peak_memory_gb,
     reset_peak_memory,
     resolve_device,
@@ -275,6 +281,8 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
                mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
                / (world * H200_BF16_FLOPS),
                flops_per_token=fpt, loss=float(metrics["loss"]))
+    if args.profile:
+        res["profile"] = kernel_profile(step, device=device)
     if spec.mode == "ppo":
         res["clipfrac"] = metrics.get("clipfrac")
         res["attn_check_maxdiff"] = attn_diff
@@ -323,6 +331,18 @@ def _run_pipeline(spec: RunSpec, args, *, cfg, runner, opt, batch, device, dims,
     return res
 
 
+def _backend_summary(results: list[dict]) -> dict:
+    """Best MFU per backend and megatron's fraction of native's (the issue's >= 90% goal), when both ran."""
+    best = {}
+    for r in results:
+        if "mfu" in r and r["mfu"] > best.get(r["backend"], {}).get("mfu", -1.0):
+            best[r["backend"]] = r
+    out = {f"best_mfu_{b}": r["mfu"] for b, r in best.items()}
+    if "native" in best and "megatron" in best:
+        out["megatron_over_native_mfu"] = best["megatron"]["mfu"] / best["native"]["mfu"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = add_device_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--model", default="llama-1b")
@@ -343,6 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=None, help="log-prob token chunk (default 4096 cuda, 256 cpu)")
     p.add_argument("--attn", choices=("auto", "varlen", "mask"), default="auto",
                    help="ppo attention: varlen flash (cuda) or masked SDPA")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, one step under torch.profiler: top kernels and GEMM share per config")
+    p.add_argument("--backend", choices=("native", "megatron", "both"), default="native",
+                   help="training backend; both: every config on native then on megatron-core (bench/megatron_step.py)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
                    help=f"comma list of mode:eager|compile:ac:master (default list: {DEFAULT_SWEEP})")
     args = p.parse_args(argv)
@@ -363,14 +387,28 @@ def main(argv: list[str] | None = None) -> dict:
     specs = ([RunSpec.parse(s) for s in args.sweep.split(",")] if args.sweep
              else [RunSpec(args.mode, args.compile, args.ac, args.master, args.attn)])
     results = []
-    for spec in specs:
+    backends = ("native", "megatron") if args.backend == "both" else (args.backend,)
+    measured_megatron = set()
+    for spec, backend in ((s, b) for s in specs for b in backends):
+        if backend == "megatron":  # megatron runs eager with fp32 masters: compile/master variants are one config
+            key = (spec.mode, spec.ac, spec.attn)
+            if key in measured_megatron:
+                continue
+            measured_megatron.add(key)
         try:
-            results.append(run_one(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims, tp_group=tp_group))
+            if backend == "megatron":
+                from bench.megatron_step import run_megatron
+
+                results.append(run_megatron(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims,
+                                            make_batch=_make_batch, flops_per_token=flops_per_token))
+            else:
+                results.append(dict(run_one(spec, args, device=device, dtype=dtype, mesh=mesh, dims=dims,
+                                            tp_group=tp_group), backend="native"))
         except Exception as e:  # noqa: BLE001 - one failing config must not cost the other measurements
             if world > 1:
                 raise  # the other ranks may be stuck in a collective: fail loudly instead of hanging
             msg = (str(e).strip().splitlines() or [""])[0][:300]
-            results.append(dict(asdict(spec), error=f"{type(e).__name__}: {msg}"))
+            results.append(dict(asdict(spec), backend=backend, error=f"{type(e).__name__}: {msg}"))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -383,7 +421,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = dict(bench="train_step", model=args.model, seq=args.seq, batch=args.batch, tp=args.tp, pp=args.pp, dp=dp,
                    world=world, dtype=str(dtype).removeprefix("torch."), ceiling_flops_per_gpu=H200_BF16_FLOPS,
                    best_mfu=best.get("mfu"), best_tokens_per_s=best.get("tokens_per_s"),
-                   best_config={k: best[k] for k in ("mode", "compile", "ac", "master")} if best else None,
+                   best_config={k: best[k] for k in ("mode", "compile", "ac", "master", "backend")} if best else None,
+                   **_backend_summary(results),
                    results=results, **run_info(device))
     if rank == 0:
         emit_json(summary)

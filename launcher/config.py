@@ -78,6 +78,7 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False  # torch.compile each transformer layer
     offload: bool = False  # optimizer states to pinned CPU memory while generating
+    backend: str = "native"  # native (PyTorch DTensor/FSDP2/pipelining) | megatron (megatron-core GPTModel)
 
 
 @dataclass
@@ -105,6 +106,10 @@ class ActorConfig(ParallelConfig):
     kl_loss_coef: float = 0.001  # weight of the KL loss term
     kl_loss_type: str = "low_var_kl"  # KL estimator of the loss term: k1 | k2 | k3 | low_var_kl
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # Adam's moments live in pinned host memory and visit the GPU chunk by chunk during the optimizer
+    # step (parallel/offload_optim.py): 8 bytes/parameter less device memory, ~8 bytes/parameter each way
+    # over PCIe per step
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -116,6 +121,7 @@ class CriticConfig(ParallelConfig):
     max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
     value_clip: float = 0.2  # clip of the value update around the old values
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    offload_optimizer: bool = False  # as actor.offload_optimizer
 
 
 @dataclass
@@ -255,6 +261,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 for _role in ("actor", "critic", "ref", "reward"):
     CHOICES[f"{_role}.pp_schedule"] = ("1F1B", "interleaved")
     CHOICES[f"{_role}.activation_checkpointing"] = ("none", "full", "selective")
+    CHOICES[f"{_role}.backend"] = ("native", "megatron")
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 
@@ -469,6 +476,13 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
                         f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
                         f"pp=1")
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).offload_optimizer and getattr(cfg, role).offload:
+            raise UserError(f"{role}.offload_optimizer=true keeps the optimizer states in host memory all the time, "
+                            f"so {role}.offload=true (move them there while generating) has nothing to move; "
+                            f"set {role}.offload=false")
+    for role in ("actor", "critic", "ref", "reward"):
+        _validate_megatron_role(cfg, role)
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
@@ -487,9 +501,49 @@ def validate_config(cfg: Config) -> None:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
 
 
+def _validate_megatron_role(cfg: Config, role: str) -> None:
+    """`<role>.backend: megatron` settings megatron-core cannot run, refused before any process starts
+    (the layout checks that need the model's shape are in launcher.plan)."""
+    sec = getattr(cfg, role)
+    if sec.backend != "megatron" or (role == "reward" and cfg.reward.type == "rule"):
+        return
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        raise UserError(f"{role}.backend=megatron needs megatron-core: pip install -e .[megatron] "
+                        "(megatron-core==0.16.1)") from None
+    trains = role in ("actor", "critic")
+    import torch
+
+    on_cpu = cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and (trains or sec.pp > 1):
+        what = "training (its DDP buffers, distributed optimizer and schedules)" if trains else "pp > 1 (its schedules)"
+        device = "cpu" if cfg.trainer.device == "cpu" else "auto with no GPU visible"
+        raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
+                        f"{device}; use {role}.backend=native on CPU")
+    refused = [
+        (sec.compile, f"{role}.compile=true", "torch.compile of megatron-core layers is not wired; set it to false"),
+        (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
+         "megatron's selective recompute targets its own core attention; use none or full"),
+        (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
+         "virtual pipeline stages are not wired for megatron; use 1"),
+        (sec.pp_schedule != "1F1B", f"{role}.pp_schedule={sec.pp_schedule}",
+         "megatron-core's schedule for pp > 1 is 1F1B; use 1F1B"),
+        (sec.pp_microbatches != 0, f"{role}.pp_microbatches={sec.pp_microbatches}",
+         "megatron's schedules run the token-budget micro-batches (any count, any lengths); leave it 0"),
+        (trains and cfg.model.dtype == "float16", "model.dtype=float16",
+         "megatron training here has no loss scaler; use bfloat16 or float32"),
+        (trains and getattr(sec, "offload_optimizer", False), f"{role}.offload_optimizer=true",
+         "host-resident Adam moments are the native backend's (parallel/offload_optim.py); set it to false"),
+    ]
+    for bad, key, fix in refused:
+        if bad:
+            raise UserError(f"{role}.backend=megatron: {key} is not supported: {fix}")
+
+
 # ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
 _MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "activation_checkpointing",
-               "compile")
+               "compile", "backend")
 
 
 def _validate_roles_keys(cfg: Config) -> None:

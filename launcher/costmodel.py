@@ -29,7 +29,10 @@ from pathlib import Path
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
 TRAINED_BYTES_PER_PARAM = 16  # FSDP2 mixed precision: fp32 master + fp32 grad + Adam m, v (fp32)
-FROZEN_BYTES_PER_PARAM = 4  # reference / reward model: fp32 sharded parameters, bf16 compute copies
+FROZEN_BYTES_PER_PARAM = 4  # reference / reward model with model.dtype=float32; a 16-bit model.dtype stores
+# them in it (2 bytes: ppo/workers.py, WorkerSpec.frozen)
+# Adam's m and v (fp32): to host memory while generating (actor.offload), or for good (<role>.offload_optimizer)
+OFFLOADED_BYTES_PER_PARAM = 8
 BF16 = 2
 
 
@@ -131,6 +134,8 @@ class Workload:
     kv_memory_fraction: float = 0.5
     free_memory_on_sleep: bool = True
     offload: bool = False
+    frozen_bytes_per_param: int = FROZEN_BYTES_PER_PARAM
+    offload_optimizer: tuple[str, ...] = ()  # roles whose Adam moments live in host memory (<role>.offload_optimizer)
 
     @property
     def samples(self) -> int:
@@ -179,7 +184,9 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,
                             "ref": cfg.ref.max_tokens_per_micro_batch, "reward": cfg.reward.max_tokens_per_micro_batch},
         max_num_seqs=cfg.rollout.max_num_seqs, kv_memory_fraction=cfg.rollout.gpu_memory_fraction,
-        free_memory_on_sleep=cfg.rollout.free_memory_on_sleep, offload=a.offload)
+        free_memory_on_sleep=cfg.rollout.free_memory_on_sleep, offload=a.offload,
+        frozen_bytes_per_param=FROZEN_BYTES_PER_PARAM if cfg.model.dtype == "float32" else BF16,
+        offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer))
 
 
 def synthetic_prompt_len(cfg) -> int | None:
@@ -275,8 +282,6 @@ def generation_s(w: Workload, cal: Calibration, *, gen_tp: int, gen_dp: int, slo
     return waves * (prefill + decode)
 
 
-OFFLOADED_BYTES_PER_PARAM = 8  # actor.offload: Adam's m and v (fp32) go to host memory while generating
-
 
 def reshard_s(w: Workload, cal: Calibration, *, tp: int, pp: int, dp: int, gen_tp: int) -> float:
     """The training -> generation transition: the bytes each actor rank lacks for its generation shard
@@ -332,7 +337,11 @@ def model_pass_s(w: Workload, cal: Calibration, role: str, m: ModelShape, *, lay
     # overlapped with the layers' compute, so only what exceeds it costs time
     gathers = micro * (3 if train else 1) * epochs
     fsdp = gathers * allgather_s(cal, m.n_params * BF16 / (tp * pp), ranks=dp, span=tp * pp * dp)
-    return max(compute, fsdp) + tp_comm
+    # offloaded moments visit the GPU at each optimizer step (taken as one per epoch), both directions
+    # at once over full-duplex PCIe: one direction's bytes
+    offload = (epochs * m.n_params * OFFLOADED_BYTES_PER_PARAM / (tp * pp * dp) / cal.pcie_bytes_per_s
+               if train and role in w.offload_optimizer else 0.0)
+    return max(compute, fsdp) + tp_comm + offload
 
 
 def host_s(w: Workload, cal: Calibration, *, reward_gpus: int) -> dict[str, float]:

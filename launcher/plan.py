@@ -127,6 +127,16 @@ def _role_section(cfg: Config, role: str):
             "reward": cfg.reward}[role]
 
 
+def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig) -> None:
+    """Layouts megatron-core cannot shard: its embedding is vocab-parallel in every role (tp | vocab), its
+    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers)."""
+    for what, n, k in (("vocab_size", shape.vocab_size, tp), ("num_key_value_heads", shape.num_key_value_heads, tp),
+                       ("num_hidden_layers", shape.num_hidden_layers, pp)):
+        if n % k:
+            name = "tp" if k == tp and what != "num_hidden_layers" else "pp"
+            raise UserError(f"{role}.backend=megatron: {role}.{name}({k}) must divide {what}({n})")
+
+
 def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                  reward_model: ModelConfig | None = None) -> DevicePlan:
     """Assign ranks to roles and validate every layout. Raises UserError with the numbers."""
@@ -168,6 +178,8 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                         tied_embeddings_trained=role == "actor" and shape.tie_word_embeddings, role=role)
                 except TopologyError as e:
                     raise UserError(str(e).replace("rollout tp", "rollout.gen_tp")) from None
+                if role != "rollout" and sec.backend == "megatron":
+                    _validate_megatron_layout(role, tp=tp, pp=pp, shape=shape)
             if n % (tp * pp):
                 raise UserError(f"{role} tp({tp}) x pp({pp}) = {tp * pp} must divide its pool of {n} ranks "
                                 f"(roles {', '.join(p.roles)})")

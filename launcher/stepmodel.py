@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from launcher.costmodel import (
     BF16,
-    FROZEN_BYTES_PER_PARAM,
     OFFLOADED_BYTES_PER_PARAM,
     TRAINED_BYTES_PER_PARAM,
     Calibration,
@@ -104,7 +103,9 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
             continue
         tp, pp, dp = c.layout(role)
         train = role in ("actor", "critic")
-        per_param = TRAINED_BYTES_PER_PARAM if train else FROZEN_BYTES_PER_PARAM
+        per_param = TRAINED_BYTES_PER_PARAM if train else w.frozen_bytes_per_param
+        if role in w.offload_optimizer:
+            per_param -= OFFLOADED_BYTES_PER_PARAM  # Adam's moments in host memory
         items[f"{role}_states"] = m.n_params * per_param / (tp * pp * dp) / 1e9
         act = max(act, _activation_gb(w, cal, role, m, c.layout(role), train=train))
     items["activations"] = act

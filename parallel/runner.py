@@ -37,8 +37,16 @@ The `ModelRunner` protocol, precisely:
 - `training_shards() -> {HF name: local shard}`: what the reshard executor sends (tied: both names).
 - `export_state_dict() -> {HF name: full tensor} | None`: collective over the runner's group;
   the whole model on the rank where `is_exporter` (group coordinate 0, 0, 0), None elsewhere.
-- `build_optimizer(*, lr, betas, weight_decay)` and `optimizer_step(optimizer, *, max_norm) -> grad
-  norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard).
+- `build_optimizer(*, lr, betas, weight_decay, offload=False)` and `optimizer_step(optimizer, *, max_norm)
+  -> grad norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard);
+  `offload` keeps Adam's moments in pinned host memory between steps (native:
+  parallel/offload_optim.py), and a backend that cannot must raise rather than ignore it.
+- `model_config`: the models.config.ModelConfig; `load_hf_weights(path, *, strict)`: this rank's slices
+  of an HF checkpoint; `checkpoint_state(optimizer) -> dict` / `load_checkpoint_state(optimizer, state)`:
+  this rank's model + optimizer state in the backend's own layout (ppo/state.py writes it atomically);
+  `release_gradients()` / `restore_gradients()`: gradient storage leaves the GPU around generation.
+  megatron-core is one more implementation: parallel/megatron_runner.py (`<role>.backend: megatron`,
+  built by parallel/backends.py).
 """
 
 from __future__ import annotations
@@ -85,8 +93,29 @@ class ModelRunner(Protocol):
     def parameters(self) -> list[nn.Parameter]: ...
     def training_shards(self) -> dict[str, torch.Tensor]: ...
     def export_state_dict(self) -> dict[str, torch.Tensor] | None: ...
-    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float): ...
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                        offload: bool = False): ...
     def optimizer_step(self, optimizer, *, max_norm: float) -> float: ...
+    @property
+    def model_config(self): ...
+    def load_hf_weights(self, path, *, strict: bool = True) -> None: ...
+    def release_gradients(self) -> None: ...
+    def restore_gradients(self) -> None: ...
+    def checkpoint_state(self, optimizer=None) -> dict: ...
+    def load_checkpoint_state(self, optimizer, state: dict) -> None: ...
+
+
+def _to_local(obj):
+    """DTensors -> their local shards (picklable, per rank), recursively."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
 
 
 def split_loss(res) -> tuple[torch.Tensor, dict]:
@@ -142,6 +171,65 @@ class NativeRunner:
     def is_exporter(self) -> bool:
         return self.mesh is None or all(c == 0 for c in self.mesh.get_coordinate())
 
+    @property
+    def model_config(self):
+        """The models.config.ModelConfig of the model (every stage carries it)."""
+        return self.modules[0].config
+
+    def release_gradients(self) -> None:
+        """Drop gradient storage while the GPU generates (hybrid engine); the next backward recreates it."""
+        for m in self.modules:
+            for p in m.parameters():
+                p.grad = None
+
+    def restore_gradients(self) -> None:
+        """Native gradients are recreated by the next backward: nothing to bring back."""
+
+    def load_hf_weights(self, path, *, strict: bool = True) -> None:
+        """This rank's slices of a Hugging Face checkpoint into every stage (strict=False keeps tensors the
+        checkpoint lacks, e.g. a critic's value head when loading a causal LM)."""
+        from parallel.loading import load_sharded_weights
+
+        for m in self.modules:
+            load_sharded_weights(m, path, strict=strict)
+
+    def checkpoint_state(self, optimizer=None) -> dict:
+        """This rank's parameters (local shards under HF names) and optimizer state, cloned (picklable)."""
+        state = {"params": {n: _to_local(p.data) for n, p in self.named_parameters()}}
+        if optimizer is not None:
+            state["optim"] = _to_local(optimizer.state_dict())
+        return state
+
+    def load_checkpoint_state(self, optimizer, state: dict) -> None:
+        """Copy saved local shards into the live (possibly DTensor) parameters and optimizer state."""
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for n, p in params.items():
+                dst = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+                dst.copy_(state["params"][n])
+        if optimizer is None or "optim" not in state:
+            return
+        saved = state["optim"]
+        if getattr(optimizer, "states_on_host", False):  # parallel/offload_optim.py: its loader pins them on the host
+            optimizer.load_state_dict(saved)
+            return
+        # rebuild optimizer state tensors with each parameter's own placement (DTensor or plain)
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        new_state = {}
+        for idx, st in saved["state"].items():
+            p = order[int(idx)]
+            new_state[idx] = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
+                    from torch.distributed.tensor import DTensor
+
+                    v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride())
+                elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                    v = v.to(p.device)
+                new_state[idx][k] = v
+        optimizer.load_state_dict({"state": new_state, "param_groups": saved["param_groups"]})
+
     def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
         if not self.has_last:
             raise RuntimeError("only the last pipeline stage holds the heads")
@@ -191,7 +279,11 @@ class NativeRunner:
             return None
         return {k: v for part in parts for k, v in part.items()}
 
-    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float):
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float, offload: bool = False):
+        if offload:
+            from parallel.offload_optim import HostOffloadAdamW
+
+            return HostOffloadAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                  fused=self._device().type == "cuda")
 

@@ -7,6 +7,8 @@ as `Sample`s, so each sample enters the step's experience exactly once.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ppo.experience import Sample
@@ -55,7 +57,7 @@ class RolloutRole:
                                            device=env.device, dtype=dtype, eos_token_ids=eos)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
-                                   optimizer=actor.optimizer, gen_dtype=dtype)
+                                   optimizer=actor.optimizer, gen_dtype=dtype, logger=logging.getLogger("hybridrl"))
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""

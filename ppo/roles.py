@@ -33,8 +33,9 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
     return model
 
 
-def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False) -> WorkerSpec:
-    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype,
+def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False, frozen: bool = False) -> WorkerSpec:
+    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype, frozen=frozen,
+                      backend=cfg_section.backend,
                       ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
                       pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
                       stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
@@ -180,14 +181,10 @@ class Roles:
     def load_reference(self, path, *, critic_trunk: bool) -> None:
         """Reference (and optionally the critic's trunk) from an HF directory, e.g. the SFT warm-up's;
         on resume only the reference is reloaded (the critic comes back from the checkpoint)."""
-        from parallel.loading import load_sharded_weights
-
         if self.ref is not None:
-            for m in self.ref.runner.modules:
-                load_sharded_weights(m, path, strict=False)
-        if self.critic is not None and critic_trunk:
-            for m in self.critic.runner.modules:  # trunk only: the value head keeps its init
-                load_sharded_weights(m, path, strict=False)
+            self.ref.runner.load_hf_weights(path, strict=False)
+        if self.critic is not None and critic_trunk:  # trunk only: the value head keeps its init
+            self.critic.runner.load_hf_weights(path, strict=False)
 
     def _sft_actor(self, state, *, steps: int) -> None:
         log = logging.getLogger("hybridrl")
@@ -239,21 +236,24 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
         model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
         spec = _spec(cfg.actor, groups["actor"], env, dtype, share_prompts=cfg.trainer.share_prompts)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
-                                   optim=cfg.actor.optim, total_steps=total)
+                                   optim=cfg.actor.optim, total_steps=total,
+                                   offload_optimizer=cfg.actor.offload_optimizer)
     if "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
-        spec = _spec(cfg.ref, groups["ref"], env, dtype, share_prompts=cfg.trainer.share_prompts)
+        spec = _spec(cfg.ref, groups["ref"], env, dtype, share_prompts=cfg.trainer.share_prompts, frozen=True)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=cfg.critic.path or cfg.model.path, device=env.device,
                        seed=seed)
         roles.critic = CriticWorker(model, _spec(cfg.critic, groups["critic"], env, dtype), pad_id=pad_id,
-                                    optim=cfg.critic.optim, total_steps=total)
+                                    optim=cfg.critic.optim, total_steps=total,
+                                    offload_optimizer=cfg.critic.offload_optimizer)
     if "reward" in here:
         if cfg.reward.type == "model":
             model = _build(LlamaForSequenceClassification, model_config, path=cfg.reward.model_path,
                            device=env.device, seed=seed + 1)
-            roles.reward = RewardModelWorker(model, _spec(cfg.reward, groups["reward"], env, dtype), pad_id=pad_id,
+            roles.reward = RewardModelWorker(model, _spec(cfg.reward, groups["reward"], env, dtype, frozen=True),
+                                             pad_id=pad_id,
                                              max_tokens=cfg.reward.max_tokens_per_micro_batch)
         else:
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"

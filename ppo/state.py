@@ -10,7 +10,6 @@ import logging
 import math
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ppo import core_algos as algos
@@ -209,59 +208,19 @@ def check_reward_columns(cfg, columns: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------- worker state
-def _to_local(obj):
-    """DTensors -> their local shards (picklable, per rank), recursively."""
-    if hasattr(obj, "to_local"):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_local(v) for v in obj)
-    return obj
-
-
-def _params_of(worker) -> dict[str, torch.nn.Parameter]:
-    return dict(worker.runner.named_parameters())  # HF names: unique over this rank's stages
-
-
 def worker_state(worker) -> dict:
-    state = {"params": {n: _to_local(p.data) for n, p in _params_of(worker).items()}}
-    if getattr(worker, "optimizer", None) is not None:
-        state["optim"] = _to_local(worker.optimizer.state_dict())
+    """This rank's part of a worker: the runner's own checkpoint state (model shards, optimizer state, in
+    the backend's layout) and the LR schedule."""
+    state = {"runner": worker.runner.checkpoint_state(getattr(worker, "optimizer", None))}
+    if getattr(worker, "scheduler", None) is not None:
         state["sched"] = worker.scheduler.state_dict()
     return state
 
 
 def load_worker_state(worker, state: dict) -> None:
-    """Copy saved local shards into the live (possibly DTensor) parameters and optimizer state."""
-    params = _params_of(worker)
-    with torch.no_grad():
-        for n, p in params.items():
-            dst = p.data.to_local() if hasattr(p.data, "to_local") else p.data
-            dst.copy_(state["params"][n])
-    if "optim" not in state:
-        return
-    opt = worker.optimizer
-    saved = state["optim"]
-    # rebuild optimizer state tensors with each parameter's own placement (DTensor or plain)
-    order = [p for g in opt.param_groups for p in g["params"]]
-    new_state = {}
-    for idx, st in saved["state"].items():
-        p = order[int(idx)]
-        new_state[idx] = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
-                from torch.distributed.tensor import DTensor
-
-                v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
-                                       shape=p.shape, stride=p.stride())
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                v = v.to(p.device)
-            new_state[idx][k] = v
-    opt.load_state_dict({"state": new_state, "param_groups": saved["param_groups"]})
-    worker.scheduler.load_state_dict(state["sched"])
+    worker.runner.load_checkpoint_state(getattr(worker, "optimizer", None), state["runner"])
+    if "sched" in state:
+        worker.scheduler.load_state_dict(state["sched"])
 
 
 def roles_state(roles) -> dict:
@@ -290,7 +249,7 @@ def export_hf(worker, path: Path, *, architecture: str) -> bool:
     sd = worker.runner.export_state_dict()
     if sd is None:
         return False
-    save_tensors(sd, worker.runner.modules[0].config, path, architecture=architecture)
+    save_tensors(sd, worker.runner.model_config, path, architecture=architecture)
     return True
 
 

@@ -259,7 +259,8 @@ class PPOTrainer:
                 "actor": actor_m if roles.actor is not None and roles.actor.is_owner else None,
                 "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.env.device) / 2**30
-                            if self.env.device.type == "cuda" else None)}
+                            if self.env.device.type == "cuda" else None),
+                **host_memory_gb()}
         parts = all_gather_objects(mine)
         if self.env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.env.device)
@@ -290,6 +291,9 @@ class PPOTrainer:
         peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
         if peaks:
             m["mem/peak_gb"] = max(peaks)
+        # host memory per rank (offloaded optimizer states live there): now, and the process's peak so far
+        m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
+        m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
         return m
 
     def flop_metrics(self, exp: Experience, m: dict[str, float]) -> dict[str, float]:
@@ -379,6 +383,18 @@ def _reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[st
     """`reward/<key>/mean` for each extra numeric key of the reward function's dict results."""
     return {f"{k}/mean": float(torch.stack(list(v.values())).float().mean())
             for k, v in merged.items() if k.startswith("reward/") and v}
+
+
+def host_memory_gb() -> dict[str, float]:
+    """{"host_rss_gb": resident set now, "host_peak_gb": its peak so far} of this process (Linux /proc and
+    getrusage; pinned host buffers are resident, so offloaded optimizer states count)."""
+    import resource
+
+    page = resource.getpagesize()
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * page
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    return {"host_rss_gb": rss / 2**30, "host_peak_gb": max(peak, rss) / 2**30}
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

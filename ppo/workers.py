@@ -9,7 +9,9 @@ the first update epoch, so the PPO ratio is exactly 1 on-policy.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 
 from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
-from parallel.apply import parallelize_model
+from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import (
@@ -49,6 +51,11 @@ class WorkerSpec:
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1
     share_prompts: bool = False  # pack a prompt once with its n responses (policy workers)
+    # never trained (reference, reward model): stored in the compute dtype, with no fp32 master copy.
+    # FSDP's mixed precision would cast the masters to that dtype for every forward anyway, so the
+    # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
+    frozen: bool = False
+    backend: str = "native"  # native | megatron (parallel/backends.py)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -62,9 +69,14 @@ def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
     return f
 
 
-def build_optimizer(runner: ModelRunner, optim, *, total_steps: int):
-    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule."""
-    opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+def build_optimizer(runner: ModelRunner, optim, *, total_steps: int, offload: bool = False):
+    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule.
+    offload: Adam's moments in pinned host memory between steps (`<role>.offload_optimizer`)."""
+    opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                 offload=offload)
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    logging.getLogger("hybridrl").info("optimizer %s over %.3g parameters%s", type(opt).__name__, n,
+                                       ": moments in host memory" if offload else "")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
                                                               schedule=optim.lr_schedule,
                                                               min_ratio=optim.min_lr_ratio))
@@ -83,11 +95,12 @@ class ShardedWorker:
         self.tp_group = mesh.get_group("tp")
         self.device = spec.device
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
-        self.runner: ModelRunner = parallelize_model(
+        self.runner: ModelRunner = build_runner(
             # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
             # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
             # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
-            model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None, param_dtype=param_dtype,
+            model, backend=spec.backend, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None,
+            param_dtype=param_dtype, frozen=spec.frozen,
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
@@ -186,8 +199,14 @@ class ShardedWorker:
                     for k2, v in m.items():
                         sums[k2] = sums.get(k2, 0.0) + float(v)
                     count += 1
+                t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
+                    torch.cuda.synchronize(self.device)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm * len(metrics_list)
+                # clip + step, seconds per optimizer step (weighted like the other metrics)
+                sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
+                    metrics_list)
                 self.optimizer_steps_in_update += 1
         return {k: v / max(count, 1) for k, v in sums.items()}
 
@@ -196,14 +215,15 @@ class PolicyWorker(ShardedWorker):
     """Actor (trainable) or reference (frozen) policy: log-probs of responses, PPO updates."""
 
     def __init__(self, model: nn.Module, spec: WorkerSpec, *, temperature: float, pad_id: int,
-                 trainable: bool, optim=None, total_steps: int = 1):
+                 trainable: bool, optim=None, total_steps: int = 1, offload_optimizer: bool = False):
         super().__init__(model, spec)
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
         self.trainable = trainable
         if trainable:
             self.grad_clip = optim.grad_clip
-            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
+            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
+                                                             offload=offload_optimizer)
         else:
             for p in self.parameters():
                 p.requires_grad_(False)
@@ -280,10 +300,12 @@ def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
 class CriticWorker(ShardedWorker):
     """Value model: per-token values of responses and clipped value-loss updates."""
 
-    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int):
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int,
+                 offload_optimizer: bool = False):
         super().__init__(model, spec)
         self.pad_id = pad_id
-        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
+        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
+                                                         offload=offload_optimizer)
         self.grad_clip = optim.grad_clip
 
     def _response_values(self, packed, hidden: torch.Tensor) -> torch.Tensor:

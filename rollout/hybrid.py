@@ -73,7 +73,7 @@ class HybridEngine:
         self.device = local.device
         dtype = gen_dtype or local.dtype
         if specs is None:
-            specs = param_specs(self.modules[0].config, itemsize=torch.empty(0, dtype=dtype).element_size())
+            specs = param_specs(actor.model_config, itemsize=torch.empty(0, dtype=dtype).element_size())
         self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
         self.memory_log: list[MemoryRecord] = []
         self.timings: dict[str, float] = {}
@@ -125,14 +125,13 @@ class HybridEngine:
             rec = MemoryRecord(step, live, live, live, time.perf_counter() - self._t0)
         self.memory_log.append(rec)
         if self.log is not None:
-            self.log.info("hybrid %-16s allocated %.3f GB reserved %.3f GB peak %.3f GB at %.3f s", step,
-                          rec.allocated / 1e9, rec.reserved / 1e9, rec.peak / 1e9, rec.seconds)
+            # debug: the rank's log file keeps every generate's memory timeline, the console stays quiet
+            self.log.debug("hybrid %-16s allocated %.3f GB reserved %.3f GB peak %.3f GB at %.3f s", step,
+                           rec.allocated / 1e9, rec.reserved / 1e9, rec.peak / 1e9, rec.seconds)
 
     # ---- training-only state ----
     def _release_training_state(self) -> None:
-        for m in self.modules:
-            for p in m.parameters():
-                p.grad = None
+        self.actor.release_gradients()  # the backend's gradient storage (megatron: its DDP buffers)
         if not self.offload_optimizer:
             return
         pin = torch.cuda.is_available() and self.device.type == "cuda"
@@ -155,6 +154,7 @@ class HybridEngine:
                 local.data = torch.empty(0, dtype=local.dtype, device=local.device)
 
     def _restore_training_state(self) -> None:
+        self.actor.restore_gradients()
         with torch.no_grad():
             for local, host in self._offloaded:
                 local.data = host.to(self.device, non_blocking=True)

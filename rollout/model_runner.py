@@ -112,6 +112,9 @@ class ModelRunner:
             tokens = self.config.kv_cache_tokens
         elif self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
+            # blocks this process's caching allocator holds unused (e.g. the last update's activations) are
+            # free for the cache too: on a failed cudaMalloc the allocator releases them and retries
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             tokens = int(free * self.config.gpu_memory_fraction) // per_tok
             if self.tp > 1:  # every rank must agree on the slot count (same schedule, same collectives)
                 t = torch.tensor([tokens], device=self.device)

@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     import datetime
 
     import torch
@@ -36,7 +36,9 @@ def _entry(rank, world_size, port, fn, args, queue):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
         out = fn(rank, world_size, *args)
         # plain pickle copies tensors by value: torch's shared-memory handles die with this process
@@ -48,11 +50,12 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0) -> list:
+def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """backend "nccl": one GPU per rank (cuda:rank set before the group starts)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

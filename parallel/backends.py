@@ -1,0 +1,85 @@
+"""The one factory of training backends: `<role>.backend` picks which runner a worker drives.
+
+    runner = build_runner(model, backend="megatron", mesh=mesh, dims=dims, param_dtype=torch.bfloat16,
+                          attn_factory=DocumentAttention)
+
+`model` is the role's Hugging Face-named module, already holding its initial weights (random init
+or a checkpoint: the same source for every backend, so a native reference and a megatron actor
+start equal). native: parallelize_model applies TP/PP/FSDP to it in place. megatron: this rank's
+megatron-core GPTModel stage is built from its config and filled from its tensors (each rank copies
+only its own TP slices), and the HF module is dropped by the caller. Both return a
+parallel.runner.ModelRunner; callers never branch on the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from parallel.apply import parallelize_model
+from parallel.runner import ModelRunner
+
+BACKENDS = ("native", "megatron")
+
+
+def head_kind(model: nn.Module) -> str:
+    """megatron head of an HF-style module: lm (causal LM), value (critic), score (reward model)."""
+    from models.heads import LlamaForSequenceClassification, LlamaForValue
+
+    if isinstance(model, LlamaForValue):
+        return "value"
+    if isinstance(model, LlamaForSequenceClassification):
+        return "score"
+    return "lm"
+
+
+def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", param_dtype: torch.dtype | None = None,
+                          attn_factory: Callable | None = None, frozen: bool = False) -> ModelRunner:
+    """megatron-core stage of `model` for this rank's coordinate in `mesh` ("pp", "dp", "tp")."""
+    from models.megatron_model import build_megatron_model
+    from parallel.megatron_groups import build_process_groups
+    from parallel.megatron_runner import MegatronRunner
+    from parallel.megatron_weights import load_megatron_weights
+
+    cfg = model.config
+    dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+    first = next(model.parameters())
+    dtype = param_dtype or first.dtype  # half params: megatron keeps the fp32 masters in its optimizer
+    pgc = build_process_groups(mesh)
+    pp_idx = mesh.get_local_rank("pp")
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1} if ac == "full" else {}
+    gpt = build_megatron_model(cfg, pg_collection=pgc, pre_process=pp_idx == 0, post_process=pp_idx == dims.pp - 1,
+                               head=head_kind(model), params_dtype=dtype, device=first.device, **recompute)
+    load_megatron_weights(gpt, pgc, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)})
+    return MegatronRunner(gpt, pgc, mesh=mesh, attn_factory=attn_factory)
+
+
+def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: str = "none", compile: bool = False,
+                 dynamic: bool | None = None, param_dtype: torch.dtype | None = None, n_microbatches: int | None = None,
+                 pp_schedule: str = "1f1b", stages_per_rank: int = 1,
+                 attn_factory: Callable | None = None, frozen: bool = False) -> ModelRunner:
+    """The runner of `model` on `backend`. Settings a backend cannot honour are refused before launch
+    (launcher.config._validate_megatron_role), never ignored here. frozen: a model that is never trained
+    (native: stored in param_dtype with no fp32 master; megatron already keeps its 16-bit params and has no
+    optimizer for it)."""
+    if backend == "native":
+        if frozen and param_dtype is not None:
+            # never trained (reference, reward model): stored in the compute dtype with no fp32 master copy.
+            # FSDP's mixed precision would cast the masters to that dtype for every forward anyway, so the
+            # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
+            model.to(param_dtype)  # the RoPE frequencies stay fp32 (LlamaModel._apply)
+            param_dtype = None
+        return parallelize_model(model, mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic,
+                                 param_dtype=param_dtype, n_microbatches=n_microbatches, pp_schedule=pp_schedule,
+                                 stages_per_rank=stages_per_rank, attn_factory=attn_factory)
+    if backend == "megatron":
+        if compile or stages_per_rank != 1 or ac == "selective":
+            raise ValueError(f"megatron backend: compile={compile}, stages_per_rank={stages_per_rank}, ac={ac!r} "
+                             "are not supported (use compile=False, 1 stage per rank, ac none|full)")
+        return build_megatron_runner(model, mesh=mesh, dims=dims, ac=ac, param_dtype=param_dtype,
+                                     attn_factory=attn_factory)
+    raise ValueError(f"unknown training backend {backend!r}; choose one of {BACKENDS}")

@@ -1,0 +1,319 @@
+"""`MegatronRunner`: a megatron-core model behind the project's runner interface (parallel/runner.py).
+
+    pgc = build_process_groups(mesh)
+    gpt = build_megatron_model(cfg, pg_collection=pgc, pre_process=..., post_process=..., device="cuda")
+    runner = MegatronRunner(gpt, pgc, mesh=mesh, attn_factory=DocumentAttention)
+    opt = runner.build_optimizer(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)  # trainable roles
+    logps = runner.forward(mbs, reduce=lambda h, k: ...)           # last stage: [R_k], else None
+    metrics = runner.forward_backward(mbs, loss_fn=lambda h, k: (loss, {...}))
+    grad_norm = runner.optimizer_step(opt, max_norm=1.0)           # distributed optimizer: clip + Adam
+
+Micro-batches (packed rows [1, T_k], any count, any lengths) run through megatron-core's schedule for
+the layout (`get_forward_backward_func(pp_size=, vp_size=)`: no pipelining at pp = 1, 1F1B otherwise)
+with an explicit `P2PCommunicator` and our `ProcessGroupCollection`. `loss_fn(hidden [1, T, H], k)`
+sees the last stage's final-normed hidden states and computes its own (vocab-parallel, chunked)
+log-probs from `head()`; its loss is already normalised by the caller (global token count), so the
+schedule's division by the number of micro-batches is undone here.
+
+Training uses megatron-core's DDP (fp32 grad buffers, grads averaged over DP like FSDP's) and its
+distributed optimizer (fp32 master shards, clipping over the whole role group). overlap_param_gather
+stays off: with it, updated parameters are gathered lazily in the next forward and a hybrid-engine
+reshard in between would read stale weights. megatron-core's schedules and optimizer need CUDA;
+`forward` at pp = 1 also runs on CPU (the parity tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.megatron_model import head_weight, megatron_hidden
+from parallel.megatron_groups import assert_no_global_state
+from parallel.megatron_weights import gather_hf_state, megatron_hf_shards, megatron_reshard_shards
+from parallel.runner import split_loss
+
+
+@dataclass(slots=True)
+class MegatronOptimSettings:
+    lr: float
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+def require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"megatron backend: {what} needs CUDA (megatron-core's schedules, DDP buffers and "
+                           "distributed optimizer allocate on the GPU); use backend: native on CPU")
+
+
+@contextlib.contextmanager
+def role_scoped_all_gather_object(group: dist.ProcessGroup):
+    """Make megatron-core's WORLD `all_gather_object` (param-group alignment while building the optimizer)
+    run over the role's group instead: with split placement the other roles' ranks never join that call,
+    so the WORLD version hangs. The list it fills is sized to the world; only the role's entries are set,
+    the rest repeat this rank's keys (megatron only takes the union of the gathered keys)."""
+    original = dist.all_gather_object
+
+    def scoped(object_list, obj, group=None):
+        parts = [None] * dist.get_world_size(scoped_group)
+        original(parts, obj, group=scoped_group)
+        for i in range(len(object_list)):
+            object_list[i] = parts[i] if i < len(parts) else obj
+
+    scoped_group = group
+    dist.all_gather_object = scoped
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+def build_megatron_training(gpt: nn.Module, pgc, optim: MegatronOptimSettings):
+    """(DDP-wrapped model, distributed optimizer) for a trainable role. Collective over the role group."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    require_cuda("training (DDP + distributed optimizer)")
+    assert_no_global_state()
+    cfg = gpt.config
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            overlap_param_gather=False, use_distributed_optimizer=True,
+                                            average_in_collective=False)
+    ddp = DistributedDataParallel(cfg, ddp_cfg, gpt, pg_collection=pgc)
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
+                              adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+                              clip_grad=optim.grad_clip, bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype,
+                              use_distributed_optimizer=True)
+    with role_scoped_all_gather_object(pgc.intra_dist_opt):
+        opt = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False, pg_collection=pgc)
+    # the schedules reduce gradients (DP, tied embeddings, layer norms) through these hooks once per pass
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    return ddp, opt
+
+
+class MegatronRunner:
+    """One megatron-core model chunk (this rank's pipeline stage) of a role, behind parallel.runner's
+    `ModelRunner` interface (forward / forward_backward over packed micro-batches, heads, HF-named
+    shards, export, the backend's optimizer)."""
+
+    backend = "megatron"
+    microbatches = None  # megatron-core's schedules take any count, each micro-batch its own length
+
+    def __init__(self, gpt: nn.Module, pgc, *, mesh=None, attn_factory: Callable | None = None):
+        assert_no_global_state()
+        self.gpt, self.pgc, self.mesh = gpt, pgc, mesh
+        self.attn_factory = attn_factory
+        self.pp = pgc.pp.size()
+        self.ddp = self.optimizer = None
+        self._p2p = None
+
+    # ---- layout
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.gpt]
+
+    @property
+    def model_config(self):
+        """The Hugging Face-side ModelConfig (GPTModel.config is megatron's TransformerConfig)."""
+        return self.gpt.hf_config
+
+    @property
+    def has_first(self) -> bool:
+        return bool(self.gpt.pre_process)
+
+    @property
+    def has_last(self) -> bool:
+        return bool(self.gpt.post_process)
+
+    @property
+    def is_exporter(self) -> bool:
+        return self.pgc.pp.rank() == 0 and self.pgc.tp.rank() == 0 and self.pgc.dp.rank() == 0
+
+    def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
+        """(this rank's [V / tp, H] LM head rows, their first vocab id), or the [L, H] `score` head (TP-replicated)."""
+        if not self.has_last:
+            raise RuntimeError("only the last pipeline stage holds the heads")
+        if name == "score":
+            return self.gpt.score.weight, 0
+        w = head_weight(self.gpt)
+        return w, self.pgc.tp.rank() * w.shape[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, this rank's TP shard): views of megatron's parameters where the fused layout allows
+        (read-only use: export, inspection; checkpoints go through `checkpoint_state`)."""
+        yield from megatron_hf_shards(self.gpt, self.pgc).items()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.gpt.parameters() if p.requires_grad]
+
+    def training_shards(self) -> dict[str, torch.Tensor]:
+        """Training shards in the reshard planner's convention (see megatron_reshard_shards)."""
+        return megatron_reshard_shards(self.gpt, self.pgc)
+
+    def load_hf_weights(self, path, *, strict: bool = True) -> None:
+        """This rank's slices of an HF checkpoint into the stage (then the optimizer's fp32 masters)."""
+        from parallel.megatron_weights import load_megatron_weights
+
+        load_megatron_weights(self.gpt, self.pgc, path, strict=strict)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def export_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{HF name: full CPU tensor} on the exporter rank, None elsewhere (collective over the role group)."""
+        mine = gather_hf_state(self.gpt, self.pgc)  # TP all-gather inside each stage
+        if self.pgc.tp.rank() or self.pgc.dp.rank():
+            return None
+        if self.pp == 1:
+            return mine
+        parts = [None] * self.pp
+        dst = dist.get_global_rank(self.pgc.pp, 0)
+        dist.gather_object(mine, parts if dist.get_rank() == dst else None, dst=dst, group=self.pgc.pp)
+        return {k: v for part in parts for k, v in part.items()} if self.is_exporter else None
+
+    # ---- compute
+    def _hidden(self, mb, *, hidden_in=None) -> torch.Tensor:
+        """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout)."""
+        attn = self.attn_factory(mb.position_ids) if self.attn_factory is not None else None
+        return megatron_hidden(self.gpt, mb.input_ids if self.has_first else None, mb.position_ids, attn=attn,
+                               hidden_in=hidden_in)
+
+    @torch.no_grad()
+    def forward(self, batches: Sequence, *, reduce: Callable) -> list | None:
+        """No grad; `reduce(hidden [1, T_k, H], k)` on the last stage per micro-batch -> [R_k], None elsewhere."""
+        if self.pp == 1:  # no schedule needed (and this path also runs on CPU)
+            return [reduce(self._hidden(mb).transpose(0, 1), k) for k, mb in enumerate(batches)]
+        results = self._run_schedule(batches, fn=reduce, forward_only=True)
+        return results if self.has_last else None
+
+    def forward_backward(self, batches: Sequence, *, loss_fn: Callable) -> list[dict]:
+        """One gradient-accumulating pass over the micro-batches with megatron-core's schedule; DP and
+        tied-embedding gradient reductions run once at its end (finalize_model_grads). Gradients land in
+        DDP's fp32 buffers; the losses are used unscaled (loss_fn normalises). Metrics on the last stage."""
+        if self.optimizer is None:
+            raise RuntimeError("forward_backward needs the megatron optimizer: call build_optimizer first")
+        metrics = self._run_schedule(batches, fn=loss_fn, forward_only=False)
+        return metrics if self.has_last else []
+
+    def _run_schedule(self, batches: Sequence, *, fn: Callable, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        require_cuda("megatron-core pipeline schedules")
+        n = len(batches)
+        out: list = [None] * n
+
+        def forward_step(data_iterator, model):
+            k = next(data_iterator)
+            output = self._hidden(batches[k])
+
+            def loss_func(output_tensor):
+                hidden = output_tensor.transpose(0, 1)  # [1, T, H]
+                if forward_only:
+                    out[k] = fn(hidden, k)
+                    return hidden.new_zeros(()), {}
+                loss, metrics = split_loss(fn(hidden, k))
+                out[k] = metrics
+                # the schedule divides each micro-batch loss by n; ours is already normalised by the caller
+                return loss * n, metrics
+
+            return output, loss_func
+
+        if self._p2p is None and self.pp > 1:
+            self._p2p = P2PCommunicator(pp_group=self.pgc.pp, config=self.gpt.config)
+        longest = max(mb.position_ids.shape[1] for mb in batches)
+        fb = get_forward_backward_func(pp_size=self.pp, vp_size=None)
+        fb(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[self.ddp or self.gpt],
+           num_microbatches=n, seq_length=longest, micro_batch_size=1, forward_only=forward_only,
+           p2p_communicator=self._p2p, pg_collection=self.pgc)
+        return out
+
+    # ---- optimizer (the backend's: DDP + distributed optimizer)
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                        grad_clip: float = 1.0, offload: bool = False):
+        """Wrap the stage in megatron-core DDP and build its distributed optimizer (collective over the role
+        group). Returns the torch optimizer megatron drives (its param_groups carry the LR a scheduler
+        sets; its state is the fp32 master shards' Adam moments). offload (host-resident moments) is not
+        wired here: refused, never ignored (launcher.config refuses it before launch too)."""
+        if offload:
+            raise ValueError("megatron backend: offload_optimizer is not supported (native backend only)")
+        settings = MegatronOptimSettings(lr=lr, grad_clip=grad_clip, weight_decay=weight_decay, betas=tuple(betas))
+        self.ddp, self.optimizer = build_megatron_training(self.gpt, self.pgc, settings)
+        self.ddp.zero_grad_buffer()
+        return self.optimizer.optimizer
+
+    def optimizer_step(self, optimizer, *, max_norm: float) -> float:
+        """Clip to max_norm (global norm over the role group, inside megatron's step), Adam on the fp32
+        master shards, gather the updated parameters (not lazily: a reshard next reads them), zero the
+        gradient buffers. Returns the pre-clip grad norm."""
+        self.optimizer.config.clip_grad = max_norm
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron optimizer skipped the step (non-finite gradients)")
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(grad_norm) if grad_norm is not None else 0.0
+
+    # ---- around generation (hybrid engine)
+    def release_gradients(self) -> None:
+        """Free DDP's fp32 gradient buffers (storage resized to 0, 4 bytes per parameter) while generating;
+        they are zero between optimizer steps, so nothing is copied."""
+        if self.ddp is not None:
+            for buf in self.ddp.buffers:
+                buf.offload_to_cpu(move_params=False, move_grads=True)
+
+    def restore_gradients(self) -> None:
+        if self.ddp is not None:
+            for buf in self.ddp.buffers:
+                buf.reload_from_cpu(move_params=False, move_grads=True)  # re-allocated and zeroed
+
+    # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
+    def checkpoint_state(self, optimizer=None) -> dict:
+        """This rank's model shard (megatron names), the optimizer's scalar state and the distributed
+        optimizer's fp32 master + Adam shards (bucket space of this DP rank), all cloned to CPU.
+        (`optimizer`: what build_optimizer returned; this runner holds its megatron wrapper itself.)"""
+        state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
+        # before its first step megatron's optimizer has no state to save (and its state_dict asserts on that):
+        # the masters then equal the parameters, which is what a fresh optimizer starts from
+        if self.optimizer is not None and len(self.optimizer.optimizer.state) > 0:
+            state["optim"] = _clone_cpu(self.optimizer.state_dict())
+            state["dist_optim"] = _clone_cpu(self.optimizer.get_parameter_state_dp_reshardable())
+        return state
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, optimizer, state: dict) -> None:
+        """Inverse of checkpoint_state on the same layout: parameters, then optimizer and master shards."""
+        params = dict(self.gpt.named_parameters())
+        if set(state["params"]) != set(params):
+            raise KeyError("checkpoint was written for another layout or model: megatron parameter names differ "
+                           f"({sorted(set(state['params']) ^ set(params))[:4]}); resume with the same plan")
+        for n, p in params.items():
+            p.copy_(state["params"][n])
+        if self.optimizer is None:
+            return
+        self.optimizer.reload_model_params()
+        if "optim" in state:
+            self.optimizer.load_state_dict(state["optim"])
+        if "dist_optim" in state:
+            # the getter never writes the 'padding' key its loader reads (copies: the caller's state stays as is)
+            dist_state = {k: ({dtype: [[{"padding": False, **entry} for entry in bucket] for bucket in buckets]
+                               for dtype, buckets in v.items()} if isinstance(k, int) else v)
+                          for k, v in state["dist_optim"].items()}
+            self.optimizer.load_parameter_state_from_dp_reshardable(dist_state)
+
+
+def _clone_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,53 @@
+"""`<role>.backend: megatron` layouts and settings megatron-core cannot run are refused before launch (exit 2)."""
+
+import pytest
+
+from launcher.config import load_config
+from launcher.errors import UserError
+from launcher.plan import compute_plan
+from models.config import preset_config
+
+pytest.importorskip("megatron.core")
+
+
+def test_training_without_cuda_is_refused_with_the_reason():
+    with pytest.raises(UserError, match=r"actor.backend=megatron: megatron-core training .* needs CUDA.*"
+                                        r"trainer.device is cpu"):
+        load_config("conf/ppo_tiny.yaml", ["actor.backend=megatron", "trainer.device=cpu"])
+    # a frozen reference at pp=1 runs megatron-core's model on CPU (forward only)
+    cfg = load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu"])
+    assert cfg.ref.backend == "megatron"
+    with pytest.raises(UserError, match="ref.backend=megatron: megatron-core pp > 1"):
+        load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "ref.pp=2", "trainer.device=cpu"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("ref.compile=true", "ref.compile=true"),
+    ("ref.activation_checkpointing=selective", "ref.activation_checkpointing=selective"),
+    ("ref.pp_stages_per_rank=2", "ref.pp_stages_per_rank=2"),
+])
+def test_unwired_settings_are_refused(override, key):
+    with pytest.raises(UserError, match=f"ref.backend=megatron: {key} is not supported"):
+        load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", override])
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(UserError, match="critic.backend='megatorn' is not one of native, megatron"):
+        load_config("conf/ppo_tiny.yaml", ["critic.backend=megatorn"])
+
+
+@pytest.mark.parametrize("model, msg", [
+    (dict(vocab_size=511), r"ref.* tp\(2\) must divide vocab_size\(511\)"),  # (the native check, shared, says it first)
+    (dict(num_key_value_heads=1, num_attention_heads=4), r"ref.tp\(2\) must divide num_key_value_heads\(1\)"),
+])
+def test_layouts_megatron_cannot_shard_are_refused(model, msg):
+    cfg = load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", "ref.tp=2"])
+    with pytest.raises(UserError, match=msg):
+        compute_plan(cfg, world_size=2, model=preset_config("tiny", **model))
+
+
+def test_uneven_pipeline_split_is_refused():
+    from launcher.plan import _validate_megatron_layout
+
+    with pytest.raises(UserError, match=r"ref.backend=megatron: ref.pp\(3\) must divide num_hidden_layers\(4\)"):
+        _validate_megatron_layout("ref", tp=1, pp=3, shape=preset_config("tiny"))
