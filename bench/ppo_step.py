@@ -50,7 +50,10 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
     wall = time.perf_counter() - t0
     run_dir = runs / name
     metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    from launcher.report import metric_rows, read_jsonl
+
+    # a step re-run after a restart: its last row supersedes the first one
+    rows = metric_rows(read_jsonl(metrics)) if metrics.exists() else []
     if error is not None:
         # the steps that finished still say something (e.g. the step before an OOM): summarised beside the error
         out = {"ok": False, "error": error, "stderr_tail": (stderr or "")[-3000:], "cmd": " ".join(cmd),

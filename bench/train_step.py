@@ -101,12 +101,13 @@ class RunSpec:
 
 def flops_per_token(cfg: ModelConfig, *, context: float, all_params: bool = False) -> float:
     """6 N + 12 L H C (PaLM appendix B). N: the matmul parameters (decoder layers + the head, whose
-    matmul runs even when tied; not the embedding lookup), or every parameter with all_params."""
+    matmul runs even when tied; not the embedding lookup), or every parameter with all_params. H is the
+    width of q.k and p.v, heads x head_dim: the hidden size in PaLM, twice it in Qwen3-0.6B."""
     if all_params:
         n = cfg.num_params(include_embedding=True)
     else:
         n = cfg.matmul_params()
-    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
 
 
 def pack_rows(batch: int, seq: int, *, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -30,7 +30,11 @@ class TrainerConfig:
     total_steps: int = 20  # PPO steps to run (ignored when total_epochs > 0)
     total_epochs: int = 0  # > 0: passes over data.train_files; total_steps = epochs x (prompts // data.batch_size)
     seed: int = 42  # model init, data order and sampling seeds
-    save_every: int = 0  # checkpoint every N steps; 0: only at the end
+    save_every: int = 0  # steps between checkpoints; 0: none by step count (see save_every_minutes)
+    save_every_minutes: float = 30.0  # also checkpoint when this long has passed since the last one; 0: off
+    preempt_grace_s: float = 100.0  # SIGTERM/SIGINT: finish the step and save within this, else exit 75 anyway
+    watchdog_timeout_s: float = 180.0  # a rank silent this long makes every rank exit naming it; 0: off
+    on_damaged_checkpoint: str = "stop"  # resume=auto and the newest checkpoint is damaged: stop | fallback
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints
@@ -141,6 +145,8 @@ class RewardConfig(ParallelConfig):
     model_path: str | None = None  # reward model (*ForSequenceClassification) directory
     default_score: float = 0.0  # score of a sample whose reward function raised
     pass_threshold: float = 1.0  # a validation sample counts as solved (pass@k) when its score >= this
+    timeout_s: float = 30.0  # per sample; a call running longer is a failure (default_score); 0: no limit
+    stop_failed_fraction: float = 1.0  # stop the run when this fraction of a step's samples failed (1: all)
     max_tokens_per_micro_batch: int = 8192  # token budget of one reward-model micro-batch
 
 
@@ -243,6 +249,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
+    "trainer.on_damaged_checkpoint": ("stop", "fallback"),
     "trainer.export_hf": ("final", "every_save"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("native", "hf", "vllm"),
@@ -363,6 +370,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
         node = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 - yaml errors come in many types
         raise UserError(f"{path}: cannot parse YAML: {e}") from None
+    if not hasattr(node, "keys"):  # a list, or a scalar: not a config
+        raise UserError(f"{path}: the top level of a config file must be a mapping of sections (trainer:, actor:, "
+                        f"...), not a {type(node).__name__.replace('ListConfig', 'list')}")
+    if len(node) == 0:
+        raise UserError(f"{path}: the config file is empty; it needs at least one section (e.g. trainer:) or an "
+                        f"'extends: ppo_tiny.yaml' line (every key left out takes its schema default)")
     out = []
     bases = node.pop("extends", None) if hasattr(node, "pop") else None
     for base in [bases] if isinstance(bases, str) else list(bases or []):
@@ -439,6 +452,23 @@ def validate_config(cfg: Config) -> None:
         (t.log_samples_count >= 1, f"trainer.log_samples_count({t.log_samples_count}) must be >= 1"),
         (r.val_n >= 1, f"rollout.val_n({r.val_n}) must be >= 1"),
         (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
+        (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
+        (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
+        (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
+                               f"long a collective waits for a missing rank"),
+        (t.preempt_grace_s >= 0, f"trainer.preempt_grace_s({t.preempt_grace_s}) must be >= 0 (0: no limit)"),
+        (t.watchdog_timeout_s >= 0, f"trainer.watchdog_timeout_s({t.watchdog_timeout_s}) must be >= 0 (0: off)"),
+        (cfg.reward.timeout_s >= 0, f"reward.timeout_s({cfg.reward.timeout_s}) must be >= 0 (0: no limit)"),
+        (0 < cfg.reward.stop_failed_fraction <= 1,
+         f"reward.stop_failed_fraction({cfg.reward.stop_failed_fraction}) must be in (0, 1] (1: stop only when "
+         f"every sample of a step failed)"),
+        (cfg.actor.mini_batch_size >= 0,
+         f"actor.mini_batch_size({cfg.actor.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.mini_batch_size >= 0,
+         f"critic.mini_batch_size({cfg.critic.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.ppo_epochs >= 1, f"critic.ppo_epochs({cfg.critic.ppo_epochs}) must be >= 1"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -491,6 +521,8 @@ def validate_config(cfg: Config) -> None:
     if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
+    if r.engine == "vllm":
+        _validate_vllm(cfg)
     for pool in cfg.placement.pools:
         for role in pool.roles:
             if role not in ROLES:
@@ -499,6 +531,24 @@ def validate_config(cfg: Config) -> None:
                 raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
         if pool.size < 1:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def _validate_vllm(cfg: Config) -> None:
+    """rollout.engine=vllm: vLLM installed in a supported version, a log-prob convention that matches ours,
+    and no key that only the native engine reads."""
+    from rollout.vllm_support import installed_vllm_version, logprobs_mode_for, vllm_install_problem
+
+    r = cfg.rollout
+    problem = vllm_install_problem(installed_vllm_version())
+    if problem is not None:
+        raise UserError(problem)
+    try:
+        logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if r.decode_attention != "auto":
+        raise UserError(f"rollout.decode_attention={r.decode_attention!r} selects a native-engine kernel; vLLM picks "
+                        "its own attention backend: leave it at auto with rollout.engine=vllm")
 
 
 def _validate_megatron_role(cfg: Config, role: str) -> None:

@@ -55,10 +55,28 @@ def init_distributed(*, device: str, backend: str = "auto", timeout_s: int = 600
     if device == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=_restart_safe_store(world, timeout),
                                 device_id=dev if device == "cuda" else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+
+
+def _restart_safe_store(world_size: int, timeout: datetime.timedelta):
+    """The rendezvous store for this attempt, or None (torch's env:// default).
+
+    torchrun's agent hosts one TCPStore for all restarts of a job and its workers connect to it
+    as clients (TORCHELASTIC_USE_AGENT_STORE=True). After `torchrun --max-restarts N` restarts the
+    workers, the keys of the failed attempt (gloo's full-mesh addresses, new_group counters) are
+    still there: gloo connects to dead peers ("Connection refused") or new_group hangs. A prefix
+    per attempt gives each restart a clean namespace (the templates also set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives each attempt its own store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hybridrl/attempt_{attempt}/", store)
 
 
 def broadcast_plan(plan: DevicePlan | None, *, rank: int) -> DevicePlan:

@@ -69,7 +69,17 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
     from launcher.log import add_file_log, setup_logging
     from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
+    from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.rundir import prepare_run_dir, write_atomic
+    from launcher.watchdog import Watchdog, clear_alarm
+
+    t = cfg.trainer
+    stop_file = os.environ.get("HYBRIDRL_STOP_FILE")  # the Slurm templates' preemption request
+    if stop_file_blocks_start(stop_file):
+        print(f"rank {rank}: stop file {stop_file} exists: this job was asked to stop; not starting "
+              f"(exit {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
+    stop = StopRequest(grace_s=t.preempt_grace_s, stop_file=stop_file).install()
 
     # --- everything checkable is checked before a process group exists
     model_cfg = resolve_model_config(cfg)
@@ -79,12 +89,27 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
 
     env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
     logger = setup_logging(rank=env.rank, world_size=env.world_size)
+    lock = watchdog = None
+    clean = False
     try:
         plan = broadcast_plan(plan, rank=env.rank)
-        t = cfg.trainer
-        run_dir = _rank0_then_broadcast(
-            lambda: prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite),
-            rank=env.rank)
+
+        def prepare():
+            nonlocal lock
+            path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite)
+            clear_alarm(path)  # before the broadcast: no rank watches yet
+            return path
+
+        run_dir = _rank0_then_broadcast(prepare, rank=env.rank)
+
+        def on_tick() -> None:  # the watchdog thread, every few seconds
+            stop.poll_file()
+            if lock is not None:  # rank 0: keep the run-directory lock fresh
+                lock.refresh()
+
+        # every rank beats from here on
+        watchdog = Watchdog(run_dir, rank=env.rank, world_size=env.world_size, timeout_s=t.watchdog_timeout_s,
+                            on_tick=on_tick).start()
         add_file_log(logger, run_dir / "logs", rank=env.rank)
         if env.rank == 0:
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
@@ -103,13 +128,23 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
         from ppo.trainer import run_training
 
         try:
-            run_training(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_cfg,
-                         monitor=monitor)
+            stopped = run_training(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_cfg,
+                                   monitor=monitor, heartbeat=watchdog, stop_requested=lambda: stop.requested)
         finally:
             if monitor is not None:
                 monitor.stop()
+        clean = True
+        if stopped is not None:
+            print(f"rank {env.rank}: stopped early ({stopped}) with a checkpoint; exit {EXIT_PREEMPTED}: relaunch "
+                  f"with trainer.resume=auto to continue", file=sys.stderr)
+            return EXIT_PREEMPTED
         return 0
     finally:
+        if watchdog is not None:
+            watchdog.stop(clean=clean)
+        if lock is not None:
+            lock.release()
+        stop.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -118,11 +153,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Each layer's own bad-input errors: they exit with 2 and a message, never a traceback."""
     from models.config import ModelConfigError
     from parallel.dims import TopologyError
+    from ppo.checkpoint import CheckpointError
     from ppo.data import DataError
-    from ppo.rewards import RewardFunctionError
+    from ppo.resume import ResumeError
+    from ppo.rewards import RewardFailureError, RewardFunctionError
     from ppo.tokenizer import TokenizerError
 
-    return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError)
+    return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError,
+            CheckpointError, ResumeError, RewardFailureError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides)
         return run(cfg, rank=rank, world_size=world_size)
     except _user_errors() as e:
-        if rank == 0:
+        from ppo.checkpoint import CheckpointError
+
+        if rank == 0 or isinstance(e, CheckpointError):  # the others: the same error on every rank
             print(f"error: {e}", file=sys.stderr)
         return UserError.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the preemption handler is installed (config loading)
         print(f"rank {rank}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one paragraph per rank, the traceback goes to the log file

@@ -129,7 +129,11 @@ def _role_section(cfg: Config, role: str):
 
 def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig) -> None:
     """Layouts megatron-core cannot shard: its embedding is vocab-parallel in every role (tp | vocab), its
-    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers)."""
+    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers).
+    Qwen3's per-head q/k norms are not mapped to megatron's q/k layernorms yet: refused, never dropped."""
+    if shape.qk_norm:
+        raise UserError(f"{role}.backend=megatron: model_type {shape.model_type!r} (per-head q/k RMSNorm) is not "
+                        f"mapped to megatron-core yet; use {role}.backend=native")
     for what, n, k in (("vocab_size", shape.vocab_size, tp), ("num_key_value_heads", shape.num_key_value_heads, tp),
                        ("num_hidden_layers", shape.num_hidden_layers, pp)):
         if n % k:
@@ -174,8 +178,7 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                         num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
                         num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size,
                         intermediate_size=shape.intermediate_size,
-                        stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank,
-                        tied_embeddings_trained=role == "actor" and shape.tie_word_embeddings, role=role)
+                        stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank, role=role)
                 except TopologyError as e:
                     raise UserError(str(e).replace("rollout tp", "rollout.gen_tp")) from None
                 if role != "rollout" and sec.backend == "megatron":

@@ -57,6 +57,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def metric_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the last written winning, in step order: a step re-run after a restart
+    supersedes the row its first attempt wrote (a resume also moves such rows to
+    metrics.superseded.jsonl; this keeps older or copied files right too)."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        by_step[r.get("step")] = r
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for i, r in enumerate(rows):
@@ -289,7 +299,7 @@ def render_report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> 
         written.append(out / "utilization.png")
     else:
         print(f"skip utilization.png: no util*.jsonl samples in {run} (GPU monitor off: no NVML on this run?)")
-    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+    metrics = metric_rows(read_jsonl(metrics_path)) if metrics_path.exists() else []
     if not metrics:
         print(f"skip stages.png, throughput.png, reward.png: {metrics_path} missing or empty")
         return written

@@ -1,6 +1,6 @@
 """Model configuration: the Hugging Face `config.json` fields the Llama family needs.
 
-`ModelConfig.from_hf(dict)` accepts Llama 2/3, Qwen2 and Mistral configs; presets give
+`ModelConfig.from_hf(dict)` accepts Llama 2/3, Qwen2, Qwen3 (dense) and Mistral configs; presets give
 random-initialised models of real shapes (no downloads are possible on our machines).
 """
 
@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
 class ModelConfigError(ValueError):
@@ -58,6 +59,10 @@ class ModelConfig:
             )
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ModelConfigError("Qwen2 always has q/k/v biases; attention_bias=False is not a Qwen2 model")
+        if self.model_type == "qwen3" and self.attention_bias:
+            # Qwen3's attention_bias also puts a bias on o_proj, which this implementation has not got
+            raise ModelConfigError("Qwen3 attention_bias=true is not supported (no published Qwen3 uses it); "
+                                   "set attention_bias to false in config.json")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim({self.head_dim}) must be even for rotary embeddings")
         if self.rope_scaling is not None:
@@ -66,6 +71,11 @@ class ModelConfig:
                 raise ModelConfigError(
                     f"rope_scaling type {kind!r} is not supported (supported: llama3, default)"
                 )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each attention head's q and k pass an RMSNorm over head_dim before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -81,7 +91,7 @@ class ModelConfig:
         o = self.num_attention_heads * d * h
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * d if self.attention_bias else 0
         mlp = 3 * h * self.intermediate_size
-        layer = q + kv + o + bias + mlp + 2 * h
+        layer = q + kv + o + bias + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         total = self.num_hidden_layers * layer + h
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -116,7 +126,7 @@ class ModelConfig:
     def to_hf(self, *, architecture: str = "ForCausalLM") -> dict[str, Any]:
         """config.json dict; `architecture` is the class suffix (`ForCausalLM`, `ForSequenceClassification`).
         RoPE is written both ways (`rope_parameters` for transformers 5, `rope_theta`/`rope_scaling` for 4)."""
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[self.model_type]
+        prefix = _HF_PREFIX[self.model_type]
         d: dict[str, Any] = {k: v for k, v in self.extra.items() if k not in _DERIVED_KEYS}
         for f in dataclasses.fields(self):
             if f.name in ("extra", "num_labels"):
@@ -125,7 +135,9 @@ class ModelConfig:
         d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
         if self.model_type == "qwen2":
             d.pop("attention_bias")  # Qwen2 always has q/k/v bias; its config has no such key
+        if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = False
+            d["sliding_window"] = None
             d["layer_types"] = ["full_attention"] * self.num_hidden_layers
         if self.model_type == "mistral":
             d["sliding_window"] = None
@@ -169,10 +181,11 @@ def _reject_unsupported(model_type: str, d: dict[str, Any]) -> None:
                 "sliding-window attention is not supported; set sliding_window to null in config.json "
                 "(exact for sequences shorter than the window)"
             )
-    if model_type == "qwen2" and d.get("use_sliding_window", False):
-        raise ModelConfigError("Qwen2 use_sliding_window=true is not supported; set it to false in config.json")
-    # Qwen2 with use_sliding_window=false attends fully whatever layer_types says (sliding_window -> None)
-    if model_type != "qwen2":
+    if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window", False):
+        raise ModelConfigError(f"{_HF_PREFIX[model_type]} use_sliding_window=true is not supported; "
+                               "set it to false in config.json")
+    # Qwen2/3 with use_sliding_window=false attend fully whatever layer_types says (sliding_window -> None)
+    if model_type not in ("qwen2", "qwen3"):
         bad_layers = [i for i, t in enumerate(d.get("layer_types") or []) if t != "full_attention"]
         if bad_layers:
             raise ModelConfigError(
@@ -189,6 +202,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # tiny with head_dim 32 (q/k/v project 64 -> 4 x 32): vLLM's CPU attention needs head_dim >= 32
+    "tiny-hd32": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # the tiny body as a Qwen3 (CPU recipes and tests): per-head q/k norms, head_dim 32 with 4 heads of a 64-wide
+    # model (num_heads * head_dim != hidden_size, as in Qwen3-0.6B), tied embeddings
+    "tiny-qwen3": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # Llama-3.2-1B-like body with a Llama-2 vocabulary (the shape the benchmarks are specified on)
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
@@ -203,6 +226,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+    # Qwen3 dense models, from their published config.json: q/k RMSNorm per head, head_dim 128 whatever
+    # hidden_size / heads is (0.6B: 16 x 128 = 2048 != 1024), tied embeddings up to 4B
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
 }
 
 

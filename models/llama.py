@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) with Hugging Face parameter names.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3 dense, Mistral) with Hugging Face parameter names.
 
 Single-device definition; parallel/ applies TP/PP/FSDP to it. Every tensor-parallel
 sensitive reshape uses -1 for the head count, so a DTensor-sharded q/k/v projection
@@ -6,8 +6,9 @@ sensitive reshape uses -1 for the head count, so a DTensor-sharded q/k/v project
 
 Attention is pluggable and explicit (STYLE.md #7): `forward(..., attn=backend)` where
 `backend(layer_idx, q, k, v) -> out` with q [B, Hq, T, D], k/v [B, Hkv, T, D] after
-RoPE and out [B, Hq, T, D]. The default is causal SDPA; `DocumentAttention` handles
-packed rows; the rollout engine passes its KV-cache backend.
+RoPE (Qwen3: after its per-head q/k RMSNorm, then RoPE) and out [B, Hq, T, D]. The default
+is causal SDPA; `DocumentAttention` handles packed rows; the rollout engine passes its
+KV-cache backend.
 
 Pipeline stages are made by setting `model.embed_tokens`, `model.norm` or `lm_head`
 to None and deleting entries of the `model.layers` ModuleDict (keys stay the global
@@ -291,6 +292,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        # Qwen3: one RMSNorm over head_dim shared by all q heads (and one by all k heads), applied before
+        # RoPE; [D] weights, so tensor parallelism replicates them
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
@@ -298,6 +303,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # before RoPE, also when the attention backend rotates q/k itself
+            q, k = self.q_norm(q), self.k_norm(k)
         if not getattr(attn, "applies_rope", False):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)

@@ -50,14 +50,11 @@ class ParallelDims:
 
     def validate_model(self, *, num_heads: int, num_kv_heads: int, num_layers: int,
                        vocab_size: int | None = None, intermediate_size: int | None = None,
-                       stages_per_rank: int = 1, tied_embeddings_trained: bool = False,
-                       role: str = "model") -> None:
+                       stages_per_rank: int = 1, role: str = "model") -> None:
         """Check that this layout can shard a transformer of the given shape (the one place these
         rules live: launcher/plan.py calls it for every role and the generation layout before launch).
-
-        tied_embeddings_trained: the model ties lm_head to the embedding and is trained; under pp > 1
-        the first and last stages would hold two copies whose gradients are never summed.
-        """
+        Tied embeddings need no rule: TP shares one DTensor, and a pipeline's first and last stages
+        sum their copies' gradients (parallel/pipeline.py)."""
         if num_heads % self.tp:
             raise TopologyError(f"{role} tp({self.tp}) must divide num_attention_heads({num_heads})")
         if num_kv_heads % self.tp:
@@ -69,9 +66,6 @@ class ParallelDims:
         if self.pp * stages_per_rank > num_layers:
             per = f" x pp_stages_per_rank({stages_per_rank})" if stages_per_rank > 1 else ""
             raise TopologyError(f"{role} pp({self.pp}){per} must not exceed num_hidden_layers({num_layers})")
-        if tied_embeddings_trained and self.pp > 1:
-            raise TopologyError(f"{role} pp({self.pp}) with tie_word_embeddings: the first and last stages would "
-                                "train two copies of the tied embedding; use pp=1 for this model")
 
     def mesh_tensor(self, ranks: list[int]) -> torch.Tensor:
         """Global ranks of the group laid out as a [pp, dp, tp] grid."""

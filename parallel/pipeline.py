@@ -25,6 +25,12 @@ beyond its result (parallelize_model always passes the dtype: no dummy runs).
 
 position_ids go to every stage (RoPE and packed-document masks need them); on ranks
 that do not hold the first stage, pass `inputs=None` and the same position_ids.
+
+Tied embeddings (Qwen2-0.5B, Qwen3 up to 4B): the first stage's embedding and the last
+stage's head are two copies of one weight. After each `forward_backward` the two ranks
+swap the gradient each copy gained in that call and add the other's, so both hold the
+tied weight's full gradient and, stepped alike, stay equal (what Megatron's embedding
+group all-reduce does; a point-to-point exchange needs no extra process group).
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ def build_stages(model: nn.Module, *, pp: int, pp_rank: int, stages_per_rank: in
         mod = model if k == len(ids) - 1 else copy.deepcopy(model)
         out.append((s, split_stage(mod, num_stages=num_stages, stage=s, attn_factory=attn_factory)))
     return out
+
+
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    """The gradient tensor this rank holds (a DTensor's local shard under TP / FSDP)."""
+    return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -227,8 +238,46 @@ class PipelineRunner(NativeRunner):
         sched = self._get_schedule(shape, training=True)
         losses: list[torch.Tensor] = []
         target = torch.arange(self.n_microbatches) if self.has_last else None
+        tied = self._tied_copy()
+        before = _local_grad(tied).clone() if tied is not None and tied.grad is not None else None
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if tied is not None:
+            self._add_peer_tied_grad(tied, before)
         return losses if self.has_last else []
+
+    def _tied_copy(self) -> nn.Parameter | None:
+        """This rank's copy of a tied embedding/head weight that trains: the first stage's embedding or the
+        last stage's head (a value model has no head: nothing is tied there); None on other ranks."""
+        module = self.stages[0][1]
+        if not (module.config.tie_word_embeddings and hasattr(module, "lm_head")):
+            return None
+        if self.has_first and self.has_last:  # cannot happen with pp > 1; a single rank keeps one tensor
+            return None
+        if self.has_first:
+            p = module.model.embed_tokens.weight
+        elif self.has_last:
+            p = self.last_module.lm_head.weight
+        else:
+            return None
+        return p if p.requires_grad else None
+
+    def _counted_twice(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied weight: after the exchange it holds the first stage's gradient, which
+        the global grad norm counts there."""
+        return self._tied_copy() if self.has_last else None
+
+    def _add_peer_tied_grad(self, p: nn.Parameter, before: torch.Tensor | None) -> None:
+        """Send this call's gradient of the tied copy to the other end of the pipeline and add theirs."""
+        grad = _local_grad(p)
+        delta = grad - before if before is not None else grad.clone()
+        peer_idx = dist.get_world_size(self.pp_group) - 1 if self.has_first else 0
+        peer = dist.get_global_rank(self.pp_group, peer_idx)
+        theirs = torch.empty_like(delta)
+        ops = [dist.P2POp(dist.isend, delta, peer, group=self.pp_group),
+               dist.P2POp(dist.irecv, theirs, peer, group=self.pp_group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        grad.add_(theirs)
 
     @torch.no_grad()
     def forward_rows(self, inputs: torch.Tensor | None, *, position_ids: torch.Tensor) -> torch.Tensor | None:

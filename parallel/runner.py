@@ -289,16 +289,22 @@ class NativeRunner:
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         norm = 0.0
         if grads or self.pp_group is not None:
-            norm = self._grad_norm(grads)
+            twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's
+            norm = self._grad_norm([p.grad for p in params if p is not twice])
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
         optimizer.step()
         return norm
+
+    def _counted_twice(self) -> nn.Parameter | None:
+        """A parameter whose gradient another rank of the pp group also holds (and counts); None here."""
+        return None
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         # DTensor grads (TP/FSDP) and plain ones (e.g. an unsharded value head) cannot share one

@@ -3,7 +3,8 @@
 The plan follows parallel/sharding.py (the table training, generation and resharding
 share): q/k/v/gate/up are column parallel (output features, weight and bias dim 0),
 o/down row parallel (input features, dim 1), embed_tokens and lm_head are vocab
-parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor).
+parallel (dim 0), norms replicated (as Replicate DTensors: every parameter is a DTensor;
+Qwen3's per-head q/k norms too, their gradients summed over the TP group).
 Between the column and row projections activations stay local tensors of heads/tp
 heads, so the model's `-1`-heads reshapes run unchanged. The only collectives are one
 all-reduce after o_proj, one after down_proj, one after the embedding lookup and (unless
@@ -34,19 +35,28 @@ class ReplicateParallel(ParallelStyle):
     """Replicated parameters (norms) as Replicate DTensors, local tensors in and out.
 
     Keeps every parameter of a TP model a DTensor, so foreach/fused optimizers and grad-norm
-    code never see a mix of Tensor and DTensor. The norm runs on Replicate DTensors (its input
-    is wrapped, its output unwrapped), which needs no collective in either direction.
+    code never see a mix of Tensor and DTensor. The norm runs on DTensors (its input is wrapped,
+    its output unwrapped). `input_shard_dim=None`: the input is the same on every rank
+    (hidden-size norms), no collective either way. `input_shard_dim=d`: the input is this rank's
+    part along dim d (Qwen3's q/k norms see the local heads, dim 1 of [B, H, T, D]); the weight's
+    gradient is then a sum over every rank's heads, which DTensor all-reduces in backward, where a
+    Replicate input would silently keep this rank's partial sum.
     """
 
-    @staticmethod
-    def _partition(name, module, mesh):
-        for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+    def __init__(self, *, input_shard_dim: int | None = None):
+        super().__init__()
+        self.input_placement = Replicate() if input_shard_dim is None else Shard(input_shard_dim)
 
-    @staticmethod
-    def _inputs(module, inputs, mesh):
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
-                     and not isinstance(x, DTensor) else x for x in inputs)
+    def _partition(self, name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            param = nn.Parameter(distribute_tensor(p, mesh, [Replicate()]))
+            if isinstance(self.input_placement, Shard):
+                param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            module.register_parameter(pname, param)
+
+    def _inputs(self, module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [self.input_placement], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     @staticmethod
     def _outputs(module, outputs, mesh):
@@ -54,6 +64,14 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
+
+
+def _reduce_partial_grad(param: nn.Parameter) -> None:
+    """A Replicate weight applied to sharded inputs gets a Partial(sum) gradient: all-reduce it once, here,
+    so optimizers and grad-norm code see Replicate gradients like every other norm's (FSDP2, which
+    re-registers parameters, does the same reduction in its own post-backward)."""
+    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(placements=param.placements)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -111,6 +129,9 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
             plan[f"{p}.{name}"] = RowwiseParallel()
         for name in ("input_layernorm", "post_attention_layernorm"):
             plan[f"{p}.{name}"] = ReplicateParallel()
+        if trunk.layers[key].self_attn.q_norm is not None:  # Qwen3: [D] weights over [B, H/tp, T, D] heads
+            for name in ("self_attn.q_norm", "self_attn.k_norm"):
+                plan[f"{p}.{name}"] = ReplicateParallel(input_shard_dim=1)
     if trunk.norm is not None:
         plan["model.norm"] = ReplicateParallel()
     if getattr(model, "lm_head", None) is not None:
@@ -143,10 +164,10 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool = False) -> nn.Mo
                     ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
         if n % tp:
             raise ValueError(f"tp({tp}) must divide {what}({n}); choose a tp that divides it")
-    if cfg.tie_word_embeddings and tp > 1:
-        # embed is row-sharded as an embedding, the head column-sharded as a linear: one tensor cannot be both
-        raise ValueError("tie_word_embeddings with tp > 1 is not supported; "
-                         "untie the head (copy the weight) or use tp=1")
     parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
+    if cfg.tie_word_embeddings and hasattr(model, "tie_weights"):
+        # the plan distributed the shared [V, H] weight twice; both modules shard it on dim 0 (vocab rows),
+        # so one Shard(0) DTensor serves both and the lookup's and the head's gradients add up in it
+        model.tie_weights()
     _check_plan_matches_table(model)
     return model

@@ -8,7 +8,7 @@
 
 Layout of a complete checkpoint:
 
-    step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file with its size)
+    step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file's size and SHA-256)
     step_N/shared.pt                rank 0's shared state (sampler position, KL/batch controllers, step, ...)
     step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...)
     step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
@@ -23,12 +23,19 @@ successful save; existing checkpoints are never touched except by `keep_last` pr
 older ones. Multi-node runs need `run_dir` on a shared file system. A rank that fails
 mid-save leaves the others waiting in the barrier until the process group's timeout ends
 the job; the previous checkpoint stays intact.
+
+Loading checks the files it reads against the manifest's sizes and SHA-256 (`verify_checkpoint`;
+each rank hashed its own file when saving) and unpickles with `weights_only=True`, so per-rank
+state holds tensors and plain containers only (RNG states included); anything else raises
+CheckpointError. Choosing among damaged checkpoints is ppo/resume.py's job.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -44,9 +51,18 @@ from safetensors.torch import load_file, save_file
 from models.hf_io import fsync_path
 
 MANIFEST = "COMPLETE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files carry {"size", "sha256"} (1: sizes only, still readable)
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is damaged (a file missing, truncated or with other content than the
+    manifest's checksum) or unsafe to unpickle. `path` and `reason` say which and why."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        super().__init__(f"checkpoint {path}: {reason}")
+        self.path, self.reason = Path(path), reason
 
 
 # ---- RNG ----
@@ -56,7 +72,9 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # plain types only: per-rank state is loaded with torch.load(weights_only=True)
+        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -70,7 +88,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys
+        np.random.set_state((name, keys, pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         for i in range(min(len(cuda), torch.cuda.device_count())):
@@ -83,6 +103,14 @@ def _torch_save_synced(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def sha256_file(path: str | os.PathLike, *, chunk: int = 16 * 2**20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -191,21 +219,55 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
     p = Path(path)
     try:
         manifest = json.loads((p / MANIFEST).read_text())
-        for rel, size in manifest["files"].items():
-            if (p / rel).stat().st_size != size:
+        for rel, entry in manifest["files"].items():
+            if (p / rel).stat().st_size != _size_of(entry):
                 return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return manifest
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+def _size_of(entry: Any) -> int:
+    return entry["size"] if isinstance(entry, dict) else entry
+
+
+def verify_checkpoint(path: str | os.PathLike, *, files: list[str] | None = None) -> str | None:
+    """Why the checkpoint (or the given files of it) is damaged, or None when every file is
+    present with its manifest size and SHA-256. Reads the files (content checksums)."""
+    p = Path(path)
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())
+        listed = manifest["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} manifest (the save never finished, or the manifest was deleted)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} manifest ({type(e).__name__}: {e})"
+    for rel in files if files is not None else sorted(listed):
+        entry = listed.get(rel)
+        if entry is None:
+            return f"{rel} is not listed in the manifest"
+        f = p / rel
+        if not f.exists():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != _size_of(entry):
+            return f"{rel} has {size} bytes, the manifest says {_size_of(entry)} (truncated or overwritten)"
+        if isinstance(entry, dict) and entry.get("sha256") and sha256_file(f) != entry["sha256"]:
+            return f"{rel} has other content than when it was saved (SHA-256 mismatch)"
+    return None
+
+
+def step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every `step_N` directory of a run, complete or not, oldest first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found) if read_manifest(p) is not None]
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name)))
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run (manifest present, sizes match), oldest first."""
+    return [p for _, p in step_dirs(run_dir) if read_manifest(p) is not None]
 
 
 def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -265,6 +327,8 @@ def save_checkpoint(
     barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     _torch_save_synced(per_rank_state, tmp / f"rank_{rank}.pt")
+    # each rank hashes its own file (in parallel); rank 0 folds the digests into the manifest
+    (tmp / f"rank_{rank}.pt.sha256").write_text(sha256_file(tmp / f"rank_{rank}.pt"))
     if rank == 0:
         _torch_save_synced(shared_state or {}, tmp / "shared.pt")
         for role, sd in (model_states or {}).items():
@@ -313,7 +377,15 @@ def _save_role(state: dict[str, torch.Tensor], out: Path, *, config: dict[str, A
 
 
 def _write_manifest(tmp: Path, *, step: int, world_size: int, roles: list[str]) -> None:
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    digests = {}
+    for side in tmp.glob("rank_*.pt.sha256"):
+        digests[side.name[: -len(".sha256")]] = side.read_text().strip()
+        side.unlink()
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(tmp))
+            files[rel] = {"size": p.stat().st_size, "sha256": digests.get(rel) or sha256_file(p)}
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "roles": roles,
                 "time": time.time(), "files": files}
     with open(tmp / MANIFEST, "w") as f:
@@ -344,10 +416,23 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int, map_location: str = "
         raise ValueError(f"{p} was written by {manifest['world_size']} ranks, cannot load rank {rank}: per-rank "
                          f"state (optimizer shards, RNG) needs the same world size; resume with "
                          f"{manifest['world_size']} ranks, or start a new run from the exported HF weights")
-    # weights_only=False: our own files hold python/numpy RNG states and optimizer dicts
-    per_rank = torch.load(p / f"rank_{rank}.pt", map_location=map_location, weights_only=False)
-    shared = torch.load(p / "shared.pt", map_location=map_location, weights_only=False)
-    return per_rank, shared
+    files = [f"rank_{rank}.pt", "shared.pt"]
+    reason = verify_checkpoint(p, files=files)
+    if reason is not None:
+        raise CheckpointError(p, reason)
+    return tuple(safe_torch_load(p / f, map_location=map_location) for f in files)
+
+
+def safe_torch_load(path: Path, *, map_location: str = "cpu") -> Any:
+    """torch.load with weights_only=True: tensors and plain containers only, so a crafted file
+    cannot run code when it is unpickled (a checkpoint is data, never a program)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(path.parent, f"refusing to unpickle {path.name}: it holds objects other than tensors "
+                                           f"and plain containers, which could run code on load "
+                                           f"(torch.load weights_only=True said: {first})") from None
 
 
 def load_model_state(path: str | os.PathLike, role: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -358,4 +443,7 @@ def load_model_state(path: str | os.PathLike, role: str, *, device: str = "cpu")
         raise FileNotFoundError(f"{p} is not a complete checkpoint (no valid {MANIFEST} manifest)")
     if role not in manifest["roles"]:
         raise KeyError(f"{p} has no {role!r} weights; roles saved: {manifest['roles']}")
+    reason = verify_checkpoint(p, files=[f for f in manifest["files"] if f.startswith(role + "/")])
+    if reason is not None:
+        raise CheckpointError(p, reason)
     return load_hf_weights(p / role, device=device)

@@ -78,8 +78,13 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
         return pq.read_table(path).to_pylist()
     if path.endswith((".jsonl", ".json")):
         rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                    f"JSONL files must be UTF-8: re-encode it, e.g. iconv -f latin1 -t utf-8") from None
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
@@ -160,7 +165,11 @@ class PromptDataset:
             if gt is _MISSING:
                 raise DataError(f"{source} row {n}: no ground truth at {' / '.join(gt_keys)} "
                                 f"(columns: {column_names(row)}); set data.answer_key to the column that holds it")
-            parsed.append((n, prompt, render_prompt(prompt, tokenizer), gt, row))
+            try:
+                text = render_prompt(prompt, tokenizer)
+            except DataError as e:
+                raise DataError(f"{source} row {n}, column {prompt_key!r}: {e} ({prompt!r:.80})") from None
+            parsed.append((n, prompt, text, gt, row))
         texts = [p[2] for p in parsed]
         # HF tokenizers encode a whole list in parallel (Rust threads): 100k prompts in seconds
         batch_encode = getattr(tokenizer, "encode_batch", None)

@@ -35,6 +35,36 @@ def build_rollout_groups(cfg, plan):
     return train, gen, build_reshard_groups((train, gen), actor.ranks)
 
 
+def engine_config(cfg, env) -> EngineConfig:
+    r = cfg.rollout
+    max_len = cfg.data.max_prompt_length + r.max_response_length
+    return EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                        max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
+                        decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
+                        kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
+                        seed=cfg.trainer.seed)
+
+
+def vllm_options(cfg, env, *, idle_tp: int = 0):
+    """rollout.engine=vllm: the settings only vLLM reads, from the run's rollout keys."""
+    from rollout.vllm_support import VLLMOptions, logprobs_mode_for
+
+    r = cfg.rollout
+    compiled = r.compile or (env.device.type == "cuda" and r.enable_cuda_graph)
+    return VLLMOptions(logprobs_mode=logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                       enforce_eager=not compiled, bucket_bytes=r.bucket_mb * 2**20, idle_tp=idle_tp)
+
+
+def idle_vllm_engine(cfg, *, plan, env, model_config):
+    """rollout.engine=vllm on a rank without the rollout role: vLLM's start-up is collective over the whole
+    world, so this rank starts a replica too (same KV size; never asked to generate)."""
+    from rollout.factory import build_rollout_engine
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    return build_rollout_engine("vllm", model_config, config=engine_config(cfg, env), device=env.device,
+                                dtype=dtype, vllm=vllm_options(cfg, env, idle_tp=plan.gen_tp))
+
+
 class RolloutRole:
     def __init__(self, cfg, *, plan, actor, env, model_config, tokenizer, layouts):
         from rollout.factory import build_rollout_engine
@@ -45,16 +75,12 @@ class RolloutRole:
         train, gen, groups = layouts
         self.groups = groups
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
-        max_len = cfg.data.max_prompt_length + r.max_response_length
-        engine_cfg = EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
-                                  max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
-                                  decode_attention=r.decode_attention, free_memory_on_sleep=r.free_memory_on_sleep,
-                                  kv_cache_tokens=None if env.device.type == "cuda" else max_len * r.max_num_seqs,
-                                  seed=cfg.trainer.seed)
+        engine_cfg = engine_config(cfg, env)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.engine = build_rollout_engine(r.engine, model_config, config=engine_cfg, tp_group=groups.gen_tp_group,
-                                           device=env.device, dtype=dtype, eos_token_ids=eos)
+                                           device=env.device, dtype=dtype, eos_token_ids=eos,
+                                           vllm=vllm_options(cfg, env) if r.engine == "vllm" else None)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=r.bucket_mb * 2**20, offload_optimizer=cfg.actor.offload,
                                    optimizer=actor.optimizer, gen_dtype=dtype, logger=logging.getLogger("hybridrl"))

@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import threading
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -219,9 +220,25 @@ class RewardResult:
     extras: list[dict[str, float]] = field(default_factory=list)  # per sample: a dict result's numeric keys
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call ran past reward.timeout_s (raised from SIGALRM inside the call)."""
+
+
+# after this many timeouts in a row the rest of the batch is failed without calling: a function that
+# hangs on every sample costs 3 timeouts per step, not batch x timeout_s
+MAX_TIMEOUTS_IN_A_ROW = 3
+
+
+class RewardFailureError(RuntimeError):
+    """A step's reward failures reached reward.stop_failed_fraction; the launcher exits with 2."""
+
+
 class RewardManager:
     """Scores batches with a user function; a sample whose call raises (or returns a non-number /
-    NaN) gets `default_score` and is logged once by id, and the run goes on.
+    NaN, or runs past timeout_s) gets `default_score` and is counted as failed (the trainer reports
+    `reward/failed` and stops past reward.stop_failed_fraction). Every distinct error (exception
+    type and the line that raised it) is logged once, with the sample that hit it first; `errors`
+    keeps {error: example} for the stop message.
 
     fn follows hybridrl's `fn(response, ground_truth, **extra)` or verl's `compute_score(data_source,
     solution_str, ground_truth, extra_info)` (`signature`: auto | hybridrl | verl). It may return a
@@ -239,7 +256,7 @@ class RewardManager:
         self.logger = logger or _log
         self.total_failed = 0
         self.total_scored = 0
-        self._logged: set[Any] = set()
+        self.errors: dict[tuple[str, str], str] = {}  # (type, raising line) -> first message with its sample
         self.call = plan_reward_call(fn, signature=signature)
 
     def _call_bounded(self, s: RewardSample) -> tuple[float, dict[str, float]]:
@@ -248,7 +265,7 @@ class RewardManager:
             return self._call(s)
 
         def expire(signum, frame):
-            raise TimeoutError(f"reward function ran longer than timeout_s={self.timeout_s}")
+            raise RewardTimeout(f"reward function ran longer than reward.timeout_s={self.timeout_s:g} s")
 
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
@@ -266,24 +283,41 @@ class RewardManager:
         scores: list[float] = []
         extras: list[dict[str, float]] = []
         failures: dict[Any, str] = {}
+        timeouts_in_a_row = 0
         for s in samples:
             if not isinstance(s, RewardSample):
                 s = RewardSample(*s)
+            if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+                scores.append(self.default_score)
+                failures[s.sample_id] = (f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                         f"in a row in this batch")
+                continue
             try:
                 value, extra = self._call_bounded(s)
                 scores.append(value)
                 extras.append(extra)
+                timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
+                timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
                 scores.append(self.default_score)
                 extras.append({})
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"
-                if s.sample_id not in self._logged:
-                    self._logged.add(s.sample_id)
-                    self.logger.warning("reward function failed on sample %s (%s: %s); using default score %s",
-                                        s.sample_id, type(e).__name__, e, self.default_score)
+                self._log_if_new(e, s)
         self.total_failed += len(failures)
         self.total_scored += len(scores)
         return RewardResult(scores=scores, num_failed=len(failures), failures=failures, extras=extras)
+
+    def _log_if_new(self, e: Exception, s: RewardSample) -> None:
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?"
+        key = (type(e).__name__, where)
+        if key in self.errors:
+            return
+        self.errors[key] = (f"{type(e).__name__}: {e} (at {where}; first on sample {s.sample_id}, response "
+                            f"{s.response[:200]!r}, ground truth {str(s.ground_truth)[:100]!r})")
+        self.logger.warning("reward function failed: %s; the sample scores reward.default_score=%s (further "
+                            "failures with this error are counted in reward/failed, not logged)",
+                            self.errors[key], self.default_score)
 
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""

@@ -55,13 +55,15 @@ class RuleReward:
         self.rank_in_group, self.group_size = rank_in_group, group_size
 
     def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
-        """{"score": {uid: score}} plus {"reward/<key>": {uid: value}} for each numeric extra key a dict
-        result carried (a sample without that key contributes nothing to its mean)."""
+        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}} plus
+        {"reward/<key>": {uid: value}} for each numeric extra key a dict result carried (a sample without
+        that key contributes nothing to its mean)."""
         mine = exp.samples[self.rank_in_group::self.group_size]
         items = [RewardSample(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth,
                               {**(s.info or {}), "response_length": len(s.response_ids)}) for s in mine]
         res = self.manager.score(items)
-        out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)}}
+        out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
+               "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
         for s, extra in zip(mine, res.extras):
             for k, v in extra.items():
                 out.setdefault(f"reward/{k}", {})[s.uid] = torch.tensor(v)
@@ -84,6 +86,7 @@ class RewardModelWorker(ShardedWorker):
 
     @torch.no_grad()
     def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}} (a model has no failures to count)."""
         out: dict[int, torch.Tensor] = {}
         for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens):
             packs, batches = self._packs(exp, mini, self.pad_id)
@@ -110,6 +113,7 @@ class Roles:
     critic: CriticWorker | None = None
     reward: object | None = None
     rollout: object | None = None
+    idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
@@ -259,14 +263,16 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
             manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
-                                    signature=cfg.reward.signature)
+                                    timeout_s=cfg.reward.timeout_s or None, signature=cfg.reward.signature)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
-    from ppo.generation import RolloutRole, build_rollout_groups
+    from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 
     layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
         roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,
                                     tokenizer=tokenizer, layouts=layouts)
+    elif cfg.rollout.engine == "vllm":  # vLLM's start-up is collective over the whole world
+        roles.idle_engine = idle_vllm_engine(cfg, plan=plan, env=env, model_config=model_config)
     return roles

@@ -22,9 +22,11 @@ class TrainState:
         self.val_dataset = val_dataset  # data.val_files, or None
         self.log = logging.getLogger("hybridrl")
         self._tb = None
+        self.resumed_at = 0  # steps after it written by an earlier attempt are superseded (metrics, TensorBoard)
         self._wandb = None
         self.model_params: int | None = None
         self.controller = None
+        self.layout: dict | None = None  # the device plan's layout (ppo.resume.layout_of), saved and checked
 
     @classmethod
     def create(cls, cfg, *, run_dir: Path, rank: int) -> TrainState:
@@ -112,7 +114,8 @@ class TrainState:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # purge_step hides the events an earlier attempt wrote for the steps this one re-runs
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.resumed_at + 1)
         return self._tb
 
     def _log_wandb(self, m: dict, step: int) -> None:
@@ -148,7 +151,9 @@ class TrainState:
 
         per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
         shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                  "pending": pending.samples if pending is not None else None,
+                  # plain dicts: checkpoints load with torch.load(weights_only=True)
+                  "pending": [dataclasses.asdict(s) for s in pending.samples] if pending is not None else None,
+                  "layout": self.layout,
                   "controller": self.controller.state_dict() if self.controller is not None else None}
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared,
@@ -162,18 +167,27 @@ class TrainState:
     def maybe_resume(self, roles):
         """Restore the newest complete checkpoint when trainer.resume asks.
         Returns (start step, the async batch generated ahead or None)."""
-        from ppo.checkpoint import find_latest_checkpoint, load_checkpoint, restore_rng_state
-        from ppo.experience import Experience
+        from ppo.checkpoint import load_checkpoint, restore_rng_state
+        from ppo.experience import Experience, Sample
+        from ppo.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
 
         mode = self.cfg.trainer.resume
         if mode == "never":
             return 0, None
-        path = find_latest_checkpoint(self.run_dir) if mode == "auto" else Path(mode)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if mode == "auto":
+            path = select_checkpoint(self.run_dir, policy=self.cfg.trainer.on_damaged_checkpoint, rank=self.rank,
+                                     world_size=world)
+        else:
+            path = Path(mode)
         if path is None:
             if self.rank == 0:
-                self.log.info("trainer.resume=auto: no complete checkpoint in %s, starting fresh", self.run_dir)
+                self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
+            supersede_metrics(self.run_dir, step=0, rank=self.rank)
             return 0, None
+        check_world_size(path, world_size=world)
         per_rank, shared = load_checkpoint(path, rank=self.rank)
+        check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
         load_roles_state(roles, per_rank["workers"])
         self.sampler.load_state_dict(shared["sampler"])
         self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
@@ -182,8 +196,10 @@ class TrainState:
             self.controller.load_state_dict(shared["controller"])
         if self.rank == 0:
             self.log.info("resumed from %s at step %d", path, shared["step"])
-        pending = Experience(shared["pending"]) if shared.get("pending") else None
-        return int(shared["step"]), pending
+        pending = Experience([Sample(**s) for s in shared["pending"]]) if shared.get("pending") else None
+        supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
+        self.resumed_at = int(shared["step"])
+        return self.resumed_at, pending
 
 
 def with_epoch_steps(cfg, batches_per_epoch: int):

@@ -34,14 +34,16 @@ STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "u
 class StageTimer:
     """Wall time per stage on this rank (device-synchronised), tagged into the GPU monitor."""
 
-    def __init__(self, device: torch.device, monitor=None):
-        self.device, self.monitor = device, monitor
+    def __init__(self, device: torch.device, monitor=None, on_stage=None):
+        self.device, self.monitor, self.on_stage = device, monitor, on_stage
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
         if self.monitor is not None:
             self.monitor.set_stage(name)
+        if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
+            self.on_stage(name)
         t0 = time.perf_counter()
         try:
             yield
@@ -54,12 +56,21 @@ class StageTimer:
 
 
 class PPOTrainer:
-    def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None):
+    """`heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
+    `stop_requested() -> reason | None` (launcher.preempt.StopRequest) is asked at each step end."""
+
+    def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None, heartbeat=None,
+                 stop_requested=None):
         self.plan, self.env, self.run_dir = plan, env, Path(run_dir)
         self.log = logging.getLogger("hybridrl")
         self.rank = env.rank
         self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank)
         self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
+        from ppo.resume import layout_of
+
+        self.state.layout = layout_of(plan)
+        self.heartbeat, self.stop_requested = heartbeat, stop_requested
+        self.last_save = time.monotonic()
         self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
@@ -120,13 +131,15 @@ class PPOTrainer:
                     exp, roles.critic_plan(exp, b)), "critic"))
         if roles.reward is not None:
             with timer("reward"):
-                results.update(roles.reward.score(exp))  # "score", and "reward/<key>" of dict results
+                results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
         return results
 
     def step(self, step: int) -> dict[str, float]:
         cfg, roles = self.cfg, self.roles
         is_async = cfg.trainer.async_rollout
-        timer = StageTimer(self.env.device, self.monitor)
+        hb = self.heartbeat
+        timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
+                           lambda name: hb.set_stage(name, step))
         t_step = time.perf_counter()
 
         # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy)
@@ -146,6 +159,7 @@ class PPOTrainer:
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv"):
             tensors, adv_metrics = self.compute_advantages(exp, merged)
+        self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
 
         # 4. updates: actor and critic groups (concurrent when placed apart)
         actor_m, critic_m = {}, {}
@@ -214,7 +228,11 @@ class PPOTrainer:
         t = {"mask": mask, "scores": scores}
         if "old_logp" in merged:
             t["old_logp"] = exp.stack(merged["old_logp"])
-        metrics: dict[str, float] = _reward_extra_metrics(merged)
+        metrics: dict[str, float] = _reward_extra_metrics(merged)  # reward/<key>/mean of dict results
+        if "reward_failed" in merged:
+            failed = sum(float(merged["reward_failed"][s.uid]) for s in exp.samples)
+            metrics["reward/failed"] = failed
+            metrics["reward/failed_frac"] = failed / len(exp.samples)
         if "old_logp" in t and not self.cfg.trainer.async_rollout:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
             diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
@@ -251,6 +269,23 @@ class PPOTrainer:
         if cfg.actor.use_kl_loss and "ref_logp" not in t:
             raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
         return t, metrics
+
+    def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
+        """Every rank sees the same merged failure count, so every rank stops here together."""
+        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.cfg.reward.stop_failed_fraction
+        if frac < limit or frac == 0.0:
+            return
+        from ppo.rewards import RewardFailureError
+
+        manager = getattr(self.roles.reward, "manager", None)
+        errors = sorted({e for part in all_gather_objects(list(manager.errors.values()) if manager else [])
+                         for e in part})
+        raise RewardFailureError(
+            f"step {step + 1}: the reward function ({self.cfg.reward.function}) failed on "
+            f"{int(adv_metrics['reward/failed'])} of {num_samples} samples "
+            f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
+            f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
+            + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
 
     # ------------------------------------------------------------------ metrics
     def collect_metrics(self, step, exp, tensors, adv_metrics, actor_m, critic_m, times) -> dict[str, float]:
@@ -334,7 +369,9 @@ class PPOTrainer:
         from ppo.validation import run_validation
 
         r = self.cfg.rollout
-        timer = StageTimer(self.env.device, self.monitor)  # the GPU monitor tags these samples "val"
+        hb = self.heartbeat  # the GPU monitor tags these samples "val"; a stalled rank is reported in it
+        timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
+                           lambda name: hb.set_stage(name, step))
         with timer("val"):
             m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed,
                                val_n=r.val_n, temperature=r.val_temperature,
@@ -344,7 +381,8 @@ class PPOTrainer:
         return m
 
     # ------------------------------------------------------------------ loop
-    def fit(self) -> None:
+    def fit(self) -> str | None:
+        """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
         cfg = self.cfg
         start, self.pending = self.state.maybe_resume(self.roles)
         if start == 0 and cfg.trainer.sft_warmup_steps:
@@ -372,11 +410,34 @@ class PPOTrainer:
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == cfg.trainer.total_steps
             periodic = cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0
-            if (last and cfg.trainer.save_final) or periodic:
+            stop, timed = self.at_step_end()
+            if (last and cfg.trainer.save_final) or periodic or timed or stop:
+                if self.heartbeat is not None:
+                    self.heartbeat.set_stage("checkpoint", step)
                 self.state.save(step + 1, self.roles, final=last, pending=self.pending)
+                self.last_save = time.monotonic()
+            if stop and not last:
+                if self.rank == 0:
+                    self.log.warning("stopping after step %d (%s); resume with trainer.resume=auto", step + 1, stop)
+                break
+        else:
+            stop = None
         if bar is not None:
             bar.close()
         self.state.close()
+        return stop
+
+    def at_step_end(self) -> tuple[str | None, bool]:
+        """Agreed by every rank (one tiny all-reduce): (why to stop, or None; whether the
+        time-based checkpoint, trainer.save_every_minutes, is due)."""
+        reason = self.stop_requested() if self.stop_requested is not None else None
+        minutes = self.cfg.trainer.save_every_minutes
+        due = minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
+        flags = torch.tensor([float(reason is not None), float(due)], device=self.env.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
+        return stop, bool(flags[1] > 0)
 
 
 def _reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, float]:
@@ -403,15 +464,18 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
 
 
-def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None) -> None:
-    """cfg: launcher.config.Config; monitor: an optional GPU monitor with set_stage/step_summary/stop."""
+def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None, heartbeat=None,
+                 stop_requested=None) -> str | None:
+    """cfg: launcher.config.Config; monitor: an optional GPU monitor with set_stage/step_summary/stop.
+    Returns None when trainer.total_steps were trained, else why the run stopped early."""
     trainer = PPOTrainer(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_config,
-                         monitor=monitor)
-    trainer.fit()
-    if env.rank == 0:
+                         monitor=monitor, heartbeat=heartbeat, stop_requested=stop_requested)
+    stopped = trainer.fit()
+    if env.rank == 0 and stopped is None:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))
     if dist.is_initialized():
         dist.barrier()
+    return stopped
 
 
 __all__ = ["PPOTrainer", "run_training", "STAGES"]

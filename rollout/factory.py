@@ -14,10 +14,10 @@ import torch
 
 from models.config import ModelConfig
 from rollout.base import RolloutConfig, RolloutEngine
+from rollout.vllm_support import VLLMOptions
 
-ENGINES = ("native",)
+ENGINES = ("native", "vllm")
 NOT_BUILT = {
-    "vllm": "the vLLM backend is not built yet; use rollout.engine=native",
     "hf": "the Hugging Face engine (rollout/hf_engine.py) is a test reference that cannot take the actor's "
           "resharded weights; use rollout.engine=native",
 }
@@ -25,11 +25,20 @@ NOT_BUILT = {
 
 def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                         eos_token_ids: list[int] | None = None) -> RolloutEngine:
-    """A sleeping-capable engine of `kind` whose generation TP group is `tp_group`."""
+                         eos_token_ids: list[int] | None = None, vllm: VLLMOptions | None = None) -> RolloutEngine:
+    """A sleeping-capable engine of `kind` whose generation TP group is `tp_group`. vllm: the settings only
+    the vLLM engine reads (rollout/vllm_engine.py); required for kind "vllm"."""
     if kind == "native":
         from rollout.engine import NativeEngine
 
         return NativeEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
                             eos_token_ids=eos_token_ids)
+    if kind == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+
+        if vllm is None:
+            raise ValueError("rollout engine 'vllm' needs its VLLMOptions (log-prob mode, eager, bucket size)")
+        return VLLMEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
+                          eos_token_ids=eos_token_ids, logprobs_mode=vllm.logprobs_mode,
+                          enforce_eager=vllm.enforce_eager, bucket_bytes=vllm.bucket_bytes, idle_tp=vllm.idle_tp)
     raise ValueError(f"rollout engine {kind!r}: {NOT_BUILT.get(kind, 'unknown')}")

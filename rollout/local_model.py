@@ -5,7 +5,8 @@ All-reduce after o_proj and down_proj (row parallel), a vocab-parallel embedding
 all-gathers the local-vocab logits so every rank samples the same token (no DTensor: too slow and not
 graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
 q/k/v and gate/up run as one GEMM each (FusedQKVAttention / FusedGateUpMLP, the HF-named parameters
-being views of the fused weight), reusing llama.py's RoPE.
+being views of the fused weight), reusing llama.py's RoPE; Qwen3's per-head q/k norms (replicated
+under TP) run once over the fused q|k heads, before RoPE.
 
     model = build_local_model(cfg, tp=2, tp_rank=r, tp_group=g, device="cuda", dtype=torch.bfloat16)
     groups = fuse_projections(model, device="cuda", dtype=torch.bfloat16)  # re-bind on reload
@@ -65,12 +66,22 @@ class FusedQKVAttention(Attention):
         # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels), or
         # none here when the attention kernel rotates them itself (the Triton decode kernel)
         qk = qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2)
+        hq = nq // self.head_dim
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE (also before the kernel's RoPE)
+            qk = self._qk_norm(qk, hq)
         if not getattr(attn, "applies_rope", False):
             qk = apply_rotary(qk, cos, sin)
-        hq = nq // self.head_dim
         v = qkv[..., nq + nk:].view(b, t, -1, self.head_dim).transpose(1, 2)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _qk_norm(self, qk: torch.Tensor, hq: int) -> torch.Tensor:
+        """q_norm over the first hq heads of qk [B, Hq + Hkv, T, D], k_norm over the rest, as one normalise
+        and one scale (llama.py's RMSNorm formula: fp32 normalise, scale in the input dtype)."""
+        normed = F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
+        d, hk = self.head_dim, qk.shape[1] - hq
+        scale = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
+        return normed * scale[:, None, :]
 
 
 class FusedRMSNorm(RMSNorm):

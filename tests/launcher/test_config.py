@@ -95,7 +95,6 @@ def test_yaml_syntax_error(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.engine=vllm", "rollout.engine=vllm: the vLLM backend is not built yet"),
     ("rollout.engine=hf", "rollout.engine=hf: the Hugging Face engine"),
     ("critic.offload=true", "critic.offload=true: only the actor offloads"),
     ("ref.offload=true", "ref.offload=true"),
@@ -114,3 +113,31 @@ def test_keys_that_would_be_ignored_are_rejected(override, needle):
 def test_model_reward_takes_its_layout_keys():
     cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2"])
     assert cfg.reward.tp == 2
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.dist_timeout_s=0", "trainer.dist_timeout_s(0) must be > 0"),
+    ("actor.mini_batch_size=-3", "actor.mini_batch_size(-3) must be >= 0"),
+    ("critic.mini_batch_size=-1", "critic.mini_batch_size(-1) must be >= 0"),
+    ("reward.stop_failed_fraction=0", "reward.stop_failed_fraction(0.0) must be in (0, 1]"),
+    ("reward.timeout_s=-1", "reward.timeout_s(-1.0) must be >= 0"),
+    ("trainer.watchdog_timeout_s=-5", "trainer.watchdog_timeout_s(-5.0) must be >= 0"),
+    ("trainer.on_damaged_checkpoint=skip", "trainer.on_damaged_checkpoint='skip' is not one of stop, fallback"),
+])
+def test_reliability_keys_are_validated(override, needle):
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", [override])
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "the config file is empty"),
+    ("# only a comment\n", "the config file is empty"),
+    ("- trainer\n- actor\n", "must be a mapping of sections"),
+])
+def test_empty_or_list_config_file(tmp_path, text, needle):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and needle in str(e.value)

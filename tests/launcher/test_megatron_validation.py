@@ -51,3 +51,10 @@ def test_uneven_pipeline_split_is_refused():
 
     with pytest.raises(UserError, match=r"ref.backend=megatron: ref.pp\(3\) must divide num_hidden_layers\(4\)"):
         _validate_megatron_layout("ref", tp=1, pp=3, shape=preset_config("tiny"))
+
+
+def test_qwen3_on_megatron_is_refused_not_stripped_of_its_qk_norms():
+    from launcher.plan import _validate_megatron_layout
+
+    with pytest.raises(UserError, match=r"ref.backend=megatron: model_type 'qwen3' .* use ref.backend=native"):
+        _validate_megatron_layout("ref", tp=1, pp=1, shape=preset_config("tiny-qwen3"))

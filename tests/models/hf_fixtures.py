@@ -22,6 +22,10 @@ def hf_config(kind: str, **overrides):
         return transformers.Qwen2Config(tie_word_embeddings=True, **kw)
     if kind == "mistral":
         return transformers.MistralConfig(sliding_window=None, **kw)
+    if kind in ("qwen3", "qwen3-tied"):
+        # head_dim 32 with 4 heads of a 64-wide model: num_heads * head_dim != hidden_size, as in Qwen3-0.6B
+        return transformers.Qwen3Config(head_dim=32, rope_theta=1000.0, tie_word_embeddings=kind == "qwen3-tied",
+                                        **kw)
     raise ValueError(kind)
 
 

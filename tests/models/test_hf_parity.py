@@ -1,4 +1,4 @@
-"""Our Llama / Qwen2 / Mistral logits equal transformers' on the same random weights (fp32)."""
+"""Our Llama / Qwen2 / Qwen3 / Mistral logits equal transformers' on the same random weights (fp32)."""
 
 import json
 
@@ -16,7 +16,7 @@ from models import (
 from tests.models.hf_fixtures import hf_causal_lm, random_ids, save_hf
 
 transformers = pytest.importorskip("transformers")
-KINDS = ["llama", "llama3", "qwen2", "mistral"]
+KINDS = ["llama", "llama3", "qwen2", "mistral", "qwen3", "qwen3-tied"]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,15 @@ def test_logits_equal_transformers(hf_dir):
         out = ours(ids)
     assert out.shape == ref.shape == (2, 48, 128)
     assert (out - ref).abs().max().item() <= 1e-4
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen3-tied"):
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    if kind == "qwen2":
         assert ours.model.layers["0"].self_attn.q_proj.bias.abs().sum() > 0
+    if kind.startswith("qwen3"):
+        attn = ours.model.layers["0"].self_attn
+        assert ours.config.head_dim * ours.config.num_attention_heads != ours.config.hidden_size
+        assert attn.q_norm.weight.shape == (32,) and (attn.k_norm.weight - 1).abs().sum() > 0  # loaded, not init
+        assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == (kind == "qwen3-tied")
 
 
 def test_llama3_rope_scaling_is_used(hf_models):
@@ -114,7 +120,7 @@ def test_hidden_states_then_lm_head_equal_forward(hf_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
 def test_bfloat16_cuda_close_to_transformers(hf_models, kind):
     _, path = hf_models(kind)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -1,4 +1,5 @@
-"""PP=2 equals PP=1: loss and parameter gradients, 1F1B and interleaved 1F1B, plus forward-only."""
+"""PP=2 equals PP=1: loss and parameter gradients, 1F1B and interleaved 1F1B, plus forward-only; a tied
+embedding's two stage copies both get the tied weight's whole gradient (a Qwen3-shaped model)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build_model
+from models import build_model, preset_config
 from models.llama import DocumentAttention
 from parallel.pipeline import PipelineRunner, build_stages, split_stage, stage_ids
 from parallel.sharding import pp_stage_layers
@@ -30,8 +31,14 @@ def _loss_terms(hidden, weight, ids, adv):
     return -(logp * adv[:, :-1]).sum() / (B * (T - 1))
 
 
-def _reference():
-    model = build_model("tiny", seed=0)
+def _build(tied: bool):
+    if not tied:
+        return build_model("tiny", seed=0)
+    return build_model(preset_config("tiny-qwen3"), seed=0)
+
+
+def _reference(tied: bool = False):
+    model = _build(tied)
     ids, pos, adv = _batch()
     hidden = model.hidden_states(ids, pos, attn=DocumentAttention(pos))
     loss = _loss_terms(hidden, model.lm_head.weight, ids, adv)
@@ -39,15 +46,16 @@ def _reference():
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, hidden.detach()
 
 
-# (schedule, stages per rank, micro-batches, declared activation dtype or None = inferred by torch)
-CONFIGS = [("1f1b", 1, 2, None), ("1f1b", 1, 4, torch.float32), ("interleaved_1f1b", 2, 4, None),
-           ("interleaved_1f1b", 2, 4, torch.float32)]
+# (schedule, stages per rank, micro-batches, declared activation dtype or None = inferred by torch, tied)
+CONFIGS = [("1f1b", 1, 2, None, False), ("1f1b", 1, 4, torch.float32, False),
+           ("interleaved_1f1b", 2, 4, None, False), ("interleaved_1f1b", 2, 4, torch.float32, False),
+           ("1f1b", 1, 2, torch.float32, True)]
 
 
-def _run_config(rank, world, schedule, stages_per_rank, n_mb, act_dtype):
+def _run_config(rank, world, schedule, stages_per_rank, n_mb, act_dtype, tied):
     import torch.distributed as dist
 
-    model = build_model("tiny", seed=0)
+    model = _build(tied)
     stages = build_stages(model, pp=world, pp_rank=rank, stages_per_rank=stages_per_rank,
                           attn_factory=DocumentAttention)
     runner = PipelineRunner(stages, pp_group=dist.group.WORLD, num_stages=world * stages_per_rank,
@@ -78,9 +86,12 @@ def _pp_body(rank, world):
 
 @pytest.mark.distributed
 def test_pp2_equals_pp1():
-    ref_loss, ref_grads, ref_hidden = _reference()
+    refs = {tied: _reference(tied) for tied in (False, True)}
     out = run_world(_pp_body, 2)
-    for i, (schedule, _, n_mb, _) in enumerate(CONFIGS):
+    for i, (schedule, _, n_mb, _, tied) in enumerate(CONFIGS):
+        ref_loss, ref_grads, ref_hidden = refs[tied]
+        if tied:  # the last stage's head copy must carry the tied weight's gradient, embedding part included
+            ref_grads = {**ref_grads, "lm_head.weight": ref_grads["model.embed_tokens.weight"]}
         first, last = out[0][i], out[1][i]
         assert len(last["losses"]) == n_mb and first["losses"] == [], schedule
         # loss_fn normalises by the whole batch, so the micro-batch losses sum to the full loss

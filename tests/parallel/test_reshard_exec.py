@@ -22,6 +22,11 @@ CASES_8 = [(2, 2, 2, 2, 16384, None), (2, 2, 2, 1, BIG, None), (1, 2, 4, 4, 1638
 ODD = dict(vocab_size=100, hidden_size=8, intermediate_size=18, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=1)
 CASES_8_ODD = [(1, 1, 8, 1, BIG, None), (1, 2, 4, 2, 4096, None), (2, 1, 4, 2, BIG, None)]
+# Qwen3: per-head q/k norms (replicated under TP, FSDP-chunked) travel too; head_dim 16 x 4 heads != hidden 32,
+# tied embeddings
+QWEN3 = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+CASES_4_QWEN3 = [(2, 1, 2, 1, 4096, None)]  # norms gathered from FSDP chunks of TP replicas
 
 
 def _slice_training(full: dict, tp: int, pp: int, dp: int, rank: int, num_layers: int) -> dict:
@@ -96,7 +101,7 @@ def _cases(rank, world, cases, model_overrides, device):
 
 @pytest.mark.distributed
 def test_reshard_world_4_bit_exact():
-    res = run_world(_body, 4, ([(None, CASES_4)],))
+    res = run_world(_body, 4, ([(None, CASES_4), (QWEN3, CASES_4_QWEN3)],))
     # a small bucket really splits the transition into many buckets and stages column blocks
     small = [r for r in res[0] if r[:5] == (2, 2, 1, 1, 16384)]
     assert {r[7] for r in small} == {"alltoall", "p2p"} and all(r[5] > 10 and r[6] > 0 for r in small)

@@ -206,6 +206,14 @@ def test_tied_head_is_planned_under_both_names():
     _check_full(TrainLayout(tp=2, pp=2, dp=1), 1, specs)
 
 
+def test_qwen3_qk_norms_are_planned_replicated():
+    specs = param_specs(preset_config("tiny-qwen3"), itemsize=4)
+    norms = [s for s in specs if s.name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * 4 and all(s.shape == (32,) for s in norms)
+    assert next(s for s in specs if s.name.endswith("0.self_attn.q_proj.weight")).shape == (4 * 32, 64)
+    _check_full(TrainLayout(tp=2, pp=2, dp=2), 2, specs)
+
+
 @pytest.mark.parametrize("tp,pp,dp,gen_tp", [(2, 2, 2, 1), (2, 2, 2, 2), (1, 1, 8, 1), (1, 2, 4, 4), (4, 1, 2, 2)])
 def test_every_rank_stages_at_most_half_a_bucket(tp, pp, dp, gen_tp):
     """The rank-independent bucket cost really bounds what each rank packs and receives per bucket."""

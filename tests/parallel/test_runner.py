@@ -1,6 +1,7 @@
 """The runner interface: LocalRunner (pp = 1, here also FSDP dp = 2) and PipelineRunner (pp = 2)
 give the single-process LocalRunner's forward results, losses, clipped gradients and grad norm and
-HF export, over the same packed micro-batches of different lengths."""
+HF export, over the same packed micro-batches of different lengths; also for a tied-embedding Qwen3
+at pp = 2 (both stage copies get the whole gradient, counted once in the norm, and stay equal)."""
 
 from __future__ import annotations
 
@@ -63,8 +64,12 @@ def _critic() -> LlamaForValue:
     return critic
 
 
-def _reference() -> dict:
-    return _exercise(LocalRunner(build_model("tiny", seed=0), attn_factory=DocumentAttention), _batches())
+PRESET = {"pp2": "tiny", "fsdp2": "tiny", "pp2-tied": "tiny-qwen3"}
+TIED = ("lm_head.weight", "model.embed_tokens.weight")  # the last stage's copy, and the weight it copies
+
+
+def _reference(preset: str = "tiny") -> dict:
+    return _exercise(LocalRunner(build_model(preset, seed=0), attn_factory=DocumentAttention), _batches())
 
 
 def _body(rank, world):
@@ -72,12 +77,15 @@ def _body(rank, world):
     from parallel.dims import ParallelDims, build_mesh
 
     out = {}
-    for name, dims in (("pp2", ParallelDims(pp=2)), ("fsdp2", ParallelDims(dp=2))):
+    for name, dims in (("pp2", ParallelDims(pp=2)), ("fsdp2", ParallelDims(dp=2)), ("pp2-tied", ParallelDims(pp=2))):
         mesh = build_mesh(dims, list(range(world)), device_type="cpu")
-        runner = parallelize_model(build_model("tiny", seed=0), mesh=mesh, dims=dims, n_microbatches=4,
+        runner = parallelize_model(build_model(PRESET[name], seed=0), mesh=mesh, dims=dims, n_microbatches=4,
                                    attn_factory=DocumentAttention)
         assert runner.microbatches == (4 if dims.pp > 1 else None)
         out[name] = _exercise(runner, _batches())
+        # after the step: the tied weight's copy on this rank (embedding first, head last), to compare
+        params = dict(runner.named_parameters())
+        out[name]["tied_after_step"] = next((params[n].detach().clone() for n in TIED if n in params), None)
     # a value model's head on the last stage: values equal the single-process model's
     dims = ParallelDims(pp=2)
     runner = parallelize_model(_critic(), mesh=build_mesh(dims, list(range(world)), device_type="cpu"), dims=dims,
@@ -89,11 +97,17 @@ def _body(rank, world):
 
 @pytest.mark.distributed
 def test_runners_equal_the_single_process_runner():
-    ref = _reference()
+    refs = {preset: _reference(preset) for preset in set(PRESET.values())}
     res = run_world(_body, 2)
-    for name in ("pp2", "fsdp2"):
+    for name in ("pp2", "fsdp2", "pp2-tied"):
+        ref = refs[PRESET[name]]
+        if name == "pp2-tied":  # the last stage's head copy answers for the tied weight
+            ref = {**ref, "grads": {**ref["grads"], TIED[0]: ref["grads"][TIED[1]]},
+                   "export": {**ref["export"], TIED[0]: ref["export"][TIED[1]]}}
+            first, last = (r[name]["tied_after_step"] for r in res)
+            assert torch.equal(first, last)  # stepped with the same gradient and clip: still one weight
         last = [r[name] for r in res if r[name]["has_last"]]
-        assert len(last) == (1 if name == "pp2" else 2), name
+        assert len(last) == (2 if name == "fsdp2" else 1), name
         for r in last:
             for got, want in zip(r["fwd"], ref["fwd"], strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)

@@ -204,3 +204,15 @@ def test_total_epochs_sets_the_step_count(tmp_path):
     assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 3 * (50 // 8)
     cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_steps=7"])
     assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 7
+
+
+def test_non_utf8_file_and_non_text_prompt_name_file_line_and_row(tmp_path):
+    tok = load_tokenizer("builtin:char")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        PromptDataset.from_files([str(latin1)], tokenizer=tok, prompt_key="prompt", answer_key="answer")
+    ints = tmp_path / "ints.jsonl"
+    ints.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": 7, "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"ints.jsonl row 1, column 'prompt': prompt must be a string .* got int \(7\)"):
+        PromptDataset.from_files([str(ints)], tokenizer=tok, prompt_key="prompt", answer_key="answer")

@@ -177,7 +177,7 @@ def test_reward_manager_timeout():
     mgr = RewardManager(_slow, default_score=0.0, timeout_s=0.2)
     res = mgr.score([("a", "p", "ok", "x"), ("b", "p", "hang", "x"), ("c", "p", "ok", "x")])
     assert res.scores == [1.0, 0.0, 1.0]
-    assert "TimeoutError" in res.failures["b"] and "timeout_s=0.2" in res.failures["b"]
+    assert "RewardTimeout" in res.failures["b"] and "timeout_s=0.2" in res.failures["b"]
 
 
 def test_reward_manager_passes_only_accepted_extras():
@@ -232,3 +232,34 @@ def test_sft_examples_end_with_eos_and_filter():
     assert len(low) == 30 and all(int(tok.decode(a[:-1])) < 5 for _, a in low)
     with pytest.raises(ValueError, match="loosen the filter"):
         sft_examples("add:1", 5, seed=0, tokenizer=tok, keep=lambda r: False)
+
+
+def _two_bugs(response, ground_truth):
+    if response.startswith("a"):
+        raise KeyError(response)
+    raise ValueError(f"cannot parse {response!r}")
+
+
+def test_every_distinct_error_is_logged_once_with_a_sample(caplog):
+    mgr = RewardManager(_two_bugs, logger=logging.getLogger("test_rewards"))
+    with caplog.at_level(logging.WARNING, logger="test_rewards"):
+        mgr.score([("s0", "p", "x1", "1"), ("s1", "p", "x2", "1")])  # step 1: one error, twice
+        mgr.score([("s2", "p", "x3", "1"), ("s3", "p", "a4", "1")])  # step 2: a new error appears
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and len(mgr.errors) == 2
+    assert "ValueError: cannot parse 'x1'" in msgs[0] and "sample s0" in msgs[0]
+    assert "KeyError" in msgs[1] and "sample s3" in msgs[1] and "'a4'" in msgs[1]
+    assert mgr.total_failed == 4
+
+
+def test_a_function_hanging_on_every_sample_costs_three_timeouts_per_batch():
+    import time
+
+    mgr = RewardManager(_slow, timeout_s=0.1)
+    t0 = time.monotonic()
+    res = mgr.score([(i, "p", "hang", "x") for i in range(10)])
+    assert time.monotonic() - t0 < 1.0 and res.num_failed == 10
+    assert sum("RewardTimeout" in f for f in res.failures.values()) == 3
+    assert "timed out on 3 samples in a row" in res.failures[9]
+    res = mgr.score([("a", "p", "hang", "x"), ("b", "p", "hang", "x"), ("c", "p", "ok", "x"), ("d", "p", "hang", "x")])
+    assert res.scores == [0.0, 0.0, 1.0, 0.0] and res.num_failed == 3  # a success resets the count

@@ -11,13 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pythonpath() -> str:
+    """The repo first, then what the caller had (the GPU machine's carried wheels live on PYTHONPATH)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enabled=false",
         "data.batch_size=8", "rollout.max_response_length=6", "data.task_size=256", "trainer.sft_warmup_steps=2",
         "actor.mini_batch_size=0", "actor.ppo_epochs=1", "critic.mini_batch_size=0"]
 
 
 def launch(tmp_path: Path, nproc: int, config: str, *overrides: str, timeout: int = 300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HYBRIDRL_TRACEBACK="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), HYBRIDRL_TRACEBACK="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "launcher" / "main.py"), str(ROOT / config), f"trainer.runs_dir={tmp_path}", *TINY,
            *overrides]
@@ -70,7 +75,7 @@ def test_resume_gives_identical_metrics(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for k in a:
-            if k.startswith(("timing_s/", "perf/")):
+            if k.startswith(("timing_s/", "perf/", "mem/")) or k.endswith("_s"):  # wall times, memory
                 continue
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
 
@@ -128,7 +133,7 @@ def test_bad_override_exits_2_on_every_rank(tmp_path, override, needle):
     assert 'launcher/main.py", line' not in res.stderr and "hybridrl" not in res.stderr.lower().split("error:")[0]
     assert not (tmp_path / "ppo_tiny").exists()  # nothing created before validation
     # without torchrun the process exits with 2 itself
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     single = subprocess.run([sys.executable, str(ROOT / "launcher" / "main.py"), str(ROOT / "conf/ppo_tiny.yaml"),
                              override], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert single.returncode == 2 and needle in single.stderr
@@ -138,8 +143,9 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
     from launcher.errors import UserError
     from launcher.rundir import prepare_run_dir
 
-    run = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
+    run, lock = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     (run / "metrics.jsonl").write_text("{}\n")
+    lock.release()  # the run ended
     with pytest.raises(UserError, match="already holds a run"):
         prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=True)

@@ -1,6 +1,7 @@
 """TP=2 decoding in a real gloo world equals TP=1: same greedy and seeded-sampled tokens, log-probs <= 1e-5.
 
-Two models in one world: the tiny Llama (GQA) and a Qwen2-style variant (q/k/v biases, tied embeddings).
+Three models in one world: the tiny Llama (GQA), a Qwen2-style variant (q/k/v biases, tied embeddings) and
+a Qwen3-style one (per-head q/k norms, replicated; head_dim != hidden / heads; tied embeddings).
 """
 
 import pytest
@@ -14,10 +15,14 @@ PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=7, ignore_eos=True),
           SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=9, seed=3, ignore_eos=True)]
-VARIANTS = ("llama", "qwen2")
+VARIANTS = ("llama", "qwen2", "qwen3")
 
 
 def _model(variant):
+    if variant == "qwen3":
+        from tests.rollout.test_engine_qwen3 import qwen3_model
+
+        return qwen3_model(tied=True, seed=11)
     cfg = preset_config("tiny") if variant == "llama" else preset_config(
         "tiny", model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
     model = build_model(cfg, seed=11)

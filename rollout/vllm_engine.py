@@ -1,0 +1,246 @@
+"""`VLLMEngine`: vLLM in this process, inside the torchrun world, behind the RolloutEngine protocol.
+
+    engine = VLLMEngine(model_config, config=RolloutConfig(max_model_len=64, max_num_seqs=16),
+                        tp_group=groups.gen_tp_group, dtype=torch.float32, eos_token_ids=[2])
+    engine.update_weights(gen_shards.items())     # HF-named TP shards from the hybrid engine
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=7))
+
+How it sits in the world (vLLM's `external_launcher` executor, VLLM_ENABLE_V1_MULTIPROCESSING=0):
+vLLM reuses the already initialised torch.distributed world and cuts it into consecutive blocks of
+`tensor_parallel_size` ranks, one engine per block; each block is one generation TP group of the
+device plan (checked at start-up), blocks are independent replicas (vLLM's "external DP"). vLLM
+creates its groups with collectives over the WHOLE world, so every rank of the world constructs an
+engine at the same time; a rank without the rollout role builds an idle one (`idle_tp`, never asked
+to generate) of the same KV size (vLLM sizes every engine's KV cache to the minimum over the world).
+Every rank of a TP group passes the same prompts.
+
+Weights: the engine starts from vLLM's dummy weights; `update_weights` takes this rank's HF-named
+generation TP shards, all-gathers them inside the TP group one bounded bucket at a time into the
+full tensors vLLM's loaders expect (vLLM re-shards them itself), streams them through vLLM's
+in-place reload, and resets the prefix cache (stale KV blocks of the old weights would otherwise be
+reused by a prompt with a cached prefix).
+
+Sleep: on CUDA, `sleep()` is vLLM's sleep level 2 (weights and KV cache leave the GPU; the weights
+come back from the next update_weights) when rollout.free_memory_on_sleep; vLLM's CPU platform has
+no sleep mode, so there sleep()/wake_up() only flip a flag and never call into vLLM (a vLLM
+`generate` issued after its `sleep()` blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from parallel.sharding import tp_shard_dim
+from rollout.base import Completion, RolloutConfig, SamplingParams, check_request, error_completions, expand_sampling
+from rollout.vllm_support import installed_vllm_version, request_matches_mode, vllm_install_problem
+
+# head_dim values vLLM's CPU attention accepts (others start, then fail at the first generate)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, *, tp: int, dtype: torch.dtype) -> int:
+    """K and V of one token on one TP rank, all layers."""
+    kv_heads = max(cfg.num_key_value_heads // tp, 1)
+    return 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def write_hf_config(cfg: ModelConfig, directory: str, *, dtype: torch.dtype) -> None:
+    """config.json of the actor's model (vLLM builds its model from it; weights come later)."""
+    d = cfg.to_hf()
+    d["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(d, f)
+
+
+def gather_full_tensors(named: Iterable[tuple[str, torch.Tensor]], *, group, bucket_bytes: int
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors from this rank's TP shards (parallel/sharding.py dims), gathered in buckets of at
+    most ~bucket_bytes of local shard per rank, so at most one bucket of full tensors exists at a time.
+    Collective over `group`: every rank iterates the same names in the same order."""
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        yield from named
+        return
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        if bucket and (size + t.numel() * t.element_size() > bucket_bytes or t.dtype != bucket[0][1].dtype):
+            yield from _gather_bucket(bucket, group, world)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield from _gather_bucket(bucket, group, world)
+
+
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], group, world: int) -> Iterator[tuple[str, torch.Tensor]]:
+    flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat, group=group)
+    offset = 0
+    for name, t in bucket:
+        n = t.numel()
+        pieces = [p[offset:offset + n].view(t.shape) for p in parts]
+        offset += n
+        dim = tp_shard_dim(name)
+        yield name, (pieces[0] if dim is None else torch.cat(pieces, dim=dim))
+
+
+def _check_tp_group_matches_vllm(tp_group, tp: int) -> None:
+    """vLLM's TP groups are consecutive blocks of `tp` world ranks; the plan's must be the same ranks."""
+    rank = dist.get_rank()
+    ours = dist.get_process_group_ranks(tp_group) if tp_group is not None else [rank]
+    theirs = list(range(rank - rank % tp, rank - rank % tp + tp))
+    if sorted(ours) != theirs:
+        raise ValueError(f"rollout.engine=vllm: vLLM puts world rank {rank} in TP group {theirs} (consecutive "
+                         f"blocks of gen tp={tp}), the device plan in {sorted(ours)}; place the actor on a rank "
+                         "range starting at a multiple of the generation TP size")
+
+
+class VLLMEngine:
+    def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 eos_token_ids: list[int] | None = None, logprobs_mode: str = "processed_logprobs",
+                 enforce_eager: bool = True, bucket_bytes: int = 256 << 20, idle_tp: int = 0):
+        """tp_group: this rank's generation TP group (None: tp=1). logprobs_mode: from
+        rollout.vllm_support.logprobs_mode_for(). idle_tp > 0: a placeholder replica of that TP size on a
+        rank without the rollout role (it only takes part in vLLM's collective start-up; see above)."""
+        problem = vllm_install_problem(installed_vllm_version())
+        if problem is not None:
+            raise RuntimeError(problem)
+        config.validate()
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and model_config.head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(f"vLLM's CPU attention supports head_dim in {CPU_HEAD_DIMS}, the model has "
+                             f"{model_config.head_dim}; use another model (e.g. the tiny-hd32 preset)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
+        from vllm import LLM
+
+        self.model_config, self.config, self.dtype = model_config, config, dtype
+        self.tp_group, self.bucket_bytes, self.logprobs_mode = tp_group, bucket_bytes, logprobs_mode
+        if not dist.is_initialized():
+            raise RuntimeError("VLLMEngine runs inside a torch.distributed world (torchrun); initialise it first")
+        if idle_tp:
+            self.tp = idle_tp
+        else:
+            self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+            _check_tp_group_matches_vllm(tp_group, self.tp)
+        if dist.get_world_size() % self.tp:
+            raise ValueError(f"rollout.engine=vllm cuts the world into blocks of gen tp={self.tp} ranks; the world "
+                             f"size {dist.get_world_size()} is not a multiple of it")
+        self.eos_token_ids = list(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self._rng = random.Random(config.seed)  # same seed on every TP rank -> same draws for unseeded requests
+        cuda = self.device.type == "cuda"
+        self.sleep_level = 2 if cuda and config.free_memory_on_sleep else 0
+        kw = {}
+        if cuda:
+            kw["gpu_memory_utilization"] = config.gpu_memory_fraction
+        else:  # vLLM's CPU default asks for most of host memory; give it what the native engine would take
+            tokens = config.kv_cache_tokens or config.max_model_len * config.max_num_seqs
+            kw["kv_cache_memory_bytes"] = tokens * kv_bytes_per_token(model_config, tp=self.tp, dtype=dtype)
+        self._dir = tempfile.TemporaryDirectory(prefix="hybridrl-vllm-")
+        write_hf_config(model_config, self._dir.name, dtype=dtype)
+        self.llm = LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                       tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
+                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
+                       enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
+                       enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0, **kw)
+        # vLLM's exit-time shutdown tears down the torch.distributed world (ours), which the launcher has
+        # already destroyed by then (tracebacks at every exit); the process's exit frees the engine anyway
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        self._max_budget = max(config.max_num_batched_tokens, config.max_model_len)  # vLLM's buffers are this big
+        self.asleep = False
+        self.loaded = False
+        if idle_tp:
+            self.sleep()  # never generates: on CUDA its weights and KV cache leave the GPU for good
+
+    # ---- RolloutEngine protocol ----
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors, each this rank's generation TP shard; collective over the TP group."""
+        if self.asleep:
+            raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
+        full = gather_full_tensors(named_tensors, group=self.tp_group, bucket_bytes=self.bucket_bytes)
+        # in-process executor: the iterator (and its collectives) runs right here, inside vLLM's loader
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.loaded = True
+
+    def sleep(self) -> None:
+        if self.asleep:
+            return
+        if self.sleep_level:
+            self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            return
+        if self.sleep_level:
+            self.llm.wake_up()
+            self.loaded = False  # level 2 discarded the weights: update_weights must come before generate
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        if self.asleep:
+            raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
+        if not self.loaded:
+            raise RuntimeError("generate before update_weights: the engine holds vLLM's dummy weights")
+        params = expand_sampling(sampling, len(prompts))
+        results: dict[int, list[Completion]] = {}
+        requests, vparams, index = [], [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            prompt = [int(t) for t in prompt]
+            err = check_request(prompt, p, max_model_len=self.config.max_model_len,
+                                vocab_size=self.model_config.vocab_size)
+            if err is None:
+                err = request_matches_mode(self.logprobs_mode, temperature=p.temperature, top_k=p.top_k,
+                                           top_p=p.top_p)
+            if err is not None:
+                results[i] = error_completions(i, prompt, p, err)
+                continue
+            # unseeded requests draw their seed here, in request order, so every TP rank agrees
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
+            requests.append({"prompt_token_ids": prompt})
+            vparams.append(self._vllm_params(p, seed, room=self.config.max_model_len - len(prompt)))
+            index.append(i)
+        if requests:
+            self._apply_token_budget()
+            outs = self.llm.generate(requests, vparams, use_tqdm=False)
+            for i, out in zip(index, outs):
+                results[i] = [self._completion(i, prompts[i], c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _apply_token_budget(self) -> None:
+        """config.max_num_batched_tokens (the batch controller's knob) acts at the next generate, as in the
+        native engine: vLLM's scheduler budget per step, at most what vLLM sized its buffers for."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler.max_num_scheduled_tokens = min(max(self.config.max_num_batched_tokens, 1), self._max_budget)
+
+    def _vllm_params(self, p: SamplingParams, seed: int, *, room: int):
+        from vllm import SamplingParams as VSamplingParams
+
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        # ignore_eos=True: vLLM's own EOS (from a tokenizer we do not give it) stays out; ours are stop ids
+        return VSamplingParams(n=p.n, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
+                               max_tokens=min(p.max_tokens, room), seed=seed, stop_token_ids=stops,
+                               ignore_eos=True, logprobs=0, detokenize=False)
+
+    @staticmethod
+    def _completion(i: int, prompt, c) -> Completion:
+        tokens = list(c.token_ids)
+        logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, c.logprobs)]
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
+        return Completion(i, c.index, [int(t) for t in prompt], tokens, logprobs, reason,
+                          None if reason != "error" else f"vLLM finished with {c.finish_reason!r}")

@@ -1,0 +1,56 @@
+"""Reward functions that inject one fault into an end-to-end run (tests only).
+
+The fault fires once, in the reward stage (mid-step), on one rank, as soon as a file exists
+(e.g. the run's checkpoint `step_2`) with at least FAULT_AFTER_LINES lines, so a test can place
+it after a checkpoint or a metrics row without racing:
+
+    FAULT=SIGKILL FAULT_RANK=1 FAULT_AFTER=<run>/metrics.jsonl FAULT_AFTER_LINES=3 FAULT_MARKER=<tmp>/fired
+    reward.function=tests/launcher/fault_rewards.py:task_reward_with_fault
+
+Scores are the synthetic task's own (`builtin:task:add:1`), so a faulted run can be compared
+with an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ppo.tasks import task_reward_fn
+
+_task = task_reward_fn("add:1")
+
+
+def _fire() -> None:
+    env = os.environ
+    fault, marker = env.get("FAULT"), env.get("FAULT_MARKER")
+    if not fault or env.get("RANK") != env.get("FAULT_RANK", "1") or not marker or os.path.exists(marker):
+        return
+    after = env.get("FAULT_AFTER", "")
+    if not os.path.exists(after):
+        return
+    lines = int(env.get("FAULT_AFTER_LINES", "0"))
+    if lines and (os.path.isdir(after) or len(open(after).read().splitlines()) < lines):
+        return
+    open(marker, "w").close()
+    if fault == "SIGTERM_AGENT":  # what Slurm / Ctrl-C does to torchrun: the agent forwards it to the workers
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(0.5)  # let the signal arrive while this stage is still running
+    else:
+        os.kill(os.getpid(), getattr(signal, fault))
+
+
+def task_reward_with_fault(response, ground_truth, **extra):
+    _fire()
+    return _task(response, ground_truth)
+
+
+def always_raises(response, ground_truth, **extra):
+    raise ValueError(f"cannot parse {response!r}")
+
+
+def hangs_on_even_samples(response, ground_truth, sample_id=0):
+    if sample_id % 2 == 0:
+        time.sleep(3600)
+    return _task(response, ground_truth)
