@@ -93,4 +93,5 @@ def test_recipe_configs_name_what_is_missing(tmp_path):
     cfg = load_config(ROOT / "conf" / "grpo_gsm8k_qwen3.yaml", given)
     assert (cfg.model.tokenizer, cfg.reward.signature, cfg.algorithm.name) == ("auto", "auto", "grpo")
     tiny = load_config(ROOT / "conf" / "grpo_verl_tiny.yaml", given[1:])
-    assert (tiny.model.path, tiny.model.preset, tiny.trainer.device, tiny.rollout.val_n) == (None, "tiny-qwen3", "cpu", 2)
+    assert (tiny.model.path, tiny.model.preset, tiny.trainer.device, tiny.rollout.val_n) == (None, "tiny-qwen3",
+                                                                                             "cpu", 2)
