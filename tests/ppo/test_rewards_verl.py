@@ -101,7 +101,8 @@ def test_rule_reward_carries_row_columns_and_extras(tmp_path):
     reward = RuleReward(RewardManager(verl_score), tokenizer=tok, rank_in_group=0, group_size=1)
     out = reward.score(Experience(samples))
     assert {k: {u: float(v) for u, v in d.items()} for k, d in out.items()} == {
-        "score": {0: 1.0, 1: 0.0}, "reward/acc": {0: 1.0, 1: 0.0}, "reward/len": {0: 2.0, 1: 2.0}}
+        "score": {0: 1.0, 1: 0.0}, "reward_failed": {0: 0.0, 1: 0.0}, "reward/acc": {0: 1.0, 1: 0.0},
+        "reward/len": {0: 2.0, 1: 2.0}}
     assert _reward_extra_metrics({**out, "old_logp": {0: torch.zeros(2)}}) == {"reward/acc/mean": 0.5,
                                                                                "reward/len/mean": 2.0}
 
