@@ -391,8 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
     backends = ("native", "megatron") if args.backend == "both" else (args.backend,)
     measured_megatron = set()
     for spec, backend in ((s, b) for s in specs for b in backends):
-        if backend == "megatron":  # megatron runs eager with fp32 masters: compile/master variants are one config
-            key = (spec.mode, spec.ac, spec.attn)
+        if backend == "megatron":  # megatron always keeps fp32 masters: bf16/fp32 master variants are one config
+            key = (spec.mode, spec.compile, spec.ac, spec.attn)
             if key in measured_megatron:
                 continue
             measured_megatron.add(key)

@@ -18,7 +18,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from launcher.costmodel import Calibration, Candidate, Workload, model_pass_s
+from launcher.plan import validate_role_layout
 from launcher.stepmodel import Estimate, _activation_gb, _role_model, estimate
+from parallel.dims import TopologyError
 
 TRAINED = ("actor", "critic")
 KEEP_PER_ROLE = 3  # fastest layouts per role carried into the joint search
@@ -35,13 +37,23 @@ def _pow2_upto(n: int) -> list[int]:
     return [2**i for i in range(n.bit_length()) if 2**i <= n]
 
 
+def _fits(role: str, model, *, tp: int, pp: int, stages_per_rank: int = 1) -> bool:
+    """The planner's own size rule (launcher.plan.validate_role_layout), so no proposal is refused later."""
+    try:
+        validate_role_layout(role, model, tp=tp, pp=pp, stages_per_rank=stages_per_rank)
+    except TopologyError:
+        return False
+    return True
+
+
 def _tp_options(model, cal: Calibration) -> list[int]:
     return [t for t in _pow2_upto(cal.gpus_per_node)
             if model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0]
 
 
 def _pp_options(model) -> list[int]:
-    return [p for p in (1, 2, 4, 8, 16) if model.num_hidden_layers % p == 0 and model.num_hidden_layers // p >= 1]
+    # whole layers per stage (even stages balance best); the size rules are _fits'
+    return [p for p in (1, 2, 4, 8, 16) if model.num_hidden_layers % p == 0]
 
 
 def pool_sizes(world: int, parts: int, cal: Calibration) -> list[tuple[int, ...]]:
@@ -62,9 +74,11 @@ def pool_sizes(world: int, parts: int, cal: Calibration) -> list[tuple[int, ...]
 
 
 def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, samples: int,
-                 share_prompts: bool) -> tuple[list[tuple[float, tuple[int, int, int]]], float]:
-    """(seconds, (tp, pp, dp)) of a role on `gpus` GPUs, fastest first, those whose own memory fits; and
-    the least GB per GPU any layout of the role needs (to say why nothing fits)."""
+                 share_prompts: bool, stages_per_rank: int = 1
+                 ) -> tuple[list[tuple[float, tuple[int, int, int]]], float]:
+    """(seconds, (tp, pp, dp)) of a role on `gpus` GPUs, fastest first, those whose own memory fits and
+    that the planner accepts (validate_role_layout); and the least GB per GPU any layout of the role
+    needs (to say why nothing fits)."""
     m = _role_model(w, role)
     if role == "reward" and m is None:  # rule reward: data parallel over the pool's CPUs
         return ([(0.0, (1, 1, gpus))] if samples % gpus == 0 else []), 0.0
@@ -72,6 +86,8 @@ def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, 
     for tp in _tp_options(model, cal):
         for pp in _pp_options(model):
             if gpus % (tp * pp) or (pp > 1 and share_prompts and role in ("actor", "ref")):
+                continue
+            if not _fits(role, model, tp=tp, pp=pp, stages_per_rank=stages_per_rank):
                 continue
             dp = gpus // (tp * pp)
             if samples % dp:
@@ -96,7 +112,8 @@ def _gen_tps(model, cal: Calibration, actor: tuple[int, int, int], samples: int)
     n = tp * pp * dp
     out = []
     for g in _tp_options(model, cal):
-        if (tp * pp) % g == 0 and (tp % g == 0 or g % tp == 0) and samples % (n // g) == 0:
+        if ((tp * pp) % g == 0 and (tp % g == 0 or g % tp == 0) and samples % (n // g) == 0
+                and _fits("rollout", model, tp=g, pp=1)):
             out.append(g)
     return out
 
@@ -135,7 +152,8 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
                         if role != "rollout":
                             shape = reward_model if (role == "reward" and reward_model) else model
                             fits, least = role_layouts(w, cal, role, gpus=n, model=shape, samples=samples,
-                                                       share_prompts=w.share_prompts)
+                                                       share_prompts=w.share_prompts,
+                                                       stages_per_rank=getattr(cfg, role).pp_stages_per_rank)
                             per_role[role] = fits[:KEEP_PER_ROLE]
                             if not fits and len(rejected) < 5:
                                 why = (f"needs {least:.0f} GB per GPU > {cal.hbm_gb:.0f} GB usable at best"

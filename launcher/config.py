@@ -62,7 +62,7 @@ class TrainerConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelSourceConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
     preset: str = "tiny"  # model shape when path is None (models/config.py PRESETS); none: model.path is required
     dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
@@ -109,7 +109,10 @@ class ActorConfig(ParallelConfig):
     use_kl_loss: bool = False  # GRPO style: KL to the reference as a loss term
     kl_loss_coef: float = 0.001  # weight of the KL loss term
     kl_loss_type: str = "low_var_kl"  # KL estimator of the loss term: k1 | k2 | k3 | low_var_kl
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sum
+    # over rollout.max_response_length, no per-response length normalisation)
+    loss_agg: str = "token-mean"
+    policy_loss: str = "vanilla"  # vanilla (token-ratio PPO clip) | gspo (sequence ratio; use clip ~3e-4/4e-4)
     # Adam's moments live in pinned host memory and visit the GPU chunk by chunk during the optimizer
     # step (parallel/offload_optim.py): 8 bytes/parameter less device memory, ~8 bytes/parameter each way
     # over PCIe per step
@@ -151,7 +154,7 @@ class RewardConfig(ParallelConfig):
 
 
 @dataclass
-class RolloutConfig:
+class RolloutRoleConfig:
     engine: str = "native"  # native | hf | vllm
     gen_tp: int = 0  # generation tensor-parallel degree; 0: the actor's tp
     n: int = 1  # samples per prompt
@@ -187,17 +190,43 @@ class DataConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose rollout.n samples all scored the same, draw more."""
+
+    enable: bool = False  # DAPO dynamic sampling: keep only groups whose samples' scores differ
+    max_num_gen_batches: int = 4  # generation rounds per step at most; then topped up with dropped groups
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment: the score falls linearly by up to penalty_factor over the last
+    `len` tokens before rollout.max_response_length."""
+
+    enable: bool = False  # DAPO soft overlong punishment added to the score
+    len: int = 0  # tokens before rollout.max_response_length over which the penalty ramps from 0 to the full factor
+    penalty_factor: float = 1.0  # the penalty at rollout.max_response_length
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "ppo"  # ppo | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
-    norm_adv_by_std: bool = True  # GRPO: divide group-relative advantages by the group's std
+    norm_adv_by_std: bool = True  # grpo only; false: Dr. GRPO's mean-only baseline
     use_kl_penalty: bool = True  # KL to the reference folded into the token rewards
     kl_penalty: str = "k1"  # k1 | k2 | k3 | low_var_kl
     kl_ctrl: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.01  # KL penalty coefficient (initial one when adaptive)
     target_kl: float = 0.1  # adaptive controller's target KL
     kl_horizon: int = 10000  # adaptive controller's horizon (samples)
+    # engine vs trainer log-prob mismatch: auto (tis on-policy; none with trainer.async_rollout, whose
+    # ratio already divides by the engine's log-probs) | none (metrics only) | tis | seq_mask | tis+seq_mask
+    rollout_correction: str = "auto"
+    rollout_is_cap: float = 2.0  # tis: token weight min(pi_train / pi_rollout, cap)
+    rollout_mask_threshold: float = 1.01  # seq_mask: drop a response whose geometric-mean ratio leaves [1/t, t]
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
+    overlong_filter: bool = False  # DAPO: responses cut at max_response_length get no policy gradient
 
 
 @dataclass
@@ -233,12 +262,12 @@ class ControllerConfig:
 @dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # run, loop, logging, checkpoints
-    model: ModelConfig = field(default_factory=ModelConfig)  # the policy model and tokenizer
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the policy model and tokenizer
     actor: ActorConfig = field(default_factory=ActorConfig)  # policy training
     critic: CriticConfig = field(default_factory=CriticConfig)  # value model (PPO)
     ref: RefConfig = field(default_factory=RefConfig)  # frozen reference policy (KL)
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function or reward model
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
+    rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)  # generation
     data: DataConfig = field(default_factory=DataConfig)  # prompts
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and KL
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # which ranks host which roles
@@ -260,7 +289,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "placement.mode": ("colocated", "split", "auto"),
     "reward.type": ("rule", "model"),
     "reward.signature": ("auto", "hybridrl", "verl"),
-    "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor.policy_loss": ("vanilla", "gspo"),
+    "algorithm.rollout_correction": ("auto", "none", "tis", "seq_mask", "tis+seq_mask"),
     "critic.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.optim.lr_schedule": ("constant", "cosine"),
     "critic.optim.lr_schedule": ("constant", "cosine"),
@@ -502,6 +533,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
         raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
                         f"set rollout.n >= 2 (got {r.n})")
+    _validate_algorithm_variants(cfg)
     if t.share_prompts and (cfg.actor.pp > 1 or cfg.ref.pp > 1):
         raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
                         f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
@@ -531,6 +563,60 @@ def validate_config(cfg: Config) -> None:
                 raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
         if pool.size < 1:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def _validate_algorithm_variants(cfg: Config) -> None:
+    """DAPO / GSPO / Dr. GRPO / rollout-correction keys: each acts in this setting, or is refused."""
+    a, r = cfg.algorithm, cfg.rollout
+    default = AlgorithmConfig()
+    if a.rollout_correction not in ("auto", "none") and cfg.trainer.async_rollout:
+        raise UserError(f"algorithm.rollout_correction={a.rollout_correction} needs the trainer's log-probs at the "
+                        f"weights that generated the batch, which trainer.async_rollout never computes (its PPO "
+                        f"ratio divides by the engine's log-probs directly); set algorithm.rollout_correction=auto "
+                        f"or none")
+    mode = resolved_rollout_correction(cfg)
+    if "tis" not in mode and a.rollout_is_cap != default.rollout_is_cap:
+        raise UserError(f"algorithm.rollout_is_cap={a.rollout_is_cap} acts only with algorithm.rollout_correction=tis "
+                        f"or tis+seq_mask (it is {a.rollout_correction} -> {mode})")
+    if "seq_mask" not in mode and a.rollout_mask_threshold != default.rollout_mask_threshold:
+        raise UserError(f"algorithm.rollout_mask_threshold={a.rollout_mask_threshold} acts only with "
+                        f"algorithm.rollout_correction=seq_mask or tis+seq_mask (it is {a.rollout_correction})")
+    if a.rollout_is_cap <= 1.0:
+        raise UserError(f"algorithm.rollout_is_cap({a.rollout_is_cap}) must be > 1 (a cap at or below 1 "
+                        f"down-weights every token)")
+    if a.rollout_mask_threshold <= 1.0:
+        raise UserError(f"algorithm.rollout_mask_threshold({a.rollout_mask_threshold}) must be > 1: it bounds "
+                        f"the geometric-mean ratio to [1/threshold, threshold]")
+    fg, ob = a.filter_groups, a.overlong_buffer
+    if fg.enable:
+        if r.n < 2:
+            raise UserError(f"algorithm.filter_groups.enable drops groups whose rollout.n samples scored the same: "
+                            f"set rollout.n >= 2 (got {r.n})")
+        if cfg.trainer.async_rollout:
+            raise UserError("algorithm.filter_groups.enable regenerates within the step, which "
+                            "trainer.async_rollout (generating the next batch ahead) cannot; turn one off")
+        if fg.max_num_gen_batches < 1:
+            raise UserError(f"algorithm.filter_groups.max_num_gen_batches({fg.max_num_gen_batches}) must be >= 1")
+    elif fg.max_num_gen_batches != FilterGroupsConfig().max_num_gen_batches:
+        raise UserError("algorithm.filter_groups.max_num_gen_batches acts only with "
+                        "algorithm.filter_groups.enable=true")
+    if ob.enable:
+        if not 0 < ob.len <= r.max_response_length:
+            raise UserError(f"algorithm.overlong_buffer.len({ob.len}) must be in (0, rollout.max_response_length="
+                            f"{r.max_response_length}]")
+    elif ob != OverlongBufferConfig():
+        raise UserError("algorithm.overlong_buffer.len / penalty_factor act only with "
+                        "algorithm.overlong_buffer.enable=true")
+    if not a.norm_adv_by_std and a.name != "grpo":
+        raise UserError(f"algorithm.norm_adv_by_std=false acts only with algorithm.name=grpo (Dr. GRPO); "
+                        f"{a.name} does not divide by a group std")
+
+
+def resolved_rollout_correction(cfg: Config) -> str:
+    """algorithm.rollout_correction with `auto` resolved: tis on-policy, none with async rollout."""
+    from ppo.rollout_correction import resolve_mode
+
+    return resolve_mode(cfg.algorithm.rollout_correction, async_rollout=cfg.trainer.async_rollout)
 
 
 def _validate_vllm(cfg: Config) -> None:
@@ -572,7 +658,9 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
         raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
                         f"{device}; use {role}.backend=native on CPU")
     refused = [
-        (sec.compile, f"{role}.compile=true", "torch.compile of megatron-core layers is not wired; set it to false"),
+        (sec.compile and sec.activation_checkpointing == "full",
+         f"{role}.compile=true with activation_checkpointing=full",
+         "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
         (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
          "megatron's selective recompute targets its own core attention; use none or full"),
         (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
@@ -599,14 +687,14 @@ _MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank
 def _validate_roles_keys(cfg: Config) -> None:
     """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
     optimizer to offload while generating, model layout keys of a rule reward."""
-    from rollout.base import RolloutConfig as EngineConfig
+    from rollout.base import RolloutConfig
     from rollout.factory import ENGINES, NOT_BUILT
 
     r = cfg.rollout
     if r.engine not in ENGINES:
         raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
     try:  # the engine's own checks, once, before launch
-        EngineConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                      decode_attention=r.decode_attention).validate()
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None

@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ppo.step_plan import old_logp_source
+
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
 TRAINED_BYTES_PER_PARAM = 16  # FSDP2 mixed precision: fp32 master + fp32 grad + Adam m, v (fp32)
 FROZEN_BYTES_PER_PARAM = 4  # reference / reward model with model.dtype=float32; a 16-bit model.dtype stores
@@ -166,8 +168,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     is_async = cfg.trainer.async_rollout if is_async is None else is_async
     samples = cfg.data.batch_size * cfg.rollout.n
     ref = uses_ref(cfg)
-    fused = (a.ppo_epochs == 1 and (a.mini_batch_size == 0 or a.mini_batch_size >= samples)
-             and not (cfg.algorithm.use_kl_penalty and ref) and not is_async)
+    fused = old_logp_source(async_rollout=is_async, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
+                            samples=samples, kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref) == "fused"
     rm = None
     if cfg.reward.type == "model":
         rm = ModelShape.of(reward_model or model, value_head=True)

@@ -174,11 +174,8 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
             shape = reward_model if (role == "reward" and reward_model is not None) else model
             if not (role == "reward" and cfg.reward.type == "rule"):
                 try:
-                    ParallelDims(tp=tp, pp=pp, dp=1).validate_model(
-                        num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
-                        num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size,
-                        intermediate_size=shape.intermediate_size,
-                        stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank, role=role)
+                    validate_role_layout(role, shape, tp=tp, pp=pp,
+                                         stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank)
                 except TopologyError as e:
                     raise UserError(str(e).replace("rollout tp", "rollout.gen_tp")) from None
                 if role != "rollout" and sec.backend == "megatron":
@@ -216,6 +213,17 @@ def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
     w = build_workload(cfg, model=model, reward_model=reward_model)
     est = estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout))
     return dict(est.summary(cal), calibration=cal.name, prompt_len=w.prompt_len, response_len=w.response_len)
+
+
+def validate_role_layout(role: str, shape: ModelConfig, *, tp: int, pp: int, stages_per_rank: int = 1) -> None:
+    """Whether `role` can shard a model of `shape` over tp x pp (parallel.dims.ParallelDims.validate_model:
+    heads, KV heads, intermediate size, vocabulary, layers). Raises TopologyError.
+    The one size rule of the planner and of the auto search, so the search never proposes a layout
+    the planner then refuses."""
+    ParallelDims(tp=tp, pp=pp, dp=1).validate_model(
+        num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
+        num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size, intermediate_size=shape.intermediate_size,
+        stages_per_rank=stages_per_rank, role=role)
 
 
 AUTO_CHOSEN = ("tp", "pp", "dp")

@@ -221,10 +221,8 @@ def load_pretrained(
 
 # ---------------------------------------------------------------- saving
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
+    from torch.distributed.tensor import DTensor
+
     return isinstance(t, DTensor)
 
 

@@ -35,8 +35,22 @@ def head_kind(model: nn.Module) -> str:
     return "lm"
 
 
+def compile_megatron_layers(gpt: nn.Module, *, dynamic: bool | None = None, backend: str = "inductor") -> None:
+    """torch.compile each megatron-core TransformerLayer of the stage in place, as the native backend compiles
+    its decoder layers: the norms, our RoPE, SwiGLU and the casts between the GEMMs fuse into a few kernels
+    (eager megatron launches ~2x the native compiled step's elementwise kernels). Graph breaks fall back to
+    eager; the layers share one graph where their guards allow. dynamic: as parallel.apply.apply_compile."""
+    layers = gpt.decoder.layers
+    for knob in ("recompile_limit", "cache_size_limit"):  # one cache entry per layer may be needed
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), len(layers) + 8))
+    for layer in layers:
+        layer.compile(fullgraph=False, dynamic=dynamic, backend=backend)
+
+
 def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", param_dtype: torch.dtype | None = None,
-                          attn_factory: Callable | None = None, frozen: bool = False) -> ModelRunner:
+                          attn_factory: Callable | None = None, frozen: bool = False, compile: bool = False,
+                          dynamic: bool | None = None) -> ModelRunner:
     """megatron-core stage of `model` for this rank's coordinate in `mesh` ("pp", "dp", "tp")."""
     from models.megatron_model import build_megatron_model
     from parallel.megatron_groups import build_process_groups
@@ -58,6 +72,8 @@ def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", par
     gpt = build_megatron_model(cfg, pg_collection=pgc, pre_process=pp_idx == 0, post_process=pp_idx == dims.pp - 1,
                                head=head_kind(model), params_dtype=dtype, device=first.device, **recompute)
     load_megatron_weights(gpt, pgc, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)})
+    if compile:
+        compile_megatron_layers(gpt, dynamic=dynamic)
     return MegatronRunner(gpt, pgc, mesh=mesh, attn_factory=attn_factory)
 
 
@@ -80,9 +96,9 @@ def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: s
                                  param_dtype=param_dtype, n_microbatches=n_microbatches, pp_schedule=pp_schedule,
                                  stages_per_rank=stages_per_rank, attn_factory=attn_factory)
     if backend == "megatron":
-        if compile or stages_per_rank != 1 or ac == "selective":
-            raise ValueError(f"megatron backend: compile={compile}, stages_per_rank={stages_per_rank}, ac={ac!r} "
-                             "are not supported (use compile=False, 1 stage per rank, ac none|full)")
+        if (compile and ac == "full") or stages_per_rank != 1 or ac == "selective":
+            raise ValueError(f"megatron backend: compile={compile} with ac={ac!r}, stages_per_rank={stages_per_rank} "
+                             "are not supported (use 1 stage per rank, ac none|full, compile only with ac none)")
         return build_megatron_runner(model, mesh=mesh, dims=dims, ac=ac, param_dtype=param_dtype,
-                                     attn_factory=attn_factory)
+                                     attn_factory=attn_factory, compile=compile, dynamic=dynamic)
     raise ValueError(f"unknown training backend {backend!r}; choose one of {BACKENDS}")

@@ -97,8 +97,9 @@ def _vocab_embed_forward(module: nn.Embedding, ids: torch.Tensor, *, mesh) -> to
     return _AllReduceSum.apply(out, mesh.get_group())
 
 
-class VocabParallelEmbedding(ParallelStyle):
-    """Embedding rows split over the TP group (weight a Shard(0) DTensor), ids and output local.
+class VocabParallel(ParallelStyle):
+    """A ParallelStyle like ColwiseParallel: embedding rows split over the TP group (weight a Shard(0)
+    DTensor), ids and output local. (rollout.local_model.VocabParallelEmbedding is the engine's module.)
 
     Each rank looks up the ids it owns, zeros the rest and the partials are all-reduced. Hand
     written instead of RowwiseParallel because a DTensor redistribute on this output fails in
@@ -120,7 +121,7 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, objec
     trunk = model.model
     if trunk.embed_tokens is not None:
         # vocab-parallel lookup: each rank embeds the ids it owns, the partial sums are all-reduced
-        plan["model.embed_tokens"] = VocabParallelEmbedding()
+        plan["model.embed_tokens"] = VocabParallel()
     for key in trunk.layers:
         p = f"model.layers.{key}"
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):

@@ -1,7 +1,7 @@
 """Token-budget micro-batching, balanced partitioning and sequence packing.
 
-    parts = balance_across_dp(lengths, dp)                    # equal counts, balanced tokens per DP rank
-    mbs = micro_batches_by_tokens([lengths[i] for i in parts[r]], max_tokens=8192)
+    minis = plan_micro_batches(lengths, dp=dp, rank=r, max_tokens=8192)  # [mini][micro] -> sample indices
+    mbs = minis[0]                                            # same micro-batch counts on every DP rank
     packed = pack([seqs[i] for i in mb], pad_id=0, prompt_lens=[...])
     logits = model(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
     logp = unpack_responses(logprobs_from_logits(logits, packed.labels), packed)   # [B, R]
@@ -136,15 +136,6 @@ def balance_across_dp(lengths: Sequence[int], dp: int, *, equal_size: bool = Tru
     return ref if imbalance(lengths, ref) < imbalance(lengths, parts) else parts
 
 
-def sequence_flops(lengths: Sequence[int], *, num_params: int, num_layers: int, hidden_size: int) -> list[int]:
-    """Forward FLOPs of each sequence: 2 N L for the matmuls plus 2 * layers * hidden * L^2 for causal
-    attention (QK^T and AV, half the square). Pass these instead of token counts to
-    balance_across_dp / karmarkar_karp when responses are long: attention adds a relative
-    L * layers * hidden / N of work per sequence (13% at 4k tokens for the llama-1b preset, as much
-    as the matmuls at ~30k), which token-balanced ranks do not see."""
-    return [2 * num_params * n + 2 * num_layers * hidden_size * n * n for n in lengths]
-
-
 def _first_fit_decreasing(lengths: Sequence[int], idx: list[int], max_tokens: int) -> list[list[int]]:
     bins: list[list[int]] = []
     sums: list[int] = []
@@ -206,29 +197,35 @@ def micro_batches_by_tokens(lengths: Sequence[int], *, max_tokens: int, min_coun
     return _finish((chosen or []) + [[i] for i in over])
 
 
-def dp_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
-                     equal_size: bool = True) -> list[list[list[int]]]:
-    """Every DP rank's micro-batches, with the same micro-batch count on all ranks.
+def plan_micro_batches(lengths: Sequence[int], *, dp: int, rank: int, max_tokens: int, mini_batch_size: int = 0,
+                       fixed_count: int | None = None) -> list[list[list[int]]]:
+    """DP rank `rank`'s mini-batches, each a list of micro-batches (indices into `lengths`).
 
-    Returns out[r] = rank r's list of micro-batches (indices into `lengths`). FSDP / DP collectives
-    run once per micro-batch, so ranks with different counts would hang; every rank holds all
-    lengths, so each computes the whole plan locally (pure and deterministic, no communication):
-    balance_across_dp, then micro_batches_by_tokens per rank, then min_count = the largest count.
+    The one planner of every DP-sharded pass (log-prob recompute, values, scores, updates). Every
+    rank holds all lengths and computes the same global partition (pure, deterministic, no
+    communication), so all DP ranks agree on the number of micro-batches of each mini-batch: FSDP
+    runs collectives per micro-batch and unequal counts would hang. Balanced tokens and equal counts
+    per rank (balance_across_dp), cut into mini-batches of mini_batch_size // dp units per rank
+    (0: one mini-batch), then token-budget micro-batches (min_count = the largest count over the
+    ranks), or exactly `fixed_count` balanced ones when a pipeline schedule fixes the count.
     """
-    parts = balance_across_dp(lengths, dp, equal_size=equal_size)
-    subs = [[lengths[i] for i in p] for p in parts]
-    local = [micro_batches_by_tokens(sub, max_tokens=max_tokens) if sub else [] for sub in subs]
-    k = max(len(m) for m in local)
-    short = [r for r, p in enumerate(parts) if len(p) < k]
-    if short:
-        raise ValueError(f"DP rank(s) {short} hold fewer sequences ({min(len(parts[r]) for r in short)}) than the "
-                         f"{k} micro-batches another rank needs under max_tokens={max_tokens}; use equal_size "
-                         "partitioning (batch size divisible by dp) or raise the token budget")
+    if not lengths or len(lengths) % dp:
+        raise ValueError(f"{len(lengths)} samples do not split evenly over dp={dp}")
+    shards = balance_across_dp(lengths, dp, equal_size=True)
+    per_rank = max(1, mini_batch_size // dp) if mini_batch_size else len(shards[0])
     out = []
-    for p, sub, mbs in zip(parts, subs, local):
-        if len(mbs) < k:
-            mbs = micro_batches_by_tokens(sub, max_tokens=max_tokens, min_count=k)
-        out.append([[p[j] for j in mb] for mb in mbs])
+    for start in range(0, len(shards[0]), per_rank):
+        minis = [s[start:start + per_rank] for s in shards]
+        mine = minis[rank]
+        if fixed_count is not None:
+            if len(mine) < fixed_count:
+                raise ValueError(f"a mini-batch of {len(mine)} units per DP rank cannot fill {fixed_count} "
+                                 "pipeline micro-batches; raise the mini-batch size")
+            parts = karmarkar_karp([lengths[i] for i in mine], fixed_count)
+        else:
+            count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
+            parts = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
+        out.append([[mine[j] for j in p] for p in parts])
     return out
 
 

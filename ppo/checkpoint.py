@@ -44,16 +44,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from models.hf_io import fsync_path
+from models.config import ModelConfig
+from models.hf_io import fsync_path, save_tensors
 
 MANIFEST = "COMPLETE"
 FORMAT_VERSION = 2  # 2: files carry {"size", "sha256"} (1: sizes only, still readable)
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class CheckpointError(Exception):
@@ -69,14 +69,9 @@ class CheckpointError(Exception):
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU and (when present) every CUDA device's RNG state."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        # plain types only: per-rank state is loaded with torch.load(weights_only=True)
-        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-    except ImportError:
-        pass
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # plain types only: per-rank state is loaded with torch.load(weights_only=True)
+    state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -86,8 +81,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
         name, keys, pos, has_gauss, cached = state["numpy"]
         keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys
         np.random.set_state((name, keys, pos, has_gauss, cached))
@@ -118,66 +111,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_hf_weights(
-    state: dict[str, torch.Tensor],
-    out_dir: str | os.PathLike,
-    *,
-    config: dict[str, Any] | None = None,
-    max_shard_bytes: int = 5 * 2**30,
-) -> list[Path]:
-    """Write a full state dict (HF names) as a Hugging Face directory: config.json (when given),
-    model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json.
-
-    Tensors may live on any device and share storage (tied embeddings: lm_head.weight is
-    dropped when config says tie_word_embeddings, as transformers does; other aliases are copied).
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tied = bool(config and config.get("tie_word_embeddings"))
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if tied and name == "lm_head.weight":
-            continue
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            t = t.clone()  # safetensors refuses aliased tensors
-        seen.add(ptr)
-        tensors[name] = t
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    written = []
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(out / fname), metadata={"format": "pt"})  # transformers requires format=pt
-        written.append(out / fname)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {n: fname for fname, shard in zip(names, shards) for n in shard}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        written.append(out / "model.safetensors.index.json")
-    if config is not None:
-        cfg = dict(config)
-        dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-        if len(dtypes) == 1 and (d := _DTYPE_NAMES.get(dtypes.pop())):
-            cfg.setdefault("torch_dtype", d)  # transformers 4.x key
-            cfg.setdefault("dtype", d)  # transformers 5.x key
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        written.append(out / "config.json")
-    return written
-
-
 def hf_weight_files(model_dir: str | os.PathLike) -> list[Path]:
     """The safetensors files of an HF directory; raises FileNotFoundError naming what is missing."""
     d = Path(model_dir)
@@ -200,20 +133,7 @@ def load_hf_weights(model_dir: str | os.PathLike, *, device: str = "cpu") -> dic
     return state
 
 
-def hf_weight_names(model_dir: str | os.PathLike) -> list[str]:
-    """Tensor names of an HF directory, read from the safetensors headers only (no tensor data)."""
-    names: list[str] = []
-    for f in hf_weight_files(model_dir):
-        with safe_open(str(f), framework="pt") as sf:
-            names.extend(sf.keys())
-    return names
-
-
 # ---- discovery ----
-def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
-
-
 def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
     """The manifest of a complete checkpoint, or None when it is incomplete or damaged."""
     p = Path(path)
@@ -358,21 +278,14 @@ def save_checkpoint(
 
 def _save_role(state: dict[str, torch.Tensor], out: Path, *, config: dict[str, Any] | None,
                max_shard_bytes: int) -> None:
-    """One role's HF directory: through models.hf_io (the writer the loaders are tested against)
-    when it is importable and a config is given, else this module's safetensors writer."""
-    try:
-        from models.config import ModelConfig
-        from models.hf_io import save_tensors
-    except ImportError:
-        save_tensors = None
-    if save_tensors is not None and config is not None:
-        arch = (config.get("architectures") or ["ForCausalLM"])[0]
-        arch = arch[arch.index("For"):] if "For" in arch else "ForCausalLM"  # LlamaForCausalLM -> ForCausalLM
-        save_tensors(state, ModelConfig.from_hf(config), out, architecture=arch, max_shard_size_bytes=max_shard_bytes)
-        files = [p for p in out.rglob("*") if p.is_file()]
-    else:
-        files = save_hf_weights(state, out, config=config, max_shard_bytes=max_shard_bytes)
-    for f in files:
+    """One role's HF directory through models.hf_io.save_tensors (the one writer the loaders are tested
+    against), from the role's HF config.json dict."""
+    if config is None:
+        raise ValueError(f"model_states[{out.name!r}] needs its HF config in model_configs")
+    arch = (config.get("architectures") or ["ForCausalLM"])[0]
+    arch = arch[arch.index("For"):] if "For" in arch else "ForCausalLM"  # LlamaForCausalLM -> ForCausalLM
+    save_tensors(state, ModelConfig.from_hf(config), out, architecture=arch, max_shard_size_bytes=max_shard_bytes)
+    for f in [p for p in out.rglob("*") if p.is_file()]:
         _fsync_file(f)
 
 

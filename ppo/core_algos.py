@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
@@ -90,14 +90,12 @@ def agg_loss(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *, d
     raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", **kw: Any) -> torch.Tensor:
-    """Alias of `agg_loss` for quantities that are not losses (entropy, KL)."""
-    return agg_loss(x, mask, agg, **kw)
-
-
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, *, agg: str = "token-mean", **kw: Any) -> torch.Tensor:
-    """[B, T] per-token entropy -> scalar; the trainer subtracts `coef * entropy_bonus` from the loss."""
-    return aggregate(entropy, mask, agg, **kw)
+def agg_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """This micro-batch's share of `agg_loss`'s global `denom`: its token count for token-mean, its
+    sequence count for the seq-mean modes. Sum it over micro-batches and DP ranks to get denom."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    return mask.float().sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]))
 
 
 # ---------------------------------------------------------------- log-probs
@@ -108,13 +106,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     logits = logits.float()  # bf16 log-softmax loses ~2 digits; the PPO ratio needs them
     picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> entropy of softmax [...] in fp32."""
-    logits = logits.float()
-    logp = F.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------- advantages
@@ -249,14 +240,17 @@ def _metrics(keys: tuple[str, ...], stats: torch.Tensor, sync: bool) -> dict[str
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip_c: float | None = 3.0,
-                agg: str = "token-mean", denom: float | None = None,
+                agg: str = "token-mean", denom: float | None = None, max_len: int | None = None,
+                token_weights: torch.Tensor | None = None,
                 sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate (decoupled clip range, DAPO's clip-higher) with optional dual clip.
 
     logp, old_logp, advantages, mask: [B, T] -> (loss scalar, metrics). Dual clip (Ye et al. 2020)
     bounds the loss of negative-advantage tokens by -A * c, c > 1, so a token whose ratio exploded
-    cannot dominate. metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (k1 of old
-    vs new), ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
+    cannot dominate. token_weights [B, T] (no gradient; e.g. rollout-correction weights) scale each
+    token's clipped loss before aggregation; max_len is agg_loss's (seq-mean-token-sum-norm).
+    metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (k1 of old vs new),
+    ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
     (no device sync inside the micro-batch loop: accumulate them and call .item() once per step).
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -274,7 +268,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss3 = -adv * dual_clip_c
         lower = ((clipped > loss3) & (adv < 0)).float()
         pg = torch.where(adv < 0, torch.minimum(clipped, loss3), clipped)
-    loss = agg_loss(pg, m, agg, denom=denom)
+    if token_weights is not None:
+        pg = pg * token_weights.detach().float()
+    loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
     with torch.no_grad():
         big = torch.finfo(ratio.dtype).max
         lo = torch.where(m > 0, ratio, torch.full_like(ratio, big)).min()
@@ -310,6 +306,71 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     with torch.no_grad():
         stats = torch.stack([masked_mean((l2 > l1).float(), m), masked_mean(v, m)])
     metrics = _metrics(("vf_clipfrac", "vpred_mean"), stats, sync_metrics)
+    return loss, metrics
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossSettings:
+    """What the actor's loss is made of (the actor config's loss keys, typed). New loss variants
+    add their settings here, and `compute_policy_loss` reads them; nothing else changes."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = 3.0
+    agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False  # KL(pi || ref) as a loss term (GRPO style), needs the reference log-probs
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    kind: str = "vanilla"  # the surrogate: vanilla (token-ratio PPO clip) | gspo (sequence ratio, ppo/policy_losses.py)
+    max_len: int | None = None  # seq-mean-token-sum-norm's constant divisor (rollout.max_response_length)
+    # engine-vs-trainer mismatch weights (ppo/rollout_correction.py): none | tis | seq_mask | tis+seq_mask
+    rollout_correction: str = "none"
+    rollout_is_cap: float = 2.0
+    rollout_mask_threshold: float = 1.01
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss itself uses the per-token entropy (callers may still pass it for the metric)."""
+        return self.entropy_coef != 0.0
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.use_kl_loss
+
+
+def compute_policy_loss(logp: torch.Tensor, *, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        settings: PolicyLossSettings, entropy: torch.Tensor | None = None,
+                        ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
+                        denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's loss: clipped surrogate - entropy_coef * entropy + kl_loss_coef * KL(pi || ref).
+
+    logp (differentiable), old_logp, advantages, mask, entropy, ref_logp: [B, T] -> (loss scalar,
+    metrics). `entropy` is required when settings.needs_entropy and `ref_logp` when
+    settings.needs_ref; an entropy passed without a coefficient only feeds the `entropy` metric.
+    Each term is aggregated with settings.agg over `denom` (the global count, see agg_loss).
+    The surrogate is settings.kind's (vanilla or GSPO); `rollout_logp` (the engine's behaviour
+    log-probs) adds the rollout_corr/* mismatch metrics and settings.rollout_correction's weights.
+    metrics: policy_loss's, rollout_corr/*, pg_loss, entropy (masked token mean), kl_loss.
+    """
+    from ppo.policy_losses import compute_policy_objective  # it builds on this module
+    s = settings
+    if s.needs_entropy and entropy is None:
+        raise ValueError(f"entropy_coef={s.entropy_coef} needs the per-token entropy")
+    if s.needs_ref and ref_logp is None:
+        raise ValueError("use_kl_loss needs the reference log-probs (ref_logp)")
+    loss, metrics = compute_policy_objective(logp, old_logp, advantages, mask, cfg=s, rollout_logp=rollout_logp,
+                                             denom=denom)
+    metrics["pg_loss"] = float(loss.detach())
+    if entropy is not None:
+        metrics["entropy"] = float(masked_mean(entropy.detach().float(), mask.float()))
+        if s.needs_entropy:
+            loss = loss - s.entropy_coef * agg_loss(entropy, mask, s.agg, denom=denom, max_len=s.max_len)
+    if s.needs_ref:
+        kl_loss = agg_loss(kl_estimate(logp, ref_logp, kind=s.kl_loss_type), mask, s.agg, denom=denom,
+                           max_len=s.max_len)
+        loss = loss + s.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = float(kl_loss.detach())
     return loss, metrics
 
 

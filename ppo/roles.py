@@ -3,7 +3,6 @@ and the loss functions the updates use. The trainer composes these objects (STYL
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -14,7 +13,9 @@ from models.heads import LlamaForSequenceClassification, LlamaForValue
 from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
+from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 from ppo.rewards import RewardSample
+from ppo.settings import PPOSettings, RolesSettings
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
 
@@ -39,12 +40,6 @@ def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False, froze
                       ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
                       pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
                       stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
-
-
-def request_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
-    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**62 - 1)
 
 
 class RuleReward:
@@ -106,7 +101,7 @@ class RewardModelWorker(ShardedWorker):
 
 @dataclass
 class Roles:
-    cfg: object  # launcher.config.Config (duck-typed: ppo does not import the launcher)
+    settings: RolesSettings
     model_config: ModelConfig | None = None
     actor: PolicyWorker | None = None
     ref: PolicyWorker | None = None
@@ -117,13 +112,14 @@ class Roles:
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
-        return self.actor.plan(exp, mini_batch_size=self.cfg.actor.mini_batch_size, max_tokens=max_tokens)
+        return self.actor.plan(exp, mini_batch_size=self.settings.actor_update.mini_batch_size, max_tokens=max_tokens)
 
     def ref_plan(self, exp, max_tokens: int):
         return self.ref.plan(exp, mini_batch_size=0, max_tokens=max_tokens)
 
     def critic_plan(self, exp, max_tokens: int):
-        return self.critic.plan(exp, mini_batch_size=self.cfg.critic.mini_batch_size, max_tokens=max_tokens)
+        return self.critic.plan(exp, mini_batch_size=self.settings.critic_update.mini_batch_size,
+                                max_tokens=max_tokens)
 
     # -- updates
     def rollout_token_budget(self) -> int:
@@ -134,45 +130,41 @@ class Roles:
 
         return RolloutConfig().max_num_batched_tokens
 
-    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
-        a = self.cfg.actor
-        fused = "old_logp" not in tensors  # the old log-probs are this forward's, detached (ratio == 1)
-        keys = ["advantages", "mask"] + ([] if fused else ["old_logp"]) + (["ref_logp"] if a.use_kl_loss else [])
+    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
+                     fused_old_logp: bool) -> dict[str, float]:
+        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided)."""
+        settings = self.settings.policy_loss
+        keys = (["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"])
+                + (["ref_logp"] if settings.needs_ref else [])
+                + (["rollout_logp"] if "rollout_logp" in tensors else []))  # the engine's, for the correction
 
         def loss_fn(logp, entropy, t, denom):
-            old = logp.detach() if fused else t["old_logp"]
-            loss, m = algos.policy_loss(logp, old, t["advantages"], t["mask"], clip_low=a.clip_low,
-                                        clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, agg=a.loss_agg,
-                                        denom=denom)
-            m["pg_loss"] = float(loss.detach())
-            if entropy is not None:
-                ent = algos.agg_loss(entropy, t["mask"], a.loss_agg, denom=denom)
-                m["entropy"] = float(algos.masked_mean(entropy.detach(), t["mask"].float()))
-                if a.entropy_coef:
-                    loss = loss - a.entropy_coef * ent
-            if a.use_kl_loss:
-                kl = algos.kl_estimate(logp, t["ref_logp"], kind=a.kl_loss_type)
-                kl_loss = algos.agg_loss(kl, t["mask"], a.loss_agg, denom=denom)
-                loss = loss + a.kl_loss_coef * kl_loss
-                m["kl_loss"] = float(kl_loss.detach())
-            return loss, m
+            return algos.compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t["old_logp"],
+                                             advantages=t["advantages"], mask=t["mask"], settings=settings,
+                                             entropy=entropy, ref_logp=t.get("ref_logp"),
+                                             rollout_logp=t.get("rollout_logp"), denom=denom)
 
-        loss_fn.needs_entropy = bool(a.entropy_coef) or fused  # fused: the entropy metric comes from here
-        return self.actor.update(exp, self.actor_plan(exp, max_tokens), {k: tensors[k] for k in keys},
-                                 epochs=a.ppo_epochs, loss_fn=loss_fn)
+        mine = {k: tensors[k] for k in keys}
+        if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
+            mine["mask"] = tensors["actor_mask"]
+        # fused: no scoring forward measured the entropy, so the update reports it
+        return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine,
+                                 epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
+                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg)
 
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
-        c = self.cfg.critic
+        v = self.settings.value_loss
 
         def loss_fn(values, t, denom):
-            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=c.value_clip,
-                                       agg=c.loss_agg, denom=denom)
+            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=v.clip, agg=v.agg,
+                                       denom=denom)
             m["vf_loss"] = float(loss.detach())
             return loss, m
 
         return self.critic.update(exp, self.critic_plan(exp, max_tokens),
                                   {k: tensors[k] for k in ("values", "returns", "mask")},
-                                  epochs=c.ppo_epochs, loss_fn=loss_fn)
+                                  epochs=self.settings.critic_update.epochs, loss_fn=loss_fn,
+                                  agg=self.settings.value_loss.agg)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
     def sft_warmup(self, state, *, steps: int, run_dir) -> None:
@@ -195,7 +187,7 @@ class Roles:
         opt = self.actor.optimizer
         saved = [g["lr"] for g in opt.param_groups]
         for g in opt.param_groups:
-            g["lr"] = self.cfg.trainer.sft_lr
+            g["lr"] = self.settings.sft_lr
 
         def nll(logp, entropy, t, denom):
             loss = -(logp * t["mask"]).sum() / denom
@@ -205,8 +197,9 @@ class Roles:
             pairs = state.sft_batch(i)
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
-            m = self.actor.update(exp, self.actor_plan(exp, self.cfg.actor.max_tokens_per_micro_batch),
-                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, step_scheduler=False)
+            m = self.actor.update(exp, self.actor_plan(exp, self.settings.sft_max_tokens),
+                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, with_entropy=False,
+                                  step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
                 log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
         for g, lr in zip(opt.param_groups, saved):
@@ -225,15 +218,18 @@ class Roles:
         return path
 
 
-def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer, run_dir) -> Roles:
-    """Construct the workers of every role this rank hosts."""
+def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: ModelConfig, tokenizer,
+                run_dir) -> Roles:
+    """Construct the workers of every role this rank hosts. cfg (launcher.config.Config, duck-typed:
+    ppo does not import the launcher) gives the models' sources, layouts and optimizers; the updates,
+    losses and generation read only the typed `settings`."""
     from ppo.rewards import RewardManager, load_reward_function
 
-    roles = Roles(cfg, model_config=model_config)
+    roles = Roles(settings.roles, model_config=model_config)
     rank, seed = env.rank, cfg.trainer.seed
     dtype = model_dtype(cfg.model.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    temperature = cfg.rollout.temperature
+    temperature = settings.generation.temperature
     total = cfg.trainer.total_steps
     here = set(plan.roles_of(rank))
     if "actor" in here:
@@ -267,12 +263,10 @@ def build_roles(cfg, *, plan, groups, env, model_config: ModelConfig, tokenizer,
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
-    from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
-
-    layouts = build_rollout_groups(cfg, plan)  # collective: every rank builds the hybrid engine's groups
+    layouts = build_rollout_groups(plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
-        roles.rollout = RolloutRole(cfg, plan=plan, actor=roles.actor, env=env, model_config=model_config,
-                                    tokenizer=tokenizer, layouts=layouts)
-    elif cfg.rollout.engine == "vllm":  # vLLM's start-up is collective over the whole world
-        roles.idle_engine = idle_vllm_engine(cfg, plan=plan, env=env, model_config=model_config)
+        roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=env,
+                                    model_config=model_config, tokenizer=tokenizer, layouts=layouts)
+    elif settings.generation.engine_kind == "vllm":  # vLLM's start-up is collective over the whole world
+        roles.idle_engine = idle_vllm_engine(settings.generation, plan=plan, env=env, model_config=model_config)
     return roles

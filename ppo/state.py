@@ -16,20 +16,19 @@ from ppo import core_algos as algos
 
 
 class TrainState:
-    def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl, val_dataset=None):
-        self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
+    def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl,
+                 layout: dict | None = None, val_dataset=None):
+        """layout: the device plan's layout (ppo.resume.layout_of), saved in checkpoints and checked on resume."""
+        self.cfg, self.run_dir, self.rank, self.layout = cfg, run_dir, rank, layout
         self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
         self.val_dataset = val_dataset  # data.val_files, or None
         self.log = logging.getLogger("hybridrl")
         self._tb = None
         self.resumed_at = 0  # steps after it written by an earlier attempt are superseded (metrics, TensorBoard)
         self._wandb = None
-        self.model_params: int | None = None
-        self.controller = None
-        self.layout: dict | None = None  # the device plan's layout (ppo.resume.layout_of), saved and checked
 
     @classmethod
-    def create(cls, cfg, *, run_dir: Path, rank: int) -> TrainState:
+    def create(cls, cfg, *, run_dir: Path, rank: int, layout: dict | None = None) -> TrainState:
         from ppo.data import PromptDataset, PromptSampler, check_sft_answers
         from ppo.tokenizer import load_tokenizer, resolve_tokenizer
 
@@ -64,7 +63,7 @@ class TrainState:
         kl_ctrl = (algos.AdaptiveKLController(init_kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon)
                    if a.kl_ctrl == "adaptive" else algos.FixedKLController(kl_coef=a.kl_coef))
         return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl,
-                   val_dataset=val_dataset)
+                   layout=layout, val_dataset=val_dataset)
 
     # ------------------------------------------------------------------ data
     def next_prompts(self) -> list[dict]:
@@ -146,7 +145,9 @@ class TrainState:
             self._wandb.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, roles, *, final: bool, pending=None) -> Path:
+    def save(self, step: int, roles, *, final: bool, pending=None, controller=None) -> Path:
+        """Checkpoint `step`: every rank's workers and RNG, the sampler, KL and batch controllers and the
+        async batch generated ahead (`pending`). Collective over the world."""
         from ppo.checkpoint import capture_rng_state, save_checkpoint
 
         per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
@@ -154,7 +155,7 @@ class TrainState:
                   # plain dicts: checkpoints load with torch.load(weights_only=True)
                   "pending": [dataclasses.asdict(s) for s in pending.samples] if pending is not None else None,
                   "layout": self.layout,
-                  "controller": self.controller.state_dict() if self.controller is not None else None}
+                  "controller": controller.state_dict() if controller is not None else None}
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared,
                                export=(lambda tmp: export_weights(roles, tmp))
@@ -164,9 +165,9 @@ class TrainState:
             self.log.info("checkpoint %s", path)
         return path
 
-    def maybe_resume(self, roles):
-        """Restore the newest complete checkpoint when trainer.resume asks.
-        Returns (start step, the async batch generated ahead or None)."""
+    def maybe_resume(self, roles, *, controller=None):
+        """Restore the newest complete checkpoint when trainer.resume asks (into roles, this state and
+        the batch controller). Returns (start step, the async batch generated ahead or None)."""
         from ppo.checkpoint import load_checkpoint, restore_rng_state
         from ppo.experience import Experience, Sample
         from ppo.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
@@ -192,8 +193,8 @@ class TrainState:
         self.sampler.load_state_dict(shared["sampler"])
         self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
         restore_rng_state(per_rank["rng"])
-        if self.controller is not None and shared.get("controller"):
-            self.controller.load_state_dict(shared["controller"])
+        if controller is not None and shared.get("controller"):
+            controller.load_state_dict(shared["controller"])
         if self.rank == 0:
             self.log.info("resumed from %s at step %d", path, shared["step"])
         pending = Experience([Sample(**s) for s in shared["pending"]]) if shared.get("pending") else None

@@ -23,10 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ppo import core_algos as algos
-from ppo.experience import Experience, Sample, all_gather_objects, merge_results, share_samples
+from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
+from ppo.generation import Generation
 from ppo.roles import build_roles
+from ppo.rollout_correction import resolve_mode
 from ppo.samples import SampleLog
+from ppo.settings import PPOSettings
 from ppo.state import TrainState
+from ppo.step_plan import old_logp_source
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
 
@@ -54,24 +58,30 @@ class StageTimer:
             if self.monitor is not None:
                 self.monitor.set_stage("idle")
 
+    def carve(self, name: str, part: str, seconds: float) -> None:
+        """Report `seconds` of stage `name` as stage `part` instead (e.g. the reshard inside gen)."""
+        self.times[name] = self.times.get(name, 0.0) - seconds
+        self.times[part] = self.times.get(part, 0.0) + seconds
+
 
 class PPOTrainer:
     """`heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
     `stop_requested() -> reason | None` (launcher.preempt.StopRequest) is asked at each step end."""
 
-    def __init__(self, cfg, *, plan, groups, env, run_dir: Path, model_config, monitor=None, heartbeat=None,
-                 stop_requested=None):
-        self.plan, self.env, self.run_dir = plan, env, Path(run_dir)
+    def __init__(self, cfg, *, settings: PPOSettings, plan, groups, env, run_dir: Path, model_config, monitor=None,
+                 heartbeat=None, stop_requested=None):
+        """cfg: launcher.config.Config (the step loop's own sections: trainer, data, algorithm, controller);
+        settings: the typed pieces the roles and the generation read (launcher/handoff.py)."""
+        self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, Path(run_dir)
         self.log = logging.getLogger("hybridrl")
         self.rank = env.rank
-        self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank)
-        self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
         from ppo.resume import layout_of
 
-        self.state.layout = layout_of(plan)
+        self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank, layout=layout_of(plan))
+        self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
         self.heartbeat, self.stop_requested = heartbeat, stop_requested
         self.last_save = time.monotonic()
-        self.roles = build_roles(cfg, plan=plan, groups=groups, env=env, model_config=model_config,
+        self.roles = build_roles(cfg, settings=settings, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
         t = cfg.trainer
@@ -79,14 +89,8 @@ class PPOTrainer:
         if self.rank == 0 and t.log_samples_every:
             self.sample_log = SampleLog(self.run_dir, every=t.log_samples_every, count=t.log_samples_count,
                                         tokenizer=self.state.tokenizer)
-        self.state.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
+        self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
-        # One epoch over one mini-batch, and no in-reward KL penalty: the old log-probs would be the
-        # update's own forward, bit for bit, so that forward serves both (ratio == 1 by construction).
-        a, samples = cfg.actor, cfg.data.batch_size * cfg.rollout.n
-        self.fused_old_logp = (a.ppo_epochs == 1 and (a.mini_batch_size == 0 or a.mini_batch_size >= samples)
-                               and not (cfg.algorithm.use_kl_penalty and "ref" in plan.groups)
-                               and not cfg.trainer.async_rollout)
         self.base_budgets = {"actor": cfg.actor.max_tokens_per_micro_batch, "ref": cfg.ref.max_tokens_per_micro_batch,
                              "critic": cfg.critic.max_tokens_per_micro_batch}
         self.budgets = dict(self.base_budgets)
@@ -100,21 +104,77 @@ class PPOTrainer:
                 rollout_tokens=self.roles.rollout_token_budget(), micro_batch_tokens=self.controller_base,
                 low_util=c.low_util, high_mem=c.high_mem, grow=c.grow, shrink=c.shrink,
                 hysteresis_steps=c.hysteresis_steps)
-        self.state.controller = self.controller
 
     # ------------------------------------------------------------------ one step
-    def generate(self, step: int, timer: StageTimer) -> Experience:
-        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank."""
+    def old_logp_source(self) -> str:
+        """The step's old-log-prob source (ppo.step_plan.old_logp_source), decided once per step."""
+        cfg = self.cfg
+        return old_logp_source(async_rollout=cfg.trainer.async_rollout, ppo_epochs=cfg.actor.ppo_epochs,
+                               mini_batch_size=cfg.actor.mini_batch_size,
+                               samples=cfg.data.batch_size * cfg.rollout.n,
+                               kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and "ref" in self.plan.groups)
+
+    def generate(self, step: int, timer: StageTimer, *, index_offset: int = 0) -> tuple[Experience, Generation]:
+        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank.
+        Returns the batch and this rank's generation report (empty off the actor ranks).
+        index_offset numbers the prompts of a further generation round of the same step apart."""
         batch = self.state.next_prompts()
-        mine: list[Sample] = []
+        if index_offset:
+            batch = [dict(row, index=row["index"] + index_offset) for row in batch]
+        gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
-                mine = self.roles.rollout.generate(batch, step=step, seed=self.cfg.trainer.seed, timer=timer)
-            timer.times["gen"] -= timer.times.get("reshard", 0.0)  # gen is decoding; reshard its own stage
-        return Experience(share_samples(mine))
+                gen = self.roles.rollout.generate(batch, step=step, seed=self.cfg.trainer.seed)
+            timer.carve("gen", "reshard", gen.timings["reshard"])  # gen is decoding; reshard its own stage
+        return Experience(share_samples(gen.samples)), gen
 
-    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool) -> dict:
-        """Each role group over its DP shard (concurrently in split placement)."""
+    def generate_informative(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict, dict]:
+        """DAPO dynamic sampling: generation rounds (each scored at once) until the batch holds
+        data.batch_size groups whose samples did not all score the same, at most
+        algorithm.filter_groups.max_num_gen_batches rounds. -> (experience, the last round's generation
+        report, the kept samples' reward results {"score": {uid: shaped score}, "reward_failed": ...},
+        metrics)."""
+        from ppo.dapo import fill_informative_groups
+
+        rewards: dict[str, dict[int, torch.Tensor]] = {}  # every round's reward results, by key
+        last = [Generation([])]
+
+        def draw(round_index: int):
+            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.cfg.data.batch_size)
+            mine = {}
+            if self.roles.reward is not None:
+                with timer("reward"):
+                    mine = self.roles.reward.score(exp)
+            merged = merge_results(mine)  # collective: every rank gets every sample's results
+            merged["score"] = self.shape_scores(exp, merged["score"])
+            for key, per_uid in merged.items():
+                rewards.setdefault(key, {}).update(per_uid)
+            return exp.samples, {uid: float(v) for uid, v in merged["score"].items()}
+
+        filled = fill_informative_groups(draw, target_groups=self.cfg.data.batch_size,
+                                         max_rounds=self.cfg.algorithm.filter_groups.max_num_gen_batches)
+        kept = {key: {s.uid: per_uid[s.uid] for s in filled.samples} for key, per_uid in rewards.items()}
+        return Experience(filled.samples), last[0], kept, filled.metrics
+
+    def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
+        """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
+        ob = self.cfg.algorithm.overlong_buffer
+        if not ob.enable:
+            return None
+        from ppo.dapo import overlong_penalty
+
+        lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
+        return overlong_penalty(lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=ob.len,
+                                penalty_factor=ob.penalty_factor)
+
+    def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
+        pen = self.overlong_penalties(exp)
+        return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
+
+    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True) -> dict:
+        """Each role group over its DP shard (concurrently in split placement); reward=False when
+        dynamic sampling scored the samples already."""
         roles, results = self.roles, {}
         if roles.actor is not None and old_logp:
             with timer("old_log_prob"):
@@ -129,44 +189,57 @@ class PPOTrainer:
             with timer("values"):
                 results.update(self.budgeted("values", lambda b: roles.critic.compute_values(
                     exp, roles.critic_plan(exp, b)), "critic"))
-        if roles.reward is not None:
+        if roles.reward is not None and reward:
             with timer("reward"):
                 results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
         return results
 
     def step(self, step: int) -> dict[str, float]:
         cfg, roles = self.cfg, self.roles
-        is_async = cfg.trainer.async_rollout
         hb = self.heartbeat
         timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
                            lambda name: hb.set_stage(name, step))
         t_step = time.perf_counter()
+        old_logp = self.old_logp_source()
 
-        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy)
-        exp = self.pending if self.pending is not None else self.generate(step, timer)
+        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy); with
+        #    DAPO dynamic sampling, generated and scored in rounds until every group carries signal
+        gen = Generation([])
+        rewards, sampling_m = None, {}
+        if self.pending is not None:
+            exp = self.pending
+        elif cfg.algorithm.filter_groups.enable:
+            exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
+        else:
+            exp, gen = self.generate(step, timer)
         self.pending = None
 
-        # 2. scoring; async skips the old-log-prob recompute: the behaviour log-probs recorded at
-        #    generation are the importance-ratio denominators
-        results = self.score(exp, timer, old_logp=not (is_async or self.fused_old_logp))
-        if is_async and step + 1 < cfg.trainer.total_steps:
+        # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source)
+        results = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None)
+        if old_logp == "behaviour" and step + 1 < cfg.trainer.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
-            self.pending = self.generate(step + 1, timer)
+            self.pending, gen = self.generate(step + 1, timer)
         merged = merge_results(results)
-        if is_async:
+        if rewards is not None:
+            merged.update(rewards)
+        else:
+            merged["score"] = self.shape_scores(exp, merged["score"])
+        if old_logp == "behaviour":
             merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
 
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv"):
-            tensors, adv_metrics = self.compute_advantages(exp, merged)
+            tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
+        adv_metrics.update(sampling_m)
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
 
         # 4. updates: actor and critic groups (concurrent when placed apart)
         actor_m, critic_m = {}, {}
         if roles.actor is not None:
             with timer("update_actor"):
-                actor_m = self.budgeted("update_actor", lambda b: roles.update_actor(exp, tensors, max_tokens=b),
-                                        "actor", retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
+                actor_m = self.budgeted("update_actor", lambda b: roles.update_actor(
+                    exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused"),
+                    "actor", retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
         if roles.critic is not None:
             with timer("update_critic"):
                 critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),
@@ -174,7 +247,8 @@ class PPOTrainer:
         timer.times["step"] = time.perf_counter() - t_step
         if self.sample_log is not None and self.sample_log.due(step):
             self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
-        return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times)
+        return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
+                                    gen_metrics=gen.metrics, old_logp=old_logp)
 
     def budgeted(self, stage: str, fn, role: str, *, retry_safe=None):
         """Run a stage with its role's micro-batch token budget; on CUDA OOM halve it and rerun
@@ -219,8 +293,9 @@ class PPOTrainer:
             self.log.info("batch controller: %s (%s) -> micro-batch %d tokens, rollout %d tokens",
                           d.action, d.reason, d.micro_batch_tokens, d.rollout_tokens)
 
-    def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]]):
-        """[B, R] tensors for the updates: mask, old_logp, advantages, (returns, values, ref_logp)."""
+    def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
+        """[B, R] tensors for the updates: mask, advantages, (old_logp, returns, values, ref_logp).
+        old_logp: the step's old_logp_source (fused: no old log-probs before the update)."""
         cfg, a = self.cfg, self.cfg.algorithm
         mask = exp.response_mask()
         scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
@@ -229,13 +304,23 @@ class PPOTrainer:
         if "old_logp" in merged:
             t["old_logp"] = exp.stack(merged["old_logp"])
         metrics: dict[str, float] = _reward_extra_metrics(merged)  # reward/<key>/mean of dict results
+        if old_logp != "behaviour":
+            # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
+            # how far the trainer's disagree (async: they are the ratio's denominator already)
+            missing = [s.uid for s in exp.samples if len(s.behaviour_logprobs) != len(s.response_ids)]
+            if missing and resolve_mode(a.rollout_correction, async_rollout=False) != "none":
+                raise RuntimeError(f"the rollout engine returned no log-probs for samples {missing[:5]} (of "
+                                   f"{len(missing)}): algorithm.rollout_correction={a.rollout_correction} needs them; "
+                                   f"set algorithm.rollout_correction=none")
+            if not missing:
+                t["rollout_logp"] = exp.behaviour_logprobs()
         if "reward_failed" in merged:
             failed = sum(float(merged["reward_failed"][s.uid]) for s in exp.samples)
             metrics["reward/failed"] = failed
             metrics["reward/failed_frac"] = failed / len(exp.samples)
-        if "old_logp" in t and not self.cfg.trainer.async_rollout:
+        if old_logp == "recompute" and "rollout_logp" in t:
             # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
-            diff = (exp.behaviour_logprobs() - t["old_logp"]).abs() * mask
+            diff = (t["rollout_logp"] - t["old_logp"]).abs() * mask
             metrics["rollout/logprob_diff_max"] = float(diff.max())
             metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
         if merged.get("entropy"):
@@ -251,6 +336,12 @@ class PPOTrainer:
                 self.state.kl_ctrl.update(kl_m["kl"], n_steps=len(exp.samples))
                 metrics["actor/kl_coef"] = kl_m["kl_coef"]
         group_ids = torch.tensor([s.prompt_index for s in exp.samples])
+        if cfg.rollout.n > 1:
+            # groups whose samples all scored the same: no GRPO/RLOO signal (DAPO dynamic sampling drops them)
+            from ppo.dapo import zero_variance_groups
+
+            flat = zero_variance_groups(scores.tolist(), group_ids.tolist())
+            metrics["reward/zero_var_group_frac"] = sum(flat.values()) / max(len(flat), 1)
         if a.name == "ppo":
             t["values"] = exp.stack(merged["values"])
             adv, ret = algos.compute_gae(token_rewards, t["values"], mask, gamma=a.gamma, lam=a.lam,
@@ -266,6 +357,16 @@ class PPOTrainer:
             adv = algos.compute_reinforce_pp_advantages(token_rewards, mask, gamma=a.gamma)
         adv = adv[0] if isinstance(adv, tuple) else adv
         t["advantages"] = adv * mask
+        pen = self.overlong_penalties(exp)
+        if pen is not None:
+            metrics["dapo/overlong_penalty_mean"] = float(pen.mean())
+        if a.overlong_filter:
+            # DAPO: truncated responses still count in their group's baseline, but get no policy gradient
+            from ppo.dapo import overlong_filter_mask
+
+            truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
+            metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
+            t["actor_mask"] = overlong_filter_mask(mask, truncated)
         if cfg.actor.use_kl_loss and "ref_logp" not in t:
             raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
         return t, metrics
@@ -288,9 +389,10 @@ class PPOTrainer:
             + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
 
     # ------------------------------------------------------------------ metrics
-    def collect_metrics(self, step, exp, tensors, adv_metrics, actor_m, critic_m, times) -> dict[str, float]:
+    def collect_metrics(self, step, exp, tensors, adv_metrics, actor_m, critic_m, times, *,
+                        gen_metrics: dict[str, float], old_logp: str) -> dict[str, float]:
         roles = self.roles
-        mine = {"times": times,
+        mine = {"times": times, "gen": gen_metrics,
                 "actor": actor_m if roles.actor is not None and roles.actor.is_owner else None,
                 "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.env.device) / 2**30
@@ -313,7 +415,10 @@ class PPOTrainer:
         for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
             vals = [p[key] for p in parts if p[key]]
             for k in (vals[0] if vals else {}):
-                m[prefix + k] = sum(v[k] for v in vals) / len(vals)
+                # rollout_corr/... keep their own section; *_max / *_min reduce as such over DP ranks
+                name = k if "/" in k else prefix + k
+                red = max if k.endswith("_max") else min if k.endswith("_min") else None
+                m[name] = red(v[k] for v in vals) if red else sum(v[k] for v in vals) / len(vals)
         if "actor/kl" not in m and "actor/kl_loss" in m:  # fused old log-probs: the KL loss term is the KL
             m["actor/kl"] = m["actor/kl_loss"]
         for stage in set().union(*(p["times"] for p in parts)):
@@ -322,7 +427,11 @@ class PPOTrainer:
         n_tokens = float(sum(s.length for s in exp.samples))
         m["perf/samples_per_s"] = len(exp.samples) / step_s
         m["perf/tokens_per_s"] = n_tokens / step_s
-        m.update(self.flop_metrics(exp, m))
+        m.update(self.flop_metrics(exp, m, old_logp_forward=old_logp == "recompute"))
+        for key in set().union(*(p["gen"] for p in parts)):
+            vals = [p["gen"][key] for p in parts if key in p["gen"]]
+            # bytes received add up over the actor ranks; peaks are the worst rank's
+            m[key] = sum(vals) if key == "reshard/bytes_received" else max(vals)
         peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
         if peaks:
             m["mem/peak_gb"] = max(peaks)
@@ -331,12 +440,12 @@ class PPOTrainer:
         m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
         return m
 
-    def flop_metrics(self, exp: Experience, m: dict[str, float]) -> dict[str, float]:
+    def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
         """Useful utilization (counted model FLOPs of the whole step over time x peak x GPUs) and the
         actor update's MFU, per DESIGN.md "Honest numbers"; against the H200's measured peak."""
         from ppo.flops import H200_PEAK_BF16_FLOPS, ppo_stage_flops
 
-        n = self.state.model_params
+        n = self.model_params
         roles = self.plan.groups
         trained = sum(s.length for s in exp.samples)
         # shared prompts: each prompt is packed once per group of samples
@@ -348,7 +457,7 @@ class PPOTrainer:
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.cfg.rollout.n),
             ppo_epochs=self.cfg.actor.ppo_epochs,
-            old_logp_forward=not (self.cfg.trainer.async_rollout or self.fused_old_logp), policy_tokens=policy)
+            old_logp_forward=old_logp_forward, policy_tokens=policy)
         actor_s = m.get("timing_s/update_actor", 0.0)
         n_actor = len(roles["actor"].ranks)
         return {"perf/flops": sum(flops.values()),
@@ -384,7 +493,7 @@ class PPOTrainer:
     def fit(self) -> str | None:
         """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
         cfg = self.cfg
-        start, self.pending = self.state.maybe_resume(self.roles)
+        start, self.pending = self.state.maybe_resume(self.roles, controller=self.controller)
         if start == 0 and cfg.trainer.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
         elif cfg.trainer.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
@@ -414,7 +523,7 @@ class PPOTrainer:
             if (last and cfg.trainer.save_final) or periodic or timed or stop:
                 if self.heartbeat is not None:
                     self.heartbeat.set_stage("checkpoint", step)
-                self.state.save(step + 1, self.roles, final=last, pending=self.pending)
+                self.state.save(step + 1, self.roles, final=last, pending=self.pending, controller=self.controller)
                 self.last_save = time.monotonic()
             if stop and not last:
                 if self.rank == 0:
@@ -464,12 +573,14 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
 
 
-def run_training(cfg, *, plan, groups, env, run_dir, model_config, monitor=None, heartbeat=None,
-                 stop_requested=None) -> str | None:
-    """cfg: launcher.config.Config; monitor: an optional GPU monitor with set_stage/step_summary/stop.
-    Returns None when trainer.total_steps were trained, else why the run stopped early."""
-    trainer = PPOTrainer(cfg, plan=plan, groups=groups, env=env, run_dir=run_dir, model_config=model_config,
-                         monitor=monitor, heartbeat=heartbeat, stop_requested=stop_requested)
+def run_training(cfg, *, settings: PPOSettings, plan, groups, env, run_dir, model_config, monitor=None,
+                 heartbeat=None, stop_requested=None) -> str | None:
+    """cfg: launcher.config.Config; settings: launcher/handoff.py's typed pieces; monitor: an optional GPU
+    monitor with set_stage/step_summary/stop. Returns None when trainer.total_steps were trained, else why
+    the run stopped early."""
+    trainer = PPOTrainer(cfg, settings=settings, plan=plan, groups=groups, env=env, run_dir=run_dir,
+                         model_config=model_config, monitor=monitor, heartbeat=heartbeat,
+                         stop_requested=stop_requested)
     stopped = trainer.fit()
     if env.rank == 0 and stopped is None:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))

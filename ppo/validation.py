@@ -75,7 +75,7 @@ def run_validation(roles, dataset, *, step: int, seed: int, val_n: int, temperat
     if roles.rollout is not None:
         # a seed stream apart from training's (negative steps), so validation never shifts training's samples
         mine = roles.rollout.generate(validation_batch(dataset), step=-(step + 1), seed=seed, n=val_n,
-                                      temperature=temperature)
+                                      temperature=temperature).samples
     exp = Experience(share_samples(mine))
     merged = merge_results(roles.reward.score(exp) if roles.reward is not None else {})
     if rank != 0:

@@ -24,14 +24,7 @@ from models.logprobs import compute_token_logprobs
 from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
-from ppo.batching import (
-    balance_across_dp,
-    gather_response_logprobs,
-    karmarkar_karp,
-    micro_batches_by_tokens,
-    pack,
-    unpack_responses,
-)
+from ppo.batching import gather_response_logprobs, pack, plan_micro_batches, unpack_responses
 from ppo.experience import Experience, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,39 +113,20 @@ class ShardedWorker:
     def plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
         """This DP rank's mini-batches, each a list of micro-batches (indices into exp.samples).
 
-        Every rank holds the whole batch and computes every rank's partition (pure, deterministic),
-        so all DP ranks agree on the number of micro-batches of each mini-batch: FSDP runs
-        collectives per micro-batch and unequal counts would hang. Balanced tokens per rank
-        (Karmarkar-Karp), then token-budget micro-batches, or exactly the runner's count when its
-        schedule fixes one (`runner.microbatches`, a pipeline's).
-        The same plan serves the old-log-prob recompute and the update (ratio == 1 on-policy).
+        ppo.batching.plan_micro_batches over the samples (or, sharing prompts, each prompt's run of
+        samples), with exactly the runner's micro-batch count when its schedule fixes one
+        (`runner.microbatches`, a pipeline's). The same plan serves the old-log-prob recompute and
+        the update (ratio == 1 on-policy).
         """
         # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
         # tokens it packs to (prompt once + every response)
         units, lengths = exp.prompt_units() if self.share_prompts else ([], [])
         if len(units) % self.dp or not units:  # not sharing, or uneven groups: plan samples (share within)
             units, lengths = [[i] for i in range(len(exp.samples))], [s.length for s in exp.samples]
-        if len(lengths) % self.dp:
-            raise ValueError(f"{len(lengths)} samples do not split evenly over dp={self.dp}")
         per_unit = len(exp.samples) // len(units)
-        mini_batch_size = mini_batch_size // per_unit if mini_batch_size else 0
-        shards = balance_across_dp(lengths, self.dp, equal_size=True)
-        per_rank = max(1, mini_batch_size // self.dp) if mini_batch_size else len(shards[0])
-        fixed = self.runner.microbatches
-        out = []
-        for start in range(0, len(shards[0]), per_rank):
-            minis = [s[start:start + per_rank] for s in shards]
-            mine = minis[self.dp_idx]
-            if fixed is not None:
-                if len(mine) < fixed:
-                    raise ValueError(f"a mini-batch of {len(mine)} units per DP rank cannot fill {fixed} "
-                                     "pipeline micro-batches; raise the mini-batch size")
-                parts = karmarkar_karp([lengths[i] for i in mine], fixed)
-                out.append([[mine[j] for j in p] for p in parts])
-                continue
-            count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
-            mbs = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
-            out.append([[mine[j] for j in mb] for mb in mbs])
+        out = plan_micro_batches(lengths, dp=self.dp, rank=self.dp_idx, max_tokens=max_tokens,
+                                 mini_batch_size=mini_batch_size // per_unit if mini_batch_size else 0,
+                                 fixed_count=self.runner.microbatches)
         # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
         return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
 
@@ -166,21 +140,25 @@ class ShardedWorker:
         packs = [self._pack([exp.samples[i] for i in mb], pad_id) for mb in mbs]
         return packs, [MicroBatch(p.input_ids, p.position_ids) for p in packs]
 
-    def _global_denominator(self, mask: torch.Tensor) -> float:
-        """Token count of the mini-batch over all DP ranks, divided by dp because FSDP averages
-        gradients over dp: summed micro-batch losses then equal the global token-mean loss."""
-        n = torch.tensor([float(mask.sum())], device=self.device if self.device.type == "cuda" else "cpu")
+    def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
+        """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
+        divided by dp because FSDP averages gradients over dp: summed micro-batch losses then equal
+        the global loss."""
+        from ppo.core_algos import agg_count
+
+        n = torch.tensor([float(agg_count(mask, agg))], device=self.device if self.device.type == "cuda" else "cpu")
         if self.dp > 1:
             dist.all_reduce(n, group=self.dp_group)
         return max(float(n) / self.dp, 1.0)
 
     def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, pad_id: int, mb_loss) -> dict[str, float]:
+               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean") -> dict[str, float]:
         """Epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
 
         mb_loss(packed, hidden [1, T, H], mb_tensors {name: [B_k, R] on the device}, denom) ->
-        (loss, metrics). Returns the metrics averaged over micro-batches and grad_norm
-        (meaningful on owner ranks)."""
+        (loss, metrics); denom is the mini-batch's global count that `agg` normalises by (tokens or
+        sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
+        their max / min) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
         count = 0
         self.optimizer_steps_in_update = 0
@@ -188,7 +166,7 @@ class ShardedWorker:
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
                 mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]])
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
 
                 def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
@@ -197,7 +175,7 @@ class ShardedWorker:
                 metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
                 for m in metrics_list:
                     for k2, v in m.items():
-                        sums[k2] = sums.get(k2, 0.0) + float(v)
+                        sums[k2] = _reduce_metric(k2, sums.get(k2), float(v))
                     count += 1
                 t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
@@ -208,7 +186,18 @@ class ShardedWorker:
                 sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
                     metrics_list)
                 self.optimizer_steps_in_update += 1
-        return {k: v / max(count, 1) for k, v in sums.items()}
+        return {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+
+
+def _reduce_metric(key: str, acc: float | None, v: float) -> float:
+    """Running reduction of one micro-batch metric: max / min for *_max / *_min, else a sum."""
+    if acc is None:
+        return v
+    if key.endswith("_max"):
+        return max(acc, v)
+    if key.endswith("_min"):
+        return min(acc, v)
+    return acc + v
 
 
 class PolicyWorker(ShardedWorker):
@@ -267,19 +256,20 @@ class PolicyWorker(ShardedWorker):
         return out
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn, step_scheduler: bool = True) -> dict[str, float]:
+               epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
+               agg: str = "token-mean") -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss). loss_fn(logp, entropy|None, mb_tensors, denom) -> (loss, metrics). Returns the
-        metrics averaged over micro-batches, grad_norm and lr (meaningful on owner ranks)."""
-        need_ent = getattr(loss_fn, "needs_entropy", False)
-
+        KL loss). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
+        with_entropy else None; denom is the global count `agg` normalises by. Returns the metrics
+        averaged over micro-batches (keys ending in _max / _min: their max / min), grad_norm and lr
+        (meaningful on owner ranks)."""
         def mb_loss(packed, hidden, t, denom):
-            logp, ent = self._response_logprobs(packed, hidden, with_entropy=need_ent)
+            logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
             return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
 
-        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss)
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
         if step_scheduler:
             self.scheduler.step()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -328,13 +318,13 @@ class CriticWorker(ShardedWorker):
         return {"values": out}
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, loss_fn) -> dict[str, float]:
-        """loss_fn(values [B, R], mb_tensors, denom) -> (loss, metrics)."""
+               epochs: int, loss_fn, agg: str = "token-mean") -> dict[str, float]:
+        """loss_fn(values [B, R], mb_tensors, denom) -> (loss, metrics); denom as `agg` needs it."""
         def mb_loss(packed, hidden, t, denom):
             values = self._response_values(packed, hidden)
             return loss_fn(values, _to(t, self.device, values.shape[1]), denom)
 
-        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss)
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
         self.scheduler.step()
         return out
 

@@ -27,7 +27,7 @@ from rollout.base import (
     error_completions,
     expand_sampling,
 )
-from rollout.model_runner import ModelRunner, any_filtered
+from rollout.model_runner import EngineModelRunner, any_filtered
 from rollout.sampler import request_key
 from rollout.scheduler import DecodeBatch, PrefillBatch, Scheduler, Sequence
 
@@ -41,7 +41,7 @@ class NativeEngine:
         config.validate()
         self.model_config, self.config = model_config, config
         self.eos_token_ids = list(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.runner = ModelRunner(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype)
+        self.runner = EngineModelRunner(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype)
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same keys
         self._source: LlamaForCausalLM | None = None
         self.asleep = False

@@ -74,7 +74,7 @@ class _DynamicRows:
             return self.eager(*args)
 
 
-class ModelRunner:
+class EngineModelRunner:
     def __init__(self, cfg: ModelConfig, *, config: RolloutConfig, tp_group=None, device="cpu",
                  dtype=torch.float32):
         self.cfg, self.config, self.dtype = cfg, config, dtype

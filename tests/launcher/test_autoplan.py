@@ -108,3 +108,19 @@ def test_auto_plan_builds_the_same_groups_on_every_rank():
     plan = DevicePlan.from_dict(json.loads(plans.pop()))
     assert plan.mode in ("colocated", "split") and plan.predicted["reject"] is None
     assert {r for res in results for r in res[1]} == set(plan.groups) - {"rollout"}  # rollout: the actor's groups
+
+
+def test_search_proposes_only_layouts_the_planner_accepts():
+    # tp=2 divides the heads but not the (odd) intermediate size: the search must use the planner's own
+    # size rule (launcher.plan.validate_role_layout), not a looser one of its own
+    odd = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2753, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8)
+    cfg = load_config("conf/plan_ppo_hybridflow.yaml")
+    r = search(cfg, world_size=8, model=odd, cal=CAL, schedules=(False,), top=10**6)  # every feasible one
+    assert r.best and any(pp > 1 for e in r.best for _, (_, pp, _) in e.candidate.layouts)
+    for e in r.best:
+        assert e.candidate.gen_tp == 1 and all(tp == 1 for _, (tp, _, _) in e.candidate.layouts), \
+            e.candidate.describe()
+    for e in r.best[::25]:
+        compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate)), world_size=8,
+                     model=odd)  # accepted: no UserError

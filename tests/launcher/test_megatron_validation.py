@@ -22,13 +22,13 @@ def test_training_without_cuda_is_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("ref.compile=true", "ref.compile=true"),
+    ("ref.compile=true ref.activation_checkpointing=full", "ref.compile=true with activation_checkpointing=full"),
     ("ref.activation_checkpointing=selective", "ref.activation_checkpointing=selective"),
     ("ref.pp_stages_per_rank=2", "ref.pp_stages_per_rank=2"),
 ])
 def test_unwired_settings_are_refused(override, key):
     with pytest.raises(UserError, match=f"ref.backend=megatron: {key} is not supported"):
-        load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", override])
+        load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", *override.split()])
 
 
 def test_unknown_backend_names_the_choices():

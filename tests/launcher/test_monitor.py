@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.monitor import GpuMonitor, main, ppo_stage_flops, ppo_step_flops, useful_utilization
+from launcher.monitor import GpuMonitor, main
 
 # (sm_util %, mem_used GB) per sample for two GPUs: a gen phase then a training phase
 TRACE = {
@@ -144,35 +144,6 @@ def test_no_nvml_logs_once_and_is_off(tmp_path, caplog):
 def test_no_gpu_visible_is_off(tmp_path):
     mon = GpuMonitor(tmp_path / "u.jsonl", nvml=FakeNvml({}))
     assert not mon.enabled and "no GPU visible" in mon.disabled_reason
-
-
-def test_flop_counts_follow_design_rule():
-    n, t, g = 7_000_000_000, 1000, 400
-    full = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=n,
-                           trained_tokens=t, generated_tokens=g, ppo_epochs=1)
-    # DESIGN.md: 20N per trained token for full PPO (6+6 train, 4 x 2 forwards) + 2N per generated token
-    assert sum(full.values()) == pytest.approx(20 * n * t + 2 * n * g)
-    assert full["update_actor"] == 6 * n * t and full["gen"] == 2 * n * g
-    grpo = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
-                          trained_tokens=t, generated_tokens=g, ppo_epochs=2)
-    assert grpo == pytest.approx((2 * 6 + 2 + 2) * n * t + 2 * n * g)
-    fused = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
-                           trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_forward=False)
-    assert fused == pytest.approx(8 * n * t + 2 * n * g)  # the GRPO rule: 6N update + 2N reference
-    shared = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=None,
-                             trained_tokens=t, generated_tokens=g, ppo_epochs=1, policy_tokens=600)
-    assert shared["update_actor"] == 6 * n * 600 and shared["ref"] == 2 * n * 600
-    assert shared["update_critic"] == 6 * n * t  # the critic still packs whole sequences
-    with_prefill = ppo_stage_flops(n_params_actor=n, n_params_critic=None, n_params_ref=None, n_params_rm=None,
-                                   trained_tokens=t, generated_tokens=g, ppo_epochs=1, prefill_tokens=600)
-    assert with_prefill["gen"] == 2 * n * (g + 600) and with_prefill["ref"] == 0.0
-
-
-def test_useful_utilization():
-    assert useful_utilization(790e12 * 8 * 0.5, 1.0, n_gpus=8) == pytest.approx(0.5)
-    assert useful_utilization(1e12, 2.0, n_gpus=1, peak_flops=1e12) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="seconds > 0"):
-        useful_utilization(1.0, 0.0, n_gpus=1)
 
 
 def test_selfcheck_cli_prints_one_json_line(capsys):

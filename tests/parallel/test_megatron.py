@@ -241,6 +241,27 @@ def _split_case(native, rank, world):
     return rank == 0 or sum(len(g["params"]) for g in groups) == len(list(runner.gpt.parameters()))
 
 
+def _grad_norm_case(rank, world):
+    """grad_norm_one_sync over the world: each rank's gradient shards -> the L2 norm of all of them (relative error)."""
+    import torch.distributed as dist
+
+    from parallel.megatron_runner import grad_norm_one_sync
+
+    def shards(r):
+        g = torch.Generator().manual_seed(r)
+        return [torch.randn(n, generator=g) for n in (5, 64, 300)]
+
+    class DistOptLike:  # the two methods of megatron's DistributedOptimizer that the norm reads
+        def get_main_grads_for_grad_norm(self):
+            return shards(rank)
+
+        def get_grad_stats_parallel_group(self):
+            return dist.group.WORLD
+
+    want = torch.linalg.vector_norm(torch.cat([t for r in range(world) for t in shards(r)]).double()).item()
+    return abs(grad_norm_one_sync(DistOptLike()) - want) / want
+
+
 def _tp_body(rank, world):
     from megatron.core import parallel_state
 
@@ -276,6 +297,7 @@ def _tp_body(rank, world):
                 out[(name, tp, "worker")] = _worker_case(native, rank, world)
                 out[(name, tp, "schedule")] = _schedule_case(native, runner)
     out[("llama", 1, "split")] = _split_case(_native("llama"), rank, world)
+    out[("all", world, "grad_norm")] = _grad_norm_case(rank, world)
     out["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
     return out
 

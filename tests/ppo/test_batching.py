@@ -14,7 +14,6 @@ from models.llama import DocumentAttention
 from models.logprobs import compute_token_logprobs
 from ppo.batching import (
     balance_across_dp,
-    dp_micro_batches,
     gather_response_logprobs,
     imbalance,
     karmarkar_karp,
@@ -22,9 +21,9 @@ from ppo.batching import (
     micro_batches_by_tokens,
     pack,
     part_sums,
+    plan_micro_batches,
     prompt_groups,
     responses_to_packed,
-    sequence_flops,
     unpack,
     unpack_responses,
 )
@@ -131,20 +130,6 @@ def test_balance_across_dp_equal_counts():
     _covers(parts, 8)
 
 
-def test_sequence_flops_balance_long_sequences():
-    cfg = dict(num_params=1_000_000_000, num_layers=16, hidden_size=2048)
-    assert sequence_flops([4096], **cfg) == [2 * 10**9 * 4096 + 2 * 16 * 2048 * 4096**2]
-    # a small model at long lengths: attention dominates, and token balance is not compute balance
-    tiny = dict(num_params=250_000, num_layers=4, hidden_size=64)
-    by_tokens = by_flops = 0
-    for seed in range(20):
-        lengths = _lengths(32, seed, lo=64, hi=4096)
-        f = sequence_flops(lengths, **tiny)
-        by_tokens += imbalance(f, karmarkar_karp(lengths, 4, equal_size=True))
-        by_flops += imbalance(f, karmarkar_karp(f, 4, equal_size=True))
-    assert by_flops < 0.5 * by_tokens
-
-
 def test_micro_batches_respect_budget_and_minimise_count():
     for seed in range(25):
         lengths = _lengths(30 + seed, seed, hi=300)
@@ -185,21 +170,33 @@ def test_min_count_forces_more_micro_batches():
         micro_batches_by_tokens(lengths, max_tokens=1000, min_count=6)
 
 
-def test_dp_micro_batches_equal_counts_across_ranks():
+def test_plan_micro_batches_equal_counts_across_ranks():
     for seed in range(10):
         lengths = _lengths(32, seed, hi=400)
         lengths[seed] = 3000  # one very long sequence makes its rank need more micro-batches
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the 3000-token sequence exceeds some budgets
-            plan = dp_micro_batches(lengths, dp=4, max_tokens=1500)
-        assert len({len(mbs) for mbs in plan}) == 1
-        _covers([mb for mbs in plan for mb in mbs], 32)
-        assert [sorted(i for mb in mbs for i in mb) for mbs in plan] == balance_across_dp(lengths, 4)
-        for mbs in plan:
-            assert all(mbs)
-            assert all(sum(lengths[i] for i in mb) <= 1500 or len(mb) == 1 for mb in mbs)
-    with pytest.raises(ValueError, match="fewer sequences"), pytest.warns(UserWarning, match="longer than"):
-        dp_micro_batches([300, 10, 10, 10], dp=2, max_tokens=15, equal_size=False)
+            plans = [plan_micro_batches(lengths, dp=4, rank=r, max_tokens=1500, mini_batch_size=16)
+                     for r in range(4)]
+        assert {len(p) for p in plans} == {2}  # 32 samples / mini-batches of 16
+        for m in range(2):  # every rank runs the same number of micro-batches in each mini-batch
+            assert len({len(p[m]) for p in plans}) == 1
+        _covers([mb for p in plans for mini in p for mb in mini], 32)
+        assert [sorted(i for mini in p for mb in mini for i in mb) for p in plans] == balance_across_dp(lengths, 4)
+        for p in plans:
+            assert all(mb for mini in p for mb in mini)
+            assert all(sum(lengths[i] for i in mb) <= 1500 or len(mb) == 1 for mini in p for mb in mini)
+
+
+def test_plan_micro_batches_fixed_count_and_errors():
+    lengths = _lengths(24, 3, hi=300)
+    plans = [plan_micro_batches(lengths, dp=2, rank=r, max_tokens=10, fixed_count=3) for r in range(2)]
+    assert [[len(mini) for mini in p] for p in plans] == [[3], [3]]  # the schedule's count, not the budget's
+    _covers([mb for p in plans for mb in p[0]], 24)
+    with pytest.raises(ValueError, match="split evenly"):
+        plan_micro_batches(lengths[:5], dp=2, rank=0, max_tokens=100)
+    with pytest.raises(ValueError, match="cannot fill 4"):
+        plan_micro_batches(lengths, dp=2, rank=0, max_tokens=100, mini_batch_size=4, fixed_count=4)
 
 
 def test_pack_unpack_round_trip():

@@ -17,11 +17,9 @@ from ppo.checkpoint import (
     hf_weight_files,
     list_checkpoints,
     load_checkpoint,
-    load_hf_weights,
     load_model_state,
     restore_rng_state,
     save_checkpoint,
-    save_hf_weights,
 )
 from tests.dist_utils import run_world
 
@@ -79,23 +77,19 @@ def test_actor_dir_loads_in_transformers(tmp_path):
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-4, atol=1e-4)
 
 
-def test_sharded_and_tied_weights(tmp_path):
+def test_sharded_role_directory_reads_back(tmp_path):
     model, cfg = _tiny()
     sd = model.state_dict()
-    files = save_hf_weights(sd, tmp_path / "sharded", config=cfg, max_shard_bytes=100_000)
-    shards = hf_weight_files(tmp_path / "sharded")
-    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json") in files
-    back = load_hf_weights(tmp_path / "sharded")
+    path = _save(tmp_path, 1, model_states={"actor": sd}, model_configs={"actor": cfg}, max_shard_bytes=100_000)
+    shards = hf_weight_files(path / "actor")
+    assert len(shards) > 2 and (path / "actor" / "model.safetensors.index.json").exists()
+    back = load_model_state(path, "actor")
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     os.remove(shards[1])
     with pytest.raises(FileNotFoundError, match="missing"):
-        hf_weight_files(tmp_path / "sharded")
-    tied = dict(sd)
-    tied["lm_head.weight"] = tied["model.embed_tokens.weight"]  # aliased, as a tied model's state dict is
-    save_hf_weights(tied, tmp_path / "tied", config={**cfg, "tie_word_embeddings": True})
-    assert "lm_head.weight" not in load_hf_weights(tmp_path / "tied")
-    save_hf_weights(tied, tmp_path / "alias", config=cfg)  # not tied in config: the alias is copied
-    assert torch.equal(load_hf_weights(tmp_path / "alias")["lm_head.weight"], sd["model.embed_tokens.weight"])
+        hf_weight_files(path / "actor")
+    with pytest.raises(ValueError, match="model_configs"):
+        _save(tmp_path, 2, model_states={"actor": sd})
 
 
 def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):

@@ -147,6 +147,62 @@ def test_policy_loss_matches_naive_loop(cl, ch, c):
     assert met["approx_kl"] == pytest.approx(ca.masked_mean(old - lp, mask).item(), rel=1e-5)
 
 
+def _naive_actor_loss(lp, olp, adv, ent, ref, m, s):
+    """Per-sequence loops: seq-mean-token-mean of surrogate - c_e * entropy + c_kl * k3(pi || ref)."""
+    total = 0.0
+    for i in range(len(lp)):
+        toks = []
+        for j in range(len(lp[0])):
+            if not m[i][j]:
+                continue
+            ratio = math.exp(lp[i][j] - olp[i][j])
+            a = adv[i][j]
+            pg = max(-a * ratio, -a * min(max(ratio, 1 - s.clip_low), 1 + s.clip_high))
+            if a < 0:
+                pg = min(pg, -a * s.dual_clip_c)
+            d = lp[i][j] - ref[i][j]
+            toks.append(pg - s.entropy_coef * ent[i][j] + s.kl_loss_coef * (math.exp(-d) - 1 + d))
+        total += sum(toks) / len(toks)
+    return total / len(lp)
+
+
+def test_composed_policy_loss_matches_naive_loop():
+    s = ca.PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, agg="seq-mean-token-mean",
+                              entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    g, mask = _batch(5, 6, seed=21)
+    old = -torch.rand(mask.shape, generator=g) * 3
+    lp = (old + torch.randn(mask.shape, generator=g) * 0.5).requires_grad_()
+    ref = old + torch.randn(mask.shape, generator=g) * 0.3
+    adv, ent = torch.randn(mask.shape, generator=g), torch.rand(mask.shape, generator=g) * 2
+    loss, met = ca.compute_policy_loss(lp, old_logp=old, advantages=adv, mask=mask, settings=s, entropy=ent,
+                                       ref_logp=ref)
+    want = _naive_actor_loss(lp.tolist(), old.tolist(), adv.tolist(), ent.tolist(), ref.tolist(), mask.tolist(), s)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert met["entropy"] == pytest.approx(float((ent * mask).sum() / mask.sum()), rel=1e-5)
+    assert met["pg_loss"] != pytest.approx(loss.item()) and "kl_loss" in met
+    loss.backward()  # differentiable in logp only
+    assert lp.grad is not None and torch.isfinite(lp.grad).all()
+
+
+def test_composed_policy_loss_asks_for_what_it_needs():
+    g, mask = _batch(3, 4, seed=22)
+    lp, adv = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    plain = ca.PolicyLossSettings()
+    assert not plain.needs_entropy and not plain.needs_ref
+    loss, met = ca.compute_policy_loss(lp, old_logp=lp, advantages=adv, mask=mask, settings=plain)
+    assert loss.item() == pytest.approx(met["pg_loss"]) and "entropy" not in met and "kl_loss" not in met
+    with pytest.raises(ValueError, match="entropy"):
+        ca.compute_policy_loss(lp, old_logp=lp, advantages=adv, mask=mask,
+                               settings=ca.PolicyLossSettings(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="ref_logp"):
+        ca.compute_policy_loss(lp, old_logp=lp, advantages=adv, mask=mask,
+                               settings=ca.PolicyLossSettings(use_kl_loss=True, kl_loss_coef=0.1))
+    # an entropy passed without a coefficient is a metric only: the loss is unchanged
+    with_ent, met = ca.compute_policy_loss(lp, old_logp=lp, advantages=adv, mask=mask, settings=plain,
+                                           entropy=torch.ones_like(lp))
+    assert with_ent.item() == loss.item() and met["entropy"] == 1.0
+
+
 def test_policy_loss_on_policy_gradient_is_minus_advantage():
     # ratio == 1: d loss / d logp = -A / N per token (the REINFORCE gradient), no clipping
     g, mask = _batch(4, 5, seed=7)
@@ -300,19 +356,15 @@ def test_reinforce_pp_matches_naive_loop():
     torch.testing.assert_close(adv, torch.tensor(_naive_whiten(naive, mask.tolist())), rtol=1e-4, atol=1e-5)
 
 
-def test_logprobs_and_entropy_from_logits():
+def test_logprobs_from_logits():
     g = torch.Generator().manual_seed(12)
     logits = torch.randn(2, 3, 11, generator=g)
     labels = torch.randint(0, 11, (2, 3), generator=g)
     lp = ca.logprobs_from_logits(logits, labels)
-    ent = ca.entropy_from_logits(logits)
     for b in range(2):
         for t in range(3):
             p = torch.softmax(logits[b, t].double(), 0)
             assert lp[b, t].item() == pytest.approx(math.log(p[labels[b, t]].item()), rel=1e-5)
-            assert ent[b, t].item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-5)
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert ca.entropy_bonus(ent, mask).item() == pytest.approx((ent * mask).sum().item() / 3, rel=1e-6)
 
 
 def test_loss_metrics_without_sync_are_tensors():

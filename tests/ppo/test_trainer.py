@@ -54,7 +54,7 @@ def test_ppo_colocated_two_ranks(tmp_path):
                 "actor/clipfrac", "critic/vf_loss", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref",
                 "timing_s/reward", "timing_s/values", "timing_s/adv", "timing_s/update_actor",
                 "timing_s/update_critic", "timing_s/step", "perf/samples_per_s", "perf/tokens_per_s",
-                "perf/mfu/actor"):
+                "perf/mfu/actor", "timing_s/reshard", "reshard/bytes_received", "mem/hybrid_peak_gb"):
         assert key in rows[0], key
     # on-policy: the first mini-batch of the first epoch sees ratio exactly 1 before its step
     assert rows[0]["actor/clipfrac"] == 0.0

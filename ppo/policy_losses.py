@@ -1,0 +1,105 @@
+"""The policy-gradient term of the actor loss: which surrogate (PPO's token ratio or GSPO's sequence
+ratio) and the rollout-correction weights it is multiplied by.
+
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per
+sequence, the geometric mean of its token ratios, s_i = exp(mean_t(logp - old_logp)), clipped at
+the sequence level. Token ratios of a long response multiply noise; their geometric mean does not
+grow with length, and clipping decides per response, not per token.
+
+Per-token form (the paper's GSPO-token): s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] has the value s_i
+and the gradient s_i * d log pi(y_t), so token-level advantages and every `agg_loss` mode still
+apply. Shapes: B sequences, T response tokens, mask [B, T]. Checked against a per-sequence loop in
+tests/ppo/test_policy_losses.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ppo.core_algos import PolicyLossSettings, _metrics, agg_loss, masked_mean, policy_loss
+from ppo.rollout_correction import compute_rollout_correction
+
+POLICY_LOSSES = ("vanilla", "gspo")
+
+
+def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                     clip_low: float = 3e-4, clip_high: float = 4e-4, dual_clip_c: float | None = None,
+                     agg: str = "seq-mean-token-mean",
+                     denom: float | None = None, max_len: int | None = None,
+                     token_weights: torch.Tensor | None = None,
+                     sync_metrics: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Sequence-ratio clipped surrogate. logp, old_logp, advantages, mask: [B, T] -> (loss, metrics).
+
+    loss_it = max(-A_it * s_it, -A_it * clip(s_it, 1 - clip_low, 1 + clip_high)), times
+    token_weights (e.g. rollout-correction weights, no gradient) when given, aggregated by `agg`
+    (the paper: seq-mean-token-mean). The paper's clip ranges are ~1e-4, far below PPO's 0.2,
+    because s_i averages out per-token noise. dual_clip_c bounds a negative-advantage loss by
+    -A * c as in policy_loss. Metrics carry policy_loss's keys: clipfrac (tokens in clipped
+    sequences), clipfrac_lower (dual clip active), approx_kl, and the sequence ratio's mean/min/max
+    over non-empty sequences.
+    """
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1.0 (got {dual_clip_c}); use None to disable dual clip")
+    m = mask.float()
+    adv = advantages.float()
+    lp = logp.float()
+    log_ratio = torch.where(m > 0, lp - old_logp.float(), torch.zeros_like(lp))
+    seq_log_ratio = masked_mean(log_ratio, m, -1)  # [B]
+    # value s_i, gradient through this token's own log-prob only; clamp as exp overflow guard
+    log_s = lp - lp.detach() + seq_log_ratio.detach().clamp(max=10.0)[:, None]
+    ratio = log_s.exp()
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(loss1, loss2)
+    lower = torch.zeros_like(pg)
+    if dual_clip_c is not None:
+        loss3 = -adv * dual_clip_c
+        lower = ((pg > loss3) & (adv < 0)).float()
+        pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+    if token_weights is not None:
+        pg = pg * token_weights.detach().float()
+    loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
+    with torch.no_grad():
+        seq_ratio = seq_log_ratio.clamp(max=10.0).exp()
+        has = m.sum(-1) > 0
+        big = torch.finfo(torch.float32).max
+        lo = torch.where(has, seq_ratio, torch.full_like(seq_ratio, big)).min() if has.numel() else torch.tensor(big)
+        hi = torch.where(has, seq_ratio, torch.full_like(seq_ratio, -big)).max() if has.numel() else torch.tensor(-big)
+        empty = lo > hi
+        n_seq = has.float().sum().clamp_min(1)
+        stats = torch.stack([
+            masked_mean((loss2 > loss1).float(), m), masked_mean(lower, m), masked_mean(-log_ratio, m),
+            (seq_ratio * has).sum() / n_seq, torch.where(empty, 1.0, lo), torch.where(empty, 1.0, hi),
+        ])
+    metrics = _metrics(("clipfrac", "clipfrac_lower", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"), stats,
+                       sync_metrics)
+    return loss, metrics
+
+
+def compute_policy_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, *, cfg: PolicyLossSettings, rollout_logp: torch.Tensor | None = None,
+                             denom: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+    """Policy-gradient loss of one micro-batch. All tensors [B, T] -> (loss, metrics).
+
+    old_logp: the trainer's log-probs under the weights that generated the batch (logp.detach()
+    when the update's own forward serves as the old log-probs). rollout_logp: the engine's
+    behaviour log-probs; with them, the mismatch metrics come back as `rollout_corr/<key>` and
+    the correction weights (cfg.rollout_correction) multiply the per-token loss.
+    """
+    if cfg.kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {cfg.kind!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    weights, metrics = None, {}
+    if rollout_logp is not None:
+        w, rc = compute_rollout_correction(old_logp, rollout_logp, mask, mode=cfg.rollout_correction,
+                                           is_cap=cfg.rollout_is_cap, seq_mask_threshold=cfg.rollout_mask_threshold,
+                                           sync_metrics=sync_metrics)
+        weights = None if cfg.rollout_correction == "none" else w
+        metrics.update({f"rollout_corr/{k}": v for k, v in rc.items()})
+    fn = gspo_policy_loss if cfg.kind == "gspo" else policy_loss
+    loss, m = fn(logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                 dual_clip_c=cfg.dual_clip_c, agg=cfg.agg, denom=denom, max_len=cfg.max_len, token_weights=weights,
+                 sync_metrics=sync_metrics)
+    metrics.update(m)
+    return loss, metrics

@@ -1,0 +1,53 @@
+"""Config keys of the algorithm variants (DAPO, GSPO, Dr. GRPO, rollout correction): each acts in the
+setting given, or the config is refused before launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.config import load_config, resolved_rollout_correction
+from launcher.errors import UserError
+
+GRPO = ["algorithm.name=grpo", "rollout.n=4"]
+
+
+def test_variants_load():
+    cfg = load_config(None, [*GRPO, "algorithm.filter_groups.enable=true",
+                             "algorithm.filter_groups.max_num_gen_batches=3",
+                             "algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=4",
+                             "algorithm.overlong_buffer.penalty_factor=0.5", "algorithm.overlong_filter=true",
+                             "algorithm.norm_adv_by_std=false", "actor.loss_agg=seq-mean-token-sum-norm",
+                             "actor.policy_loss=gspo", "algorithm.rollout_correction=tis+seq_mask",
+                             "algorithm.rollout_is_cap=3", "algorithm.rollout_mask_threshold=1.1"])
+    assert cfg.algorithm.filter_groups.max_num_gen_batches == 3 and cfg.algorithm.overlong_buffer.len == 4
+    assert resolved_rollout_correction(cfg) == "tis+seq_mask"
+
+
+def test_auto_rollout_correction_follows_async():
+    assert resolved_rollout_correction(load_config(None, [])) == "tis"
+    assert resolved_rollout_correction(load_config(None, ["trainer.async_rollout=true"])) == "none"
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["trainer.async_rollout=true", "algorithm.rollout_correction=tis"], "async_rollout"),
+    (["algorithm.rollout_correction=none", "algorithm.rollout_is_cap=3"], "rollout_is_cap"),
+    (["algorithm.rollout_correction=tis", "algorithm.rollout_mask_threshold=1.2"], "rollout_mask_threshold"),
+    (["algorithm.rollout_is_cap=0.5"], "must be > 1"),
+    (["algorithm.rollout_correction=seq_mask", "algorithm.rollout_mask_threshold=1.0"], "must be > 1"),
+    (["algorithm.rollout_correction=is"], "rollout_correction"),
+    (["actor.policy_loss=gpso"], "did you mean 'gspo'"),
+    (["actor.loss_agg=seq-mean-token-sum-nrm"], "seq-mean-token-sum-norm"),
+    (["algorithm.filter_groups.enable=true", "rollout.n=1"], "rollout.n >= 2"),
+    ([*GRPO, "algorithm.filter_groups.enable=true", "trainer.async_rollout=true"], "async_rollout"),
+    ([*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], ">= 1"),
+    (["algorithm.filter_groups.max_num_gen_batches=8"], "filter_groups.enable=true"),
+    (["algorithm.overlong_buffer.len=4"], "overlong_buffer.enable=true"),
+    (["algorithm.overlong_buffer.penalty_factor=2"], "overlong_buffer.enable=true"),
+    (["algorithm.overlong_buffer.enable=true", "rollout.max_response_length=8", "algorithm.overlong_buffer.len=9"],
+     "max_response_length=8"),
+    (["algorithm.overlong_buffer.enable=true"], r"overlong_buffer.len\(0\)"),
+    (["algorithm.name=ppo", "algorithm.norm_adv_by_std=false"], "algorithm.name=grpo"),
+])
+def test_inert_or_bad_variant_keys_are_refused(overrides, needle):
+    with pytest.raises(UserError, match=needle):
+        load_config(None, overrides)

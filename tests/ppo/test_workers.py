@@ -1,0 +1,93 @@
+"""ppo/workers.py and ppo/roles.py in one process: the workers' log-probs and values equal a plain
+per-sequence forward of the same weights, and the fused old-log-prob update equals the recomputed one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.heads import LlamaForValue
+from models.llama import LlamaForCausalLM
+from ppo.roles import _build
+from ppo.state import load_worker_state, worker_state
+from ppo.trainer import StageTimer
+from tests.ppo.world import tiny_run, world_of_one
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    with world_of_one():
+        run = tiny_run(tmp_path_factory.mktemp("workers"))
+        t = run.trainer()
+        exp, _ = t.generate(0, StageTimer(run.env.device))
+        yield t, exp
+
+
+def _reference(cls, trainer):
+    """The role's model before any update, unparallelized: the same seeded init."""
+    cfg = trainer.cfg
+    return _build(cls, trainer.roles.model_config, path=None, device="cpu", seed=cfg.trainer.seed)
+
+
+def test_policy_logprobs_equal_per_sequence_forward(trainer):
+    t, exp = trainer
+    actor = t.roles.actor
+    # a small token budget: several packed micro-batches, each with several documents
+    plan = t.roles.actor_plan(exp, max_tokens=24)
+    assert len(plan[0]) > 1 and max(len(mb) for mb in plan[0]) > 1
+    got = actor.compute_logprobs(exp, plan, with_entropy=True)
+    assert sorted(got["logp"]) == [s.uid for s in exp.samples]
+    ref = _reference(LlamaForCausalLM, t)
+    temp = t.cfg.rollout.temperature
+    with torch.no_grad():
+        for s in exp.samples:
+            ids = torch.tensor(s.prompt_ids + s.response_ids)
+            logp = F.log_softmax(ref(ids[None])[0, :-1].float() / temp, -1)[len(s.prompt_ids) - 1:]
+            want = logp.gather(-1, ids[len(s.prompt_ids):, None])[:, 0]
+            torch.testing.assert_close(got["logp"][s.uid], want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["entropy"][s.uid], -(logp.exp() * logp).sum(-1), rtol=1e-4, atol=1e-5)
+            # the generation engine sampled with the same weights: its log-probs agree
+            torch.testing.assert_close(torch.tensor(s.behaviour_logprobs), want, rtol=1e-4, atol=1e-4)
+
+
+def test_critic_values_equal_per_sequence_forward(trainer):
+    t, exp = trainer
+    critic = t.roles.critic
+    ref = _reference(LlamaForValue, t)
+    head = dict(critic.runner.named_parameters())["score.weight"]
+    with torch.no_grad():  # the critic starts with a zero head: give both the same random one
+        w = torch.randn(head.shape, generator=torch.Generator().manual_seed(0))
+        head.copy_(w)
+        ref.score.weight.copy_(w)
+        got = critic.compute_values(exp, t.roles.critic_plan(exp, max_tokens=30))["values"]
+        for s in exp.samples:
+            values = ref(torch.tensor(s.prompt_ids + s.response_ids)[None])[0]
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            torch.testing.assert_close(got[s.uid], values[p - 1:p - 1 + r], rtol=1e-5, atol=1e-5)
+        head.zero_()
+
+
+def test_fused_old_logp_update_equals_recomputed(trainer):
+    t, exp = trainer
+    roles, actor = t.roles, t.roles.actor
+    mask = exp.response_mask()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    before = copy.deepcopy(worker_state(actor))  # model shards, optimizer and LR schedule
+    start = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
+    fused_m = roles.update_actor(exp, {"advantages": adv, "mask": mask}, max_tokens=40, fused_old_logp=True)
+    fused = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
+    load_worker_state(actor, before)
+    old = actor.compute_logprobs(exp, roles.actor_plan(exp, 40))["logp"]
+    tensors = {"advantages": adv, "mask": mask, "old_logp": exp.stack(old)}
+    recomputed_m = roles.update_actor(exp, tensors, max_tokens=40, fused_old_logp=False)
+    for n, p in actor.runner.named_parameters():
+        torch.testing.assert_close(p.detach(), fused[n], rtol=0, atol=1e-6, msg=n)
+        assert not torch.equal(p.detach(), start[n]), f"{n} did not move"
+    for m in (fused_m, recomputed_m):
+        assert m["clipfrac"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0)
+    assert fused_m["pg_loss"] == pytest.approx(recomputed_m["pg_loss"], abs=1e-6)
+    assert "entropy" in fused_m and "entropy" not in recomputed_m  # fused: the update measures the entropy
+    load_worker_state(actor, before)
