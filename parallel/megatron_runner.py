@@ -336,7 +336,8 @@ class MegatronRunner:
         # the masters then equal the parameters, which is what a fresh optimizer starts from
         if opts and all(len(o.optimizer.state) > 0 for o in opts):
             state["optim"] = [_clone_cpu(o.state_dict()) for o in opts]
-            state["dist_optim"] = [_clone_cpu(o.get_parameter_state_dp_reshardable()) for o in opts]
+            names = {p: n for n, p in self.gpt.named_parameters()}
+            state["dist_optim"] = [_clone_cpu(_master_shards(o, names)) for o in opts]
         return state
 
     @torch.no_grad()
@@ -358,16 +359,33 @@ class MegatronRunner:
             raise KeyError(f"checkpoint holds {len(state['optim'])} megatron optimizers, this run builds {len(opts)}")
         for opt, scalars, shards in zip(opts, state["optim"], state["dist_optim"]):
             opt.load_state_dict(scalars)  # allocates the Adam state, param-group hyperparameters, step
-            opt.load_parameter_state_from_dp_reshardable(_with_padding_flags(shards))
+            _load_master_shards(opt, shards, names={p: n for n, p in self.gpt.named_parameters()})
             _unshare_steps(opt.optimizer)
 
 
-def _with_padding_flags(shards: dict) -> dict:
-    """megatron's dp_reshardable getter never writes the 'padding' key its loader filters on: every entry it
-    returns is a real parameter. A copy with padding=False added (the caller's state stays as is)."""
-    return {k: ({dtype: [[{"padding": False, **entry} for entry in bucket] for bucket in buckets]
-                 for dtype, buckets in v.items()} if isinstance(k, int) else v)
-            for k, v in shards.items()}
+def _bucket_params(opt):
+    """The model parameters whose fp32 master shard (and Adam moments) this DP rank holds, in bucket order."""
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for buckets in gbuf_range_maps.values():
+            for bucket in buckets:
+                yield from bucket["param_map"]
+
+
+def _master_shards(opt, names: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """{megatron param name: {param (fp32 master shard), exp_avg, exp_avg_sq, ...}} of one distributed optimizer.
+    Keyed by name, not by bucket position: megatron's own dp_reshardable getter/loader pair matches entries by
+    their order in each bucket's param map, which differs between two builds of the same model (seen on the
+    H200: a [1048576] master loaded from a [256] entry after a restart)."""
+    return {names[p]: opt._get_main_param_and_optimizer_states(p) for p in _bucket_params(opt)}
+
+
+def _load_master_shards(opt, shards: dict, *, names: dict) -> None:
+    mine = {names[p]: p for p in _bucket_params(opt)}
+    if set(mine) != set(shards):
+        raise KeyError("checkpoint's optimizer shards were written for another layout: parameters differ "
+                       f"({sorted(set(mine) ^ set(shards))[:4]}); resume with the same plan")
+    for name, p in mine.items():
+        opt._set_main_param_and_optimizer_states(p, shards[name])
 
 
 def _unshare_steps(opt: torch.optim.Optimizer) -> None:

@@ -1,5 +1,5 @@
 """The torch-optimizer plumbing around megatron-core's distributed optimizer (parallel/megatron_runner.py)
-that runs without megatron or a GPU: fused AdamW switch, checkpoint padding flags, un-shared Adam steps
+that runs without megatron or a GPU: fused AdamW switch, name-keyed master shards, un-shared Adam steps
 (the one-sync grad norm is checked over gloo in tests/parallel/test_megatron.py's TP world).
 (The distributed optimizer itself needs CUDA: tests/parallel/test_megatron_gpu.py.)"""
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from parallel.megatron_runner import (
+    _load_master_shards,
+    _master_shards,
     _unshare_steps,
-    _with_padding_flags,
     megatron_optimizers,
     use_fused_adamw,
 )
@@ -81,12 +82,38 @@ def test_unshare_steps_gives_each_state_its_own_counter():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_padding_flags_added_without_touching_the_saved_state():
-    entry = {"param": torch.zeros(2), "exp_avg": torch.zeros(2), "gbuf_local_start": 0, "gbuf_local_end": 2}
-    saved = {"per_bucket_numel": [2], "per_bucket_numel_unpadded": [2], 0: {torch.float32: [[entry]]}}
-    out = _with_padding_flags(saved)
-    assert out[0][torch.float32][0][0]["padding"] is False and out[0][torch.float32][0][0]["param"] is entry["param"]
-    assert "padding" not in entry and out["per_bucket_numel"] == [2]
+class _FakeDistOpt:
+    """The two megatron DistributedOptimizer hooks the checkpoint uses, over per-parameter master/Adam tensors;
+    `order` is the bucket order of its param map (it differs between two builds of the same model)."""
+
+    def __init__(self, params: dict, order: list[str], seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.states = {p: {"param": torch.randn(p.numel(), generator=g), "exp_avg": torch.randn(p.numel(), generator=g)}
+                       for p in params.values()}
+        self.gbuf_ranges = [{torch.float32: [{"param_map": {params[n]: None for n in order}}]}]
+
+    def _get_main_param_and_optimizer_states(self, p):
+        return self.states[p]
+
+    def _set_main_param_and_optimizer_states(self, p, tensors):
+        for k, v in self.states[p].items():
+            v.copy_(tensors[k])
+
+
+def test_master_shards_round_trip_by_name_whatever_the_bucket_order():
+    names = ["w", "norm", "b"]
+    a_params = {n: torch.nn.Parameter(torch.zeros(k)) for n, k in zip(names, (64, 4, 8))}
+    b_params = {n: torch.nn.Parameter(torch.zeros(k)) for n, k in zip(names, (64, 4, 8))}
+    a = _FakeDistOpt(a_params, order=names, seed=0)
+    b = _FakeDistOpt(b_params, order=names[::-1], seed=1)  # another build: another bucket order
+    saved = {n: {k: v.clone() for k, v in st.items()}
+             for n, st in _master_shards(a, {p: n for n, p in a_params.items()}).items()}
+    _load_master_shards(b, saved, names={p: n for n, p in b_params.items()})
+    for n in names:
+        for k in ("param", "exp_avg"):
+            assert torch.equal(b.states[b_params[n]][k], a.states[a_params[n]][k]), (n, k)
+    with pytest.raises(KeyError, match="another layout"):
+        _load_master_shards(b, {"w": saved["w"]}, names={p: n for n, p in b_params.items()})
 
 
 def test_megatron_optimizers_unwraps_the_chain_and_skips_stubs():
