@@ -25,81 +25,90 @@ from launcher.errors import UserError
 
 @dataclass
 class TrainerConfig:
-    experiment_name: str = "ppo_tiny"
-    runs_dir: str = "runs"
-    total_steps: int = 20
-    seed: int = 42
+    experiment_name: str = "ppo_tiny"  # run directory name: runs_dir/experiment_name
+    runs_dir: str = "runs"  # parent directory of run directories
+    total_steps: int = 20  # PPO steps to run (ignored when total_epochs > 0)
+    total_epochs: int = 0  # > 0: passes over data.train_files; total_steps = epochs x (prompts // data.batch_size)
+    seed: int = 42  # model init, data order and sampling seeds
     save_every: int = 0  # steps between checkpoints; 0: none by step count (see save_every_minutes)
     save_every_minutes: float = 30.0  # also checkpoint when this long has passed since the last one; 0: off
     preempt_grace_s: float = 100.0  # SIGTERM/SIGINT: finish the step and save within this, else exit 75 anyway
     watchdog_timeout_s: float = 180.0  # a rank silent this long makes every rank exit naming it; 0: off
     on_damaged_checkpoint: str = "stop"  # resume=auto and the newest checkpoint is damaged: stop | fallback
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints
     resume: str = "never"  # never | auto | <checkpoint dir>
     async_rollout: bool = False  # one-step off-policy: generate batch k+1 while batch k trains
     device: str = "auto"  # auto | cpu | cuda
     dist_backend: str = "auto"  # auto (nccl on cuda, gloo otherwise) | nccl | gloo
-    dist_timeout_s: int = 600
-    progress_bar: bool = True
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "hybridrl"
-    sft_warmup_steps: int = 0  # supervised warm-up on the synthetic task's answers before PPO
-    sft_lr: float = 3e-3
+    dist_timeout_s: int = 600  # process-group timeout of collectives (seconds)
+    progress_bar: bool = True  # tqdm bar on rank 0 (metrics lines every 10 steps)
+    tensorboard: bool = True  # write scalars (and sample text) to <run dir>/tensorboard
+    wandb: bool = False  # log metrics to Weights & Biases (needs `pip install wandb`)
+    wandb_project: str = "hybridrl"  # W&B project name
+    # supervised warm-up before RL: on data.train_files' answers (data.sft_answer_key, else the ground truth),
+    # or on the synthetic task's answers without train_files
+    sft_warmup_steps: int = 0
+    sft_lr: float = 3e-3  # learning rate of the supervised warm-up
     overwrite: bool = False  # allow reusing a run directory that holds a finished run
     # actor/reference forwards pack each prompt once with its rollout.n responses (GRPO: n x fewer prompt
     # tokens trained; needs actor.pp = ref.pp = 1)
     share_prompts: bool = False
+    test_freq: int = 0  # validate on data.val_files every N steps (and after the last); 0: only after the last
+    val_before_train: bool = True  # validate once before the first RL step (needs data.val_files)
+    log_samples_every: int = 0  # every N steps write a few prompts/responses/rewards to samples.jsonl; 0: off
+    log_samples_count: int = 4  # how many samples each such step shows
 
 
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
-    preset: str = "tiny"
-    dtype: str = "float32"  # float32 | bfloat16
-    tokenizer: str = "builtin:char"  # builtin:char or a local tokenizer directory
+    preset: str = "tiny"  # model shape when path is None (models/config.py PRESETS); none: model.path is required
+    dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
+    # auto: model.path's tokenizer when that folder has tokenizer.json, else builtin:char;
+    # or builtin:char, or a local tokenizer directory
+    tokenizer: str = "auto"
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 0  # 0: derived from the pool size
-    pp_microbatches: int = 0  # 0: 2 * pp
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree
+    dp: int = 0  # data-parallel degree; 0: derived from the pool size
+    pp_microbatches: int = 0  # pipeline micro-batches per mini-batch; 0: 2 * pp
     pp_schedule: str = "1F1B"  # 1F1B | interleaved
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = 1  # virtual pipeline stages per rank (interleaved schedule)
     activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False
+    compile: bool = False  # torch.compile each transformer layer
     offload: bool = False  # optimizer states to pinned CPU memory while generating
     backend: str = "native"  # native (PyTorch DTensor/FSDP2/pipelining) | megatron (megatron-core GPTModel)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
+    lr: float = 1e-6  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas, e.g. [0.9,0.95]
+    warmup_steps: int = 0  # linear learning-rate warm-up steps
     lr_schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0  # max global gradient norm
 
 
 @dataclass
 class ActorConfig(ParallelConfig):
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the actor's optimizer
+    ppo_epochs: int = 1  # passes over each batch
     mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
-    max_tokens_per_micro_batch: int = 4096
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float = 3.0
-    entropy_coef: float = 0.0
+    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
+    clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
+    clip_high: float = 0.2  # PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher: 0.28)
+    dual_clip_c: float = 3.0  # dual-clip bound for negative advantages
+    entropy_coef: float = 0.0  # entropy bonus weight
     use_kl_loss: bool = False  # GRPO style: KL to the reference as a loss term
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001  # weight of the KL loss term
+    kl_loss_type: str = "low_var_kl"  # KL estimator of the loss term: k1 | k2 | k3 | low_var_kl
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sum
     # over rollout.max_response_length, no per-response length normalisation)
     loss_agg: str = "token-mean"
@@ -113,44 +122,51 @@ class ActorConfig(ParallelConfig):
 @dataclass
 class CriticConfig(ParallelConfig):
     path: str | None = None  # None: trunk initialised from the actor
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_epochs: int = 1
-    mini_batch_size: int = 0
-    max_tokens_per_micro_batch: int = 4096
-    value_clip: float = 0.2
-    loss_agg: str = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # the critic's optimizer
+    ppo_epochs: int = 1  # passes over each batch
+    mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
+    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
+    value_clip: float = 0.2  # clip of the value update around the old values
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
     offload_optimizer: bool = False  # as actor.offload_optimizer
 
 
 @dataclass
 class RefConfig(ParallelConfig):
     enabled: bool = True  # needed for a KL penalty or KL loss
-    max_tokens_per_micro_batch: int = 8192
+    max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch
 
 
 @dataclass
 class RewardConfig(ParallelConfig):
     type: str = "rule"  # rule | model
     function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
+    # auto | hybridrl | verl; auto: verl's compute_score(data_source, solution_str, ground_truth,
+    # extra_info) when the function names solution_str or starts with data_source, else hybridrl's
+    # fn(response, ground_truth, **extra)
+    signature: str = "auto"
     model_path: str | None = None  # reward model (*ForSequenceClassification) directory
     default_score: float = 0.0  # score of a sample whose reward function raised
+    pass_threshold: float = 1.0  # a validation sample counts as solved (pass@k) when its score >= this
     timeout_s: float = 30.0  # per sample; a call running longer is a failure (default_score); 0: no limit
     stop_failed_fraction: float = 1.0  # stop the run when this fraction of a step's samples failed (1: all)
-    max_tokens_per_micro_batch: int = 8192
+    max_tokens_per_micro_batch: int = 8192  # token budget of one reward-model micro-batch
 
 
 @dataclass
 class RolloutRoleConfig:
     engine: str = "native"  # native | hf | vllm
-    gen_tp: int = 0  # 0: the actor's tp
+    gen_tp: int = 0  # generation tensor-parallel degree; 0: the actor's tp
     n: int = 1  # samples per prompt
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    max_response_length: int = 16
-    gpu_memory_fraction: float = 0.5
-    max_num_seqs: int = 256
-    enable_cuda_graph: bool = True
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_k: int = -1  # sample among the k most likely tokens; -1: off
+    top_p: float = 1.0  # nucleus sampling mass; 1: off
+    max_response_length: int = 16  # tokens generated per response at most
+    val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
+    val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
+    gpu_memory_fraction: float = 0.5  # share of GPU memory for weights + KV cache while generating
+    max_num_seqs: int = 256  # sequences decoded at once
+    enable_cuda_graph: bool = True  # capture the decode step in CUDA graphs
     compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     free_memory_on_sleep: bool = True  # false: KV cache, weights and CUDA graphs stay resident while training
@@ -160,13 +176,17 @@ class RolloutRoleConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
-    task: str = "add:1"  # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty
-    task_size: int = 4096
-    prompt_key: str = "prompt"
-    answer_key: str = "reward_model.ground_truth"
-    max_prompt_length: int = 64
+    val_files: list[str] = field(default_factory=list)  # JSONL / Parquet validation prompts; empty: no validation
+    # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty;
+    # none: data.train_files is required
+    task: str = "add:1"
+    task_size: int = 4096  # rows of the synthetic task
+    prompt_key: str = "prompt"  # column of the prompt (text or chat messages); dotted for nested
+    answer_key: str | None = None  # ground-truth column (dotted); None: reward_model.ground_truth, ground_truth, answer
+    sft_answer_key: str | None = None  # column the SFT warm-up trains on; None: the ground truth
+    max_prompt_length: int = 64  # prompts with more tokens are dropped (counted in the log)
     batch_size: int = 16  # prompts per step
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle prompts every epoch
 
 
 @dataclass
@@ -190,15 +210,15 @@ class OverlongBufferConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "ppo"  # ppo | grpo | rloo | reinforce_pp
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
     norm_adv_by_std: bool = True  # grpo only; false: Dr. GRPO's mean-only baseline
     use_kl_penalty: bool = True  # KL to the reference folded into the token rewards
     kl_penalty: str = "k1"  # k1 | k2 | k3 | low_var_kl
     kl_ctrl: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.01
-    target_kl: float = 0.1
-    kl_horizon: int = 10000
+    kl_coef: float = 0.01  # KL penalty coefficient (initial one when adaptive)
+    target_kl: float = 0.1  # adaptive controller's target KL
+    kl_horizon: int = 10000  # adaptive controller's horizon (samples)
     # engine vs trainer log-prob mismatch: auto (tis on-policy; none with trainer.async_rollout, whose
     # ratio already divides by the engine's log-probs) | none (metrics only) | tis | seq_mask | tis+seq_mask
     rollout_correction: str = "auto"
@@ -211,7 +231,7 @@ class AlgorithmConfig:
 
 @dataclass
 class PoolConfig:
-    roles: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)  # roles placed on this pool's ranks
     size: int = 1  # a weight: pools get world_size * size / sum(sizes) ranks
 
 
@@ -224,35 +244,35 @@ class PlacementConfig:
 
 @dataclass
 class MonitorConfig:
-    enabled: bool = True
-    interval_s: float = 0.5
+    enabled: bool = True  # sample GPU utilization and memory through NVML into util.jsonl
+    interval_s: float = 0.5  # seconds between samples
 
 
 @dataclass
 class ControllerConfig:
-    enabled: bool = False
-    low_util: float = 0.60
-    high_mem: float = 0.85
-    grow: float = 1.2
-    shrink: float = 0.5
-    hysteresis_steps: int = 2
-    max_oom_retries: int = 3
+    enabled: bool = False  # resize micro-batch and rollout token budgets from GPU feedback at step boundaries
+    low_util: float = 0.60  # grow the budgets when utilization is below this
+    high_mem: float = 0.85  # shrink them when memory use is above this fraction
+    grow: float = 1.2  # growth factor
+    shrink: float = 0.5  # shrink factor
+    hysteresis_steps: int = 2  # steps a condition must hold before acting
+    max_oom_retries: int = 3  # CUDA OOM: halve the budget and retry a stage at most this often
 
 
 @dataclass
 class Config:
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # run, loop, logging, checkpoints
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the policy model and tokenizer
+    actor: ActorConfig = field(default_factory=ActorConfig)  # policy training
+    critic: CriticConfig = field(default_factory=CriticConfig)  # value model (PPO)
+    ref: RefConfig = field(default_factory=RefConfig)  # frozen reference policy (KL)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward function or reward model
+    rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)  # generation
+    data: DataConfig = field(default_factory=DataConfig)  # prompts
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and KL
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # which ranks host which roles
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # GPU monitor
+    controller: ControllerConfig = field(default_factory=ControllerConfig)  # batch-size controller
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -268,6 +288,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "placement.mode": ("colocated", "split", "auto"),
     "reward.type": ("rule", "model"),
+    "reward.signature": ("auto", "hybridrl", "verl"),
     "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.policy_loss": ("vanilla", "gspo"),
     "algorithm.rollout_correction": ("auto", "none", "tis", "seq_mask", "tis+seq_mask"),
@@ -329,6 +350,44 @@ def _explain(err: Exception, source: str) -> UserError:
     return UserError(f"{source}: {err}")
 
 
+def _list_fields(cls: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: element type} of every list-typed field of the schema (list[str], list[float], ...)."""
+    out: dict[str, Any] = {}
+    for name, t in typing.get_type_hints(cls).items():
+        if typing.get_origin(t) is list:
+            out[prefix + name] = typing.get_args(t)[0]
+        elif dataclasses.is_dataclass(t):
+            out.update(_list_fields(t, f"{prefix}{name}."))
+    return out
+
+
+def _coerce_lists(node: Any, source: str) -> Any:
+    """A single value given for a list of strings becomes a one-element list (`data.train_files=a.jsonl`
+    means [a.jsonl]); for other lists a single value is an error that says what to write."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        return node
+    tree = OmegaConf.to_container(node, resolve=False)
+    changed = False
+    for key, elem in _list_fields(Config).items():
+        cur: Any = tree
+        parts = key.split(".")
+        for p in parts[:-1]:
+            cur = cur.get(p) if isinstance(cur, dict) else None
+        if not isinstance(cur, dict) or parts[-1] not in cur:
+            continue
+        value = cur[parts[-1]]
+        if value is None or isinstance(value, list | tuple | dict):
+            continue
+        if elem is str:
+            cur[parts[-1]], changed = [value], True
+        else:
+            example = {float: "[0.9,0.95]", int: "[1,2]"}.get(elem, "[...]")
+            raise UserError(f"{source}: '{key}' is a list; write {key}={example} (got {value!r})")
+    return OmegaConf.create(tree) if changed else node
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
     """YAML file -> list of (source, DictConfig) in merge order, bases first."""
     from omegaconf import OmegaConf
@@ -373,6 +432,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
                             f"(flow mappings need a space after ':', e.g. {{roles: [actor], size: 1}}): "
                             f"{str(e).splitlines()[0]}") from None
     for source, node in sources:
+        node = _coerce_lists(node, source)
         try:
             cfg = OmegaConf.merge(cfg, node)
         except OmegaConfBaseException as e:
@@ -417,6 +477,12 @@ def validate_config(cfg: Config) -> None:
         (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
         (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
+        (t.total_epochs >= 0, f"trainer.total_epochs({t.total_epochs}) must be >= 0 (0: use trainer.total_steps)"),
+        (t.test_freq >= 0, f"trainer.test_freq({t.test_freq}) must be >= 0 (0: validate after the last step only)"),
+        (t.log_samples_every >= 0, f"trainer.log_samples_every({t.log_samples_every}) must be >= 0 (0: off)"),
+        (t.log_samples_count >= 1, f"trainer.log_samples_count({t.log_samples_count}) must be >= 1"),
+        (r.val_n >= 1, f"rollout.val_n({r.val_n}) must be >= 1"),
+        (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
         (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
         (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
         (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
@@ -439,6 +505,31 @@ def validate_config(cfg: Config) -> None:
         if not ok:
             raise UserError(msg)
     _validate_roles_keys(cfg)
+    d = cfg.data
+    # recipes for real models and data say preset/task "none": forgetting the path is an error, not a toy run
+    if cfg.model.path is None and cfg.model.preset == "none":
+        raise UserError("model.path is required (model.preset=none: no random initialisation); "
+                        "set model.path=<Hugging Face model directory>")
+    if not d.train_files and d.task == "none":
+        raise UserError("data.train_files is required (data.task=none: no synthetic task); "
+                        "set data.train_files=train.parquet (or [a.parquet,b.parquet])")
+    # validation and sample-log keys act only with their switch: set without it, they are refused
+    unused = [(key, value) for key, value, default, active in (
+        ("trainer.test_freq", t.test_freq, 0, d.val_files), ("rollout.val_n", r.val_n, 1, d.val_files),
+        ("rollout.val_temperature", r.val_temperature, 0.0, d.val_files),
+        ("reward.pass_threshold", cfg.reward.pass_threshold, 1.0, d.val_files),
+        ("trainer.log_samples_count", t.log_samples_count, 4, t.log_samples_every)) if value != default and not active]
+    for key, value in unused:
+        switch = "trainer.log_samples_every" if key == "trainer.log_samples_count" else "data.val_files"
+        example = "10" if switch == "trainer.log_samples_every" else "[val.parquet]"
+        raise UserError(f"{key}={value} acts only with {switch}, which is not set; set {switch}={example} "
+                        f"or remove {key}")
+    if r.val_n > 1 and r.val_temperature == 0:
+        raise UserError(f"rollout.val_n={r.val_n} with rollout.val_temperature=0 (greedy) draws {r.val_n} identical "
+                        f"samples; set rollout.val_temperature=1.0 (for pass@{r.val_n}) or rollout.val_n=1")
+    if d.sft_answer_key and not (t.sft_warmup_steps and d.train_files):
+        raise UserError(f"data.sft_answer_key={d.sft_answer_key!r} is read by the SFT warm-up on data.train_files "
+                        f"only; set trainer.sft_warmup_steps>0 and data.train_files, or remove data.sft_answer_key")
     if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
         raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
                         f"set rollout.n >= 2 (got {r.n})")
@@ -457,7 +548,8 @@ def validate_config(cfg: Config) -> None:
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors")
+        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors "
+                        f"(set model.path=<Hugging Face model directory>)")
     if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
@@ -626,3 +718,11 @@ def uses_critic(cfg: Config) -> bool:
 def uses_ref(cfg: Config) -> bool:
     a = cfg.algorithm
     return cfg.ref.enabled and ((a.use_kl_penalty and a.kl_coef > 0) or cfg.actor.use_kl_loss)
+
+
+if __name__ == "__main__":  # python -m launcher.config [section]: every key, its type, default and meaning
+    import sys
+
+    from launcher.config_doc import main
+
+    sys.exit(main())

@@ -1,8 +1,12 @@
 """Export one model role of a checkpoint as a Hugging Face directory.
 
     python -m launcher.export runs/<name>/checkpoints/step_N <out_dir> [--role actor|critic] [--dtype bf16]
-                              [--tokenizer <base model dir>]
+                              [--tokenizer <dir> | --no-tokenizer]
     python -m launcher.export runs/<name> <out_dir>          # the newest complete checkpoint of the run
+
+The tokenizer files are copied in by default from the tokenizer the run trained with (its
+config.yaml: model.tokenizer, or model.path's tokenizer); a run on the built-in character
+tokenizer has none to copy, which export says, with the flag that supplies one.
 
 Checkpoints already store each role as an HF directory (config.json + safetensors, see
 ppo/checkpoint.py), so export is a verified copy: the checkpoint must be complete (manifest
@@ -107,17 +111,42 @@ def tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> list[Path]:
     return files
 
 
+def run_tokenizer_dir(ckpt: Path) -> tuple[str | None, str]:
+    """(the tokenizer directory the checkpoint's run trained with, or None; why) from the run's config.yaml."""
+    from omegaconf import OmegaConf
+
+    from ppo.tokenizer import resolve_tokenizer
+
+    cfg_file = ckpt.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        return None, f"no {cfg_file} to tell which tokenizer the run used"
+    model = OmegaConf.to_container(OmegaConf.load(cfg_file)).get("model", {})
+    spec = resolve_tokenizer(model.get("tokenizer", "auto"), model.get("path"))
+    if spec.startswith("builtin:"):
+        return None, f"the run used the built-in tokenizer {spec!r}, which has no Hugging Face files"
+    if not Path(spec).is_dir():
+        return None, f"the run's tokenizer directory {spec} no longer exists"
+    return spec, f"the run's tokenizer ({spec})"
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
     role: str = "actor",
     dtype: torch.dtype | None = None,
-    tokenizer_dir: str | os.PathLike | None = None,
+    tokenizer_dir: str | os.PathLike | None = "auto",
 ) -> Path:
     """Write `role` of a checkpoint (or of a run's newest checkpoint) to `out_dir` as an HF directory,
-    with the tokenizer files of `tokenizer_dir` copied in when given."""
+    with the tokenizer files of `tokenizer_dir` copied in: "auto" (the run's own tokenizer, when it
+    has files), a directory, or None (no tokenizer)."""
     ckpt = resolve_checkpoint(checkpoint)
+    note = None
+    if tokenizer_dir == "auto":
+        tokenizer_dir, why = run_tokenizer_dir(ckpt) if role == "actor" else (None, "")
+        if tokenizer_dir is None and role == "actor":
+            note = (f"note: no tokenizer written: {why}; pass --tokenizer <dir with tokenizer.json> to add one "
+                    f"(--no-tokenizer silences this)")
     manifest = read_manifest(ckpt)
     if role not in manifest["roles"]:
         with_role = [c.name for c in list_checkpoints(ckpt.parent.parent) if role in read_manifest(c)["roles"]]
@@ -149,7 +178,10 @@ def export_checkpoint(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     validate_hf_dir(out)
-    print(f"exported {role} of {ckpt} (step {manifest['step']}, {n_tensors} tensors, {suffix}) to {out}")
+    with_tok = f", tokenizer from {tokenizer_dir}" if extra else ""
+    print(f"exported {role} of {ckpt} (step {manifest['step']}, {n_tensors} tensors, {suffix}{with_tok}) to {out}")
+    if note:
+        print(note)
     return out
 
 
@@ -159,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--role", default="actor", help="model role to export (actor, critic, ...)")
     ap.add_argument("--dtype", default="keep", choices=sorted(DTYPES), help="re-encode floating weights")
-    ap.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied in")
+    tok = ap.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="auto",
+                     help="directory whose tokenizer files are copied in (default: the run's own tokenizer)")
+    tok.add_argument("--no-tokenizer", dest="tokenizer", action="store_const", const=None,
+                     help="write the weights and config only")
     args = ap.parse_args(argv)
     try:
         export_checkpoint(args.checkpoint, args.out_dir, role=args.role, dtype=DTYPES[args.dtype],

@@ -5,6 +5,10 @@
     torchrun --nproc_per_node 8 launcher/main.py conf/ppo_7b.yaml model.path=/data/Llama-2-7b-hf
     sbatch launcher/slurm/ppo.sbatch conf/ppo_7b.yaml trainer.total_steps=500
 
+Every config key, with its type, default and meaning: `python -m launcher.config [section]`
+(e.g. `python -m launcher.config data`). Override any of them as `key=value` after the YAML file;
+lists as `data.train_files=[a.parquet,b.parquet]` (a single value means a one-element list).
+
 Order of events: load and validate the config and the device plan on every rank (no
 process group yet, so a bad config exits with code 2 at once); init the process group;
 rank 0's plan is broadcast and every rank builds every role's groups; rank 0 creates the

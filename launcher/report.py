@@ -7,8 +7,11 @@ Reads `metrics.jsonl` (one JSON object per step, DESIGN.md "Contracts") and `uti
   utilization.png  SM utilization and memory per GPU over time, stage bands shaded; mean
                    utilization and time share of every stage
   stages.png       stacked time per stage for every step (timing_s/<stage>), step total as dots
-  throughput.png   perf/samples_per_s, perf/tokens_per_s (and MFU, GPU util when logged) over steps
+  throughput.png   perf/samples_per_s, perf/tokens_per_s (and MFU, GPU util when logged) over steps;
+                   the actor MFU panel is left out of runs without a GPU (a FLOP rate against the
+                   H200's peak means nothing there), with a note in the figure
   reward.png       reward/mean over steps (with a moving average)
+  validation.png   val/reward/mean and val/pass@k over steps, overall and per data source
 A missing input file or metric skips that plot with a message; a run dir that does not exist
 exits with code 2.
 """
@@ -198,13 +201,23 @@ def plot_stages(metrics: list[dict[str, Any]], out: Path) -> bool:
     return True
 
 
+def ran_on_gpu(metrics: list[dict[str, Any]]) -> bool:
+    """The trainer records mem/peak_gb (torch's CUDA peak) every step on a GPU, never on a CPU."""
+    return any("mem/peak_gb" in r for r in metrics)
+
+
 def plot_throughput(metrics: list[dict[str, Any]], out: Path) -> bool:
+    gpu = ran_on_gpu(metrics)
     panels = [(k, lbl) for k, lbl in (("perf/samples_per_s", "samples / s"), ("perf/tokens_per_s", "tokens / s"),
                                       ("perf/mfu/actor", "actor MFU"), ("gpu/util_mean", "GPU util (step mean)"))
-              if _series(metrics, k)[0]]
+              if _series(metrics, k)[0] and (gpu or k != "perf/mfu/actor")]
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.8 * len(panels)), sharex=True, squeeze=False)
+    if not gpu and _series(metrics, "perf/mfu/actor")[0]:
+        note = "actor MFU not shown: this run had no GPU (MFU is counted against the H200's bf16 peak)"
+        fig.text(0.01, 0.005, note, fontsize=8, color="0.35")
+        print(f"{out.name}: {note}")
     for ax, (key, label) in zip(axes[:, 0], panels):
         xs, ys = _series(metrics, key)
         ax.plot(xs, ys, marker="o", ms=3, lw=1.2)
@@ -242,6 +255,36 @@ def plot_reward(metrics: list[dict[str, Any]], out: Path, *, window: int = 10) -
     return True
 
 
+def plot_validation(metrics: list[dict[str, Any]], out: Path) -> bool:
+    """One panel for val/reward/mean, one for each pass@k: the overall curve bold, each data source thin."""
+    def wanted(k: str) -> bool:  # not val/reward/<extra key>/mean nor val/response_length/mean
+        return k.startswith("val/") and (k.endswith("/reward/mean") or k.rsplit("/", 1)[-1].startswith("pass@")) \
+            and (k == "val/reward/mean" or not k.startswith("val/reward/"))
+
+    keys = sorted({k for r in metrics for k in r if wanted(k)})
+    stats = sorted({k.rsplit("/", 1)[-1] if "pass@" in k else "reward/mean" for k in keys},
+                   key=lambda s: (s != "reward/mean", len(s), s))
+    if not stats:
+        return False
+    fig, axes = plt.subplots(len(stats), 1, figsize=(10, 3.2 * len(stats)), sharex=True, squeeze=False)
+    for ax, stat in zip(axes[:, 0], stats):
+        for key in [k for k in keys if k.endswith("/" + stat)]:
+            xs, ys = _series(metrics, key)
+            overall = key == f"val/{stat}"
+            label = "all" if overall else key[len("val/"):-len(stat) - 1]
+            ax.plot(xs, ys, marker="o", ms=3, lw=2.2 if overall else 1.0, label=f"{label} (last {ys[-1]:.3f})")
+        ax.set_ylabel(f"val {stat}")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title("validation (data.val_files) per data source")
+    axes[-1, 0].set_xlabel("step (0: before training)")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def render_report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[Path]:
     """Write every PNG whose inputs exist; returns the written paths (skips are printed)."""
     run = Path(run_dir)
@@ -262,7 +305,8 @@ def render_report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> 
         return written
     for name, fn, need in (("stages.png", plot_stages, "timing_s/<stage>"),
                            ("throughput.png", plot_throughput, "perf/samples_per_s or perf/tokens_per_s"),
-                           ("reward.png", plot_reward, "reward/mean")):
+                           ("reward.png", plot_reward, "reward/mean"),
+                           ("validation.png", plot_validation, "val/reward/mean (set data.val_files)")):
         if fn(metrics, out / name):
             written.append(out / name)
         else:

@@ -9,8 +9,9 @@
 
 Row format (verl's): `prompt` is a string or chat messages [{"role", "content"}, ...] (rendered
 with the tokenizer's chat template when it has one); the ground truth is found at
-`reward_model.ground_truth`, else `ground_truth`, else `answer` (or the dotted key you name);
-`data_source` and `extra_info` are carried to the reward function.
+`reward_model.ground_truth`, else `ground_truth`, else `answer`, or at the dotted key you name
+(`data.answer_key`; a key that names no column is an error listing the columns). `data_source`,
+`extra_info` and the row's other columns are carried to the reward function.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PromptRecord:
     ground_truth: Any
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other top-level columns (for rewards)
 
 
 def _get(row: dict[str, Any], dotted: str) -> Any:
@@ -54,6 +56,17 @@ def _get(row: dict[str, Any], dotted: str) -> Any:
             raise KeyError(dotted)
         cur = cur[part]
     return cur
+
+
+def column_names(row: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every dotted key of a row, nested ones included: ['data_source', 'reward_model',
+    'reward_model.ground_truth', ...] (what a `data.*_key` may name)."""
+    out = []
+    for k, v in row.items():
+        out.append(prefix + str(k))
+        if isinstance(v, dict):
+            out += column_names(v, prefix + str(k) + ".")
+    return out
 
 
 def _read_rows(path: str) -> list[dict[str, Any]]:
@@ -112,27 +125,33 @@ class PromptDataset:
         return [self.records[i] for i in indices]
 
     def row(self, i: int) -> dict[str, Any]:
-        """Record i as a plain dict (prompt_ids, ground_truth, data_source, extra_info), e.g. to broadcast."""
+        """Record i as a plain dict (prompt_ids, ground_truth, data_source, extra_info, columns), e.g. to
+        broadcast."""
         r = self.records[i]
         return {"prompt_ids": r.prompt_ids, "ground_truth": r.ground_truth, "data_source": r.data_source,
-                "extra_info": r.extra_info}
+                "extra_info": r.extra_info, "columns": r.columns}
+
+    @property
+    def columns(self) -> list[str]:
+        """Top-level column names of the rows (what a reward function's parameters may name)."""
+        return sorted({k for r in self.records for k in r.columns} | {"data_source", "extra_info"})
 
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, Any]], *, tokenizer: Any, max_prompt_length: int | None = None,
                   prompt_key: str = "prompt", answer_key: str | None = None,
                   data_source_key: str = "data_source", extra_info_key: str = "extra_info",
                   source: str = "<rows>", logger: logging.Logger | None = None) -> PromptDataset:
-        """Rows (dicts) -> dataset. The ground truth is looked up at answer_key (a dotted path), then at
-        GROUND_TRUTH_KEYS in order."""
+        """Rows (dicts) -> dataset. The ground truth is at answer_key (a dotted path) when given,
+        else at the first of GROUND_TRUTH_KEYS that the row has."""
         logger = logger or _log
-        gt_keys = tuple(dict.fromkeys(((answer_key,) if answer_key else ()) + GROUND_TRUTH_KEYS))
+        gt_keys = (answer_key,) if answer_key else GROUND_TRUTH_KEYS
         parsed = []  # (row number, prompt, rendered text, ground truth, row)
         for n, row in enumerate(rows):
             try:
                 prompt = _get(row, prompt_key)
             except KeyError:
-                raise DataError(f"{source} row {n}: no prompt column {prompt_key!r} (columns: {sorted(row)}); "
-                                "set data.prompt_key") from None
+                raise DataError(f"{source} row {n}: data.prompt_key={prompt_key!r} names no column; columns: "
+                                f"{column_names(row)}") from None
             gt = _MISSING
             for k in gt_keys:
                 try:
@@ -140,9 +159,12 @@ class PromptDataset:
                     break
                 except KeyError:
                     continue
+            if gt is _MISSING and answer_key:
+                raise DataError(f"{source} row {n}: data.answer_key={answer_key!r} names no column; columns: "
+                                f"{column_names(row)}")
             if gt is _MISSING:
                 raise DataError(f"{source} row {n}: no ground truth at {' / '.join(gt_keys)} "
-                                f"(columns: {sorted(row)}); set data.answer_key")
+                                f"(columns: {column_names(row)}); set data.answer_key to the column that holds it")
             try:
                 text = render_prompt(prompt, tokenizer)
             except DataError as e:
@@ -163,9 +185,10 @@ class PromptDataset:
                 continue
             ds = row.get(data_source_key)
             extra = row.get(extra_info_key)
+            columns = {k: v for k, v in row.items() if k not in (prompt_key, data_source_key, extra_info_key)}
             records.append(PromptRecord(index=n, prompt_ids=ids, prompt_text=text, ground_truth=gt,
                                         data_source="" if ds is None else str(ds),
-                                        extra_info=extra if isinstance(extra, dict) else {}))
+                                        extra_info=extra if isinstance(extra, dict) else {}, columns=columns))
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens (longest %d)",
                            source, dropped, len(rows), max_prompt_length, longest)
@@ -196,6 +219,46 @@ class PromptDataset:
         return cls.from_rows(rows, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
                              source=f"task:{t.name}")
 
+
+
+# ---------------------------------------------------------------- supervised warm-up on the data
+
+
+def _answer_text(record: PromptRecord, answer_key: str | None) -> tuple[Any, str]:
+    """(the SFT target of a record, where it came from): the ground truth, or the dotted column key."""
+    if not answer_key:
+        return record.ground_truth, "the ground truth"
+    row = {**record.columns, "data_source": record.data_source, "extra_info": record.extra_info}
+    try:
+        return _get(row, answer_key), f"data.sft_answer_key={answer_key!r}"
+    except KeyError:
+        raise DataError(f"row {record.index}: data.sft_answer_key={answer_key!r} names no column; columns: "
+                        f"{column_names(row)}") from None
+
+
+def check_sft_answers(dataset: PromptDataset, *, answer_key: str | None = None) -> None:
+    """The SFT warm-up needs answer text in every row: a string or a number, not empty. Raises a
+    DataError naming the first row without one and the way out."""
+    for r in dataset.records:
+        value, where = _answer_text(r, answer_key)
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or str(value).strip() == "":
+            shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+            raise DataError(f"trainer.sft_warmup_steps trains on the answers of data.train_files, but row {r.index} "
+                            f"of {dataset.source} has no answer text at {where} ({type(value).__name__} {shown}); "
+                            f"set data.sft_answer_key to a column holding answer text, or trainer.sft_warmup_steps=0")
+
+
+def sft_pairs(dataset: PromptDataset, n: int, *, seed: int, tokenizer: Any,
+              answer_key: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """n supervised pairs (prompt ids, answer ids + eos) drawn from the dataset with a seeded generator
+    (rows repeat only when n exceeds the dataset). The loss goes on the answer ids only."""
+    if tokenizer.eos_token_id is None:
+        raise DataError("the SFT warm-up needs a tokenizer with an eos token (the model must learn to stop)")
+    g = torch.Generator().manual_seed(seed % 2**63)
+    order = torch.randperm(len(dataset), generator=g).tolist()
+    picks = [dataset.records[order[i % len(order)]] for i in range(n)]
+    return [(list(r.prompt_ids), tokenizer.encode(str(_answer_text(r, answer_key)[0])) + [tokenizer.eos_token_id])
+            for r in picks]
 
 
 class PromptSampler:

@@ -27,6 +27,7 @@ class Sample:
     behaviour_logprobs: list[float]
     finish_reason: str
     ground_truth: str | None = None
+    info: dict | None = None  # the prompt's data_source, extra_info and other data columns (for rewards)
 
     @property
     def length(self) -> int:

@@ -16,6 +16,13 @@ from ppo.settings import GenerationSettings
 from rollout.base import SamplingParams
 
 
+def sample_info(row: dict) -> dict:
+    """What a sample carries from its data row to the reward function: data_source, extra_info and
+    the row's other columns."""
+    return {**row.get("columns", {}), "data_source": row.get("data_source", ""),
+            "extra_info": row.get("extra_info", {})}
+
+
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
     """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
     h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
@@ -79,13 +86,17 @@ class RolloutRole:
         per = -(-len(batch) // self.gen_dp)
         return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
 
-    def generate(self, batch: list[dict], *, step: int, seed: int) -> Generation:
+    def generate(self, batch: list[dict], *, step: int, seed: int, n: int | None = None,
+                 temperature: float | None = None) -> Generation:
         """This replica's share of `batch`, n samples per prompt (collective over the actor ranks);
-        only gen-TP rank 0 reports samples, every rank reports its timings and metrics."""
+        only gen-TP rank 0 reports samples, every rank reports its timings and metrics. n /
+        temperature override rollout.n / rollout.temperature (validation: rollout.val_n, val_temperature)."""
         r = self.settings
+        n = r.n if n is None else n
+        temperature = r.temperature if temperature is None else temperature
         rows = self.my_prompts(batch)
-        sampling = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                   max_tokens=r.max_response_length, n=r.n,
+        sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
+                                   max_tokens=r.max_response_length, n=n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
         completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
         hybrid = self.hybrid.metrics()
@@ -97,10 +108,10 @@ class RolloutRole:
             row = rows[c.prompt_index]
             if c.finish_reason == "error":
                 raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
-            out.samples.append(Sample(uid=row["index"] * r.n + c.sample_index, prompt_index=row["index"],
+            out.samples.append(Sample(uid=row["index"] * n + c.sample_index, prompt_index=row["index"],
                                       prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
                                       behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-                                      ground_truth=row.get("ground_truth")))
+                                      ground_truth=row.get("ground_truth"), info=sample_info(row)))
         return out
 
     def set_token_budget(self, tokens: int) -> None:

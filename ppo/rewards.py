@@ -3,7 +3,13 @@
     fn = load_reward_function("my_rewards.py:score")      # fn(response, ground_truth, **extra) -> float
     manager = RewardManager(fn, default_score=0.0, logger=log)
     result = manager.score([RewardSample("s0", prompt, response, "42")])
-    result.scores, result.num_failed
+    result.scores, result.num_failed, result.extras          # extras: a dict result's other numeric keys
+
+Two calling conventions, told apart by the function's parameter names (or `reward.signature`):
+hybridrl's `fn(response, ground_truth, **extra)` and verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)`, called by keyword as verl
+calls it. Either may also name data columns as parameters (`difficulty=None`): they are passed
+from the sample's data row (`plan_reward_call` checks them against the data's columns).
 
 Built-ins: `math_answer_reward` (GSM8K `#### 42` / `\\boxed{42}` answers), `format_reward`
 (regex), `length_penalty` (DAPO's soft over-long punishment).
@@ -13,9 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import logging
-import math
 import os
 import re
 import signal
@@ -26,11 +30,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from ppo.reward_calls import RewardFunctionError, call_reward, plan_reward_call
+
 _log = logging.getLogger(__name__)
-
-
-class RewardFunctionError(ValueError):
-    """A user reward function that cannot be loaded; the launcher exits with code 2 on it."""
 
 
 # ---------------------------------------------------------------- answer extraction
@@ -207,7 +209,7 @@ class RewardSample:
     prompt: str
     response: str
     ground_truth: Any
-    extra: dict[str, Any] = field(default_factory=dict)  # data_source, extra_info, response_length, ...
+    extra: dict[str, Any] = field(default_factory=dict)  # data_source, extra_info, the row's columns, ...
 
 
 @dataclass(slots=True)
@@ -215,6 +217,7 @@ class RewardResult:
     scores: list[float]
     num_failed: int
     failures: dict[Any, str]  # sample_id -> "ExcType: message" for this batch
+    extras: list[dict[str, float]] = field(default_factory=list)  # per sample: a dict result's numeric keys
 
 
 class RewardTimeout(TimeoutError):
@@ -231,20 +234,22 @@ class RewardFailureError(RuntimeError):
 
 
 class RewardManager:
-    """Scores batches with `fn(response, ground_truth, **extra)`; a sample whose call raises (or
-    returns a non-number / NaN, or runs past timeout_s) gets `default_score` and is counted as
-    failed (the trainer reports `reward/failed` and stops past reward.stop_failed_fraction).
-    Every distinct error (exception type and the line that raised it) is logged once, with the
-    sample that hit it first; `errors` keeps {error: example} for the stop message.
+    """Scores batches with a user function; a sample whose call raises (or returns a non-number /
+    NaN, or runs past timeout_s) gets `default_score` and is counted as failed (the trainer reports
+    `reward/failed` and stops past reward.stop_failed_fraction). Every distinct error (exception
+    type and the line that raised it) is logged once, with the sample that hit it first; `errors`
+    keeps {error: example} for the stop message.
 
-    fn may return a float or a dict with a "score" key (verl style). Only the extras fn accepts
-    are passed (prompt, sample_id and the sample's extra dict), so plain fn(response, gt) works.
-    timeout_s bounds each call (SIGALRM; main thread on Unix only) so a hanging rule costs one
-    sample, not the run.
+    fn follows hybridrl's `fn(response, ground_truth, **extra)` or verl's `compute_score(data_source,
+    solution_str, ground_truth, extra_info)` (`signature`: auto | hybridrl | verl). It may return a
+    float or a dict with a "score" key (verl style); the dict's other numeric keys come back in
+    `RewardResult.extras`. Only the keywords fn accepts are passed, so plain fn(response, gt)
+    works. timeout_s bounds each call (SIGALRM; main thread on Unix only) so a hanging rule costs
+    one sample, not the run.
     """
 
     def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
-                 logger: logging.Logger | None = None, timeout_s: float | None = None):
+                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto"):
         self.fn = fn
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
@@ -252,9 +257,9 @@ class RewardManager:
         self.total_failed = 0
         self.total_scored = 0
         self.errors: dict[tuple[str, str], str] = {}  # (type, raising line) -> first message with its sample
-        self._accepts = _accepted_kwargs(fn)
+        self.call = plan_reward_call(fn, signature=signature)
 
-    def _call_bounded(self, s: RewardSample) -> float:
+    def _call_bounded(self, s: RewardSample) -> tuple[float, dict[str, float]]:
         if not self.timeout_s or threading.current_thread() is not threading.main_thread() \
                 or not hasattr(signal, "setitimer"):
             return self._call(s)
@@ -270,22 +275,13 @@ class RewardManager:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
-    def _call(self, s: RewardSample) -> float:
-        extra = {"prompt": s.prompt, "sample_id": s.sample_id, **s.extra}
-        if self._accepts is not None:
-            extra = {k: v for k, v in extra.items() if k in self._accepts}
-        out = self.fn(s.response, s.ground_truth, **extra)
-        if isinstance(out, dict):
-            if "score" not in out:
-                raise TypeError(f"reward dict has no 'score' key (keys: {sorted(out)})")
-            out = out["score"]
-        value = float(out)  # bools and numpy scalars are fine; strings / None raise here
-        if not math.isfinite(value):
-            raise ValueError(f"reward is {value}")
-        return value
+    def _call(self, s: RewardSample) -> tuple[float, dict[str, float]]:
+        return call_reward(self.call, self.fn, s.response, s.ground_truth, prompt=s.prompt,
+                           sample_id=s.sample_id, extra=s.extra)
 
     def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
         scores: list[float] = []
+        extras: list[dict[str, float]] = []
         failures: dict[Any, str] = {}
         timeouts_in_a_row = 0
         for s in samples:
@@ -297,16 +293,19 @@ class RewardManager:
                                          f"in a row in this batch")
                 continue
             try:
-                scores.append(self._call_bounded(s))
+                value, extra = self._call_bounded(s)
+                scores.append(value)
+                extras.append(extra)
                 timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
                 timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
                 scores.append(self.default_score)
+                extras.append({})
                 failures[s.sample_id] = f"{type(e).__name__}: {e}"
                 self._log_if_new(e, s)
         self.total_failed += len(failures)
         self.total_scored += len(scores)
-        return RewardResult(scores=scores, num_failed=len(failures), failures=failures)
+        return RewardResult(scores=scores, num_failed=len(failures), failures=failures, extras=extras)
 
     def _log_if_new(self, e: Exception, s: RewardSample) -> None:
         tb = traceback.extract_tb(e.__traceback__)
@@ -323,14 +322,3 @@ class RewardManager:
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""
         return self.score(samples).scores
-
-
-def _accepted_kwargs(fn: Callable[..., Any]) -> set[str] | None:
-    """Keyword names fn takes beyond its first two, or None if it takes **kwargs (pass all)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -14,6 +14,7 @@ from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
 from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
+from ppo.rewards import RewardSample
 from ppo.settings import PPOSettings, RolesSettings
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
@@ -49,12 +50,19 @@ class RuleReward:
         self.rank_in_group, self.group_size = rank_in_group, group_size
 
     def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
-        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}}."""
+        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}} plus
+        {"reward/<key>": {uid: value}} for each numeric extra key a dict result carried (a sample without
+        that key contributes nothing to its mean)."""
         mine = exp.samples[self.rank_in_group::self.group_size]
-        items = [(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth) for s in mine]
+        items = [RewardSample(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth,
+                              {**(s.info or {}), "response_length": len(s.response_ids)}) for s in mine]
         res = self.manager.score(items)
-        return {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
-                "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
+        out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
+               "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
+        for s, extra in zip(mine, res.extras):
+            for k, v in extra.items():
+                out.setdefault(f"reward/{k}", {})[s.uid] = torch.tensor(v)
+        return out
 
     def _text(self, s: Sample) -> str:
         ids = s.response_ids
@@ -251,7 +259,7 @@ def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: 
             fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
                                       else f"builtin:task:{cfg.data.task}")
             manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
-                                    timeout_s=cfg.reward.timeout_s or None)
+                                    timeout_s=cfg.reward.timeout_s or None, signature=cfg.reward.signature)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))

@@ -17,10 +17,11 @@ from ppo import core_algos as algos
 
 class TrainState:
     def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl,
-                 layout: dict | None = None):
+                 layout: dict | None = None, val_dataset=None):
         """layout: the device plan's layout (ppo.resume.layout_of), saved in checkpoints and checked on resume."""
         self.cfg, self.run_dir, self.rank, self.layout = cfg, run_dir, rank, layout
         self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
+        self.val_dataset = val_dataset  # data.val_files, or None
         self.log = logging.getLogger("hybridrl")
         self._tb = None
         self.resumed_at = 0  # steps after it written by an earlier attempt are superseded (metrics, TensorBoard)
@@ -28,14 +29,24 @@ class TrainState:
 
     @classmethod
     def create(cls, cfg, *, run_dir: Path, rank: int, layout: dict | None = None) -> TrainState:
-        from ppo.data import PromptDataset, PromptSampler
-        from ppo.tokenizer import load_tokenizer
+        from ppo.data import PromptDataset, PromptSampler, check_sft_answers
+        from ppo.tokenizer import load_tokenizer, resolve_tokenizer
 
-        tok = load_tokenizer(cfg.model.tokenizer)
+        tok_spec = resolve_tokenizer(cfg.model.tokenizer, cfg.model.path)
+        tok = load_tokenizer(tok_spec)
+        if rank == 0 and cfg.model.tokenizer == "auto":
+            why = "from model.path" if cfg.model.path and tok_spec == cfg.model.path else (
+                "model.path has no tokenizer.json" if cfg.model.path else "no model.path")
+            logging.getLogger("hybridrl").info("tokenizer: %s (%s; set model.tokenizer to choose another)",
+                                               tok_spec, why)
         d = cfg.data
+        keys = dict(tokenizer=tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                    max_prompt_length=d.max_prompt_length)
+        val_dataset = PromptDataset.from_files(d.val_files, **keys) if d.val_files else None
         if d.train_files:
-            dataset = PromptDataset.from_files(d.train_files, tokenizer=tok, prompt_key=d.prompt_key,
-                                               answer_key=d.answer_key, max_prompt_length=d.max_prompt_length)
+            dataset = PromptDataset.from_files(d.train_files, **keys)
+            if cfg.trainer.sft_warmup_steps:
+                check_sft_answers(dataset, answer_key=d.sft_answer_key)
         else:
             dataset = PromptDataset.from_task(d.task, d.task_size, seed=cfg.trainer.seed, tokenizer=tok,
                                               max_prompt_length=d.max_prompt_length)
@@ -45,11 +56,14 @@ class TrainState:
             raise DataError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
                             f"({d.batch_size})")
         sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        if cfg.reward.type == "rule":
+            check_reward_columns(cfg, [*dataset.columns, *(val_dataset.columns if val_dataset else [])])
+        cfg = with_epoch_steps(cfg, sampler.batches_per_epoch)
         a = cfg.algorithm
         kl_ctrl = (algos.AdaptiveKLController(init_kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon)
                    if a.kl_ctrl == "adaptive" else algos.FixedKLController(kl_coef=a.kl_coef))
         return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl,
-                   layout=layout)
+                   layout=layout, val_dataset=val_dataset)
 
     # ------------------------------------------------------------------ data
     def next_prompts(self) -> list[dict]:
@@ -58,6 +72,13 @@ class TrainState:
         return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
 
     def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
+        """Warm-up batch i: (prompt ids, answer ids + eos) from data.train_files, else the synthetic task."""
+        d = self.cfg.data
+        if d.train_files:
+            from ppo.data import sft_pairs
+
+            return sft_pairs(self.dataset, d.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
+                             tokenizer=self.tokenizer, answer_key=d.sft_answer_key)
         from ppo.tasks import sft_examples
 
         return sft_examples(self.cfg.data.task, self.cfg.data.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
@@ -72,23 +93,29 @@ class TrainState:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(clean) + "\n")
         step = int(m["step"])
-        if self.cfg.trainer.tensorboard:
-            if self._tb is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # purge_step hides the events an earlier attempt wrote for the steps this one re-runs
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.resumed_at + 1)
+        if (tb := self.tensorboard()) is not None:
             for k, v in clean.items():
                 if v is not None and k != "step":
-                    self._tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
         if self.cfg.trainer.wandb:
             self._log_wandb(clean, step)
         if self.cfg.trainer.progress_bar and step % 10 and step != self.cfg.trainer.total_steps:
             return  # the bar shows progress; a metrics line every 10 steps keeps the console readable
         keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
-                "timing_s/step", "perf/samples_per_s")
+                "timing_s/step", "perf/samples_per_s", "val/reward/mean", "val/pass@1")
         self.log.info("step %d: %s", step, " ".join(f"{k}={clean[k]:.4g}" for k in keys
                                                       if clean.get(k) is not None))
+
+    def tensorboard(self):
+        """Rank 0's SummaryWriter on <run dir>/tensorboard (created on first use), or None when off."""
+        if self.rank != 0 or not self.cfg.trainer.tensorboard:
+            return None
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the events an earlier attempt wrote for the steps this one re-runs
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.resumed_at + 1)
+        return self._tb
 
     def _log_wandb(self, m: dict, step: int) -> None:
         try:
@@ -174,6 +201,27 @@ class TrainState:
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
         self.resumed_at = int(shared["step"])
         return self.resumed_at, pending
+
+
+def with_epoch_steps(cfg, batches_per_epoch: int):
+    """cfg with trainer.total_steps = total_epochs x batches per epoch when total_epochs > 0."""
+    t = cfg.trainer
+    if not t.total_epochs:
+        return cfg
+    steps = t.total_epochs * batches_per_epoch
+    logging.getLogger("hybridrl").info("trainer.total_epochs=%d: %d batches per epoch, %d steps",
+                                       t.total_epochs, batches_per_epoch, steps)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, total_steps=steps))
+
+
+def check_reward_columns(cfg, columns: list[str]) -> None:
+    """Load the rule reward function on every rank and check the data columns it names exist, so a
+    bad function or a missing column stops every rank before training (RewardFunctionError)."""
+    from ppo.reward_calls import plan_reward_call
+    from ppo.rewards import load_reward_function
+
+    spec = cfg.reward.function if cfg.reward.function != "builtin:task" else f"builtin:task:{cfg.data.task}"
+    plan_reward_call(load_reward_function(spec), signature=cfg.reward.signature, columns=columns)
 
 
 # ---------------------------------------------------------------------- worker state

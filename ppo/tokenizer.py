@@ -170,6 +170,16 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def resolve_tokenizer(spec: str, model_path: str | None) -> str:
+    """The tokenizer a run uses: `spec` as given, except "auto": model_path when that directory holds
+    tokenizer.json, else builtin:char (a random-initialised model, or weights without a tokenizer)."""
+    if spec != "auto":
+        return spec
+    if model_path and os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        return model_path
+    return "builtin:char"
+
+
 def load_tokenizer(path_or_name: str) -> CharTokenizer | HFTokenizer:
     """"builtin:char" -> CharTokenizer; a local directory with tokenizer.json -> HFTokenizer."""
     if path_or_name == "builtin:char":

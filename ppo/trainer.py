@@ -27,6 +27,7 @@ from ppo.experience import Experience, all_gather_objects, merge_results, share_
 from ppo.generation import Generation
 from ppo.roles import build_roles
 from ppo.rollout_correction import resolve_mode
+from ppo.samples import SampleLog
 from ppo.settings import PPOSettings
 from ppo.state import TrainState
 from ppo.step_plan import old_logp_source
@@ -77,11 +78,17 @@ class PPOTrainer:
         from ppo.resume import layout_of
 
         self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank, layout=layout_of(plan))
+        self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
         self.heartbeat, self.stop_requested = heartbeat, stop_requested
         self.last_save = time.monotonic()
         self.roles = build_roles(cfg, settings=settings, plan=plan, groups=groups, env=env, model_config=model_config,
                                  tokenizer=self.state.tokenizer, run_dir=self.run_dir)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
+        t = cfg.trainer
+        self.sample_log = None  # rank 0 shows a few samples every trainer.log_samples_every steps
+        if self.rank == 0 and t.log_samples_every:
+            self.sample_log = SampleLog(self.run_dir, every=t.log_samples_every, count=t.log_samples_count,
+                                        tokenizer=self.state.tokenizer)
         self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         self.base_budgets = {"actor": cfg.actor.max_tokens_per_micro_batch, "ref": cfg.ref.max_tokens_per_micro_batch,
@@ -184,7 +191,7 @@ class PPOTrainer:
                     exp, roles.critic_plan(exp, b)), "critic"))
         if roles.reward is not None and reward:
             with timer("reward"):
-                results.update(roles.reward.score(exp))  # score (+ reward_failed for rule functions)
+                results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
         return results
 
     def step(self, step: int) -> dict[str, float]:
@@ -238,6 +245,8 @@ class PPOTrainer:
                 critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),
                                          "critic", retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
         timer.times["step"] = time.perf_counter() - t_step
+        if self.sample_log is not None and self.sample_log.due(step):
+            self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
         return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
                                     gen_metrics=gen.metrics, old_logp=old_logp)
 
@@ -294,7 +303,7 @@ class PPOTrainer:
         t = {"mask": mask, "scores": scores}
         if "old_logp" in merged:
             t["old_logp"] = exp.stack(merged["old_logp"])
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = _reward_extra_metrics(merged)  # reward/<key>/mean of dict results
         if old_logp != "behaviour":
             # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
             # how far the trainer's disagree (async: they are the ratio's denominator already)
@@ -457,6 +466,29 @@ class PPOTrainer:
                 "perf/mfu/actor": flops["update_actor"] / actor_s / (n_actor * H200_PEAK_BF16_FLOPS)
                 if actor_s > 0 else 0.0}
 
+    # ------------------------------------------------------------------ validation
+    def validation_due(self, step: int) -> bool:
+        """After step (0-based) `step`: every trainer.test_freq steps and after the last one."""
+        t = self.cfg.trainer
+        return self.state.val_dataset is not None and (
+            step + 1 == t.total_steps or (t.test_freq > 0 and (step + 1) % t.test_freq == 0))
+
+    def validate(self, step: int) -> dict[str, float]:
+        """val/* metrics on rank 0 ({} elsewhere); collective over the world."""
+        from ppo.validation import run_validation
+
+        r = self.cfg.rollout
+        hb = self.heartbeat  # the GPU monitor tags these samples "val"; a stalled rank is reported in it
+        timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
+                           lambda name: hb.set_stage(name, step))
+        with timer("val"):
+            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed,
+                               val_n=r.val_n, temperature=r.val_temperature,
+                               threshold=self.cfg.reward.pass_threshold, rank=self.rank)
+        if m:
+            m["timing_s/val"] = timer.times["val"]
+        return m
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> str | None:
         """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
@@ -466,9 +498,13 @@ class PPOTrainer:
             self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
         elif cfg.trainer.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
+        if self.state.val_dataset is not None and cfg.trainer.val_before_train and start == 0:
+            self.state.log_metrics({"step": 0, **self.validate(0)})
         bar = self.state.progress(start)
         for step in range(start, cfg.trainer.total_steps):
             metrics = self.step(step)
+            if self.validation_due(step):
+                metrics.update(self.validate(step + 1))
             if self.monitor is not None:
                 gpu = self.monitor.step_summary()
                 # NVML's memory includes the allocator's cache: keep it apart from torch's mem/peak_gb
@@ -511,6 +547,12 @@ class PPOTrainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
         return stop, bool(flags[1] > 0)
+
+
+def _reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, float]:
+    """`reward/<key>/mean` for each extra numeric key of the reward function's dict results."""
+    return {f"{k}/mean": float(torch.stack(list(v.values())).float().mean())
+            for k, v in merged.items() if k.startswith("reward/") and v}
 
 
 def host_memory_gb() -> dict[str, float]:

@@ -109,3 +109,29 @@ def test_cli_subprocess(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launcher.export", str(tmp_path / "run"), str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not empty" in proc.stderr
+
+
+def test_export_writes_the_runs_tokenizer_by_default(tmp_path, capsys):
+    """No --tokenizer: the run's own tokenizer (config.yaml: model.tokenizer / model.path) is copied in;
+    a run on builtin:char gets a note naming the flag."""
+    from launcher.config import load_config, to_yaml
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_text("{}")
+    (base / "tokenizer_config.json").write_text("{}")
+    run = tmp_path / "run"
+    _checkpoint(run, critic=False)
+    (run / "config.yaml").write_text(to_yaml(load_config(None, [f"model.path={base}"])))
+    out = export_checkpoint(run, tmp_path / "hf")
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                               "tokenizer_config.json"}
+    assert f"tokenizer from {base}" in capsys.readouterr().out
+    assert main([str(run), str(tmp_path / "bare"), "--no-tokenizer"]) == 0
+    assert {p.name for p in (tmp_path / "bare").iterdir()} == {"config.json", "model.safetensors"}
+    assert "note" not in capsys.readouterr().out
+
+    (run / "config.yaml").write_text(to_yaml(load_config(None, ["model.tokenizer=builtin:char"])))
+    assert main([str(run), str(tmp_path / "char")]) == 0
+    assert "note: no tokenizer written: the run used the built-in tokenizer 'builtin:char'" in capsys.readouterr().out
+    assert not (tmp_path / "char" / "tokenizer.json").exists()

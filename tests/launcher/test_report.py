@@ -53,7 +53,8 @@ def test_full_report_renders_four_readable_pngs(tmp_path, capsys):
     for p in written:
         img = mpimg.imread(p)
         assert img.shape[0] > 300 and img.shape[1] > 800 and img.std() > 0.05  # not blank
-    assert "skip" not in capsys.readouterr().out
+    skips = [line for line in capsys.readouterr().out.splitlines() if "skip" in line]
+    assert skips == [f"skip validation.png: no val/reward/mean (set data.val_files) values in {run}/metrics.jsonl"]
 
 
 def test_missing_inputs_are_skipped_with_a_message(tmp_path, capsys):
@@ -110,3 +111,24 @@ def test_per_node_util_files_are_merged(tmp_path):
         report.plot_utilization = real
     assert "utilization.png" in {p.name for p in written}
     assert seen["labels"] == {"node0 GPU 0", "node0 GPU 1", "node1 GPU 0", "node1 GPU 1"}
+
+
+def test_validation_png_and_no_mfu_panel_on_cpu(tmp_path, capsys):
+    from launcher.report import plot_throughput, plot_validation
+
+    rows = [{"step": 0, "val/reward/mean": 0.2, "val/pass@1": 0.2, "val/pass@4": 0.5, "val/a/reward/mean": 0.1,
+             "val/a/pass@1": 0.1, "val/a/pass@4": 0.4, "val/b/reward/mean": 0.3, "val/b/pass@1": 0.3,
+             "val/b/pass@4": 0.6, "val/reward/acc/mean": 0.2}]
+    rows += [{"step": s, "perf/samples_per_s": 10.0 + s, "perf/tokens_per_s": 100.0, "perf/mfu/actor": 2.5e-6}
+             for s in range(1, 5)]
+    rows += [{"step": 4, "val/reward/mean": 0.6, "val/pass@1": 0.6, "val/pass@4": 0.9}]
+    assert plot_validation(rows, tmp_path / "validation.png")
+    assert mpimg.imread(tmp_path / "validation.png").shape[0] > 900  # three panels: reward/mean, pass@1, pass@4
+    assert plot_throughput(rows, tmp_path / "cpu.png")
+    assert "actor MFU not shown: this run had no GPU" in capsys.readouterr().out
+    gpu = [{**r, "mem/peak_gb": 40.0} for r in rows]
+    assert plot_throughput(gpu, tmp_path / "gpu.png")
+    assert "MFU not shown" not in capsys.readouterr().out
+    # three panels on the GPU run (samples/s, tokens/s, MFU), two on the CPU one
+    assert mpimg.imread(tmp_path / "gpu.png").shape[0] > mpimg.imread(tmp_path / "cpu.png").shape[0]
+    assert not plot_validation(rows[1:5], tmp_path / "none.png")

@@ -77,8 +77,12 @@ def test_ground_truth_keys():
     rows = [{"prompt": "a", "ground_truth": "1", "answer": "wrong"}, {"prompt": "b", "meta": {"gold": 7}}]
     assert PromptDataset.from_rows(rows[:1], tokenizer=tok)[0].ground_truth == "1"
     assert PromptDataset.from_rows(rows[1:], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == 7
-    # an explicit key that a row lacks falls back to the standard ones
-    assert PromptDataset.from_rows(rows[:1], tokenizer=tok, answer_key="meta.gold")[0].ground_truth == "1"
+    # an explicit key that a row lacks is an error naming it and the row's columns (no silent fallback)
+    with pytest.raises(DataError, match=r"row 0: data.answer_key='meta.gold' names no column; columns: "
+                                        r"\['prompt', 'ground_truth', 'answer'\]"):
+        PromptDataset.from_rows(rows[:1], tokenizer=tok, answer_key="meta.gold")
+    with pytest.raises(DataError, match=r"'meta.glod' names no column; columns: \['prompt', 'meta', 'meta.gold'\]"):
+        PromptDataset.from_rows(rows[1:], tokenizer=tok, answer_key="meta.glod")
     flat = [{"question": "q", "reward_model.ground_truth": "3"}]
     assert PromptDataset.from_rows(flat, tokenizer=tok, prompt_key="question")[0].ground_truth == "3"
 
@@ -93,11 +97,11 @@ def test_clear_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{oops\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         PromptDataset.from_file(str(tmp_path / "bad.jsonl"), tokenizer=tok)
-    with pytest.raises(DataError, match=r"row 0: no prompt column 'question'.*data.prompt_key"):
+    with pytest.raises(DataError, match=r"row 0: data.prompt_key='question' names no column; columns: \['prompt'"):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}], tokenizer=tok, prompt_key="question")
     with pytest.raises(DataError, match=r"row 1: no ground truth at reward_model.ground_truth / ground_truth / answer"):
         PromptDataset.from_rows([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], tokenizer=tok)
-    with pytest.raises(DataError, match=r"no ground truth at gold / reward_model.*data.answer_key"):
+    with pytest.raises(DataError, match=r"data.answer_key='gold' names no column; columns: \['prompt'\]"):
         PromptDataset.from_rows([{"prompt": "b"}], tokenizer=tok, answer_key="gold")
     with pytest.raises(DataError, match="raise data.max_prompt_length"):
         PromptDataset.from_rows([{"prompt": "abcdef", "answer": "1"}], tokenizer=tok, max_prompt_length=3)
@@ -113,7 +117,8 @@ def test_from_task():
     assert [r.prompt_text for r in ds.records] == [r["prompt"] for r in rows]
     assert [r.ground_truth for r in ds.records] == [r["ground_truth"] for r in rows]
     assert ds.row(3) == {"prompt_ids": tok.encode(rows[3]["prompt"]), "ground_truth": rows[3]["ground_truth"],
-                         "data_source": "reverse:3", "extra_info": {}}
+                         "data_source": "reverse:3", "extra_info": {},
+                         "columns": {"ground_truth": rows[3]["ground_truth"]}}
 
 
 def test_sampler_epochs_cover_dataset():
@@ -150,6 +155,55 @@ def test_sampler_validation():
     with pytest.raises(ValueError, match=">= 1"):
         PromptSampler(3, batch_size=0, seed=0)
     assert PromptSampler(3, batch_size=4, seed=0, drop_last=False).next_batch().__len__() == 3
+
+
+def test_sft_warmup_trains_on_the_data_answers(tmp_path):
+    """trainer.sft_warmup_steps with data.train_files: pairs from the data's rows, not the synthetic task."""
+    from launcher.config import load_config
+    from ppo.data import check_sft_answers, sft_pairs
+    from ppo.state import TrainState
+
+    tok = load_tokenizer("builtin:char")
+    rows = [{"prompt": f"q{i}", "reward_model": {"ground_truth": str(i)}, "extra_info": {"answer": f"so {i}"}}
+            for i in range(6)]
+    ds = PromptDataset.from_rows(rows, tokenizer=tok)
+    pairs = sft_pairs(ds, 8, seed=0, tokenizer=tok)
+    texts = {tok.decode(p): tok.decode(a) for p, a in pairs}
+    assert len(pairs) == 8 and len(texts) == 6  # every row once before any repeats
+    assert all(a == f"{p[1:]}</s>" for p, a in texts.items())
+    solution = sft_pairs(ds, 2, seed=0, tokenizer=tok, answer_key="extra_info.answer")
+    assert all(tok.decode(a).startswith("so ") for _, a in solution)
+    assert pairs == sft_pairs(ds, 8, seed=0, tokenizer=tok) != sft_pairs(ds, 8, seed=1, tokenizer=tok)
+    check_sft_answers(ds)
+    # ground truths that are not answer text (test cases, a dict) are rejected with the way out
+    cases = PromptDataset.from_rows([{"prompt": "p", "ground_truth": {"tests": ["assert f(1) == 2"]}}], tokenizer=tok)
+    with pytest.raises(DataError, match=r"row 0 of <rows> has no answer text at the ground truth \(dict "
+                                        r".*set data.sft_answer_key .* or trainer.sft_warmup_steps=0"):
+        check_sft_answers(cases)
+    with pytest.raises(DataError, match=r"data.sft_answer_key='extra_info.answr' names no column"):
+        check_sft_answers(ds, answer_key="extra_info.answr")
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows * 4))
+    cfg = load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3", "data.batch_size=4"])
+    batch = TrainState.create(cfg, run_dir=tmp_path, rank=0).sft_batch(0)
+    assert len(batch) == 4 and all(tok.decode(p).startswith("q") for p, _ in batch)  # not "3+5=" of add:1
+    path.write_text(json.dumps({"prompt": "p", "ground_truth": ["a", "b"]}) + "\n")
+    with pytest.raises(DataError, match="trainer.sft_warmup_steps trains on the answers of data.train_files"):
+        TrainState.create(load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3",
+                                             "data.batch_size=1"]), run_dir=tmp_path, rank=0)
+
+
+def test_total_epochs_sets_the_step_count(tmp_path):
+    from launcher.config import load_config
+    from ppo.state import TrainState
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(50)))
+    cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_epochs=3"])
+    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 3 * (50 // 8)
+    cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_steps=7"])
+    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 7
 
 
 def test_non_utf8_file_and_non_text_prompt_name_file_line_and_row(tmp_path):

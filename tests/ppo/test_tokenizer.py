@@ -168,3 +168,23 @@ def test_chat_template_rendering_matches_transformers(tmp_path, template):
     tools = [{"type": "function", "function": {"name": "add", "description": "a<b", "parameters": {}}}]
     want = ref.apply_chat_template(conversations[0], tools=tools, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(conversations[0], tools=tools) == want
+
+
+def test_tokenizer_comes_from_model_path(tmp_path):
+    """model.tokenizer=auto (the default): model.path's tokenizer when the folder has one."""
+    from launcher.config import load_config
+    from ppo.state import TrainState
+    from ppo.tokenizer import resolve_tokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert resolve_tokenizer("auto", str(model_dir)) == "builtin:char"  # weights without a tokenizer
+    _make_hf_dir(model_dir)
+    assert resolve_tokenizer("auto", str(model_dir)) == str(model_dir)
+    assert resolve_tokenizer("auto", None) == "builtin:char"
+    assert resolve_tokenizer("builtin:char", str(model_dir)) == "builtin:char"  # set otherwise: kept
+    cfg = load_config(None, [f"model.path={model_dir}", "data.task_size=64"])
+    state = TrainState.create(cfg, run_dir=tmp_path, rank=0)
+    assert isinstance(state.tokenizer, HFTokenizer) and state.tokenizer.path == str(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", "model.tokenizer=builtin:char", "data.task_size=64"])
+    assert isinstance(TrainState.create(cfg, run_dir=tmp_path, rank=0).tokenizer, CharTokenizer)
