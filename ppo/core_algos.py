@@ -238,6 +238,27 @@ def _metrics(keys: tuple[str, ...], stats: torch.Tensor, sync: bool) -> dict[str
     return dict(zip(keys, stats.tolist() if sync else stats.unbind()))
 
 
+def check_dual_clip(dual_clip_c: float | None) -> None:
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1.0 (got {dual_clip_c}); use None to disable dual clip")
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float,
+                      dual_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO clip max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), then (dual clip) a
+    negative-advantage loss bounded by -A c. ratio, adv: [B, T] (a per-token or broadcast per-sequence
+    ratio) -> (loss [B, T], clipped [B, T] (the clip bound), lower [B, T] (dual clip active)), as floats."""
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(loss1, loss2)
+    lower = torch.zeros_like(pg)
+    if dual_clip_c is not None:
+        loss3 = -adv * dual_clip_c
+        lower = ((pg > loss3) & (adv < 0)).float()
+        pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+    return pg, (loss2 > loss1).float(), lower
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip_c: float | None = 3.0,
                 agg: str = "token-mean", denom: float | None = None, max_len: int | None = None,
@@ -253,21 +274,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio_mean/min/max; Python floats, or detached 0-dim tensors when sync_metrics=False
     (no device sync inside the micro-batch loop: accumulate them and call .item() once per step).
     """
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1.0 (got {dual_clip_c}); use None to disable dual clip")
+    check_dual_clip(dual_clip_c)
     m = mask.float()
     adv = advantages.float()
     log_ratio = (logp.float() - old_logp.float()).clamp(-20.0, 20.0)  # exp overflow guard
     ratio = log_ratio.exp()
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    clipped = torch.maximum(loss1, loss2)
-    pg = clipped
-    lower = torch.zeros_like(clipped)
-    if dual_clip_c is not None:
-        loss3 = -adv * dual_clip_c
-        lower = ((clipped > loss3) & (adv < 0)).float()
-        pg = torch.where(adv < 0, torch.minimum(clipped, loss3), clipped)
+    pg, clipped, lower = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high,
+                                           dual_clip_c=dual_clip_c)
     if token_weights is not None:
         pg = pg * token_weights.detach().float()
     loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
@@ -277,7 +290,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         hi = torch.where(m > 0, ratio, torch.full_like(ratio, -big)).max()
         empty = lo > hi
         stats = torch.stack([
-            masked_mean((loss2 > loss1).float(), m), masked_mean(lower, m), masked_mean(-log_ratio, m),
+            masked_mean(clipped, m), masked_mean(lower, m), masked_mean(-log_ratio, m),
             masked_mean(ratio, m), torch.where(empty, 1.0, lo), torch.where(empty, 1.0, hi),
         ])
     metrics = _metrics(("clipfrac", "clipfrac_lower", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"), stats,

@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from ppo.core_algos import PolicyLossSettings, _metrics, agg_loss, masked_mean, policy_loss
+from ppo.core_algos import (
+    PolicyLossSettings,
+    _metrics,
+    agg_loss,
+    check_dual_clip,
+    clipped_surrogate,
+    masked_mean,
+    policy_loss,
+)
 from ppo.rollout_correction import compute_rollout_correction
 
 POLICY_LOSSES = ("vanilla", "gspo")
@@ -40,8 +48,7 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     sequences), clipfrac_lower (dual clip active), approx_kl, and the sequence ratio's mean/min/max
     over non-empty sequences.
     """
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1.0 (got {dual_clip_c}); use None to disable dual clip")
+    check_dual_clip(dual_clip_c)
     m = mask.float()
     adv = advantages.float()
     lp = logp.float()
@@ -50,14 +57,8 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     # value s_i, gradient through this token's own log-prob only; clamp as exp overflow guard
     log_s = lp - lp.detach() + seq_log_ratio.detach().clamp(max=10.0)[:, None]
     ratio = log_s.exp()
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(loss1, loss2)
-    lower = torch.zeros_like(pg)
-    if dual_clip_c is not None:
-        loss3 = -adv * dual_clip_c
-        lower = ((pg > loss3) & (adv < 0)).float()
-        pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+    pg, clipped, lower = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high,
+                                           dual_clip_c=dual_clip_c)
     if token_weights is not None:
         pg = pg * token_weights.detach().float()
     loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
@@ -70,7 +71,7 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
         empty = lo > hi
         n_seq = has.float().sum().clamp_min(1)
         stats = torch.stack([
-            masked_mean((loss2 > loss1).float(), m), masked_mean(lower, m), masked_mean(-log_ratio, m),
+            masked_mean(clipped, m), masked_mean(lower, m), masked_mean(-log_ratio, m),
             (seq_ratio * has).sum() / n_seq, torch.where(empty, 1.0, lo), torch.where(empty, 1.0, hi),
         ])
     metrics = _metrics(("clipfrac", "clipfrac_lower", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"), stats,
