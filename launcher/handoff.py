@@ -6,7 +6,20 @@ import torch
 
 from launcher.config import Config, resolved_rollout_correction
 from ppo.core_algos import PolicyLossSettings
-from ppo.settings import GenerationSettings, PPOSettings, RolesSettings, UpdateSettings, ValueLossSettings
+from ppo.settings import (
+    AdvantageSettings,
+    ControllerSettings,
+    GenerationSettings,
+    LoopSettings,
+    OptimizerSettings,
+    PPOSettings,
+    RewardSettings,
+    RoleBuildSettings,
+    RolesSettings,
+    UpdateSettings,
+    ValueLossSettings,
+    WorkerLayout,
+)
 from rollout.base import RolloutConfig
 
 
@@ -43,4 +56,56 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
         offload_optimizer=a.offload, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         vllm=vllm)
-    return PPOSettings(roles=roles, generation=generation)
+    return PPOSettings(roles=roles, generation=generation, build=build_role_settings(cfg),
+                       loop=build_loop_settings(cfg))
+
+
+def _reward_settings(cfg: Config) -> RewardSettings:
+    w = cfg.reward
+    return RewardSettings(is_model=w.type == "model", function=w.function, task=cfg.data.task,
+                          signature=w.signature, model_path=w.model_path, default_score=w.default_score,
+                          timeout_s=w.timeout_s or None, max_tokens_per_micro_batch=w.max_tokens_per_micro_batch,
+                          pass_threshold=w.pass_threshold, stop_failed_fraction=w.stop_failed_fraction)
+
+
+def _optimizer(o) -> OptimizerSettings:
+    return OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), warmup_steps=o.warmup_steps,
+                             lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip)
+
+
+def build_role_settings(cfg: Config) -> RoleBuildSettings:
+    def layout(sec) -> WorkerLayout:
+        return WorkerLayout(backend=sec.backend, activation_checkpointing=sec.activation_checkpointing,
+                            compile=sec.compile, pp_microbatches=sec.pp_microbatches, pp_schedule=sec.pp_schedule,
+                            pp_stages_per_rank=sec.pp_stages_per_rank)
+
+    return RoleBuildSettings(
+        seed=cfg.trainer.seed, dtype=cfg.model.dtype, model_path=cfg.model.path, critic_path=cfg.critic.path,
+        share_prompts=cfg.trainer.share_prompts,
+        layouts={role: layout(getattr(cfg, role)) for role in ("actor", "ref", "critic", "reward")},
+        actor_optim=_optimizer(cfg.actor.optim), critic_optim=_optimizer(cfg.critic.optim),
+        actor_offload_optimizer=cfg.actor.offload_optimizer, critic_offload_optimizer=cfg.critic.offload_optimizer,
+        reward=_reward_settings(cfg))
+
+
+def build_loop_settings(cfg: Config) -> LoopSettings:
+    t, a, c, r = cfg.trainer, cfg.algorithm, cfg.controller, cfg.rollout
+    advantages = AdvantageSettings(
+        name=a.name, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std, use_kl_penalty=a.use_kl_penalty,
+        kl_penalty=a.kl_penalty, rollout_correction=a.rollout_correction, use_kl_loss=cfg.actor.use_kl_loss,
+        overlong_buffer=a.overlong_buffer.enable, overlong_buffer_len=a.overlong_buffer.len,
+        overlong_penalty_factor=a.overlong_buffer.penalty_factor, overlong_filter=a.overlong_filter,
+        filter_groups=a.filter_groups.enable, max_gen_rounds=a.filter_groups.max_num_gen_batches)
+    controller = ControllerSettings(enabled=c.enabled, low_util=c.low_util, high_mem=c.high_mem, grow=c.grow,
+                                    shrink=c.shrink, hysteresis_steps=c.hysteresis_steps,
+                                    max_oom_retries=c.max_oom_retries)
+    return LoopSettings(
+        seed=t.seed, batch_size=cfg.data.batch_size, n=r.n, max_response_length=r.max_response_length,
+        async_rollout=t.async_rollout, share_prompts=t.share_prompts, actor_ppo_epochs=cfg.actor.ppo_epochs,
+        actor_mini_batch_size=cfg.actor.mini_batch_size,
+        micro_batch_tokens={role: getattr(cfg, role).max_tokens_per_micro_batch for role in ("actor", "ref", "critic")},
+        advantages=advantages, controller=controller, reward=_reward_settings(cfg),
+        sft_warmup_steps=t.sft_warmup_steps, val_before_train=t.val_before_train, test_freq=t.test_freq,
+        val_n=r.val_n, val_temperature=r.val_temperature, save_every=t.save_every, save_final=t.save_final,
+        save_every_minutes=t.save_every_minutes, log_samples_every=t.log_samples_every,
+        log_samples_count=t.log_samples_count)

@@ -126,12 +126,13 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
 
             monitor = GpuMonitor(run_dir / "util.jsonl", interval_s=cfg.monitor.interval_s, rank=env.rank).start()
         from launcher.handoff import build_ppo_settings
+        from ppo.placement import Placement
         from ppo.trainer import run_training
 
         try:
-            stopped = run_training(cfg, settings=build_ppo_settings(cfg, device=env.device), plan=plan,
-                                   groups=groups, env=env, run_dir=run_dir, model_config=model_cfg, monitor=monitor,
-                                   heartbeat=watchdog, stop_requested=lambda: stop.requested)
+            stopped = run_training(cfg, settings=build_ppo_settings(cfg, device=env.device),
+                                   placement=Placement(plan, groups, env), run_dir=run_dir, model_config=model_cfg,
+                                   monitor=monitor, heartbeat=watchdog, stop_requested=lambda: stop.requested)
         finally:
             if monitor is not None:
                 monitor.stop()

@@ -14,8 +14,9 @@ from models.llama import LlamaForCausalLM, init_weights
 from ppo import core_algos as algos
 from ppo.experience import Experience, Sample
 from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
+from ppo.placement import Placement
 from ppo.rewards import RewardSample
-from ppo.settings import PPOSettings, RolesSettings
+from ppo.settings import PPOSettings, RolesSettings, WorkerLayout
 from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
 
 
@@ -34,12 +35,12 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
     return model
 
 
-def _spec(cfg_section, handle, env, dtype, *, share_prompts: bool = False, frozen: bool = False) -> WorkerSpec:
-    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=env.device, dtype=dtype, frozen=frozen,
-                      backend=cfg_section.backend,
-                      ac=cfg_section.activation_checkpointing, compile=cfg_section.compile,
-                      pp_microbatches=cfg_section.pp_microbatches, pp_schedule=cfg_section.pp_schedule,
-                      stages_per_rank=cfg_section.pp_stages_per_rank, share_prompts=share_prompts)
+def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
+          frozen: bool = False) -> WorkerSpec:
+    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
+                      backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
+                      pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
+                      stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts)
 
 
 class RuleReward:
@@ -218,55 +219,54 @@ class Roles:
         return path
 
 
-def build_roles(cfg, *, settings: PPOSettings, plan, groups, env, model_config: ModelConfig, tokenizer,
-                run_dir) -> Roles:
-    """Construct the workers of every role this rank hosts. cfg (launcher.config.Config, duck-typed:
-    ppo does not import the launcher) gives the models' sources, layouts and optimizers; the updates,
-    losses and generation read only the typed `settings`."""
+def build_roles(settings: PPOSettings, placement: Placement, *, model_config: ModelConfig, tokenizer,
+                total_steps: int) -> Roles:
+    """Construct the workers of every role this rank hosts. settings.build gives the models' sources,
+    layouts and optimizers; the updates, losses and generation read settings.roles and settings.generation.
+    total_steps: the run's steps (the learning-rate schedules' length)."""
     from ppo.rewards import RewardManager, load_reward_function
 
+    b, plan, groups = settings.build, placement.plan, placement.groups
     roles = Roles(settings.roles, model_config=model_config)
-    rank, seed = env.rank, cfg.trainer.seed
-    dtype = model_dtype(cfg.model.dtype)
+    rank, seed, device = placement.rank, b.seed, placement.device
+    dtype = model_dtype(b.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     temperature = settings.generation.temperature
-    total = cfg.trainer.total_steps
     here = set(plan.roles_of(rank))
     if "actor" in here:
-        model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
-        spec = _spec(cfg.actor, groups["actor"], env, dtype, share_prompts=cfg.trainer.share_prompts)
+        model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
-                                   optim=cfg.actor.optim, total_steps=total,
-                                   offload_optimizer=cfg.actor.offload_optimizer)
+                                   optim=b.actor_optim, total_steps=total_steps,
+                                   offload_optimizer=b.actor_offload_optimizer)
     if "ref" in here:
-        model = _build(LlamaForCausalLM, model_config, path=cfg.model.path, device=env.device, seed=seed)
-        spec = _spec(cfg.ref, groups["ref"], env, dtype, share_prompts=cfg.trainer.share_prompts, frozen=True)
+        model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
-        model = _build(LlamaForValue, model_config, path=cfg.critic.path or cfg.model.path, device=env.device,
-                       seed=seed)
-        roles.critic = CriticWorker(model, _spec(cfg.critic, groups["critic"], env, dtype), pad_id=pad_id,
-                                    optim=cfg.critic.optim, total_steps=total,
-                                    offload_optimizer=cfg.critic.offload_optimizer)
+        model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)
+        roles.critic = CriticWorker(model, _spec(b.layouts["critic"], groups["critic"], placement, dtype),
+                                    pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps,
+                                    offload_optimizer=b.critic_offload_optimizer)
     if "reward" in here:
-        if cfg.reward.type == "model":
-            model = _build(LlamaForSequenceClassification, model_config, path=cfg.reward.model_path,
-                           device=env.device, seed=seed + 1)
-            roles.reward = RewardModelWorker(model, _spec(cfg.reward, groups["reward"], env, dtype, frozen=True),
-                                             pad_id=pad_id,
-                                             max_tokens=cfg.reward.max_tokens_per_micro_batch)
+        w = b.reward
+        if w.is_model:
+            model = _build(LlamaForSequenceClassification, model_config, path=w.model_path, device=device,
+                           seed=seed + 1)
+            spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, frozen=True)
+            roles.reward = RewardModelWorker(model, spec, pad_id=pad_id, max_tokens=w.max_tokens_per_micro_batch)
         else:
-            fn = load_reward_function(cfg.reward.function if cfg.reward.function != "builtin:task"
-                                      else f"builtin:task:{cfg.data.task}")
-            manager = RewardManager(fn, default_score=cfg.reward.default_score, logger=logging.getLogger("hybridrl"),
-                                    timeout_s=cfg.reward.timeout_s or None, signature=cfg.reward.signature)
+            manager = RewardManager(load_reward_function(w.resolved_function), default_score=w.default_score,
+                                    logger=logging.getLogger("hybridrl"), timeout_s=w.timeout_s,
+                                    signature=w.signature)
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))
     layouts = build_rollout_groups(plan)  # collective: every rank builds the hybrid engine's groups
     if "rollout" in here:
-        roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=env,
+        roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=placement.env,
                                     model_config=model_config, tokenizer=tokenizer, layouts=layouts)
     elif settings.generation.engine_kind == "vllm":  # vLLM's start-up is collective over the whole world
-        roles.idle_engine = idle_vllm_engine(settings.generation, plan=plan, env=env, model_config=model_config)
+        roles.idle_engine = idle_vllm_engine(settings.generation, plan=plan, env=placement.env,
+                                             model_config=model_config)
     return roles

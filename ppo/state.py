@@ -65,6 +65,11 @@ class TrainState:
         return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl,
                    layout=layout, val_dataset=val_dataset)
 
+    @property
+    def total_steps(self) -> int:
+        """The run's steps: trainer.total_steps, or trainer.total_epochs resolved against the data."""
+        return self.cfg.trainer.total_steps
+
     # ------------------------------------------------------------------ data
     def next_prompts(self) -> list[dict]:
         """The step's prompts, identical on every rank: [{index, prompt_ids, ground_truth}]."""

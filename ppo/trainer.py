@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ppo import core_algos as algos
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
+from ppo.placement import Placement
 from ppo.roles import build_roles
 from ppo.rollout_correction import resolve_mode
 from ppo.samples import SampleLog
@@ -68,38 +69,41 @@ class PPOTrainer:
     """`heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
     `stop_requested() -> reason | None` (launcher.preempt.StopRequest) is asked at each step end."""
 
-    def __init__(self, cfg, *, settings: PPOSettings, plan, groups, env, run_dir: Path, model_config, monitor=None,
-                 heartbeat=None, stop_requested=None):
-        """cfg: launcher.config.Config (the step loop's own sections: trainer, data, algorithm, controller);
-        settings: the typed pieces the roles and the generation read (launcher/handoff.py)."""
-        self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, Path(run_dir)
+    def __init__(self, state_config, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
+                 monitor=None, heartbeat=None, stop_requested=None):
+        """state_config: launcher.config.Config, read only by ppo.state.TrainState (data, tokenizer,
+        checkpoints, logs); settings: the typed pieces the loop, the roles and the generation read
+        (launcher/handoff.py); placement: this rank's plan, role groups and environment."""
+        self.settings, self.loop = settings, settings.loop
+        self.placement, self.plan, self.run_dir = placement, placement.plan, Path(run_dir)
+        self.device = placement.device
         self.log = logging.getLogger("hybridrl")
-        self.rank = env.rank
+        self.rank = placement.rank
         from ppo.resume import layout_of
 
-        self.state = TrainState.create(cfg, run_dir=self.run_dir, rank=env.rank, layout=layout_of(plan))
-        self.cfg = cfg = self.state.cfg  # trainer.total_epochs resolved into total_steps from the data
+        self.state = TrainState.create(state_config, run_dir=self.run_dir, rank=self.rank,
+                                       layout=layout_of(self.plan))
+        self.total_steps = self.state.total_steps  # trainer.total_epochs resolved from the data
         self.heartbeat, self.stop_requested = heartbeat, stop_requested
         self.last_save = time.monotonic()
-        self.roles = build_roles(cfg, settings=settings, plan=plan, groups=groups, env=env, model_config=model_config,
-                                 tokenizer=self.state.tokenizer, run_dir=self.run_dir)
+        self.roles = build_roles(settings, placement, model_config=model_config, tokenizer=self.state.tokenizer,
+                                 total_steps=self.total_steps)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
-        t = cfg.trainer
+        loop = self.loop
         self.sample_log = None  # rank 0 shows a few samples every trainer.log_samples_every steps
-        if self.rank == 0 and t.log_samples_every:
-            self.sample_log = SampleLog(self.run_dir, every=t.log_samples_every, count=t.log_samples_count,
+        if self.rank == 0 and loop.log_samples_every:
+            self.sample_log = SampleLog(self.run_dir, every=loop.log_samples_every, count=loop.log_samples_count,
                                         tokenizer=self.state.tokenizer)
         self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
-        self.base_budgets = {"actor": cfg.actor.max_tokens_per_micro_batch, "ref": cfg.ref.max_tokens_per_micro_batch,
-                             "critic": cfg.critic.max_tokens_per_micro_batch}
+        self.base_budgets = dict(loop.micro_batch_tokens)  # role -> configured micro-batch token budget
         self.budgets = dict(self.base_budgets)
         self.controller = self.controller_base = None
-        if cfg.controller.enabled:
+        c = loop.controller
+        if c.enabled:
             from ppo.controller import BatchController
 
-            c = cfg.controller
-            self.controller_base = cfg.actor.max_tokens_per_micro_batch
+            self.controller_base = self.base_budgets["actor"]
             self.controller = BatchController(
                 rollout_tokens=self.roles.rollout_token_budget(), micro_batch_tokens=self.controller_base,
                 low_util=c.low_util, high_mem=c.high_mem, grow=c.grow, shrink=c.shrink,
@@ -108,11 +112,10 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
     def old_logp_source(self) -> str:
         """The step's old-log-prob source (ppo.step_plan.old_logp_source), decided once per step."""
-        cfg = self.cfg
-        return old_logp_source(async_rollout=cfg.trainer.async_rollout, ppo_epochs=cfg.actor.ppo_epochs,
-                               mini_batch_size=cfg.actor.mini_batch_size,
-                               samples=cfg.data.batch_size * cfg.rollout.n,
-                               kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and "ref" in self.plan.groups)
+        loop = self.loop
+        return old_logp_source(async_rollout=loop.async_rollout, ppo_epochs=loop.actor_ppo_epochs,
+                               mini_batch_size=loop.actor_mini_batch_size, samples=loop.batch_size * loop.n,
+                               kl_penalty_with_ref=loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 
     def generate(self, step: int, timer: StageTimer, *, index_offset: int = 0) -> tuple[Experience, Generation]:
         """Draw the step's prompts, generate on the actor ranks, share the samples with every rank.
@@ -124,7 +127,7 @@ class PPOTrainer:
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
-                gen = self.roles.rollout.generate(batch, step=step, seed=self.cfg.trainer.seed)
+                gen = self.roles.rollout.generate(batch, step=step, seed=self.loop.seed)
             timer.carve("gen", "reshard", gen.timings["reshard"])  # gen is decoding; reshard its own stage
         return Experience(share_samples(gen.samples)), gen
 
@@ -140,7 +143,7 @@ class PPOTrainer:
         last = [Generation([])]
 
         def draw(round_index: int):
-            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.cfg.data.batch_size)
+            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.loop.batch_size)
             mine = {}
             if self.roles.reward is not None:
                 with timer("reward"):
@@ -151,21 +154,21 @@ class PPOTrainer:
                 rewards.setdefault(key, {}).update(per_uid)
             return exp.samples, {uid: float(v) for uid, v in merged["score"].items()}
 
-        filled = fill_informative_groups(draw, target_groups=self.cfg.data.batch_size,
-                                         max_rounds=self.cfg.algorithm.filter_groups.max_num_gen_batches)
+        filled = fill_informative_groups(draw, target_groups=self.loop.batch_size,
+                                         max_rounds=self.loop.advantages.max_gen_rounds)
         kept = {key: {s.uid: per_uid[s.uid] for s in filled.samples} for key, per_uid in rewards.items()}
         return Experience(filled.samples), last[0], kept, filled.metrics
 
     def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
         """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
-        ob = self.cfg.algorithm.overlong_buffer
-        if not ob.enable:
+        a = self.loop.advantages
+        if not a.overlong_buffer:
             return None
         from ppo.dapo import overlong_penalty
 
         lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
-        return overlong_penalty(lengths, max_len=self.cfg.rollout.max_response_length, buffer_len=ob.len,
-                                penalty_factor=ob.penalty_factor)
+        return overlong_penalty(lengths, max_len=self.loop.max_response_length,
+                                buffer_len=a.overlong_buffer_len, penalty_factor=a.overlong_penalty_factor)
 
     def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
@@ -195,9 +198,9 @@ class PPOTrainer:
         return results
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, roles = self.cfg, self.roles
+        roles = self.roles
         hb = self.heartbeat
-        timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
+        timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
                            lambda name: hb.set_stage(name, step))
         t_step = time.perf_counter()
         old_logp = self.old_logp_source()
@@ -208,7 +211,7 @@ class PPOTrainer:
         rewards, sampling_m = None, {}
         if self.pending is not None:
             exp = self.pending
-        elif cfg.algorithm.filter_groups.enable:
+        elif self.loop.advantages.filter_groups:
             exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
         else:
             exp, gen = self.generate(step, timer)
@@ -216,7 +219,7 @@ class PPOTrainer:
 
         # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source)
         results = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None)
-        if old_logp == "behaviour" and step + 1 < cfg.trainer.total_steps:
+        if old_logp == "behaviour" and step + 1 < self.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending, gen = self.generate(step + 1, timer)
         merged = merge_results(results)
@@ -267,7 +270,7 @@ class PPOTrainer:
 
         out, self.budgets[role] = run_with_oom_backoff(
             fn, budget=self.budgets[role], min_budget=min(256, self.budgets[role]),
-            max_retries=self.cfg.controller.max_oom_retries, on_oom=record, is_oom=safe_oom, name=stage)
+            max_retries=self.loop.controller.max_oom_retries, on_oom=record, is_oom=safe_oom, name=stage)
         return out
 
     def control(self, metrics: dict[str, float]) -> None:
@@ -277,9 +280,9 @@ class PPOTrainer:
         util = metrics.get("gpu/util_mean")
         util = None if util is None else util / 100.0
         mem = None
-        if self.env.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.env.device).total_memory
-            mem = min(1.0, torch.cuda.max_memory_reserved(self.env.device) / total)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            mem = min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
         util, mem = agree_feedback(util, mem)
         d = self.controller.decide(util, mem)
         scale = d.micro_batch_tokens / self.controller_base
@@ -296,7 +299,7 @@ class PPOTrainer:
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
         """[B, R] tensors for the updates: mask, advantages, (old_logp, returns, values, ref_logp).
         old_logp: the step's old_logp_source (fused: no old log-probs before the update)."""
-        cfg, a = self.cfg, self.cfg.algorithm
+        a = self.loop.advantages
         mask = exp.response_mask()
         scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
         token_rewards = algos.scores_to_token_rewards(scores, mask)
@@ -336,7 +339,7 @@ class PPOTrainer:
                 self.state.kl_ctrl.update(kl_m["kl"], n_steps=len(exp.samples))
                 metrics["actor/kl_coef"] = kl_m["kl_coef"]
         group_ids = torch.tensor([s.prompt_index for s in exp.samples])
-        if cfg.rollout.n > 1:
+        if self.loop.n > 1:
             # groups whose samples all scored the same: no GRPO/RLOO signal (DAPO dynamic sampling drops them)
             from ppo.dapo import zero_variance_groups
 
@@ -367,13 +370,13 @@ class PPOTrainer:
             truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
             metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
             t["actor_mask"] = overlong_filter_mask(mask, truncated)
-        if cfg.actor.use_kl_loss and "ref_logp" not in t:
+        if a.use_kl_loss and "ref_logp" not in t:
             raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
         return t, metrics
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""
-        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.cfg.reward.stop_failed_fraction
+        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.loop.reward.stop_failed_fraction
         if frac < limit or frac == 0.0:
             return
         from ppo.rewards import RewardFailureError
@@ -382,7 +385,7 @@ class PPOTrainer:
         errors = sorted({e for part in all_gather_objects(list(manager.errors.values()) if manager else [])
                          for e in part})
         raise RewardFailureError(
-            f"step {step + 1}: the reward function ({self.cfg.reward.function}) failed on "
+            f"step {step + 1}: the reward function ({self.loop.reward.function}) failed on "
             f"{int(adv_metrics['reward/failed'])} of {num_samples} samples "
             f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
             f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
@@ -395,12 +398,12 @@ class PPOTrainer:
         mine = {"times": times, "gen": gen_metrics,
                 "actor": actor_m if roles.actor is not None and roles.actor.is_owner else None,
                 "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
-                "peak_gb": (torch.cuda.max_memory_allocated(self.env.device) / 2**30
-                            if self.env.device.type == "cuda" else None),
+                "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                            if self.device.type == "cuda" else None),
                 **host_memory_gb()}
         parts = all_gather_objects(mine)
-        if self.env.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.env.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank != 0:
             return {}
         mask = tensors["mask"]
@@ -449,14 +452,14 @@ class PPOTrainer:
         roles = self.plan.groups
         trained = sum(s.length for s in exp.samples)
         # shared prompts: each prompt is packed once per group of samples
-        policy = sum(exp.prompt_units()[1]) if self.cfg.trainer.share_prompts else None
+        policy = sum(exp.prompt_units()[1]) if self.loop.share_prompts else None
         flops = ppo_stage_flops(
             n_params_actor=n, n_params_critic=n if "critic" in roles else None,
             n_params_ref=n if "ref" in roles else None,
-            n_params_rm=n if self.cfg.reward.type == "model" else None, trained_tokens=trained,
+            n_params_rm=n if self.loop.reward.is_model else None, trained_tokens=trained,
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
-            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.cfg.rollout.n),
-            ppo_epochs=self.cfg.actor.ppo_epochs,
+            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.loop.n),
+            ppo_epochs=self.loop.actor_ppo_epochs,
             old_logp_forward=old_logp_forward, policy_tokens=policy)
         actor_s = m.get("timing_s/update_actor", 0.0)
         n_actor = len(roles["actor"].ranks)
@@ -469,22 +472,22 @@ class PPOTrainer:
     # ------------------------------------------------------------------ validation
     def validation_due(self, step: int) -> bool:
         """After step (0-based) `step`: every trainer.test_freq steps and after the last one."""
-        t = self.cfg.trainer
+        every = self.loop.test_freq
         return self.state.val_dataset is not None and (
-            step + 1 == t.total_steps or (t.test_freq > 0 and (step + 1) % t.test_freq == 0))
+            step + 1 == self.total_steps or (every > 0 and (step + 1) % every == 0))
 
     def validate(self, step: int) -> dict[str, float]:
         """val/* metrics on rank 0 ({} elsewhere); collective over the world."""
         from ppo.validation import run_validation
 
-        r = self.cfg.rollout
+        loop = self.loop
         hb = self.heartbeat  # the GPU monitor tags these samples "val"; a stalled rank is reported in it
-        timer = StageTimer(self.env.device, self.monitor, on_stage=None if hb is None else
+        timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
                            lambda name: hb.set_stage(name, step))
         with timer("val"):
-            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.cfg.trainer.seed,
-                               val_n=r.val_n, temperature=r.val_temperature,
-                               threshold=self.cfg.reward.pass_threshold, rank=self.rank)
+            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=loop.seed,
+                               val_n=loop.val_n, temperature=loop.val_temperature,
+                               threshold=loop.reward.pass_threshold, rank=self.rank)
         if m:
             m["timing_s/val"] = timer.times["val"]
         return m
@@ -492,16 +495,16 @@ class PPOTrainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> str | None:
         """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
-        cfg = self.cfg
+        loop = self.loop
         start, self.pending = self.state.maybe_resume(self.roles, controller=self.controller)
-        if start == 0 and cfg.trainer.sft_warmup_steps:
-            self.roles.sft_warmup(self.state, steps=cfg.trainer.sft_warmup_steps, run_dir=self.run_dir)
-        elif cfg.trainer.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
+        if start == 0 and loop.sft_warmup_steps:
+            self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, run_dir=self.run_dir)
+        elif loop.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
-        if self.state.val_dataset is not None and cfg.trainer.val_before_train and start == 0:
+        if self.state.val_dataset is not None and loop.val_before_train and start == 0:
             self.state.log_metrics({"step": 0, **self.validate(0)})
         bar = self.state.progress(start)
-        for step in range(start, cfg.trainer.total_steps):
+        for step in range(start, self.total_steps):
             metrics = self.step(step)
             if self.validation_due(step):
                 metrics.update(self.validate(step + 1))
@@ -517,10 +520,10 @@ class PPOTrainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
-            last = step + 1 == cfg.trainer.total_steps
-            periodic = cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0
+            last = step + 1 == self.total_steps
+            periodic = loop.save_every and (step + 1) % loop.save_every == 0
             stop, timed = self.at_step_end()
-            if (last and cfg.trainer.save_final) or periodic or timed or stop:
+            if (last and loop.save_final) or periodic or timed or stop:
                 if self.heartbeat is not None:
                     self.heartbeat.set_stage("checkpoint", step)
                 self.state.save(step + 1, self.roles, final=last, pending=self.pending, controller=self.controller)
@@ -540,9 +543,9 @@ class PPOTrainer:
         """Agreed by every rank (one tiny all-reduce): (why to stop, or None; whether the
         time-based checkpoint, trainer.save_every_minutes, is due)."""
         reason = self.stop_requested() if self.stop_requested is not None else None
-        minutes = self.cfg.trainer.save_every_minutes
+        minutes = self.loop.save_every_minutes
         due = minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
-        flags = torch.tensor([float(reason is not None), float(due)], device=self.env.device)
+        flags = torch.tensor([float(reason is not None), float(due)], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
@@ -573,16 +576,17 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
 
 
-def run_training(cfg, *, settings: PPOSettings, plan, groups, env, run_dir, model_config, monitor=None,
+def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,
                  heartbeat=None, stop_requested=None) -> str | None:
-    """cfg: launcher.config.Config; settings: launcher/handoff.py's typed pieces; monitor: an optional GPU
-    monitor with set_stage/step_summary/stop. Returns None when trainer.total_steps were trained, else why
-    the run stopped early."""
-    trainer = PPOTrainer(cfg, settings=settings, plan=plan, groups=groups, env=env, run_dir=run_dir,
+    """state_config: launcher.config.Config (ppo.state.TrainState's data, tokenizer, checkpoints and logs);
+    settings: launcher/handoff.py's typed pieces; placement: this rank's plan, groups and environment;
+    monitor: an optional GPU monitor with set_stage/step_summary/stop. Returns None when the run's steps
+    were trained, else why the run stopped early."""
+    trainer = PPOTrainer(state_config, settings=settings, placement=placement, run_dir=run_dir,
                          model_config=model_config, monitor=monitor, heartbeat=heartbeat,
                          stop_requested=stop_requested)
     stopped = trainer.fit()
-    if env.rank == 0 and stopped is None:
+    if placement.rank == 0 and stopped is None:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))
     if dist.is_initialized():
         dist.barrier()

@@ -34,3 +34,59 @@ def test_vllm_options_only_for_the_vllm_engine(monkeypatch):
     g = build_ppo_settings(cfg, device=torch.device("cpu")).generation
     assert g.engine_kind == "vllm" and g.vllm.bucket_bytes == 32 << 20 and g.vllm.idle_tp == 0
     assert g.vllm.enforce_eager  # CPU, no compile: vLLM runs eagerly
+
+
+def test_loop_settings_carry_the_step_loop_sections():
+    cfg = load_config("conf/grpo_tiny.yaml", [
+        "trainer.seed=7", "data.batch_size=6", "rollout.n=4", "rollout.max_response_length=12",
+        "actor.ppo_epochs=3", "actor.mini_batch_size=8", "actor.max_tokens_per_micro_batch=1000",
+        "ref.max_tokens_per_micro_batch=2000", "critic.max_tokens_per_micro_batch=3000",
+        "algorithm.gamma=0.9", "algorithm.kl_penalty=k3", "algorithm.overlong_buffer.enable=true",
+        "algorithm.overlong_buffer.len=5", "algorithm.overlong_buffer.penalty_factor=0.25",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=6",
+        "algorithm.overlong_filter=true", "controller.enabled=true", "controller.grow=1.5",
+        "controller.max_oom_retries=5", "reward.stop_failed_fraction=0.5", "reward.pass_threshold=0.75",
+        "trainer.save_every=4", "trainer.save_every_minutes=0", "trainer.test_freq=2", "data.val_files=[val.jsonl]",
+        "rollout.val_n=3", "rollout.val_temperature=0.7", "trainer.log_samples_every=5"])
+    loop = build_ppo_settings(cfg, device=torch.device("cpu")).loop
+    assert (loop.seed, loop.batch_size, loop.n, loop.max_response_length) == (7, 6, 4, 12)
+    assert (loop.actor_ppo_epochs, loop.actor_mini_batch_size) == (3, 8)
+    assert loop.micro_batch_tokens == {"actor": 1000, "ref": 2000, "critic": 3000}
+    a = loop.advantages
+    assert (a.name, a.gamma, a.kl_penalty) == ("grpo", 0.9, "k3")
+    assert (a.overlong_buffer, a.overlong_buffer_len, a.overlong_penalty_factor) == (True, 5, 0.25)
+    assert (a.filter_groups, a.max_gen_rounds, a.overlong_filter) == (True, 6, True)
+    assert (loop.controller.enabled, loop.controller.grow, loop.controller.max_oom_retries) == (True, 1.5, 5)
+    assert (loop.reward.stop_failed_fraction, loop.reward.pass_threshold) == (0.5, 0.75)
+    assert (loop.save_every, loop.save_every_minutes, loop.test_freq, loop.val_n, loop.val_temperature,
+            loop.log_samples_every) == (
+        4, 0, 2, 3, 0.7, 5)
+
+
+def test_role_build_settings_carry_sources_layouts_and_optimizers():
+    cfg = load_config("conf/ppo_tiny.yaml", [
+        "trainer.seed=11", "model.dtype=bfloat16", "critic.path=/tmp/critic", "actor.optim.lr=0.003",
+        "actor.optim.betas=[0.8,0.95]", "critic.optim.lr_schedule=cosine", "critic.optim.grad_clip=0.5",
+        "actor.activation_checkpointing=full", "ref.compile=true", "actor.offload_optimizer=true",
+        "reward.timeout_s=0", "reward.default_score=-1.0", "trainer.share_prompts=true"])
+    b = build_ppo_settings(cfg, device=torch.device("cpu")).build
+    assert (b.seed, b.dtype, b.critic_path, b.share_prompts) == (11, "bfloat16", "/tmp/critic", True)
+    assert b.actor_optim.lr == 0.003 and b.actor_optim.betas == (0.8, 0.95)
+    assert (b.critic_optim.lr_schedule, b.critic_optim.grad_clip) == ("cosine", 0.5)
+    assert b.layouts["actor"].activation_checkpointing == "full" and not b.layouts["actor"].compile
+    assert b.layouts["ref"].compile and set(b.layouts) == {"actor", "ref", "critic", "reward"}
+    assert b.actor_offload_optimizer and not b.critic_offload_optimizer
+    assert b.reward.timeout_s is None and b.reward.default_score == -1.0  # 0: no limit
+    assert b.reward.resolved_function == f"builtin:task:{cfg.data.task}"
+
+
+def test_placement_exposes_the_plan_groups_and_environment():
+    from launcher.dist import DistEnv
+    from launcher.plan import compute_plan, resolve_model_config
+    from ppo.placement import Placement
+
+    cfg = load_config("conf/ppo_tiny.yaml")
+    plan = compute_plan(cfg, world_size=1, model=resolve_model_config(cfg))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    p = Placement(plan, {}, env)
+    assert p.plan is plan and p.env is env and (p.rank, p.device) == (0, torch.device("cpu"))

@@ -28,8 +28,7 @@ def trainer(tmp_path_factory):
 
 def _reference(cls, trainer):
     """The role's model before any update, unparallelized: the same seeded init."""
-    cfg = trainer.cfg
-    return _build(cls, trainer.roles.model_config, path=None, device="cpu", seed=cfg.trainer.seed)
+    return _build(cls, trainer.roles.model_config, path=None, device="cpu", seed=trainer.loop.seed)
 
 
 def test_policy_logprobs_equal_per_sequence_forward(trainer):
@@ -41,7 +40,7 @@ def test_policy_logprobs_equal_per_sequence_forward(trainer):
     got = actor.compute_logprobs(exp, plan, with_entropy=True)
     assert sorted(got["logp"]) == [s.uid for s in exp.samples]
     ref = _reference(LlamaForCausalLM, t)
-    temp = t.cfg.rollout.temperature
+    temp = t.settings.generation.temperature
     with torch.no_grad():
         for s in exp.samples:
             ids = torch.tensor(s.prompt_ids + s.response_ids)

@@ -48,8 +48,14 @@ class Run:
     def trainer(self, run_dir: Path | None = None):
         from ppo.trainer import PPOTrainer
 
-        return PPOTrainer(self.cfg, settings=self.settings, plan=self.plan, groups=self.groups, env=self.env,
+        return PPOTrainer(self.cfg, settings=self.settings, placement=self.placement,
                           run_dir=run_dir or Path(self.cfg.trainer.runs_dir), model_config=self.model_config)
+
+    @property
+    def placement(self):
+        from ppo.placement import Placement
+
+        return Placement(self.plan, self.groups, self.env)
 
 
 def tiny_run(tmp_path: Path, *overrides: str, config: str = "conf/ppo_tiny.yaml") -> Run:
