@@ -16,53 +16,23 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ppo import core_algos as algos
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
+from ppo.measure import StageTimer, host_memory_gb
 from ppo.placement import Placement
 from ppo.roles import build_roles
-from ppo.rollout_correction import resolve_mode
 from ppo.samples import SampleLog
 from ppo.settings import PPOSettings
 from ppo.state import TrainState
 from ppo.step_plan import old_logp_source
+from ppo.step_tensors import overlong_penalties, step_tensors
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
-
-
-class StageTimer:
-    """Wall time per stage on this rank (device-synchronised), tagged into the GPU monitor."""
-
-    def __init__(self, device: torch.device, monitor=None, on_stage=None):
-        self.device, self.monitor, self.on_stage = device, monitor, on_stage
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        if self.monitor is not None:
-            self.monitor.set_stage(name)
-        if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
-            self.on_stage(name)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-            if self.monitor is not None:
-                self.monitor.set_stage("idle")
-
-    def carve(self, name: str, part: str, seconds: float) -> None:
-        """Report `seconds` of stage `name` as stage `part` instead (e.g. the reshard inside gen)."""
-        self.times[name] = self.times.get(name, 0.0) - seconds
-        self.times[part] = self.times.get(part, 0.0) + seconds
 
 
 class PPOTrainer:
@@ -161,14 +131,7 @@ class PPOTrainer:
 
     def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
         """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
-        a = self.loop.advantages
-        if not a.overlong_buffer:
-            return None
-        from ppo.dapo import overlong_penalty
-
-        lengths = torch.tensor([len(s.response_ids) for s in exp.samples])
-        return overlong_penalty(lengths, max_len=self.loop.max_response_length,
-                                buffer_len=a.overlong_buffer_len, penalty_factor=a.overlong_penalty_factor)
+        return overlong_penalties(exp, self.loop.advantages, max_len=self.loop.max_response_length)
 
     def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
@@ -297,82 +260,10 @@ class PPOTrainer:
                           d.action, d.reason, d.micro_batch_tokens, d.rollout_tokens)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
-        """[B, R] tensors for the updates: mask, advantages, (old_logp, returns, values, ref_logp).
-        old_logp: the step's old_logp_source (fused: no old log-probs before the update)."""
+        """ppo.step_tensors.step_tensors with this run's settings and KL controller."""
         a = self.loop.advantages
-        mask = exp.response_mask()
-        scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
-        token_rewards = algos.scores_to_token_rewards(scores, mask)
-        t = {"mask": mask, "scores": scores}
-        if "old_logp" in merged:
-            t["old_logp"] = exp.stack(merged["old_logp"])
-        metrics: dict[str, float] = _reward_extra_metrics(merged)  # reward/<key>/mean of dict results
-        if old_logp != "behaviour":
-            # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
-            # how far the trainer's disagree (async: they are the ratio's denominator already)
-            missing = [s.uid for s in exp.samples if len(s.behaviour_logprobs) != len(s.response_ids)]
-            if missing and resolve_mode(a.rollout_correction, async_rollout=False) != "none":
-                raise RuntimeError(f"the rollout engine returned no log-probs for samples {missing[:5]} (of "
-                                   f"{len(missing)}): algorithm.rollout_correction={a.rollout_correction} needs them; "
-                                   f"set algorithm.rollout_correction=none")
-            if not missing:
-                t["rollout_logp"] = exp.behaviour_logprobs()
-        if "reward_failed" in merged:
-            failed = sum(float(merged["reward_failed"][s.uid]) for s in exp.samples)
-            metrics["reward/failed"] = failed
-            metrics["reward/failed_frac"] = failed / len(exp.samples)
-        if old_logp == "recompute" and "rollout_logp" in t:
-            # on-policy the engine's log-probs and the trainer's must agree (same weights, same temperature)
-            diff = (t["rollout_logp"] - t["old_logp"]).abs() * mask
-            metrics["rollout/logprob_diff_max"] = float(diff.max())
-            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
-        if merged.get("entropy"):
-            metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
-        if "ref_logp" in merged:
-            t["ref_logp"] = exp.stack(merged["ref_logp"])
-        if "ref_logp" in t and "old_logp" in t:
-            kl = algos.kl_estimate(t["old_logp"], t["ref_logp"], kind=a.kl_penalty)
-            metrics["actor/kl"] = float(algos.masked_mean(kl, mask.float()))
-            if a.use_kl_penalty:
-                token_rewards, kl_m = algos.apply_kl_penalty(token_rewards, t["old_logp"], t["ref_logp"], mask,
-                                                             kl_coef=self.state.kl_ctrl.value, kind=a.kl_penalty)
-                self.state.kl_ctrl.update(kl_m["kl"], n_steps=len(exp.samples))
-                metrics["actor/kl_coef"] = kl_m["kl_coef"]
-        group_ids = torch.tensor([s.prompt_index for s in exp.samples])
-        if self.loop.n > 1:
-            # groups whose samples all scored the same: no GRPO/RLOO signal (DAPO dynamic sampling drops them)
-            from ppo.dapo import zero_variance_groups
-
-            flat = zero_variance_groups(scores.tolist(), group_ids.tolist())
-            metrics["reward/zero_var_group_frac"] = sum(flat.values()) / max(len(flat), 1)
-        if a.name == "ppo":
-            t["values"] = exp.stack(merged["values"])
-            adv, ret = algos.compute_gae(token_rewards, t["values"], mask, gamma=a.gamma, lam=a.lam,
-                                         whiten_advantages=True)
-            t["returns"] = ret
-            metrics["critic/explained_var"] = _explained_variance(t["values"], ret, mask)
-        elif a.name == "grpo":
-            adv = algos.compute_grpo_advantages(token_rewards.sum(-1), group_ids, mask,
-                                                norm_by_std=a.norm_adv_by_std)
-        elif a.name == "rloo":
-            adv = algos.compute_rloo_advantages(token_rewards.sum(-1), group_ids, mask)
-        else:
-            adv = algos.compute_reinforce_pp_advantages(token_rewards, mask, gamma=a.gamma)
-        adv = adv[0] if isinstance(adv, tuple) else adv
-        t["advantages"] = adv * mask
-        pen = self.overlong_penalties(exp)
-        if pen is not None:
-            metrics["dapo/overlong_penalty_mean"] = float(pen.mean())
-        if a.overlong_filter:
-            # DAPO: truncated responses still count in their group's baseline, but get no policy gradient
-            from ppo.dapo import overlong_filter_mask
-
-            truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
-            metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
-            t["actor_mask"] = overlong_filter_mask(mask, truncated)
-        if a.use_kl_loss and "ref_logp" not in t:
-            raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
-        return t, metrics
+        return step_tensors(exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
+                            kl_ctrl=self.state.kl_ctrl if a.use_kl_penalty else None, old_logp=old_logp)
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""
@@ -550,30 +441,6 @@ class PPOTrainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
         return stop, bool(flags[1] > 0)
-
-
-def _reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, float]:
-    """`reward/<key>/mean` for each extra numeric key of the reward function's dict results."""
-    return {f"{k}/mean": float(torch.stack(list(v.values())).float().mean())
-            for k, v in merged.items() if k.startswith("reward/") and v}
-
-
-def host_memory_gb() -> dict[str, float]:
-    """{"host_rss_gb": resident set now, "host_peak_gb": its peak so far} of this process (Linux /proc and
-    getrusage; pinned host buffers are resident, so offloaded optimizer states count)."""
-    import resource
-
-    page = resource.getpagesize()
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * page
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    return {"host_rss_gb": rss / 2**30, "host_peak_gb": max(peak, rss) / 2**30}
-
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask.float()
-    var_r = algos.masked_var(returns, m)
-    return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
 
 
 def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,

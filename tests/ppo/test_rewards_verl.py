@@ -13,8 +13,8 @@ from ppo.reward_calls import RewardFunctionError, detect_signature, plan_reward_
 from ppo.rewards import RewardManager, RewardSample, load_reward_function
 from ppo.roles import RuleReward
 from ppo.state import check_reward_columns
+from ppo.step_tensors import reward_extra_metrics
 from ppo.tokenizer import load_tokenizer
-from ppo.trainer import _reward_extra_metrics
 
 
 def verl_score(data_source, solution_str, ground_truth, extra_info):
@@ -103,7 +103,7 @@ def test_rule_reward_carries_row_columns_and_extras(tmp_path):
     assert {k: {u: float(v) for u, v in d.items()} for k, d in out.items()} == {
         "score": {0: 1.0, 1: 0.0}, "reward_failed": {0: 0.0, 1: 0.0}, "reward/acc": {0: 1.0, 1: 0.0},
         "reward/len": {0: 2.0, 1: 2.0}}
-    assert _reward_extra_metrics({**out, "old_logp": {0: torch.zeros(2)}}) == {"reward/acc/mean": 0.5,
+    assert reward_extra_metrics({**out, "old_logp": {0: torch.zeros(2)}}) == {"reward/acc/mean": 0.5,
                                                                                "reward/len/mean": 2.0}
 
 

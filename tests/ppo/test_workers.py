@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from models.heads import LlamaForValue
 from models.llama import LlamaForCausalLM
+from ppo.measure import StageTimer
 from ppo.roles import _build
 from ppo.state import load_worker_state, worker_state
-from ppo.trainer import StageTimer
 from tests.ppo.world import tiny_run, world_of_one
 
 

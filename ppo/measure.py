@@ -1,0 +1,49 @@
+"""This rank's measurements: wall time per stage (StageTimer) and host memory (host_memory_gb)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class StageTimer:
+    """Wall time per stage on this rank (device-synchronised), tagged into the GPU monitor."""
+
+    def __init__(self, device: torch.device, monitor=None, on_stage=None):
+        self.device, self.monitor, self.on_stage = device, monitor, on_stage
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.monitor is not None:
+            self.monitor.set_stage(name)
+        if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
+            self.on_stage(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            if self.monitor is not None:
+                self.monitor.set_stage("idle")
+
+    def carve(self, name: str, part: str, seconds: float) -> None:
+        """Report `seconds` of stage `name` as stage `part` instead (e.g. the reshard inside gen)."""
+        self.times[name] = self.times.get(name, 0.0) - seconds
+        self.times[part] = self.times.get(part, 0.0) + seconds
+
+
+def host_memory_gb() -> dict[str, float]:
+    """{"host_rss_gb": resident set now, "host_peak_gb": its peak so far} of this process (Linux /proc and
+    getrusage; pinned host buffers are resident, so offloaded optimizer states count)."""
+    import resource
+
+    page = resource.getpagesize()
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * page
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    return {"host_rss_gb": rss / 2**30, "host_peak_gb": max(peak, rss) / 2**30}
