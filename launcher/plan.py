@@ -129,11 +129,7 @@ def _role_section(cfg: Config, role: str):
 
 def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig) -> None:
     """Layouts megatron-core cannot shard: its embedding is vocab-parallel in every role (tp | vocab), its
-    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers).
-    Qwen3's per-head q/k norms are not mapped to megatron's q/k layernorms yet: refused, never dropped."""
-    if shape.qk_norm:
-        raise UserError(f"{role}.backend=megatron: model_type {shape.model_type!r} (per-head q/k RMSNorm) is not "
-                        f"mapped to megatron-core yet; use {role}.backend=native")
+    attention needs whole KV groups per rank (tp | KV heads), its stages are an even split (pp | layers)."""
     for what, n, k in (("vocab_size", shape.vocab_size, tp), ("num_key_value_heads", shape.num_key_value_heads, tp),
                        ("num_hidden_layers", shape.num_hidden_layers, pp)):
         if n % k:

@@ -11,7 +11,8 @@ dim 0, o/down on dim 1), which is how megatron-core splits its fused tensors too
 - linear_qkv [(nq + 2 ng) d / tp, H]: for each KV group of this rank, the q rows of its nq/ng heads,
   then its k row block, then its v row block (the rank's groups are its HF q/k/v shards' heads);
 - linear_fc1 [2 F / tp, H]: [this rank's gate rows; this rank's up rows];
-- linear_proj, linear_fc2: the HF o/down TP shards as they are; norms replicated;
+- linear_proj, linear_fc2: the HF o/down TP shards as they are; norms replicated (Qwen3's per-head
+  q_norm / k_norm [head_dim] -> self_attention.q_layernorm / k_layernorm, on every TP rank);
 - decoder layer j of stage s is HF layer s * L / pp + j (megatron's even split; L % pp == 0).
 
 Tied embeddings: at pp = 1 the one `embedding.word_embeddings.weight` serves both HF names; at pp > 1
@@ -35,6 +36,17 @@ _LAYER_HF = {
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
+# Qwen3's per-head q/k RMSNorms: [head_dim] weights, replicated over TP (megatron-core's qk_layernorm, which
+# it applies to q/k per head after the QKV split and before our core attention's RoPE, as HF does)
+_QK_NORM_HF = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+
+
+def _unfused_layer_names(cfg: ModelConfig) -> dict[str, str]:
+    """{HF name within a layer: megatron-core name within a layer} of the tensors that map one to one."""
+    return {**_LAYER_HF, **_QK_NORM_HF} if cfg.qk_norm else _LAYER_HF
 
 
 def stage_layers(cfg: ModelConfig, *, pp: int, pp_rank: int) -> range:
@@ -66,6 +78,8 @@ def hf_names(cfg: ModelConfig, *, pp: int, pp_rank: int, head: str = "lm") -> li
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         if cfg.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.qk_norm:
+            names += [p + hf for hf in _QK_NORM_HF]
         names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     if last:
@@ -94,7 +108,7 @@ def hf_to_megatron(local: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: i
         out["embedding.word_embeddings.weight"] = local["model.embed_tokens.weight"]
     for j, i in enumerate(stage_layers(cfg, pp=pp, pp_rank=pp_rank)):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
-        for hf, mc in _LAYER_HF.items():
+        for hf, mc in _unfused_layer_names(cfg).items():
             out[dst + mc] = local[src + hf]
         kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
         for kind in kinds:
@@ -128,7 +142,7 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int,
         out["model.embed_tokens.weight"] = mc["embedding.word_embeddings.weight"]
     for j, i in enumerate(stage_layers(cfg, pp=pp, pp_rank=pp_rank)):
         src, dst = f"decoder.layers.{j}.", f"model.layers.{i}."
-        for hf, name in _LAYER_HF.items():
+        for hf, name in _unfused_layer_names(cfg).items():
             out[dst + hf] = mc[src + name]
         kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
         for kind in kinds:

@@ -4,11 +4,11 @@
     h = megatron_hidden(gpt, input_ids, position_ids, attn=DocumentAttention(position_ids))  # [T, B, H]
 
 The local layer spec (no Transformer Engine needed) with its core attention replaced by
-`ProjectCoreAttention`: megatron-core computes the fused QKV projection, hands us q/k/v as
-[T, B, heads, D], and we apply our RoPE (Llama-3 scaling included, fp32 frequencies: the same
-cos/sin the native model uses, so on-policy ratios stay exactly 1) and run the attention backend
-of models/llama.py (causal SDPA, packed / shared-prompt documents, varlen flash). megatron's own
-RoPE is off (`position_embedding_type="none"`): it is CUDA-only and hard-codes Llama-3's frequency
+`ProjectCoreAttention`: megatron-core computes the fused QKV projection (and, for Qwen3, its per-head
+q/k layernorms), hands us q/k/v as [T, B, heads, D], and we apply our RoPE (Llama-3 scaling included,
+fp32 frequencies: the same cos/sin the native model uses, so on-policy ratios stay exactly 1) and run
+the attention backend of models/llama.py (causal SDPA, packed / shared-prompt documents, varlen flash).
+megatron's own RoPE is off (`position_embedding_type="none"`): it is CUDA-only and hard-codes Llama-3's frequency
 factors. Row metadata reaches every layer through `RowParams`, a PackedSeqParams in "sbhd" format
 (so megatron never takes its THD paths).
 
@@ -94,6 +94,9 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
         num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size,
         layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=bool(cfg.attention_bias), hidden_dropout=0.0, attention_dropout=0.0,
+        # Qwen3: finalize_model_grads sums the q/k layernorm grads over TP by this flag (each TP rank only
+        # sees its own heads' contribution to the replicated [head_dim] weights)
+        qk_layernorm=cfg.qk_norm,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype if pp > 1 else None, pipeline_model_parallel_size=pp,
         # variable packed lengths per micro-batch; a dense model must name the alltoall dispatcher for that
@@ -109,10 +112,14 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
     return TransformerConfig(**kw)
 
 
-def layer_spec():
-    """The local (Megatron-Core-only) layer spec with ProjectCoreAttention as its core attention."""
+def layer_spec(cfg: ModelConfig):
+    """The local (Megatron-Core-only) layer spec with ProjectCoreAttention as its core attention.
+
+    Qwen3 (cfg.qk_norm): q_layernorm / k_layernorm are torch.nn.RMSNorm([head_dim], eps=rms_norm_eps), run by
+    SelfAttention.get_query_key_value_tensors on q [T, B, nq, D] / k [T, B, ng, D] right after the QKV split,
+    so before ProjectCoreAttention rotates them: HF Qwen3's order (norm per head, then RoPE)."""
     require_megatron()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = ProjectCoreAttention
     return spec
 
@@ -146,7 +153,7 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
         # GPTModel syncs the last stage's copy of a tied head with `.cuda()` + all-reduce at construction
         raise ValueError("megatron backend: a tied-embedding model at pp > 1 needs CUDA (megatron-core moves the "
                          "shared head to the GPU while building); use pp=1 on CPU")
-    gpt = GPTModel(config=tconf, transformer_layer_spec=layer_spec(), vocab_size=cfg.vocab_size,
+    gpt = GPTModel(config=tconf, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
                    max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
                    post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=tied,
                    position_embedding_type="none", pg_collection=pg_collection)

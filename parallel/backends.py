@@ -58,9 +58,6 @@ def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", par
     from parallel.megatron_weights import load_megatron_weights
 
     cfg = model.config
-    if cfg.qk_norm:  # models/megatron_map.py has no q_norm/k_norm <-> q_layernorm/k_layernorm: they would vanish
-        raise ValueError(f"megatron backend: model_type {cfg.model_type!r} (per-head q/k RMSNorm) is not mapped to "
-                         "megatron-core yet; use the native backend")
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
     first = next(model.parameters())

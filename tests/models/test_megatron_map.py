@@ -13,6 +13,11 @@ from parallel.sharding import pp_stage_layers, tp_shard_dim, tp_slices
 def _hf(cfg, cls=LlamaForCausalLM):
     m = cls(cfg)
     init_weights(m, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # distinct norms (init puts them all at 1): a q_norm / k_norm mix-up cannot hide
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.1, generator=gen)
     if cls is LlamaForValue:
         torch.nn.init.normal_(m.score.weight, generator=torch.Generator().manual_seed(1))
     return {n: p.detach() for n, p in m.named_parameters(remove_duplicate=False)}
@@ -26,11 +31,12 @@ CONFIGS = {
     "llama": preset_config("tiny", num_attention_heads=8, num_key_value_heads=4),
     "qwen2_tied": preset_config("tiny", model_type="qwen2", tie_word_embeddings=True, num_attention_heads=8,
                                 num_key_value_heads=4),
+    "qwen3": preset_config("tiny-qwen3", tie_word_embeddings=False),  # per-head q/k norms; 2 KV heads (tp <= 2)
 }
+TPS = {"llama": (1, 2, 4), "qwen2_tied": (1, 2, 4), "qwen3": (1, 2)}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name,tp", [(name, tp) for name, tps in TPS.items() for tp in tps])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_round_trip_is_exact_and_covers_every_tensor(name, tp, pp):
     cfg = CONFIGS[name]
@@ -73,6 +79,26 @@ def test_fused_layouts_match_megatron_core():
                            full["decoder.layers.0.self_attention.linear_qkv.bias"].chunk(2)[r])
         want = torch.cat([fc1[:f].chunk(2)[r], fc1[f:].chunk(2)[r]])
         assert torch.equal(local["decoder.layers.0.mlp.linear_fc1.weight"], want)
+
+
+def test_qwen3_qk_norms_are_megatron_q_k_layernorms_on_every_tp_rank():
+    """q_norm -> self_attention.q_layernorm, k_norm -> k_layernorm: the same [head_dim] tensor on each TP rank
+    (megatron's qk_layernorm weights are replicated), at the stage-local layer index."""
+    cfg = CONFIGS["qwen3"]
+    hf = _hf(cfg)
+    names = hf_names(cfg, pp=2, pp_rank=1)
+    assert "model.layers.3.self_attn.q_norm.weight" in names and "model.layers.1.self_attn.k_norm.weight" not in names
+    for r in range(2):
+        local = {n: t for n, t in _local(hf, tp=2, r=r).items() if n in names}
+        mc = hf_to_megatron(local, cfg, tp=2, pp=2, pp_rank=1)
+        for x in "qk":
+            got = mc[f"decoder.layers.1.self_attention.{x}_layernorm.weight"]
+            assert got.shape == (cfg.head_dim,) and torch.equal(got, hf[f"model.layers.3.self_attn.{x}_norm.weight"])
+        assert not torch.equal(mc["decoder.layers.1.self_attention.q_layernorm.weight"],
+                               mc["decoder.layers.1.self_attention.k_layernorm.weight"])
+    no_norms = preset_config("tiny")  # Llama: no q/k layernorm names either way
+    assert not any("_norm" in n or "layernorm" in n.split(".")[-2]
+                   for n in hf_names(no_norms, pp=1, pp_rank=0) if "self_attn" in n)
 
 
 def test_views_share_storage():
