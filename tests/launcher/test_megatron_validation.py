@@ -53,8 +53,13 @@ def test_uneven_pipeline_split_is_refused():
         _validate_megatron_layout("ref", tp=1, pp=3, shape=preset_config("tiny"))
 
 
-def test_qwen3_on_megatron_is_refused_not_stripped_of_its_qk_norms():
+def test_qwen3_on_megatron_is_planned_and_its_layout_still_checked():
+    """Qwen3's per-head q/k norms map to megatron-core's q/k layernorms (tests/parallel/test_megatron_qwen3.py),
+    so a Qwen3 role on megatron is planned; a tp its 2 KV heads cannot split is still refused."""
+    cfg = load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", "ref.tp=2"])
+    plan = compute_plan(cfg, world_size=2, model=preset_config("tiny-qwen3"))
+    assert plan.groups["ref"].tp == 2
     from launcher.plan import _validate_megatron_layout
 
-    with pytest.raises(UserError, match=r"ref.backend=megatron: model_type 'qwen3' .* use ref.backend=native"):
-        _validate_megatron_layout("ref", tp=1, pp=1, shape=preset_config("tiny-qwen3"))
+    with pytest.raises(UserError, match=r"ref.backend=megatron: ref.tp\(4\) must divide num_key_value_heads\(2\)"):
+        _validate_megatron_layout("ref", tp=4, pp=1, shape=preset_config("tiny-qwen3"))

@@ -6,8 +6,8 @@ megatron-core's schedule with our forward step gives the native loss and gradien
 its WORLD-wide optimizer collective, scoped to the role's group, cannot hang a split placement;
 packed and shared-prompt rows equal unpacked; log-probs, entropy and gradients equal the native path;
 HF load -> training shards -> reshard -> generation shards equal the native ones exactly; a TP2 x PP2
-build has the mapping's names and shapes and its pipelined logits equal the native model (tied heads at
-pp > 1 need CUDA in megatron-core: tests/parallel/test_megatron_gpu.py).
+build has the mapping's names and shapes and its pipelined logits equal the native model, Qwen3's q/k
+layernorms included (tied heads at pp > 1 need CUDA in megatron-core: tests/parallel/test_megatron_gpu.py).
 """
 
 import pytest
@@ -23,19 +23,24 @@ CONFIGS = {
     "qwen2_bias": dict(model_type="qwen2"),
     "tied": dict(model_type="qwen2", tie_word_embeddings=True),
 }
+# in the TP2 x PP2 build only (its tp 1 / 2 cases, and transformers' logits: tests/parallel/test_megatron_qwen3.py)
+PP_ONLY = {"qwen3": dict(tie_word_embeddings=False)}
 
 
 def _native(name):
     from models.config import preset_config
     from models.llama import LlamaForCausalLM, init_weights
 
-    cfg = preset_config("tiny", **CONFIGS[name])
+    cfg = preset_config("tiny-qwen3", **PP_ONLY[name]) if name in PP_ONLY else preset_config("tiny", **CONFIGS[name])
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # non-zero biases, so a q/k/v bias mix-up cannot hide
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+            elif cfg.qk_norm and n.endswith("norm.weight"):  # Qwen3's q/k norms away from 1, q != k
+                p.normal_(1.0, 0.2, generator=gen)
     return model
 
 
@@ -324,7 +329,7 @@ def _pp_body(rank, world):
     out = {}
     ids = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(6).expand(2, 6)
-    for name in ("llama", "qwen2_bias"):  # tied heads at pp > 1: GPU test (megatron syncs them with .cuda())
+    for name in ("llama", "qwen2_bias", "qwen3"):  # tied heads at pp > 1: GPU test (megatron syncs them with .cuda())
         native = _native(name)
         _, gpt, pgc = _megatron(native, 2, world, pp=2)
         lay = dict(tp=2, pp=2, pp_rank=pgc.pp.rank())
@@ -359,4 +364,4 @@ def test_tp2_pp2_build_names_shapes_and_logits():
                 assert val, (rank, key)
             else:
                 assert val < TOL, (rank, key, val)
-    assert sum(1 for res in results for k in res if k[1] == "pp_logits") == 4  # 2 last-stage ranks x 2 models
+    assert sum(1 for res in results for k in res if k[1] == "pp_logits") == 6  # 2 last-stage ranks x 3 models
