@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
-#   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]     parts: env tests attn train gen reshard grpo ppo placement
+#   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
+#   parts: env tests megatron attn train gen reshard grpo grpo_long ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
-#      PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP, T_<PART> (time limits, s; T_PLACEMENT is per mode).
+#      GEN_BATCHES, TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile,
+#      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
+#      T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -11,6 +14,10 @@ mkdir -p "$OUT/logs"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(env tests train gen reshard grpo ppo placement)
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+prof_grpo=(); prof_train=()
+if [ -n "${PROFILE:-}" ]; then
+  prof_grpo=(--runs-dir "$OUT/runs" "trainer.profile_steps=[$PROFILE]"); prof_train=(--profile)
+fi
 run() {  # name timeout cmd...
   local name=$1 t=$2; shift 2
   local t0=$SECONDS
@@ -32,14 +39,20 @@ for p in "${parts[@]}"; do
   case $p in
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 ${TESTS:-tests} ;;
+    megatron) run megatron_tests "${T_MEGATRON:-300}" python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 240 \
+                tests/parallel/test_megatron_gpu.py tests/ppo/test_trainer_megatron.py ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
-    train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 --sweep ;;
+    train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 \
+             ${TRAIN_ARGS:---sweep} "${prof_train[@]}" ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
-           --engine "${GEN_ENGINE:-both}" --batches 32,64,256 --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
+           --engine "${GEN_ENGINE:-both}" --batches "${GEN_BATCHES:-32,64,256}" --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
     reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
     grpo) run "grpo_a${GRPO_TAG:-}" "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \
-            --nproc 1 --warmup 3 --modes "${GRPO_MODES:-colocated-sync}" ${EXTRA:-} ;;
+            --nproc 1 --warmup 3 --modes "${GRPO_MODES:-colocated-sync}" "${prof_grpo[@]}" ${EXTRA:-} ;;
+    grpo_long) run "grpo_long${GRPO_TAG:-}" "${T_GRPO_LONG:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \
+                 --nproc 1 --warmup 2 --modes colocated-sync "${prof_grpo[@]}" data.task=random:256 \
+                 data.max_prompt_length=256 rollout.max_response_length=1024 trainer.total_steps=5 ${EXTRA:-} ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=1800,
                     help="seconds per mode before its run is killed (the row records it; the JSON line still prints)")
+    ap.add_argument("--runs-dir", default=None,
+                    help="keep the run directories here (e.g. for trainer.profile_steps); default: a temporary one")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     rows = []
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
         try:
             r = run_workload(args.config, nproc=args.nproc, overrides=[*MODES[mode], *args.overrides],
-                             warmup=args.warmup, name=mode.replace("+", "_"), timeout=args.timeout)
+                             warmup=args.warmup, name=mode.replace("+", "_"), timeout=args.timeout,
+                             runs_dir=args.runs_dir)
         except Exception as e:  # noqa: BLE001 - a broken run becomes a failed row; the JSON line still prints
             r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         r["mode"] = mode

@@ -59,6 +59,9 @@ class TrainerConfig:
     val_before_train: bool = True  # validate once before the first RL step (needs data.val_files)
     log_samples_every: int = 0  # every N steps write a few prompts/responses/rewards to samples.jsonl; 0: off
     log_samples_count: int = 4  # how many samples each such step shows
+    # steps (1-based) run under torch.profiler: <run dir>/profile/step<N>_rank<r>.json (device time per stage:
+    # kernels, gaps, categories, top kernels) and a chrome trace beside it; []: off
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -485,6 +488,8 @@ def validate_config(cfg: Config) -> None:
         (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
         (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
         (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
+        (all(isinstance(x, int) and x >= 1 for x in t.profile_steps),
+         f"trainer.profile_steps({list(t.profile_steps)}) must list step numbers >= 1 (e.g. [3]; []: off)"),
         (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
                                f"long a collective waits for a missing rank"),
         (t.preempt_grace_s >= 0, f"trainer.preempt_grace_s({t.preempt_grace_s}) must be >= 0 (0: no limit)"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -11,8 +11,9 @@ import torch
 class StageTimer:
     """Wall time per stage on this rank (device-synchronised), tagged into the GPU monitor."""
 
-    def __init__(self, device: torch.device, monitor=None, on_stage=None):
-        self.device, self.monitor, self.on_stage = device, monitor, on_stage
+    def __init__(self, device: torch.device, monitor=None, on_stage=None, annotate: bool = False):
+        """annotate: mark each stage as a profiler range "stage:<name>" (ppo.profiling attributes kernels by it)."""
+        self.device, self.monitor, self.on_stage, self.annotate = device, monitor, on_stage, annotate
         self.times: dict[str, float] = {}
 
     @contextmanager
@@ -22,11 +23,15 @@ class StageTimer:
         if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
             self.on_stage(name)
         t0 = time.perf_counter()
+        rf = torch.profiler.record_function(f"stage:{name}") if self.annotate else nullcontext()
         try:
-            yield
+            with rf:  # the synchronise inside the range: the stage's last kernels start within it
+                try:
+                    yield
+                finally:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
             if self.monitor is not None:
                 self.monitor.set_stage("idle")

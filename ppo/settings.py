@@ -180,6 +180,7 @@ class LoopSettings:
     save_every_minutes: float
     log_samples_every: int
     log_samples_count: int
+    profile_steps: tuple[int, ...]  # 1-based steps run under torch.profiler (ppo.profiling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from ppo.experience import Experience, all_gather_objects, merge_results, share_
 from ppo.generation import Generation
 from ppo.measure import StageTimer, host_memory_gb
 from ppo.placement import Placement
+from ppo.profiling import StepProfiler
 from ppo.roles import build_roles
 from ppo.samples import SampleLog
 from ppo.settings import PPOSettings
@@ -65,6 +66,8 @@ class PPOTrainer:
             self.sample_log = SampleLog(self.run_dir, every=loop.log_samples_every, count=loop.log_samples_count,
                                         tokenizer=self.state.tokenizer)
         self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
+        self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
+                                     device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         self.base_budgets = dict(loop.micro_batch_tokens)  # role -> configured micro-batch token budget
         self.budgets = dict(self.base_budgets)
@@ -164,7 +167,7 @@ class PPOTrainer:
         roles = self.roles
         hb = self.heartbeat
         timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
-                           lambda name: hb.set_stage(name, step))
+                           lambda name: hb.set_stage(name, step), annotate=self.profiler.due(step))
         t_step = time.perf_counter()
         old_logp = self.old_logp_source()
 
@@ -396,7 +399,8 @@ class PPOTrainer:
             self.state.log_metrics({"step": 0, **self.validate(0)})
         bar = self.state.progress(start)
         for step in range(start, self.total_steps):
-            metrics = self.step(step)
+            with self.profiler.around(step):
+                metrics = self.step(step)
             if self.validation_due(step):
                 metrics.update(self.validate(step + 1))
             if self.monitor is not None:

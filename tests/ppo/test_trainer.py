@@ -43,9 +43,14 @@ def test_ppo_colocated_two_ranks(tmp_path):
     # must still run the same number of them (FSDP collectives), or this hangs
     res = launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=e2e",
                  "actor.max_tokens_per_micro_batch=20", "critic.max_tokens_per_micro_batch=30",
-                 "ref.max_tokens_per_micro_batch=16")
+                 "ref.max_tokens_per_micro_batch=16", "trainer.profile_steps=[2]")
     _ok(res)
     run = tmp_path / "e2e"
+    for r in (0, 1):  # trainer.profile_steps: every rank's step-2 summary names the step's stages
+        stages = json.loads((run / "profile" / f"step2_rank{r}.json").read_text())["stages"]
+        assert {"gen", "ref", "update_actor", "update_critic"} <= set(stages), sorted(stages)
+        assert stages["update_actor"]["wall_ms"] > 0 and stages["update_actor"]["top_cpu_ops"]
+    assert not (run / "profile" / "step1_rank0.json").exists()
     for f in ("config.yaml", "plan.json", "metrics.jsonl", "logs/rank_0.log", "logs/rank_1.log"):
         assert (run / f).exists(), f
     rows = metrics(run)

@@ -1,0 +1,165 @@
+"""Where a step's device time goes: torch.profiler around chosen steps (trainer.profile_steps), summarised per stage.
+
+For each profiled step every rank writes, under <run dir>/profile/:
+  step<N>_rank<r>.json      per stage (gen, ref, update_actor, ...): wall ms, kernel ms, busy ms (the union of the
+                            kernels' intervals), the idle gaps (wall - busy), the kernel count, time by kernel
+                            category (gemm, attention, nccl, memcpy, other) and the top kernels;
+  step<N>_rank<r>.trace.json.gz   the chrome trace (chrome://tracing, perfetto.dev).
+
+Stages are the StageTimer's: each is annotated with record_function("stage:<name>") and ends with a device
+synchronise, so a kernel belongs to the stage whose window holds its start. The attribution reads the chrome
+trace (its "kernel" / "gpu_memcpy" / "gpu_memset" events and "user_annotation" ranges share one clock), which is
+kineto's stable output format. On CPU there are no kernels: the summary lists the stages' top CPU operators.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+STAGE_PREFIX = "stage:"
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# substrings of kernel names, first match wins (lower case)
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attn", "attention")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("memcpy", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels of several streams may overlap)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarise_trace(events: list[dict], *, top: int = 12) -> dict[str, dict]:
+    """{stage: summary} from chrome-trace events (ts/dur in microseconds).
+
+    A device event (kernel, memcpy, memset) belongs to the stage whose annotation window holds its start; the
+    device events of no stage are reported under "(outside stages)". Without device events (CPU runs) a stage's
+    "top" lists its CPU operators by inclusive time instead."""
+    stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][len(STAGE_PREFIX):]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith(STAGE_PREFIX)), key=lambda s: s[0])
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+
+    def owner(ts: float) -> str:
+        for s, e, name in stages:
+            if s <= ts <= e:
+                return name
+        return "(outside stages)"
+
+    out: dict[str, dict] = {}
+    for s, e, name in stages:
+        st = out.setdefault(name, {"wall_ms": 0.0, "windows": []})
+        st["wall_ms"] += (e - s) / 1e3
+        st["windows"].append((s, e))
+    per_stage: dict[str, list[dict]] = {}
+    for ev in device:
+        per_stage.setdefault(owner(ev["ts"]), []).append(ev)
+    for name, evs in per_stage.items():
+        st = out.setdefault(name, {"wall_ms": None, "windows": []})
+        kinds: dict[str, float] = {}
+        by_name: dict[str, list[float]] = {}
+        for ev in evs:
+            kinds[kernel_kind(ev["name"])] = kinds.get(kernel_kind(ev["name"]), 0.0) + ev["dur"] / 1e3
+            acc = by_name.setdefault(ev["name"], [0, 0.0])
+            acc[0] += 1
+            acc[1] += ev["dur"] / 1e3
+        kernel_ms = sum(ev["dur"] for ev in evs) / 1e3
+        busy = busy_us([(ev["ts"], ev["ts"] + ev["dur"]) for ev in evs]) / 1e3
+        st.update(kernel_ms=round(kernel_ms, 3), busy_ms=round(busy, 3), kernels=len(evs),
+                  kind_ms={k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                  top=[{"name": n[:140], "calls": c, "ms": round(ms, 3), "share": round(ms / max(kernel_ms, 1e-9), 4)}
+                       for n, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]])
+        if st["wall_ms"] is not None:
+            st["gaps_ms"] = round(st["wall_ms"] - busy, 3)
+    if not device:  # CPU: the stages' top-level operators
+        for st in out.values():
+            ops: dict[str, list[float]] = {}
+            for ev in cpu_ops:
+                if any(s <= ev["ts"] <= e for s, e in st["windows"]):
+                    acc = ops.setdefault(ev["name"], [0, 0.0])
+                    acc[0] += 1
+                    acc[1] += ev["dur"] / 1e3
+            st["top_cpu_ops"] = [{"name": n[:140], "calls": c, "inclusive_ms": round(ms, 3)}
+                                 for n, (c, ms) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]]
+    for st in out.values():
+        st.pop("windows", None)
+        if st.get("wall_ms") is not None:
+            st["wall_ms"] = round(st["wall_ms"], 3)
+    return out
+
+
+class StepProfiler:
+    """Profiles the steps numbered in `steps` (1-based, as metrics.jsonl counts them) on this rank; the loop
+    passes its 0-based step index."""
+
+    def __init__(self, steps, *, out_dir: Path, rank: int, device: torch.device):
+        self.steps, self.out_dir, self.rank, self.device = set(steps), Path(out_dir), rank, device
+
+    def due(self, step: int) -> bool:
+        return step + 1 in self.steps
+
+    @contextmanager
+    def around(self, step: int):
+        """Profile the body when `step` is due (yields whether it is); writes the summary and the trace after."""
+        if not self.due(step):
+            yield False
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        with profile(activities=activities) as prof:
+            yield True
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.write(step, prof)
+
+    def write(self, step: int, prof) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"step{step + 1}_rank{self.rank}"
+        fd, raw = tempfile.mkstemp(suffix=".json", dir=self.out_dir)
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(raw)
+            with open(raw) as f:
+                events = json.load(f).get("traceEvents", [])
+            summary = {"step": step + 1, "rank": self.rank, "device": str(self.device),
+                       "stages": summarise_trace(events)}
+            with open(raw, "rb") as src, gzip.open(self.out_dir / f"{stem}.trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        finally:
+            os.unlink(raw)
+        path = self.out_dir / f"{stem}.json"
+        path.write_text(json.dumps(summary, indent=1))
+        return path
