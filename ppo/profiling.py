@@ -89,7 +89,8 @@ def summarise_trace(events: list[dict], *, top: int = 12) -> dict[str, dict]:
         kinds: dict[str, float] = {}
         by_name: dict[str, list[float]] = {}
         for ev in evs:
-            kinds[kernel_kind(ev["name"])] = kinds.get(kernel_kind(ev["name"]), 0.0) + ev["dur"] / 1e3
+            kind = kernel_kind(ev["name"])
+            kinds[kind] = kinds.get(kind, 0.0) + ev["dur"] / 1e3
             acc = by_name.setdefault(ev["name"], [0, 0.0])
             acc[0] += 1
             acc[1] += ev["dur"] / 1e3
