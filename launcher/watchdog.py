@@ -12,9 +12,10 @@ clock, so clock skew between nodes does not matter) is reported with its last st
 `heartbeat/ALARM`, and this process exits with EXIT_STALLED; every other rank sees ALARM at its
 next beat and exits the same way, repeating the message. A thread, not the main loop, beats:
 a rank blocked in a collective waiting for a stalled peer still beats, while a rank stopped by
-SIGSTOP, killed, or swapped out does not. A stalled peer on this host is also sent SIGKILL (it
-cannot exit by itself; torchrun would otherwise wait for it). Limit: a main thread that holds
-the GIL for the whole timeout (a C extension that never releases it) silences the beat too.
+SIGSTOP, killed, or swapped out does not. A stalled peer on this host is also sent SIGKILL shortly
+after the reporting rank exits (it cannot exit by itself; torchrun would otherwise wait for it).
+Limit: a main thread that holds the GIL for the whole timeout (a C extension that never releases
+it) silences the beat too.
 
 The same thread also (1) ends a worker whose torchrun agent died (its parent pid changed), so
 no orphan keeps writing into the run directory, (2) polls the preemption stop file and
@@ -27,8 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ EXIT_STALLED = 76
 WATCH_PEERS = 8  # ranks each rank watches (all of them in worlds up to 9)
 ALARM = "ALARM"
 FAILED_PEER_S = 10.0  # a peer whose main loop failed (its last beat says so) is reported after this
+KILL_DELAY_S = 2.0  # a stalled local peer is killed this long after the reporting rank exits
 
 _log = logging.getLogger("hybridrl")
 
@@ -149,7 +151,7 @@ class Watchdog:
         return out
 
     def _report(self, stalled: list[tuple[int, dict | None, float]]) -> None:
-        parts = []
+        parts, local = [], []
         for r, rec, age in stalled:
             if rec and rec.get("state") == "failed":
                 parts.append(f"rank {r} failed in stage '{rec['stage']}' of step {rec['step'] + 1} on {rec['host']} "
@@ -159,10 +161,7 @@ class Watchdog:
                      f"(pid {rec['pid']})") if rec else "never wrote a heartbeat"
             parts.append(f"rank {r} {where}, silent for {age:.0f} s")
             if rec and rec.get("host") == self.host and rec.get("pid"):
-                try:  # a stopped process cannot exit by itself
-                    os.kill(int(rec["pid"]), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                local.append(int(rec["pid"]))
         ranks = ", ".join(str(r) for r, _, _ in stalled)
         msg = (f"watchdog: rank(s) {ranks} stopped answering for more than trainer.watchdog_timeout_s="
                f"{self.timeout_s:g} s: {'; '.join(parts)}. Exiting {EXIT_STALLED}; trainer.resume=auto continues from "
@@ -170,6 +169,7 @@ class Watchdog:
         tmp = self.dir / f".{ALARM}.tmp-{self.rank}"
         tmp.write_text(json.dumps({"by": self.rank, "message": f"rank {self.rank} reported: {msg}"}))
         os.replace(tmp, self.dir / ALARM)  # every other rank stops at its next beat
+        _kill_later(local, KILL_DELAY_S)
         self._fail(EXIT_STALLED, f"rank {self.rank} (in stage '{self.stage}' of step {self.step + 1}): {msg}")
 
     def _fail(self, code: int, msg: str) -> None:
@@ -177,6 +177,16 @@ class Watchdog:
         print(msg, file=sys.stderr, flush=True)
         self._done.set()
         self._exit(code)
+
+
+def _kill_later(pids: list[int], delay_s: float) -> None:
+    """SIGKILL the stalled peers on this host `delay_s` after this process exits (a stopped process
+    cannot exit by itself, and torchrun's SIGTERM does not reach it). Later, not now: torchrun reports
+    the failure it sees first, and that must be this rank's EXIT_STALLED, not the peer's signal 9."""
+    if pids:
+        script = f"sleep {delay_s:g}; kill -KILL {' '.join(map(str, pids))} 2>/dev/null"
+        subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def read_alarm(run_dir: str | os.PathLike) -> dict | None:

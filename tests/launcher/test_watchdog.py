@@ -53,6 +53,25 @@ def test_message_names_rank_stage_and_step(tmp_path, capsys):
     assert "rank 0 (in stage 'merge' of step 3)" in err
 
 
+def test_stopped_local_peer_is_killed_only_after_the_reporting_rank_exits(tmp_path, monkeypatch):
+    # torchrun names the failure it sees first: the reporter's exit 76 must come before the peer's signal 9
+    monkeypatch.setattr("launcher.watchdog.KILL_DELAY_S", 0.5)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(peer.pid, signal.SIGSTOP)
+        exits = []
+        wd = Watchdog(tmp_path, rank=0, world_size=2, timeout_s=0.2, watch_parent=False, exit_fn=exits.append)
+        wd.dir.mkdir(parents=True)
+        _peer(tmp_path, 1, stage="reward", step=2, beat=5, pid=peer.pid, host=wd.host)
+        wd.tick()
+        time.sleep(0.3)
+        wd.tick()
+        assert exits == [EXIT_STALLED] and peer.poll() is None  # reported, not yet killed
+        assert peer.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        peer.kill()
+
+
 def test_exited_peer_is_not_stalled_and_failed_peer_is_reported(tmp_path):
     exits = []
     wd = Watchdog(tmp_path, rank=0, world_size=3, timeout_s=60, watch_parent=False, exit_fn=exits.append)
