@@ -27,6 +27,33 @@ def configs() -> list[dict]:
             for n, (w, s) in itertools.product((32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
 
 
+def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float) -> dict:
+    """Rows in groups of n sharing positions [0, plen): the autotuned kernels read each group's prompt
+    once. Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output."""
+    import triton.testing
+
+    from rollout.shared_prefix import members_per_entry, shared_prefix_tables
+    from rollout.triton_attention import attend
+
+    b, hkv, d, g = q.shape[0], k.shape[1], q.shape[-1], q.shape[1] // k.shape[1]
+    groups = [(plen, list(range(i, min(b, i + n)))) for i in range(0, b, n)]
+    for _, members in groups:  # one prefill row's copies are identical
+        cache[:, :, members[1:], :, :plen] = cache[:, :, members[:1], :, :plen]
+    tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=members_per_entry(g)))
+    fn = functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, prefix=tables)
+    fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+    nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
+    out = fn().float()
+    kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
+    ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
+    return {"samples_per_prompt": n, "prompt_len": plen, "us": round(ms * 1e3, 2),
+            "speedup_vs_unshared": round(unshared_us / (ms * 1e3), 3), "bytes_mb": round(nbytes / 1e6, 2),
+            "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4),
+            "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     import triton.testing
 
@@ -38,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--samples-per-prompt", type=int, default=1,
+                    help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
     args = ap.parse_args(argv)
     dev, dtype = "cuda", torch.bfloat16
     hkv, g, d = args.kv_heads, args.group, args.head_dim
@@ -72,11 +102,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"batch": b, "context": ctx, "bytes_mb": round(nbytes / 1e6, 2), "best": best,
                      "autotuned": auto, "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
                      "top5": sorted(ok, key=lambda t: t["us"])[:5]})
+        n, plen = args.samples_per_prompt, min(args.prompt_len, ctx)
+        if n > 1 and auto is not None:
+            rows[-1]["shared_prompt"] = shared_prompt_row(cache, pos, q, k, v, ctx, n=n, plen=plen, item=item,
+                                                          unshared_us=auto["us"])
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; autotuned "
               f"{auto and auto['us']} us", flush=True)
     result = {"bench": "decode_attention", "device_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
-              "kv_heads": hkv, "group": g, "head_dim": d, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows}
+              "kv_heads": hkv, "group": g, "head_dim": d, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows,
+              "samples_per_prompt": args.samples_per_prompt, "prompt_len": args.prompt_len}
     print(json.dumps(result))
     return result
 

@@ -35,19 +35,21 @@ HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (DESIGN.md)
 
 
 def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype,
-                    all_weights: bool = False) -> dict:
+                    all_weights: bool = False, samples_per_prompt: int = 1) -> dict:
     """HBM-roofline tokens/s of generating `new_tokens` for `batch` sequences of `prompt_len`.
 
     Decode step s (1..new_tokens-1) reads every weight once (the embedding table only for B rows:
     not counted, unless tied to lm_head, or with all_weights=True, the issue's convention, which
-    gives a ~2% lower roofline for llama-1b) and the KV of prompt_len + s positions per sequence."""
+    gives a ~2% lower roofline for llama-1b) and the KV of prompt_len + s positions per sequence.
+    With n samples per prompt the prompt's KV counts once per group of n (the least any engine must
+    read; one reading it per sample is held to that ceiling too)."""
     item = torch.empty((), dtype=dtype).element_size()
     embed = 0 if cfg.tie_word_embeddings or all_weights else cfg.vocab_size * cfg.hidden_size
     weight_bytes = (cfg.num_params() - embed) * item
     per_tok = kv_bytes_per_token(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                                  head_dim=cfg.head_dim, dtype=dtype)
     steps = range(1, new_tokens)
-    kv_bytes = sum(batch * (prompt_len + s) * per_tok for s in steps)
+    kv_bytes = sum((batch * s + -(-batch // samples_per_prompt) * prompt_len) * per_tok for s in steps)
     total = len(steps) * weight_bytes + kv_bytes
     seconds = total / HBM_BYTES_PER_S
     return {"roofline_tokens_per_s": batch * new_tokens / seconds if seconds else float("inf"),
@@ -137,13 +139,15 @@ def profile_decode(engine, prompts, *, new_tokens: int, top: int = 25) -> dict:
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
-    """One native-engine variant: '<kernel>[+compile][+eager][+lt]' (eager = no CUDA graphs, lt = cuBLASLt)."""
+    """One native-engine variant: '<kernel>[+compile][+eager][+lt][+noshare]' (eager = no CUDA graphs, lt =
+    cuBLASLt, noshare = every sample reads its own copy of the prompt's KV)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
     config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
                            max_num_batched_tokens=max(args.prefill_tokens, max_len), decode_attention=parts[0],
                            enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
                            compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,
+                           share_prompt_kv="noshare" not in parts,
                            kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
     if "lt" in parts:  # every GEMM through cuBLASLt's heuristic instead of cuBLAS's (the A/B of a setting)
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -156,8 +160,8 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
 
 def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, checks, device, variant) -> None:
     for batch in batches:
-        prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
+        prompts = torch.randint(3, cfg.vocab_size, (batch // args.n, args.prompt_len), generator=gen).tolist()
+        params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, n=args.n)
         t0 = time.perf_counter()
         engine.generate(prompts, params)  # warm-up: compiles and captures this batch's decode graphs
         warm = time.perf_counter() - t0
@@ -167,7 +171,7 @@ def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, ch
             runs.append((*timed_generate(engine, prompts, params, device), dict(engine.stats)))
         outs, wall, peak, st = sorted(runs, key=lambda r: r[1])[len(runs) // 2]
         roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                               dtype=engine.runner.dtype)
+                               dtype=engine.runner.dtype, samples_per_prompt=args.n)
         decode_tps = batch * (args.new_tokens - 1) / max(st["decode_s"], 1e-9)
         roof_decode_tps = batch * (args.new_tokens - 1) / max(roof["roofline_decode_s"], 1e-12)
         record(name, batch, wall, peak, outs,
@@ -221,7 +225,8 @@ def summarize(args, device, dtype, batches, results, checks, *, partial: bool) -
     return {"bench": "generate", "partial": partial, "model": args.model, "device": device,
             "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "hbm_bytes_per_s": HBM_BYTES_PER_S, "results": results,
+            "new_tokens": args.new_tokens, "samples_per_prompt": args.n, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "results": results,
             "checks": checks, "native_over_hf_speedup": speedup}
 
 
@@ -232,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default=None, help="comma list, overrides --batch (e.g. 32,64,256)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO-style groups; native engines only); "
+                    "the roofline then counts each prompt's KV once per group")
     ap.add_argument("--engine", choices=["native", "hf", "both"], default="both")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
@@ -250,10 +257,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.profiled = set()
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+    if args.n < 1 or any(b % args.n for b in batches) or (args.n > 1 and args.engine != "native"):
+        ap.error(f"--n {args.n} must divide every batch ({batches}) and needs --engine native")
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     cfg = preset_config(args.model)
     model = random_model(args.model, device=device, dtype=dtype, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -261,9 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     def record(engine_name, batch, wall, peak, outs, extra):
         new = sum(len(c.token_ids) for c in outs)
-        roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=dtype)
+        roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=dtype,
+                               samples_per_prompt=args.n)
         roof_all = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                   dtype=dtype, all_weights=True)
+                                   dtype=dtype, all_weights=True, samples_per_prompt=args.n)
         tps = new / wall
         row = {"engine": engine_name, "batch": batch, "new_tokens": new, "wall_s": round(wall, 4),
                "new_tokens_per_s": round(tps, 1), "peak_mem_gb": None if peak is None else round(peak, 3),

@@ -3,7 +3,7 @@
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
 #   parts: env tests megatron attn train gen reshard grpo grpo_long ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
-#      GEN_BATCHES, TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile,
+#      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
 #      T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
@@ -45,7 +45,7 @@ for p in "${parts[@]}"; do
     train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 \
              ${TRAIN_ARGS:---sweep} "${prof_train[@]}" ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
-           --engine "${GEN_ENGINE:-both}" --batches "${GEN_BATCHES:-32,64,256}" --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ;;
+           --engine "${GEN_ENGINE:-both}" --batches "${GEN_BATCHES:-32,64,256}" --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ${GEN_ARGS:-} ;;
     reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
     grpo) run "grpo_a${GRPO_TAG:-}" "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \
@@ -62,4 +62,5 @@ for p in "${parts[@]}"; do
     *) echo "unknown part $p" ;;
   esac
 done
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+tag=$(IFS=_; echo "${parts[*]}")${GRPO_TAG:-}  # one archive per call: several calls may share $OUT
+tar -czf "$OUT/logs_$tag.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"

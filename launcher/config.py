@@ -172,6 +172,7 @@ class RolloutRoleConfig:
     enable_cuda_graph: bool = True  # capture the decode step in CUDA graphs
     compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
+    share_prompt_kv: bool = True  # native triton decode: read each GRPO group's prompt KV once, not n times
     free_memory_on_sleep: bool = True  # false: KV cache, weights and CUDA graphs stay resident while training
     bucket_mb: int = 256  # hybrid-engine reshard bucket
 
@@ -640,6 +641,9 @@ def _validate_vllm(cfg: Config) -> None:
     if r.decode_attention != "auto":
         raise UserError(f"rollout.decode_attention={r.decode_attention!r} selects a native-engine kernel; vLLM picks "
                         "its own attention backend: leave it at auto with rollout.engine=vllm")
+    if not r.share_prompt_kv:
+        raise UserError("rollout.share_prompt_kv=false turns off a native-engine kernel feature; vLLM shares prompt "
+                        "KV through its own prefix cache: leave it at true with rollout.engine=vllm")
 
 
 def _validate_megatron_role(cfg: Config, role: str) -> None:

@@ -68,6 +68,9 @@ class RolloutConfig:
     # (rollout/triton_attention.py; CUDA), "sdpa", "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one
     # backend) or "bmm" (two batched matmuls)
     fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (weights copied, not aliased)
+    # the triton decode kernel reads the prompt KV of the n samples admitted in one prefill row once per
+    # group, not once per sample (rollout/shared_prefix.py); False: every row reads its own slot
+    share_prompt_kv: bool = True
     compile: bool = False  # torch.compile the decode step (fuses norms/RoPE/SiLU/sampling; one dynamic-shape compile)
 
     def validate(self) -> None:

@@ -175,6 +175,7 @@ class NativeEngine:
         self.runner.set_rows(updates)  # leave every row inactive for the next generate()
 
     def _launch(self, step: DecodeBatch, updates: dict[int, tuple]):
+        self.runner.set_shared_prompts(Scheduler.shared_prompts(step.seqs))
         self.runner.set_rows(updates)
         updates.clear()
         return self.runner.launch_decode(step.num_rows, step.kv_len, any_filtered(step.seqs))

@@ -33,6 +33,7 @@ from rollout.kv_cache import (
 from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
+from rollout.shared_prefix import members_per_entry, shared_prefix_tables, table_entries
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class EngineModelRunner:
         self.graph_error: str | None = None
         self.kernel_for: dict[tuple[int, int], str] = {}  # (rows, kv_len) -> decode attention kernel ("auto")
         self._kernel = "sdpa"
+        # rows per shared-prompt table entry (0: off); see rollout/shared_prefix.py
+        self.prefix_members = members_per_entry(cfg.num_attention_heads // cfg.num_key_value_heads) \
+            if config.share_prompt_kv else 0
+        self._prefix_groups: list | None = None  # what the device tables hold now
         self._decode, self._prefill = self._decode_fn, self._prefill_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
@@ -140,6 +145,12 @@ class EngineModelRunner:
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
         self.out = torch.zeros(2 * slots, dtype=torch.float64, device=self.device)
         self.kv_index = torch.arange(slot_len, device=self.device)
+        if self.prefix_members:  # static device tables of the decode rows that share a prompt's KV
+            entries = table_entries(slots)
+            self.row_prefix = torch.zeros(slots, dtype=torch.int32, device=self.device)
+            self.prefix_table = torch.full((entries, self.prefix_members), -1, dtype=torch.int32, device=self.device)
+            self.prefix_len = torch.zeros(entries, dtype=torch.int32, device=self.device)
+            self._prefix_groups = []
         self.u_table = torch.full((slots + 1, slot_len + 1), 0.5, dtype=torch.float32, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
@@ -161,6 +172,7 @@ class EngineModelRunner:
         self.graphs.clear()
         self.graph_pool = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
+        self.row_prefix = self.prefix_table = self.prefix_len = self._prefix_groups = None
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -276,6 +288,18 @@ class EngineModelRunner:
         positions = torch.arange(self.u_table.shape[1], device=self.device)
         self.u_table[idx] = uniform_from_counter(self.meta_i[2, idx][:, None], positions[None, :])
 
+    def set_shared_prompts(self, groups: list[tuple[int, list[int]]]) -> None:
+        """(prompt length, slots) of the decode rows whose prompt KV is identical (Scheduler.shared_prompts);
+        the next decode launches read each group's prompt once. Stream-ordered: a decode step already
+        enqueued keeps reading the tables it was launched with."""
+        if not self.prefix_members or groups == self._prefix_groups:
+            return
+        tables = shared_prefix_tables(groups, rows=self.num_slots, members_per_entry=self.prefix_members)
+        pin = self.device.type == "cuda"
+        for dst, src in zip((self.row_prefix, self.prefix_table, self.prefix_len), tables, strict=True):
+            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+        self._prefix_groups = groups
+
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
         Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
@@ -283,7 +307,12 @@ class EngineModelRunner:
         if self._kernel == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
             cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
             rope = (cos[:, 0, 0], sin[:, 0, 0])
-        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel, rope=rope)
+        prefix = None
+        if self._kernel == "triton" and self.prefix_members:  # entries fill from 0: at most b // 2 are used
+            b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
+            prefix = (self.row_prefix[:b], self.prefix_table[:entries], self.prefix_len[:entries])
+        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel, rope=rope,
+                               prefix=prefix)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:

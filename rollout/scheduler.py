@@ -33,6 +33,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     finish_reason: str | None = None
+    prefill_row: int = -1  # sequences admitted in one prefill row hold identical KV for their prompt
 
     @property
     def length(self) -> int:
@@ -95,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
+        self._rows_admitted = 0  # prefill rows so far (Sequence.prefill_row)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,6 +118,15 @@ class Scheduler:
         num_rows = bucket_of(seqs[-1].slot + 1, self.buckets)
         kv_len = length_bucket(max(s.length for s in seqs) + lookahead, granule=self.granule, cap=self.slot_len)
         return DecodeBatch(seqs, num_rows, kv_len)
+
+    @staticmethod
+    def shared_prompts(seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """(prompt length, slots) of each prefill row's sequences among `seqs`: their KV at positions
+        [0, prompt length) is identical (one prefill computed it), so decode may read it once per group."""
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for s in seqs:
+            groups.setdefault(s.prefill_row, (len(s.prompt_ids), []))[1].append(s.slot)
+        return [g for g in groups.values() if len(g[1]) > 1]
 
     def can_admit(self) -> bool:
         free = len(self._free)
@@ -143,8 +154,10 @@ class Scheduler:
                     break
                 rows[row_key] = []
                 padded = new_len
+                self._rows_admitted += 1
             self.waiting.popleft()
             seq.slot = heapq.heappop(self._free)
+            seq.prefill_row = self._rows_admitted
             self.running[seq.slot] = seq
             rows[row_key].append(seq)
         return PrefillBatch(list(rows.values()), padded)

@@ -43,11 +43,38 @@ def available(device: torch.device, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _attend_range(q, k_row, v_row, lo, hi, s_ct, qk_scale, m, l_sum, acc, D: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """Online-softmax state (m, l_sum, acc) of the query rows q [M, D] advanced over cache positions
+        [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain)."""
+        d = tl.arange(0, D)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return m, l_sum, acc
+
+    @triton.jit
     def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, qk_scale,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb,
-                       s_cv, s_cb, s_ch, s_ct, rows_p2, kv_p2,
+                       s_cv, s_cb, s_ch, s_ct, rows_p2, kv_p2, row_prefix_ptr, ws_acc_ptr, ws_ml_ptr, s_wb,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                       ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
+                       ROPE: tl.constexpr, PREFIX: tl.constexpr, BLOCK_N: tl.constexpr):
         # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
         # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200)
         b = tl.program_id(0)
@@ -76,28 +103,19 @@ if triton is not None:
         tl.store(k_row + pos * s_ct + d, k_new)
         tl.store(v_row + pos * s_ct + d, v_new)
 
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for start in range(0, pos, BLOCK_N):  # the cached positions [0, pos)
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < pos
-            k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        if PREFIX:  # positions [0, lo) are a shared prompt, already attended by _prefix_kernel (lo = 0: none)
+            lo = tl.load(row_prefix_ptr + b)
+            at = b * s_wb + h * G + g  # (row, query head) in the workspace
+            has = g_ok & ((g * 0 + lo) > 0)  # (broadcast first: the interpreter masks only with [BLOCK_G] bools)
+            m = tl.load(ws_ml_ptr + 2 * at, mask=has, other=float("-inf"))
+            l_sum = tl.load(ws_ml_ptr + 2 * at + 1, mask=has, other=0.0)
+            acc = tl.load(ws_acc_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
+        else:
+            lo = 0
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+        m, l_sum, acc = _attend_range(q, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D, IEEE, BLOCK_N)
         # the new token itself, from registers
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m, s_new)
@@ -110,6 +128,46 @@ if triton is not None:
                  mask=g_ok[:, None])
 
 
+    @triton.jit
+    def _prefix_kernel(q_ptr, cache_ptr, members_ptr, group_len_ptr, ws_acc_ptr, ws_ml_ptr, cos_ptr, sin_ptr,
+                       qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb, kv_p2,
+                       G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                       IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per (group, KV head). A group's rows (up to MEMBERS, the samples of one prompt admitted
+        # in one prefill row) hold identical K/V at positions [0, plen) in their slots; read them once, from
+        # the first member's slot, for the MEMBERS x G query rows together (tensor-core tiles of BLOCK_M rows),
+        # and leave each row's online-softmax state (m, l, unnormalised acc) in the workspace for _decode_kernel
+        gi = tl.program_id(0)
+        h = tl.program_id(1)
+        plen = tl.load(group_len_ptr + gi)  # 0: an unused table entry
+        if plen > 0:
+            i = tl.arange(0, BLOCK_M)
+            j, g = i // G, i % G
+            row = tl.load(members_ptr + gi * s_mg + j, mask=j < MEMBERS, other=-1)
+            ok = row >= 0
+            row = tl.where(ok, row, 0)
+            d = tl.arange(0, D)
+            q_at = q_ptr + row[:, None] * s_qb + (h * G + g)[:, None] * s_qh
+            q = tl.load(q_at + d[None, :], mask=ok[:, None], other=0.0)
+            if ROPE:  # as in _decode_kernel, each row at its own position
+                half = (d + D // 2) % D
+                sign = tl.where(d < D // 2, -1.0, 1.0)
+                cos = tl.load(cos_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32)
+                sin = tl.load(sin_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32) * sign[None, :]
+                q_half = tl.load(q_at + half[None, :], mask=ok[:, None], other=0.0)
+                q = (q.to(tl.float32) * cos + q_half.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
+            src = tl.load(members_ptr + gi * s_mg)
+            k_row = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            m, l_sum, acc = _attend_range(q, k_row, k_row + s_cv, 0, plen, s_ct, qk_scale, m, l_sum, acc, D, IEEE,
+                                          BLOCK_N)
+            at = row * s_wb + h * G + g
+            tl.store(ws_ml_ptr + 2 * at, m, mask=ok)
+            tl.store(ws_ml_ptr + 2 * at + 1, l_sum, mask=ok)
+            tl.store(ws_acc_ptr + at[:, None] * D + d[None, :], acc, mask=ok[:, None])
+
     # tile length and warps/stages tuned per (rows bucket, KV-length bucket, group, head dim) on first use
     # (a 2-tile row wants other tiles than a 6-tile one), outside any CUDA
     # graph capture (the engine warms every graph up eagerly first). Benchmark launches only rewrite the
@@ -117,7 +175,11 @@ if triton is not None:
     _TUNED = triton.autotune(
         configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                  for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))],
-        key=["rows_p2", "kv_p2", "G", "D"], warmup=5, rep=20)(_decode_kernel)
+        key=["rows_p2", "kv_p2", "G", "D", "PREFIX"], warmup=5, rep=20)(_decode_kernel)
+    _TUNED_PREFIX = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                 for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))],
+        key=["kv_p2", "G", "D", "MEMBERS"], warmup=5, rep=20)(_prefix_kernel)
 
 
     @triton.jit
@@ -153,23 +215,20 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
         cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
 
 
-def _launch(args: tuple, *, rows: int, kv_len: int, g: int, d: int, ieee: bool, rope: bool, interpret: bool,
-            config: dict | None) -> None:
+def _launch(kernel, tuned, grid, args: tuple, consts: dict, *, interpret: bool, config: dict | None) -> None:
     """Autotuned launch on a GPU, or one fixed `config` (BLOCK_N, num_warps, num_stages): the CPU
     interpreter has nothing to time, and bench/decode_attention.py sweeps configs itself."""
-    consts = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope)
-    grid, buckets = args[0], (triton.next_power_of_2(rows), triton.next_power_of_2(kv_len))
     if interpret or config is not None:
-        config = config or dict(BLOCK_N=64, num_warps=4, num_stages=2)
-        _decode_kernel[grid](*args[1:], *buckets, **consts, **config)
+        kernel[grid](*args, **consts, **(config or dict(BLOCK_N=64, num_warps=4, num_stages=2)))
     else:
-        _TUNED[grid](*args[1:], *buckets, **consts)
+        tuned[grid](*args, **consts)
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-           *, config: dict | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` fixes the kernel's tile (default: autotuned on CUDA)."""
+           prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+           config: dict | None = None) -> torch.Tensor:
+    """decode_attention's body; `config` fixes the kernels' tile (default: autotuned on CUDA)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -184,26 +243,50 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     qs, ks, vs = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layer_k = cache[layer, 0]
     cos_, sin_ = (cos, sin) if rope else (qs, qs)  # unread without RoPE
-    _launch(((b, hkv), qs, ks, vs, layer_k, positions, out, cos_, sin_, (d ** -0.5) * 1.4426950408889634,
-             qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-             out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
-             cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4)), rope=rope,
-            rows=b, kv_len=max(1, kv_len), g=g, d=d, ieee=q.dtype == torch.float32 or not q.is_cuda,
-            interpret=not q.is_cuda, config=config)
+    scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
+    kv_p2, cache_strides = triton.next_power_of_2(max(1, kv_len)), tuple(cache.stride()[1:5])
+    ieee, interpret = q.dtype == torch.float32 or not q.is_cuda, not q.is_cuda
+    row_prefix, ws_acc, ws_ml = positions, out, out  # unread without shared prefixes
+    if prefix is not None:
+        row_prefix, members, group_len = prefix
+        if row_prefix.shape != (b,) or members.shape[0] != group_len.shape[0] or members.stride(1) != 1:
+            raise ValueError(f"prefix tables must be row_prefix [{b}], members [N, M] and group_len [N]")
+        ws_acc = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)  # per-row softmax state
+        ws_ml = torch.empty(b, hq, 2, dtype=torch.float32, device=q.device)
+        m = members.shape[1]
+        _launch(_prefix_kernel, _TUNED_PREFIX, (members.shape[0], hkv),
+                (qs, layer_k, members, group_len, ws_acc, ws_ml, cos_, sin_, scale, qs.stride(0), qs.stride(1),
+                 cos_.stride(0) if rope else 0, *cache_strides, members.stride(0), hq, kv_p2),
+                dict(G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope),
+                interpret=interpret, config=config)
+    _launch(_decode_kernel, _TUNED, (b, hkv),
+            (qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
+             ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
+             *cache_strides, triton.next_power_of_2(b), kv_p2, row_prefix, ws_acc, ws_ml, hq),
+            dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope,
+                 PREFIX=prefix is not None), interpret=interpret, config=config)
     return out
 
 
 @torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None,
-                     sin: torch.Tensor | None = None) -> torch.Tensor:
+                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                     row_prefix: torch.Tensor | None = None, members: torch.Tensor | None = None,
+                     group_len: torch.Tensor | None = None) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
     position) only picks the tuned tile. With cos/sin ([B, D], the model's RoPE tables at each row's
-    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer)."""
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin)
+    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer).
+
+    Shared prompts (rollout.share_prompt_kv): row_prefix [B] int32 (row b's positions [0, row_prefix[b])
+    are a prompt its group shares; 0: none), members [N, M] int32 (each group's rows, -1 padded; the first
+    member's slot is read) and group_len [N] int32 (the group's prompt length; 0: unused entry). Each
+    group's prompt K/V is then read once instead of once per sample."""
+    prefix = None if row_prefix is None else (row_prefix, members, group_len)
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, prefix)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None) -> torch.Tensor:
+def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None, row_prefix=None,
+                           members=None, group_len=None) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -158,3 +158,128 @@ def test_kernel_applies_rope_to_q_and_the_new_k_like_the_model():
             assert (out.float() - out_ref.float()).abs().max().item() <= tol, dtype
         print("ok")
     """)
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_shared_prompt_groups_read_once_equal_every_row_reading_its_own_slot(block_n):
+    # a group's rows hold identical prompt K/V (one prefill row); the prefix kernel reads it from the first
+    # member's slot only. Poison the other members' prompt copies: the result must not change.
+    run_interpreted(f"""
+        import torch, torch.nn.functional as F
+        from models.llama import rotary_cos_sin
+        from rollout.shared_prefix import shared_prefix_tables
+        from rollout.triton_attention import attend
+        torch.manual_seed(0)
+        layers, hkv, slot_len, d, b = 2, 2, 120, 16, 9
+        config = dict(BLOCK_N={block_n}, num_warps=4, num_stages=2)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        # rows 0-3 and 8 share a 37-token prompt (split into two table entries of at most 4 rows: [0, 1] and
+        # [2, 3, 8]), 5 and 7 a 64-token one, 4 shares nothing, 6 is alone in its group
+        groups = [(37, [0, 1, 2, 3, 8]), (64, [5, 7]), (20, [6])]
+        pos = torch.tensor([37, 50, 90, 41, 3, 64, 30, 100, 119])
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for g in (1, 2, 3):
+                cache = torch.randn(layers, 2, b + 1, hkv, slot_len + 1, d).to(dtype)
+                for plen, rows in groups:
+                    for r in rows[1:]:
+                        cache[:, :, r, :, :plen] = cache[:, :, rows[0], :, :plen]
+                q = torch.randn(b, hkv * g, 1, d).to(dtype)
+                k, v = (torch.randn(b, hkv, 1, d).to(dtype) for _ in range(2))
+                cos, sin = rotary_cos_sin(inv_freq, pos[:, None], dtype)
+                cos, sin = cos[:, 0, 0], sin[:, 0, 0]
+                want_cache = cache.clone()
+                want = attend(want_cache, 1, pos, q, k, v, slot_len, cos, sin, config=config)
+                tables = shared_prefix_tables(groups, rows=b, members_per_entry=4)
+                read = set(tables[1][:, 0].tolist())  # the one slot each table entry reads
+                poisoned = cache.clone()
+                for plen, rows in groups[:2]:
+                    poisoned[1, :, [r for r in rows if r not in read], :, :plen] = float("nan")
+                got = attend(poisoned, 1, pos, q, k, v, slot_len, cos, sin, prefix=tables, config=config)
+                err = (got.float() - want.float()).abs().max().item()
+                assert err < tol, (dtype, g, err)
+                # the new tokens' K/V are written as without sharing
+                idx = torch.arange(b)
+                assert torch.equal(poisoned[1, :, idx, :, pos], want_cache[1, :, idx, :, pos])
+                # and both equal SDPA over each row's own history
+                for r in range(b):
+                    kk, vv = (want_cache[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
+                    from models.llama import apply_rotary
+                    qr = apply_rotary(q[r: r + 1].float(), cos[r].float(), sin[r].float())
+                    ref = F.scaled_dot_product_attention(qr, kk, vv, enable_gqa=g > 1)
+                    assert (want[r: r + 1].float() - ref).abs().max().item() < tol * 5, (dtype, g, r)
+        print("ok")
+    """)
+
+
+def test_engine_sharing_prompt_kv_equals_every_row_reading_its_own_and_the_trainer():
+    # 3 prompts x 4 samples in 8 slots: prompt 0 (2 tokens) frees its slots for prompt 2, then prompt 1's
+    # group is compacted from slots 4-7 to 0-3 while decoding: the shared groups change and move
+    out = run_interpreted("""
+        import torch
+        from rollout import NativeEngine, SamplingParams
+        from tests.rollout.test_engine import PROMPTS, config, peaked_model, trainer_logprobs
+        model = peaked_model()
+        params = [SamplingParams(temperature=1.0, max_tokens=t, n=4, seed=5 + t, ignore_eos=True) for t in (2, 9, 5)]
+        runs, shared = {}, []
+        for share in (True, False):
+            engine = NativeEngine.from_model(model, config=config(decode_attention="triton", share_prompt_kv=share,
+                                                                   max_num_seqs=8, kv_cache_tokens=96 * 8))
+            record = engine.runner.set_shared_prompts
+            engine.runner.set_shared_prompts = lambda g, record=record: (shared.append(g) if share and g else None,
+                                                                         record(g))
+            runs[share] = engine.generate(PROMPTS[:3], params)
+            assert engine.stats["slot_moves"] == 4, engine.stats
+        slots = [sorted(s) for g in shared for _, s in g]
+        assert [0, 1, 2, 3] in slots and [4, 5, 6, 7] in slots, slots
+        assert [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
+        for a, b in zip(runs[True], runs[False]):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+            ref = trainer_logprobs(model, a.prompt_ids, a.token_ids, 1.0)
+            assert (ref - torch.tensor(a.logprobs)).abs().max().item() <= 1e-5
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@pytest.mark.gpu
+def test_shared_prompt_kernels_on_cuda_equal_unshared_and_the_engine_agrees():
+    import torch
+
+    from rollout import NativeEngine, RolloutConfig, SamplingParams
+    from rollout.shared_prefix import shared_prefix_tables
+    from rollout.triton_attention import attend
+
+    torch.manual_seed(0)
+    b, hkv, g, d, slot_len, plen = 64, 8, 2, 64, 400, 128  # llama-1b heads, GRPO groups of 8
+    cache = torch.randn(2, 2, b + 1, hkv, slot_len + 1, d, device="cuda", dtype=torch.bfloat16)
+    groups = [(plen, list(range(i, i + 8))) for i in range(0, b, 8)]
+    for _, rows in groups:
+        cache[:, :, rows[1:], :, :plen] = cache[:, :, rows[:1], :, :plen]
+    q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.randint(plen, slot_len, (b,), device="cuda")
+    tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=16))
+    want = attend(cache.clone(), 1, pos, q, k, v, slot_len).float()
+    got = attend(cache, 1, pos, q, k, v, slot_len, prefix=tables).float()
+    assert (got - want).abs().max().item() < 2e-2
+    # the engine (CUDA graphs, torch.compile) with and without sharing, fp32: same tokens, same log-probs
+    from models import build_model, preset_config
+
+    model = build_model(preset_config("tiny"), seed=0).cuda()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (40, 17, 64, 9)]
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=8, seed=1, ignore_eos=True)
+    outs = {}
+    for share in (True, False):
+        engine = NativeEngine.from_model(model, config=RolloutConfig(
+            max_model_len=96, max_num_seqs=32, kv_cache_tokens=96 * 32, decode_attention="triton", compile=True,
+            share_prompt_kv=share))
+        outs[share] = engine.generate(prompts, params)
+        assert engine.runner.graph_error is None and getattr(engine.runner._decode, "error", None) is None
+    assert [c.token_ids for c in outs[True]] == [c.token_ids for c in outs[False]]
+    for a in outs[True]:
+        with torch.no_grad():
+            logits = model(torch.tensor([a.prompt_ids + a.token_ids], device="cuda"))[0, len(a.prompt_ids) - 1: -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(a.token_ids, device="cuda")[:, None])
+        assert (ref[:, 0].cpu() - torch.tensor(a.logprobs)).abs().max().item() <= 1e-4
