@@ -174,13 +174,16 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
     if responses is not None:
         p, r_lens, first = responses
         b, r, n = len(r_lens), max(int(r_lens.max()), 1), int(r_lens.sum())
-    # every integer array in one host buffer (int64 first, so each section stays aligned)
-    sizes = {"input_ids": t, "position_ids": t, "labels": t}
+    # every integer array in one host buffer: int64 sections first, so each section stays aligned
+    layout = {name: (t, torch.int64) for name in ("input_ids", "position_ids", "labels")}
     if responses is not None:
-        sizes.update(response_index=b * r, response_tokens=b * r, flat_response_index=n, flat_response_tokens=n,
-                     flat_response_slot=n)
-    buf = _HostBuffer({k: (v, torch.int64) for k, v in sizes.items()} | {"cu_seqlens": (s + 1, torch.int32)} |
-                      ({"response_mask": (b * r, torch.bool)} if responses is not None else {}), device=device)
+        layout |= {name: (b * r, torch.int64) for name in ("response_index", "response_tokens")}
+        layout |= {name: (n, torch.int64) for name in ("flat_response_index", "flat_response_tokens",
+                                                        "flat_response_slot")}
+    layout["cu_seqlens"] = (s + 1, torch.int32)
+    if responses is not None:
+        layout["response_mask"] = (b * r, torch.bool)
+    buf = _HostBuffer(layout, device=device)
     a = buf.arrays
     ids, pos, labels = a["input_ids"], a["position_ids"], a["labels"]
     ids[:total], ids[total:] = row, pad_id
