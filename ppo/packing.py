@@ -217,11 +217,21 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
     return PackedBatch(**out, seq_lens=seg_lens.tolist(), max_seqlen=int(seg_lens.max()), num_pad=t - total)
 
 
+def copy_to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """CPU tensors (any dtypes, shapes) -> contiguous copies on `device` through one pinned buffer and
+    one non-blocking copy (a pageable `.to(cuda)` each would wait for the GPU once per tensor)."""
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # widest first: aligned sections
+    buf = _HostBuffer({k: (tensors[k].numel(), tensors[k].dtype) for k in order}, device=device)
+    for k in order:
+        buf.host[k].copy_(tensors[k].reshape(-1))
+    return {k: v.view(tensors[k].shape) for k, v in buf.to_device().items()}
+
+
 class _HostBuffer:
-    """Named 1-D arrays carved out of one host buffer, in the order given (put wider dtypes first to
-    keep every view aligned). Pinned when the target is CUDA, so `to_device` is one non-blocking
-    copy; the caching host allocator does not hand a pinned block out again before the copies
-    recorded on it have run, so the buffer may be dropped right after."""
+    """Named 1-D tensors carved out of one host buffer, in the order given (put wider dtypes first to
+    keep every view aligned): `host` as tensors, `arrays` as numpy arrays. Pinned when the target is
+    CUDA, so `to_device` is one non-blocking copy; the caching host allocator does not hand a pinned
+    block out again before the copies recorded on it have run, so the buffer may be dropped right after."""
 
     def __init__(self, layout: dict[str, tuple[int, torch.dtype]], *, device):
         self.device = torch.device(device)
@@ -231,12 +241,18 @@ class _HostBuffer:
             self.sections[name] = (at, count * dtype.itemsize, dtype)
             at += count * dtype.itemsize
         self.data = torch.empty(at, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        self.arrays = {name: self.data[o:o + size].view(dt).numpy() for name, (o, size, dt) in self.sections.items()}
+        self.host = self._views(self.data)
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: t.numpy() for name, t in self.host.items()}
+
+    def _views(self, data: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: data[o:o + size].view(dt) for name, (o, size, dt) in self.sections.items()}
 
     def to_device(self) -> dict[str, torch.Tensor]:
         """The sections as 1-D tensors on the device (views of one copy of the buffer)."""
-        data = self.data if self.device.type == "cpu" else self.data.to(self.device, non_blocking=True)
-        return {name: data[o:o + size].view(dt) for name, (o, size, dt) in self.sections.items()}
+        return self._views(self.data if self.device.type == "cpu" else self.data.to(self.device, non_blocking=True))
 
 
 def gather_response_logprobs(hidden: torch.Tensor, packed: PackedBatch, token_logprobs) -> tuple:

@@ -27,7 +27,7 @@ from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import plan_micro_batches
 from ppo.experience import Experience, Sample
-from ppo.packing import gather_response_logprobs, pack_prompt_responses, unpack_responses
+from ppo.packing import copy_to_device, gather_response_logprobs, pack_prompt_responses, unpack_responses
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,7 +168,8 @@ class ShardedWorker:
         for _ in range(epochs):
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
-                mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
+                # every micro-batch's [B_k, R] tensors queued for the device now, one pinned copy each (no sync)
+                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device) for mb in mbs]
                 denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
 
@@ -302,8 +303,8 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
-    """Response-aligned [B, R_max] CPU tensors -> [B, width] on the device (width = longest response)."""
-    return {k: v[:, :width].to(device) for k, v in tensors.items()}
+    """Response-aligned [B, R_max] tensors (on the device already) -> [B, width] (width = longest response)."""
+    return {k: v[:, :width].to(device).contiguous() for k, v in tensors.items()}
 
 
 def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:

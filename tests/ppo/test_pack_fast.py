@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from ppo.packing import gather_response_logprobs, pack, pack_prompt_responses, prompt_groups
+from ppo.packing import copy_to_device, gather_response_logprobs, pack, pack_prompt_responses, prompt_groups
 
 
 def _oracle(seqs, *, pad_id, prompt_lens, pad_to_multiple=1, share_prompts=False):
@@ -176,6 +176,17 @@ def test_gather_response_logprobs_matches_boolean_mask_scoring_with_grads():
     ref_lp, ref_ent = (torch.zeros(m.shape, dtype=x.dtype).masked_scatter(m, x) for x in (ref_lp, ref_ent))
     (ref_lp.sum() + ref_ent.sum()).backward()
     assert torch.equal(logp, ref_lp) and torch.equal(ent, ref_ent) and torch.equal(g, hidden.grad)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_copy_to_device_keeps_every_dtype_shape_and_value(device):
+    src = {"mask": torch.rand(3, 5) > 0.5, "old_logp": torch.randn(3, 5), "adv": torch.randn(3, 5, dtype=torch.float64),
+           "bf": torch.randn(2, dtype=torch.bfloat16), "n": torch.arange(7, dtype=torch.int32)}
+    got = copy_to_device(src, device)
+    assert list(got) == ["adv", "old_logp", "n", "bf", "mask"]  # widest first keeps every section aligned
+    for k, v in src.items():
+        assert got[k].device.type == device and got[k].dtype == v.dtype and got[k].is_contiguous()
+        assert torch.equal(got[k].cpu(), v), k
 
 
 @pytest.mark.gpu
