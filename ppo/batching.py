@@ -1,4 +1,4 @@
-"""Token-budget micro-batching, balanced partitioning and sequence packing.
+"""Token-budget micro-batching and balanced partitioning (packing: ppo/packing.py).
 
     minis = plan_micro_batches(lengths, dp=dp, rank=r, max_tokens=8192)  # [mini][micro] -> sample indices
     mbs = minis[0]                                            # same micro-batch counts on every DP rank
@@ -17,10 +17,20 @@ import heapq
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+# packing lived here first; its names stay importable from this module
+from ppo.packing import (  # noqa: F401
+    PackedBatch,
+    gather_response_logprobs,
+    pack,
+    pack_prompt_responses,
+    prompt_groups,
+    responses_to_packed,
+    unpack,
+    unpack_responses,
+)
 
 # ---------------------------------------------------------------- partitioning
 
@@ -227,215 +237,3 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, rank: int, max_tokens
             parts = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
         out.append([[mine[j] for j in p] for p in parts])
     return out
-
-
-# ---------------------------------------------------------------- packing
-
-
-@dataclass(slots=True)
-class PackedBatch:
-    """B sequences concatenated into one row of T tokens (T >= sum of lengths when padded).
-
-    input_ids, position_ids, labels: [1, T]; position ids restart at 0 per sequence (and for the
-    padding tail) so `models.llama.DocumentAttention(position_ids)` keeps documents apart. labels[t]
-    is the next token of the same sequence (pad_id at each sequence's last token), so
-    `logprobs_from_logits(logits, labels)[t]` is log p(token t+1). cu_seqlens [B+1] int32 are the
-    sequence boundaries (flash-attention varlen convention). When `prompt_lens` were given,
-    response_index / response_mask [B, R] locate each response token's log-prob position.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    cu_seqlens: torch.Tensor
-    seq_lens: list[int]
-    max_seqlen: int
-    num_pad: int
-    response_index: torch.Tensor | None = None
-    response_mask: torch.Tensor | None = None
-    response_tokens: torch.Tensor | None = None  # [B, R] the response token ids (0 past each end)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
-
-def pack(sequences: Sequence[torch.Tensor | Sequence[int]], *, pad_id: int, prompt_lens: Sequence[int] | None = None,
-         pad_to_multiple: int = 1, device: torch.device | str | None = None,
-         share_prompts: bool = False) -> PackedBatch:
-    """Concatenate 1-D token sequences into a PackedBatch.
-
-    sequences: B tensors/lists of shape [L_i] (prompt + response). prompt_lens: B ints; response i
-    is sequence i after its first prompt_lens[i] tokens (prompt_lens[i] >= 1, since the first
-    token has no log-prob). pad_to_multiple pads T up (CUDA-graph / sequence-parallel friendly).
-
-    share_prompts=True (needs prompt_lens): consecutive sequences with the same prompt keep it once.
-    The first is packed whole; each next one adds only its response, with positions continuing from
-    the prompt length, so models.llama.DocumentAttention lets it see the shared prompt (a GRPO group
-    of n samples costs P + sum(R_i) tokens instead of n P + sum(R_i)). Per-position `labels` then
-    cannot hold every response's first token (they share one predicting position): score with
-    response_index / response_tokens (`gather_response_logprobs`); cu_seqlens / seq_lens describe
-    the packed segments rather than the sequences.
-    """
-    if not sequences:
-        raise ValueError("pack() needs at least one sequence")
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    if device is None:
-        device = seqs[0].device
-    if share_prompts:
-        if prompt_lens is None:
-            raise ValueError("pack(share_prompts=True) needs prompt_lens")
-        return _pack_shared(seqs, pad_id=pad_id, prompt_lens=list(prompt_lens), pad_to_multiple=pad_to_multiple,
-                            device=device)
-    lens = [int(s.numel()) for s in seqs]
-    if min(lens) < 1:
-        raise ValueError(f"pack() got an empty sequence (lengths {lens})")
-    total = sum(lens)
-    t = -(-total // pad_to_multiple) * pad_to_multiple
-    num_pad = t - total
-    ids = torch.cat([s.to("cpu") for s in seqs] + [torch.full((num_pad,), pad_id, dtype=torch.long)])
-    pos = torch.cat([torch.arange(n) for n in lens] + [torch.arange(num_pad)])
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    labels = torch.roll(ids, -1)
-    labels[cu[1:].long() - 1] = pad_id  # a sequence's last token has no next token in its document
-    labels[total:] = pad_id
-    resp_idx = resp_mask = resp_tok = None
-    if prompt_lens is not None:
-        if len(prompt_lens) != len(lens):
-            raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(lens)} sequences")
-        bad = [i for i, (p, n) in enumerate(zip(prompt_lens, lens)) if not 1 <= p <= n]
-        if bad:
-            i = bad[0]
-            raise ValueError(f"sequence {i}: prompt_len {prompt_lens[i]} must be in [1, length {lens[i]}]")
-        r_lens = [n - p for n, p in zip(lens, prompt_lens)]
-        r = max(max(r_lens), 1)
-        j = torch.arange(r)
-        # response token j of sequence i sits at cu[i] + p_i + j and is predicted at the position before
-        start = cu[:-1].long() + torch.tensor(prompt_lens, dtype=torch.long) - 1
-        resp_mask = j[None] < torch.tensor(r_lens)[:, None]
-        resp_idx = torch.where(resp_mask, start[:, None] + j[None], torch.zeros((), dtype=torch.long))
-        resp_tok = torch.where(resp_mask, labels[resp_idx], torch.zeros((), dtype=torch.long))
-        resp_idx, resp_mask, resp_tok = resp_idx.to(device), resp_mask.to(device), resp_tok.to(device)
-    return PackedBatch(
-        input_ids=ids[None].to(device), position_ids=pos[None].to(device), labels=labels[None].to(device),
-        cu_seqlens=cu.to(device), seq_lens=lens, max_seqlen=max(lens), num_pad=num_pad,
-        response_index=resp_idx, response_mask=resp_mask, response_tokens=resp_tok,
-    )
-
-
-def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Runs of consecutive indices whose prompts are identical (a GRPO group's n samples)."""
-    groups: list[list[int]] = []
-    for i, p in enumerate(prompts):
-        if groups and list(prompts[groups[-1][0]]) == list(p):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _pack_shared(seqs: list[torch.Tensor], *, pad_id: int, prompt_lens: list[int], pad_to_multiple: int,
-                 device) -> PackedBatch:
-    if len(prompt_lens) != len(seqs):
-        raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(seqs)} sequences")
-    bad = [i for i, (p, s) in enumerate(zip(prompt_lens, seqs)) if not 1 <= p <= s.numel()]
-    if bad:
-        raise ValueError(f"sequence {bad[0]}: prompt_len {prompt_lens[bad[0]]} must be in [1, length "
-                         f"{seqs[bad[0]].numel()}]")
-    groups = prompt_groups([s[:p].tolist() for s, p in zip(seqs, prompt_lens)])
-    ids, pos, seg_lens = [], [], []
-    r_lens = [s.numel() - p for s, p in zip(seqs, prompt_lens)]
-    r = max(max(r_lens), 1)
-    resp_idx = torch.zeros(len(seqs), r, dtype=torch.long)
-    resp_tok = torch.zeros(len(seqs), r, dtype=torch.long)
-    at = 0
-    for g in groups:
-        p = prompt_lens[g[0]]
-        last_prompt = at + p - 1  # predicts every member's first response token
-        for k, i in enumerate(g):
-            part = seqs[i] if k == 0 else seqs[i][p:]
-            ids.append(part)
-            pos.append(torch.arange(part.numel()) + (0 if k == 0 else p))
-            seg_lens.append(part.numel())
-            first = at + (p if k == 0 else 0)  # where this member's response starts in the row
-            n = r_lens[i]
-            if n:
-                resp_idx[i, 0] = last_prompt
-                resp_idx[i, 1:n] = torch.arange(first, first + n - 1)
-                resp_tok[i, :n] = seqs[i][p:]
-            at += part.numel()
-    total = at
-    t = -(-total // pad_to_multiple) * pad_to_multiple
-    num_pad = t - total
-    ids = torch.cat(ids + [torch.full((num_pad,), pad_id, dtype=torch.long)])
-    pos = torch.cat(pos + [torch.arange(num_pad)])
-    cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(seg_lens), 0)
-    # next token within each segment (the shared prompt's last label is its first member's token)
-    labels = torch.roll(ids, -1)
-    labels[cu[1:].long() - 1] = pad_id
-    labels[total:] = pad_id
-    resp_mask = torch.arange(r)[None] < torch.tensor(r_lens)[:, None]
-    return PackedBatch(
-        input_ids=ids[None].to(device), position_ids=pos[None].to(device), labels=labels[None].to(device),
-        cu_seqlens=cu.to(device), seq_lens=seg_lens, max_seqlen=max(seg_lens), num_pad=num_pad,
-        response_index=resp_idx.to(device), response_mask=resp_mask.to(device), response_tokens=resp_tok.to(device))
-
-
-def gather_response_logprobs(hidden: torch.Tensor, packed: PackedBatch, token_logprobs) -> tuple:
-    """Score only the response tokens: hidden [T, H] at each response token's predicting position ->
-    token_logprobs(hidden_sel [N, H], labels [N]) -> (logp [N], entropy [N] | None) -> [B, R] each
-    (0 past each end). Works for shared-prompt packs (where per-position labels cannot) and skips the
-    LM head on prompt tokens. Differentiable."""
-    if packed.response_index is None or packed.response_tokens is None:
-        raise ValueError("gather_response_logprobs needs pack(..., prompt_lens=...)")
-    m = packed.response_mask
-    logp, ent = token_logprobs(hidden[packed.response_index[m]], packed.response_tokens[m])
-
-    def spread(x):
-        return None if x is None else x.new_zeros(m.shape).masked_scatter(m, x)
-
-    return spread(logp), spread(ent)
-
-
-def _flat(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """[1, T, ...] or [T, ...] -> [T, ...]."""
-    if per_token.dim() >= 2 and per_token.shape[0] == 1 and per_token.shape[1] == packed.num_tokens:
-        return per_token[0]
-    if per_token.shape[0] != packed.num_tokens:
-        raise ValueError(f"per-token tensor of shape {tuple(per_token.shape)} does not match the packed length "
-                         f"{packed.num_tokens}")
-    return per_token
-
-
-def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """[1, T, ...] per-token outputs -> B tensors [L_i, ...] (padding tail dropped)."""
-    x = _flat(per_token, packed)
-    return list(torch.split(x[: sum(packed.seq_lens)], packed.seq_lens))
-
-
-def unpack_responses(per_token: torch.Tensor, packed: PackedBatch, *, pad_value: float = 0.0) -> torch.Tensor:
-    """Per-token outputs at the *predicting* positions -> response-aligned [B, R, ...].
-
-    per_token: [1, T, ...] (e.g. log-probs of `packed.labels`, entropies, values). Entry [i, j] is
-    the output for response token j of sequence i; positions past a response end hold pad_value.
-    Differentiable (a gather).
-    """
-    if packed.response_index is None:
-        raise ValueError("unpack_responses needs pack(..., prompt_lens=...) to know where responses start")
-    x = _flat(per_token, packed)
-    out = x[packed.response_index]  # [B, R, ...]
-    m = packed.response_mask.view(*packed.response_mask.shape, *([1] * (out.dim() - 2)))
-    return torch.where(m, out, torch.full_like(out, pad_value))
-
-
-def responses_to_packed(x: torch.Tensor, packed: PackedBatch, *, fill: float = 0.0) -> torch.Tensor:
-    """Inverse of unpack_responses: [B, R] response-aligned values -> [1, T] at the predicting
-    positions (fill elsewhere); e.g. advantages for a loss computed on the packed row."""
-    if packed.response_index is None:
-        raise ValueError("responses_to_packed needs pack(..., prompt_lens=...)")
-    out = torch.full((packed.num_tokens,), fill, dtype=x.dtype, device=x.device)
-    m = packed.response_mask
-    out[packed.response_index[m]] = x[m]
-    return out[None]

@@ -17,7 +17,7 @@ from ppo.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 from ppo.placement import Placement
 from ppo.rewards import RewardSample
 from ppo.settings import PPOSettings, RolesSettings, WorkerLayout
-from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads
+from ppo.workers import CriticWorker, PolicyWorker, ShardedWorker, WorkerSpec, model_dtype, score_heads, to_host
 
 
 def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: int):
@@ -94,8 +94,8 @@ class RewardModelWorker(ShardedWorker):
             results = self.runner.forward(batches, reduce=last_scores)
             if not self.is_owner or results is None:
                 continue
-            for mb, scores in zip(mini, results):
-                for i, v in zip(mb, scores.float().cpu()):
+            for mb, scores in zip(mini, to_host(results)):
+                for i, v in zip(mb, scores):
                     out[exp.samples[i].uid] = v
         return {"score": out}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,9 @@ from models.logprobs import compute_token_logprobs
 from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
-from ppo.batching import gather_response_logprobs, pack, plan_micro_batches, unpack_responses
+from ppo.batching import plan_micro_batches
 from ppo.experience import Experience, Sample
+from ppo.packing import copy_to_device, gather_response_logprobs, pack_prompt_responses, unpack_responses
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,14 +133,15 @@ class ShardedWorker:
         return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
 
     def _pack(self, samples: list[Sample], pad_id: int):
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        return pack(seqs, pad_id=pad_id, prompt_lens=[len(s.prompt_ids) for s in samples], device=self.device,
-                    share_prompts=self.share_prompts)
+        return pack_prompt_responses([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id=pad_id,
+                                     device=self.device, share_prompts=self.share_prompts)
 
     def _packs(self, exp: Experience, mbs: list[list[int]], pad_id: int):
-        """Packed micro-batches of one mini-batch and their runner inputs."""
-        packs = [self._pack([exp.samples[i] for i in mb], pad_id) for mb in mbs]
-        return packs, [MicroBatch(p.input_ids, p.position_ids) for p in packs]
+        """Packed micro-batches of one mini-batch and their runner inputs, both packed on first access:
+        a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
+        needs every shape up front, like the pipeline schedule, simply packs them all first)."""
+        packs = LazyList(len(mbs), lambda k: self._pack([exp.samples[i] for i in mbs[k]], pad_id))
+        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids))
 
     def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
         """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
@@ -165,7 +168,8 @@ class ShardedWorker:
         for _ in range(epochs):
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
-                mbts = [{k: v[mb] for k, v in tensors.items()} for mb in mbs]
+                # every micro-batch's [B_k, R] tensors queued for the device now, one pinned copy each (no sync)
+                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device) for mb in mbs]
                 denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
 
@@ -244,9 +248,10 @@ class PolicyWorker(ShardedWorker):
                 packs[k], h, with_entropy=with_entropy))
             if not self.is_owner or results is None:
                 continue
-            for mb, (logp, ent) in zip(mini, results):
-                logp = logp.float().cpu()  # one device->host copy per micro-batch, then split on the host
-                ent = ent.float().cpu() if ent is not None else None
+            # one device->host copy per mini-batch (not a sync per micro-batch), then split on the host
+            logps = to_host([logp for logp, _ in results])
+            ents = to_host([ent for _, ent in results]) if results[0][1] is not None else [None] * len(results)
+            for mb, logp, ent in zip(mini, logps, ents):
                 for j, i in enumerate(mb):
                     s = exp.samples[i]
                     n = len(s.response_ids)
@@ -276,9 +281,30 @@ class PolicyWorker(ShardedWorker):
         return out
 
 
+class LazyList(Sequence):
+    """n items, item k built by make(k) on first access and kept."""
+
+    def __init__(self, n: int, make):
+        self._items, self._make = [None] * n, make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, k: int):
+        if self._items[k] is None:
+            self._items[k] = self._make(k)
+        return self._items[k]
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors -> fp32 CPU copies of the same shapes, through one concatenated copy (one sync)."""
+    flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
+    return [x.view(t.shape) for x, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
+
+
 def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
-    """Response-aligned [B, R_max] CPU tensors -> [B, width] on the device (width = longest response)."""
-    return {k: v[:, :width].to(device) for k, v in tensors.items()}
+    """Response-aligned [B, R_max] tensors (on the device already) -> [B, width] (width = longest response)."""
+    return {k: v[:, :width].to(device).contiguous() for k, v in tensors.items()}
 
 
 def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
@@ -310,8 +336,7 @@ class CriticWorker(ShardedWorker):
             results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_values(packs[k], h))
             if not self.is_owner or results is None:
                 continue
-            for mb, values in zip(mini, results):
-                values = values.cpu()
+            for mb, values in zip(mini, to_host(results)):
                 for j, i in enumerate(mb):
                     s = exp.samples[i]
                     out[s.uid] = values[j, : len(s.response_ids)]

@@ -90,3 +90,21 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     assert fused_m["pg_loss"] == pytest.approx(recomputed_m["pg_loss"], abs=1e-6)
     assert "entropy" in fused_m and "entropy" not in recomputed_m  # fused: the update measures the entropy
     load_worker_state(actor, before)
+
+
+def test_lazy_packs_build_each_item_once_on_first_access():
+    from ppo.workers import LazyList
+
+    built = []
+    items = LazyList(3, lambda k: built.append(k) or k * 10)
+    assert built == [] and len(items) == 3
+    assert items[1] == 10 and items[1] == 10 and built == [1]
+    assert list(items) == [0, 10, 20] and built == [1, 0, 2]  # a pipeline runner's list(): all, in order
+
+
+def test_to_host_is_one_copy_of_every_shape():
+    from ppo.workers import to_host
+
+    xs = [torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(4), torch.randn(1, 1, dtype=torch.float64)]
+    for x, y in zip(xs, to_host(xs)):
+        assert y.dtype == torch.float32 and torch.equal(y, x.float())
