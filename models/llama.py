@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.document_layout import DocumentLayout
 
 
 class AttentionBackend(Protocol):
@@ -63,7 +64,7 @@ class DocumentAttention:
     with the mask path, else the mask.
     """
 
-    def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto"):
+    def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto", layout: DocumentLayout | None = None):
         if backend not in ("auto", "mask", "varlen"):
             raise ValueError(f"DocumentAttention backend {backend!r}: use auto, mask or varlen")
         if backend == "varlen" and not position_ids.is_cuda:
@@ -71,23 +72,27 @@ class DocumentAttention:
         self.position_ids = position_ids
         self.backend = backend
         self._mask: torch.Tensor | None = None
-        self._varlen: tuple[torch.Tensor, int] | None = None
-        self._prefix: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (key index, cu_k, max_k)
-        # everything data-dependent (host syncs, the GPU probe) happens here, eagerly, so layers
-        # compiled with torch.compile see only tensor work in __call__
-        # a segment that starts past position 0 inside a row continues that row's last root
-        self.continues = bool(((position_ids[:, 1:] <= position_ids[:, :-1]) & (position_ids[:, 1:] > 0)).any())
+        self.layout: DocumentLayout | None = None  # the varlen path's segments and keys
+        # everything data-dependent (host work, the GPU probe) happens here, eagerly, so layers compiled
+        # with torch.compile see only tensor work in __call__. `layout` (the packer computes it on the
+        # host: models/document_layout.py) saves the one device->host copy of the positions.
         if position_ids.is_cuda and backend != "mask":
+            self.layout = layout or DocumentLayout.from_positions(position_ids)
             if backend == "auto":
                 for dtype in (torch.bfloat16, torch.float16):
                     _varlen_ok(position_ids.device, dtype)
                     if self.continues:
                         _varlen_ok(position_ids.device, dtype, prefix=True)
-            self._varlen = self._cu_seqlens(position_ids)
-            if self.continues:
-                self._prefix = self._prefix_keys(position_ids, self._varlen[0])
         else:
             self._mask = self._document_mask(position_ids)
+
+    @property
+    def continues(self) -> bool:
+        """Some segment continues a root (it starts past position 0 inside a row)."""
+        if self.layout is not None:
+            return self.layout.continues
+        pos = self.position_ids
+        return bool(((pos[:, 1:] <= pos[:, :-1]) & (pos[:, 1:] > 0)).any())
 
     @property
     def mask(self) -> torch.Tensor:
@@ -110,39 +115,8 @@ class DocumentAttention:
                      & (position_ids[:, None, :] < start_pos[:, :, None]))
         return (mask | sees_root)[:, None]
 
-    @staticmethod
-    def _cu_seqlens(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(cu_seqlens int32 [num_docs + 1] over the flattened B*T tokens, longest document)."""
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]  # every row also starts a document
-        first = starts.reshape(-1).nonzero().squeeze(1)
-        cu = torch.cat([first, first.new_tensor([pos.numel()])]).to(torch.int32)
-        return cu, int((cu[1:] - cu[:-1]).max())  # one host sync per forward, not per layer
-
-    @staticmethod
-    def _prefix_keys(pos: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Keys of every segment (cu: the segment boundaries of _cu_seqlens) over the flattened B*T
-        tokens: a root's own tokens; a continuation's root tokens before its start position, then its
-        own. Returns (key index into the flattened tokens, cu_seqlens_k int32, longest key run)."""
-        flat, bounds = pos.reshape(-1).cpu(), cu.cpu().tolist()  # one host round trip per forward
-        t = pos.shape[1]
-        runs, root = [], None  # root: flat index of the current row's last root segment
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            s0 = int(flat[a])
-            if a % t == 0:
-                root = None
-            if s0 == 0 or root is None:  # a root (or a row that starts mid-sequence: nothing to continue)
-                root = a if s0 == 0 else None
-                runs.append(torch.arange(a, b))
-            else:
-                runs.append(torch.cat([torch.arange(root, root + s0), torch.arange(a, b)]))
-        lens = torch.tensor([len(r) for r in runs])
-        cu = torch.zeros(len(runs) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lens, 0)
-        return torch.cat(runs).to(pos.device), cu.to(pos.device), int(lens.max())
-
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        use_varlen = self._varlen is not None and (
+        use_varlen = self.layout is not None and (
             self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype)
                                          and (not self.continues or _varlen_ok(q.device, q.dtype, prefix=True)))
         )
@@ -159,17 +133,17 @@ class DocumentAttention:
         from torch.nn.attention.varlen import varlen_attn
 
         b, hq, t, d = q.shape
-        cu, max_len = self._varlen
+        lay = self.layout
+        cu, max_len = lay.cu_seqlens, lay.max_len
         kwargs, expand = _varlen_kwargs(gqa=hq != k.shape[1])
         if expand:  # this torch's varlen_attn has no GQA: give every query head its own K/V head
             k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
         flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]  # [B*T, H, D]
-        if self._prefix is None:
+        if not lay.continues:
             out = varlen_attn(*flat, cu, cu, max_len, max_len, **kwargs)
         else:  # continuation segments: gathered keys; causal is bottom-right aligned (probed at startup)
-            index, cu_k, max_k = self._prefix
-            out = varlen_attn(flat[0], flat[1].index_select(0, index), flat[2].index_select(0, index),
-                              cu, cu_k, max_len, max_k, **kwargs)
+            out = varlen_attn(flat[0], flat[1].index_select(0, lay.key_index), flat[2].index_select(0, lay.key_index),
+                              cu, lay.cu_seqlens_k, max_len, lay.max_k, **kwargs)
         return out.view(b, t, hq, d).transpose(1, 2)
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from models.megatron_model import head_weight, megatron_hidden
 from parallel.megatron_groups import assert_no_global_state
 from parallel.megatron_weights import gather_hf_state, megatron_hf_shards, megatron_reshard_shards
-from parallel.runner import split_loss
+from parallel.runner import attention_for, split_loss
 
 
 @dataclass(slots=True)
@@ -232,7 +232,7 @@ class MegatronRunner:
     # ---- compute
     def _hidden(self, mb, *, hidden_in=None) -> torch.Tensor:
         """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout)."""
-        attn = self.attn_factory(mb.position_ids) if self.attn_factory is not None else None
+        attn = attention_for(self.attn_factory, mb)
         return megatron_hidden(self.gpt, mb.input_ids if self.has_first else None, mb.position_ids, attn=attn,
                                hidden_in=hidden_in)
 

@@ -69,6 +69,15 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [1, T] token ids (read by the first stage only)
     position_ids: torch.Tensor  # [1, T] restarting at 0 per document (every stage: RoPE and masks)
+    layout: Any = None  # the packer's models.document_layout.DocumentLayout of position_ids, if it made one
+
+
+def attention_for(attn_factory: Callable | None, mb: MicroBatch):
+    """attn_factory(position_ids) for one micro-batch, given the packer's layout when it has one (the
+    factory then needs no device->host copy of the positions)."""
+    if attn_factory is None:
+        return None
+    return attn_factory(mb.position_ids) if mb.layout is None else attn_factory(mb.position_ids, layout=mb.layout)
 
 
 ReduceFn = Callable[[torch.Tensor, int], Any]
@@ -297,8 +306,7 @@ class NativeRunner:
             norm = self._grad_norm([p.grad for p in params if p is not twice])
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+                torch._foreach_mul_(grads, coef)  # a few fused launches, not one per parameter
         optimizer.step()
         return norm
 
@@ -347,8 +355,7 @@ class LocalRunner(NativeRunner):
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
         from parallel.apply import forward_hidden
 
-        attn = self.attn_factory(mb.position_ids) if self.attn_factory is not None else None
-        return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attn)
+        return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attention_for(self.attn_factory, mb))
 
     @torch.no_grad()
     def forward(self, batches: Sequence[MicroBatch], *, reduce: ReduceFn) -> list:

@@ -355,7 +355,7 @@ class PolicyLossSettings:
 def compute_policy_loss(logp: torch.Tensor, *, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         settings: PolicyLossSettings, entropy: torch.Tensor | None = None,
                         ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
-                        denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                        denom: float | None = None, sync_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The actor's loss: clipped surrogate - entropy_coef * entropy + kl_loss_coef * KL(pi || ref).
 
     logp (differentiable), old_logp, advantages, mask, entropy, ref_logp: [B, T] -> (loss scalar,
@@ -364,7 +364,9 @@ def compute_policy_loss(logp: torch.Tensor, *, old_logp: torch.Tensor, advantage
     Each term is aggregated with settings.agg over `denom` (the global count, see agg_loss).
     The surrogate is settings.kind's (vanilla or GSPO); `rollout_logp` (the engine's behaviour
     log-probs) adds the rollout_corr/* mismatch metrics and settings.rollout_correction's weights.
-    metrics: policy_loss's, rollout_corr/*, pg_loss, entropy (masked token mean), kl_loss.
+    metrics: policy_loss's, rollout_corr/*, pg_loss, entropy (masked token mean), kl_loss: floats, or
+    0-d tensors with sync_metrics=False (no device sync before backward: the caller converts them
+    once its micro-batch loop is done).
     """
     from ppo.policy_losses import compute_policy_objective  # it builds on this module
     s = settings
@@ -373,17 +375,18 @@ def compute_policy_loss(logp: torch.Tensor, *, old_logp: torch.Tensor, advantage
     if s.needs_ref and ref_logp is None:
         raise ValueError("use_kl_loss needs the reference log-probs (ref_logp)")
     loss, metrics = compute_policy_objective(logp, old_logp, advantages, mask, cfg=s, rollout_logp=rollout_logp,
-                                             denom=denom)
-    metrics["pg_loss"] = float(loss.detach())
+                                             denom=denom, sync_metrics=sync_metrics)
+    out = float if sync_metrics else torch.Tensor.detach
+    metrics["pg_loss"] = out(loss.detach())
     if entropy is not None:
-        metrics["entropy"] = float(masked_mean(entropy.detach().float(), mask.float()))
+        metrics["entropy"] = out(masked_mean(entropy.detach().float(), mask.float()))
         if s.needs_entropy:
             loss = loss - s.entropy_coef * agg_loss(entropy, mask, s.agg, denom=denom, max_len=s.max_len)
     if s.needs_ref:
         kl_loss = agg_loss(kl_estimate(logp, ref_logp, kind=s.kl_loss_type), mask, s.agg, denom=denom,
                            max_len=s.max_len)
         loss = loss + s.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = float(kl_loss.detach())
+        metrics["kl_loss"] = out(kl_loss.detach())
     return loss, metrics
 
 

@@ -1,7 +1,8 @@
 """Sequence packing: B token sequences -> one row of T tokens for the model (PackedBatch), and back.
 
     packed = pack_prompt_responses(prompts, responses, pad_id=0, device="cuda", share_prompts=True)
-    hidden = model.hidden_states(packed.input_ids, packed.position_ids, attn=DocumentAttention(packed.position_ids))
+    hidden = model.hidden_states(packed.input_ids, packed.position_ids,
+                                 attn=DocumentAttention(packed.position_ids, layout=packed.layout))
     logp, _ = gather_response_logprobs(hidden[0], packed, token_logprobs)   # [B, R]
 
 The packer runs on the host between micro-batches, so it is vectorised (numpy over the concatenated
@@ -18,6 +19,8 @@ from itertools import chain
 
 import numpy as np
 import torch
+
+from models.document_layout import DocumentLayout, host_layout
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class PackedBatch:
     flat_response_index: torch.Tensor | None = None  # [N] response_index[response_mask]
     flat_response_tokens: torch.Tensor | None = None  # [N] response_tokens[response_mask]
     flat_response_slot: torch.Tensor | None = None  # [N] i * R + j of each masked entry [i, j]
+    layout: DocumentLayout | None = None  # the documents for varlen attention, computed here on the host
 
     @property
     def num_tokens(self) -> int:
@@ -214,7 +218,10 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
     for name in ("response_index", "response_tokens", "response_mask"):
         if name in out:
             out[name] = out[name].view(b, r)
-    return PackedBatch(**out, seq_lens=seg_lens.tolist(), max_seqlen=int(seg_lens.max()), num_pad=t - total)
+    doc = host_layout(pos[None])
+    doc |= copy_to_device({k: torch.from_numpy(doc[k]) for k in ("cu", "key_index", "cu_k") if k in doc}, device)
+    return PackedBatch(**out, seq_lens=seg_lens.tolist(), max_seqlen=int(seg_lens.max()), num_pad=t - total,
+                       layout=DocumentLayout.from_arrays(doc, device))
 
 
 def copy_to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

@@ -143,7 +143,8 @@ class Roles:
             return algos.compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t["old_logp"],
                                              advantages=t["advantages"], mask=t["mask"], settings=settings,
                                              entropy=entropy, ref_logp=t.get("ref_logp"),
-                                             rollout_logp=t.get("rollout_logp"), denom=denom)
+                                             rollout_logp=t.get("rollout_logp"), denom=denom,
+                                             sync_metrics=False)  # the update converts them after its loop
 
         mine = {k: tensors[k] for k in keys}
         if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
@@ -158,8 +159,8 @@ class Roles:
 
         def loss_fn(values, t, denom):
             loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=v.clip, agg=v.agg,
-                                       denom=denom)
-            m["vf_loss"] = float(loss.detach())
+                                       denom=denom, sync_metrics=False)
+            m["vf_loss"] = loss.detach()  # converted after the update's micro-batch loop
             return loss, m
 
         return self.critic.update(exp, self.critic_plan(exp, max_tokens),

@@ -141,7 +141,8 @@ class ShardedWorker:
         a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
         needs every shape up front, like the pipeline schedule, simply packs them all first)."""
         packs = LazyList(len(mbs), lambda k: self._pack([exp.samples[i] for i in mbs[k]], pad_id))
-        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids))
+        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
+                                                                 packs[k].layout))
 
     def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
         """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,

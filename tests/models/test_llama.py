@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models import DocumentAttention, LlamaForValue, build_model, preset_config
+from models.document_layout import DocumentLayout
 from models.llama import document_ids_from_positions
 
 
@@ -73,7 +74,7 @@ def test_varlen_equals_mask_on_gpu(dtype):
     seqs, packed, pos = _packed([37, 5, 100, 64, 50], device="cuda")  # 256 tokens, uneven documents
     _assert_varlen_matches_mask(model, packed, pos)
     auto = DocumentAttention(pos)
-    assert auto._varlen is not None  # the probe accepted varlen on this GPU
+    assert auto.layout is not None and not auto.continues  # the varlen path's layout is built
 
 
 def test_rope_frequencies_stay_fp32():
@@ -119,10 +120,10 @@ def test_varlen_layout_with_reference_kernel(monkeypatch, api):
     fake_varlen.__signature__ = real_sig
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1]])
-    cu, max_len = DocumentAttention._cu_seqlens(pos)
-    assert cu.tolist() == [0, 3, 7, 8, 14, 16] and max_len == 6
+    layout = DocumentLayout.from_positions(pos)
+    assert layout.cu_seqlens.tolist() == [0, 3, 7, 8, 14, 16] and layout.max_len == 6 and not layout.continues
     attn = DocumentAttention(pos, backend="mask")
-    attn._varlen = (cu, max_len)
+    attn.layout = layout
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 8, 16, generator=gen) for h in (4, 2, 2))
     torch.testing.assert_close(attn._varlen_attention(q, k, v), attn(0, q, k, v), rtol=0, atol=1e-6)
@@ -163,7 +164,9 @@ def test_shared_prompt_continuations_equal_full_sequences_with_grads():
 
 def test_prefix_key_index_and_rows_without_a_root():
     pos = torch.tensor([[0, 1, 2, 3, 2, 3, 0, 1], [4, 5, 6, 0, 1, 1, 2, 2]])
-    index, cu, max_k = DocumentAttention._prefix_keys(pos, DocumentAttention._cu_seqlens(pos)[0])
+    lay = DocumentLayout.from_positions(pos)
+    index, cu, max_k = lay.key_index, lay.cu_seqlens_k, lay.max_k
+    assert lay.continues and lay.cu_seqlens.tolist() == [0, 4, 6, 8, 11, 13, 15, 16]
     # row 0: root [0..3], continuation at 2 sees root tokens 0, 1 then itself, then a new root;
     # row 1: starts mid-sequence (no root: plain), root [11, 12], continuation [13, 14] from position 1
     # sees token 11, continuation [15] from position 2 sees tokens 11, 12
@@ -182,4 +185,45 @@ def test_shared_prompt_varlen_equals_mask_on_gpu():
     model = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=4)
     _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
     _assert_varlen_matches_mask(model, ids, pos)
-    assert DocumentAttention(pos)._prefix is not None  # the probe accepted bottom-right causal varlen
+    assert DocumentAttention(pos).continues  # (and the probe accepted bottom-right causal varlen)
+
+
+def _naive_prefix_keys(pos: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """Segment bounds, key index and key bounds by walking the segments (the layout's definition)."""
+    b, t = pos.shape
+    flat = pos.reshape(-1).tolist()
+    bounds = [i for i in range(b * t) if i % t == 0 or flat[i] <= flat[i - 1]] + [b * t]
+    index, cu_k, root = [], [0], None
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        if a % t == 0:
+            root = None
+        if flat[a] == 0 or root is None:
+            root = a if flat[a] == 0 else None
+            index += list(range(a, e))
+        else:
+            index += list(range(root, root + flat[a])) + list(range(a, e))
+        cu_k.append(len(index))
+    return bounds, index, cu_k
+
+
+def test_host_layout_equals_walking_the_segments_on_random_rows():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, t = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        # runs that restart at 0 or continue from a random earlier position
+        pos = torch.zeros(b, t, dtype=torch.long)
+        for r in range(b):
+            at = 0
+            while at < t:
+                n = int(torch.randint(1, 9, (1,), generator=gen))
+                s0 = int(torch.randint(0, 6, (1,), generator=gen)) * int(torch.rand(1, generator=gen) < 0.6)
+                pos[r, at:at + n] = torch.arange(s0, s0 + n)[: t - at]
+                at += n
+        lay = DocumentLayout.from_positions(pos)
+        bounds, index, cu_k = _naive_prefix_keys(pos)
+        assert lay.cu_seqlens.tolist() == bounds
+        cont = bool(((pos[:, 1:] <= pos[:, :-1]) & (pos[:, 1:] > 0)).any())
+        assert lay.continues == cont
+        if cont:
+            assert lay.key_index.tolist() == index and lay.cu_seqlens_k.tolist() == cu_k
+            assert lay.max_k == max(b2 - a2 for a2, b2 in zip(cu_k[:-1], cu_k[1:]))

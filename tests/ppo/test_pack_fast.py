@@ -203,3 +203,22 @@ def test_cuda_pack_is_one_pinned_copy_and_equals_the_cpu_pack():
             a, b = getattr(cpu, name), getattr(gpu, name)
             assert b.is_cuda and b.untyped_storage().data_ptr() == base, name  # views of one device copy
             assert torch.equal(a, b.cpu()), name
+
+
+def test_packs_carry_the_document_layout_of_their_positions():
+    # the varlen attention's segments and shared-prompt keys, computed on the host by the packer, equal
+    # what DocumentAttention would derive from the device positions
+    from models.document_layout import DocumentLayout
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [[5, 6, 7]] * 3 + [[9, 9]] * 2 + [[4]]
+    responses = [torch.randint(1, 50, (int(n),), generator=gen).tolist() for n in (4, 0, 6, 2, 3, 5)]
+    for share in (False, True):
+        packed = pack_prompt_responses(prompts, responses, pad_id=0, share_prompts=share, pad_to_multiple=8)
+        want = DocumentLayout.from_positions(packed.position_ids)
+        got = packed.layout
+        assert (got.max_len, got.continues, got.max_k) == (want.max_len, want.continues, want.max_k) and \
+            got.continues == share
+        for name in ("cu_seqlens", "key_index", "cu_seqlens_k"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name

@@ -1,0 +1,78 @@
+"""Where each packed document starts and which keys it sees: what varlen attention needs, computed
+on the host from the position ids.
+
+    layout = DocumentLayout.from_positions(position_ids)        # one device->host copy
+    layout = DocumentLayout.from_arrays(host_layout(pos_np), device)   # the packer: no device sync
+    DocumentAttention(position_ids, layout=layout)
+
+A new segment starts wherever the position does not increase (and at every row start). A segment
+whose first position is 0 is a root; one starting at s > 0 continues the row's last root and also
+sees that root's first s tokens (a GRPO prompt packed once with its n responses). Over the flattened
+B*T tokens: cu_seqlens [S+1] int32 (segment boundaries), and for continuations the key index [K]
+(each segment's keys: its root's first s tokens, then its own) with cu_seqlens_k [S+1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [starts[k], starts[k] + lens[k]) (lens >= 0) as one int64 array."""
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
+def host_layout(pos: np.ndarray) -> dict:
+    """pos [B, T] int -> {"cu": int32 [S+1], "max_len": int, "continues": bool, and when it continues
+    "key_index": int64 [K], "cu_k": int32 [S+1], "max_k": int}."""
+    b, t = pos.shape
+    starts = np.ones((b, t), dtype=bool)
+    starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]  # every row also starts a segment
+    cont = starts[:, 1:] & (pos[:, 1:] > 0)
+    first = np.flatnonzero(starts.reshape(-1))
+    cu = np.append(first, b * t).astype(np.int32)
+    lens = np.diff(cu).astype(np.int64)
+    out = {"cu": cu, "max_len": int(lens.max()), "continues": bool(cont.any())}
+    if not out["continues"]:
+        return out
+    s0 = pos.reshape(-1)[first]
+    root = np.where(s0 == 0, first, -1)
+    last_root = np.maximum.accumulate(root)  # the latest root segment at or before each segment...
+    sees = (s0 > 0) & (last_root >= first - first % t)  # ...counts only inside the same row
+    pre = np.where(sees, s0, 0)
+    # per segment two runs of keys: the root's first s0 tokens (continuations only), then its own
+    run_starts = np.stack([np.where(sees, last_root, 0), first], 1).reshape(-1)
+    run_lens = np.stack([pre, lens], 1).reshape(-1)
+    key_lens = pre + lens
+    cu_k = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(key_lens, out=cu_k[1:])
+    return out | {"key_index": _ranges(run_starts, run_lens), "cu_k": cu_k, "max_k": int(key_lens.max())}
+
+
+@dataclass(slots=True)
+class DocumentLayout:
+    """host_layout's arrays as tensors on the attention's device (the ints stay host ints)."""
+
+    cu_seqlens: torch.Tensor  # int32 [S+1]
+    max_len: int
+    continues: bool
+    key_index: torch.Tensor | None = None  # int64 [K]
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [S+1]
+    max_k: int = 0
+
+    @classmethod
+    def from_arrays(cls, arrays: dict, device) -> DocumentLayout:
+        """From host_layout's dict whose arrays may already be tensors on the device (the packer's)."""
+        def dev(x):
+            return None if x is None else torch.as_tensor(x).to(device)
+
+        return cls(dev(arrays["cu"]), arrays["max_len"], arrays["continues"], dev(arrays.get("key_index")),
+                   dev(arrays.get("cu_k")), arrays.get("max_k", 0))
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor) -> DocumentLayout:
+        """One device->host copy of the positions (callers without a packer-made layout)."""
+        return cls.from_arrays(host_layout(position_ids.cpu().numpy()), position_ids.device)
