@@ -306,7 +306,9 @@ class NativeRunner:
             norm = self._grad_norm([p.grad for p in params if p is not twice])
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(grads, coef)  # a few fused launches, not one per parameter
+                # a few fused launches, not one per parameter; DTensor grads are scaled through their local
+                # shards (in place), since one foreach op cannot mix DTensors with plain tensors
+                torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
         optimizer.step()
         return norm
 

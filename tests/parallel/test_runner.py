@@ -1,6 +1,6 @@
 """The runner interface: LocalRunner (pp = 1, here also FSDP dp = 2) and PipelineRunner (pp = 2)
 give the single-process LocalRunner's forward results, losses, clipped gradients and grad norm and
-HF export, over the same packed micro-batches of different lengths; also for a tied-embedding Qwen3
+HF export (and a TP = 2 critic, DTensor trunk beside a plain head, its clipped gradients), over the same packed micro-batches of different lengths; also for a tied-embedding Qwen3
 at pp = 2 (both stage copies get the whole gradient, counted once in the norm, and stay equal)."""
 
 from __future__ import annotations
@@ -92,7 +92,26 @@ def _body(rank, world):
                                n_microbatches=4, attn_factory=DocumentAttention)
     out["values"] = runner.forward(_batches(), reduce=lambda h, k: F.linear(h.float(), runner.head("score")[0]))
     out["value_export"] = runner.export_state_dict()
+    # a TP=2 value model: DTensor trunk grads beside the plain score head's, clipped in one step
+    dims = ParallelDims(tp=2)
+    runner = parallelize_model(_critic(), mesh=build_mesh(dims, list(range(world)), device_type="cpu"), dims=dims,
+                               attn_factory=DocumentAttention)
+    out["tp2_critic"] = _clipped_value_grads(runner)
     return out
+
+
+def _clipped_value_grads(runner) -> tuple[float, dict]:
+    """(grad norm, full clipped gradients by name) after one value-loss step clipped to a small norm."""
+    batches = _batches()
+
+    def loss_fn(h, k):
+        return F.linear(h.float(), runner.head("score")[0]).square().mean(), {}
+
+    opt = runner.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    runner.forward_backward(batches, loss_fn=loss_fn)
+    norm = runner.optimizer_step(opt, max_norm=1e-3)
+    return norm, {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                  for n, p in runner.named_parameters()}
 
 
 @pytest.mark.distributed
@@ -136,3 +155,11 @@ def test_runners_equal_the_single_process_runner():
         want = [critic(mb.input_ids, mb.position_ids, attn=DocumentAttention(mb.position_ids)) for mb in _batches()]
     for got, w in zip(res[1]["values"], want, strict=True):
         torch.testing.assert_close(got.squeeze(-1), w, rtol=1e-5, atol=1e-5)
+    ref_norm, ref_grads = _clipped_value_grads(LocalRunner(_critic(), attn_factory=DocumentAttention))
+    assert ref_norm > 1e-2  # the clip to 1e-3 acts
+    for r in res:
+        norm, grads = r["tp2_critic"]
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-9, msg=n)
