@@ -117,6 +117,17 @@ def _packing_case(native, gpt):
     return max(err, (packed - native_packed).abs().max().item())
 
 
+def _export_case(native, runner, rank, *, exact_names: bool = False) -> bool:
+    """The TP all-gathered HF export equals the native parameters (only the exporter rank gets it).
+    exact_names: the export holds exactly the native names, a tied head's alias included."""
+    full = runner.export_state_dict()
+    if rank:
+        return full is None
+    want = {n: p.detach() for n, p in native.named_parameters(remove_duplicate=not exact_names)}
+    names_ok = set(full) == set(want) if exact_names else set(full) >= set(want)
+    return names_ok and all(torch.equal(full[n], want[n]) for n in want)
+
+
 def _reshard_case(native, runner, pgc, world):
     """Megatron training shards (TP=world) -> generation TP=1 equal the native full tensors exactly."""
     from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
@@ -294,10 +305,7 @@ def _tp_body(rank, world):
                     out[(name, tp, "packing")] = _packing_case(native, gpt)
             if tp == 2 and name != "qwen2_bias":
                 out[(name, tp, "reshard")] = _reshard_case(native, runner, pgc, world)
-                full = runner.export_state_dict()  # TP all-gather; the exporter rank gets the whole model
-                want = {n: p.detach() for n, p in native.named_parameters()}
-                out[(name, tp, "export")] = full is None if rank else (
-                    set(full) >= set(want) and all(torch.equal(full[n], want[n]) for n in want))
+                out[(name, tp, "export")] = _export_case(native, runner, rank)
             if tp == 2 and name == "llama":  # (the native TP plan refuses tied heads at tp > 1)
                 out[(name, tp, "worker")] = _worker_case(native, rank, world)
                 out[(name, tp, "schedule")] = _schedule_case(native, runner)

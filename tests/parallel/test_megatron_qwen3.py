@@ -97,7 +97,7 @@ def _body(rank, world):
     from megatron.core import parallel_state
 
     from parallel.runner import MicroBatch
-    from tests.parallel.test_megatron import _gather_vocab, _megatron, _reshard_case
+    from tests.parallel.test_megatron import _export_case, _gather_vocab, _megatron, _reshard_case
 
     out = {}
     for name, build in (("tiny-qwen3", _tiny_qwen3), ("transformers", _transformers_qwen3)):
@@ -124,10 +124,7 @@ def _body(rank, world):
             out[(name, tp, "grads")], out[(name, tp, "qk_norm_grads")] = _grad_case(native, gpt, pgc, ids, pos)
             if tp == 2:
                 out[(name, tp, "reshard")] = _reshard_case(native, runner, pgc, world)
-                full = runner.export_state_dict()  # TP all-gather: the exporter rank gets the whole model
-                want = {n: p.detach() for n, p in native.named_parameters(remove_duplicate=False)}
-                out[(name, tp, "export")] = full is None if rank else (
-                    set(full) == set(want) and all(torch.equal(full[n], want[n]) for n in want))
+                out[(name, tp, "export")] = _export_case(native, runner, rank, exact_names=True)
     out["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
     return out
 

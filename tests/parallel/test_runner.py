@@ -1,7 +1,8 @@
 """The runner interface: LocalRunner (pp = 1, here also FSDP dp = 2) and PipelineRunner (pp = 2)
 give the single-process LocalRunner's forward results, losses, clipped gradients and grad norm and
-HF export (and a TP = 2 critic, DTensor trunk beside a plain head, its clipped gradients), over the same packed micro-batches of different lengths; also for a tied-embedding Qwen3
-at pp = 2 (both stage copies get the whole gradient, counted once in the norm, and stay equal)."""
+HF export, over the same packed micro-batches of different lengths; also for a tied-embedding Qwen3
+at pp = 2 (both stage copies get the whole gradient, counted once in the norm, and stay equal), and
+for a TP = 2 critic (DTensor trunk beside a plain score head: its clipped gradients)."""
 
 from __future__ import annotations
 
