@@ -25,6 +25,8 @@ def test_sigterm_is_recorded_and_grace_exits_75(capfd):
 
 def test_second_sigint_exits_at_once():
     exits = []
+    # the handler uninstall must restore: Python's default, or SIG_IGN in a job started in the background
+    before = signal.getsignal(signal.SIGINT)
     stop = StopRequest(grace_s=0, exit_fn=exits.append).install()
     try:
         os.kill(os.getpid(), signal.SIGINT)
@@ -35,7 +37,7 @@ def test_second_sigint_exits_at_once():
         assert exits == [130]
     finally:
         stop.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_stop_file(tmp_path):
