@@ -179,15 +179,15 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
         p, r_lens, first = responses
         b, r, n = len(r_lens), max(int(r_lens.max()), 1), int(r_lens.sum())
     # every integer array in one host buffer: int64 sections first, so each section stays aligned
-    layout = {name: (t, torch.int64) for name in ("input_ids", "position_ids", "labels")}
+    sections = {name: (t, torch.int64) for name in ("input_ids", "position_ids", "labels")}
     if responses is not None:
-        layout |= {name: (b * r, torch.int64) for name in ("response_index", "response_tokens")}
-        layout |= {name: (n, torch.int64) for name in ("flat_response_index", "flat_response_tokens",
-                                                        "flat_response_slot")}
-    layout["cu_seqlens"] = (s + 1, torch.int32)
+        sections |= {name: (b * r, torch.int64) for name in ("response_index", "response_tokens")}
+        sections |= {name: (n, torch.int64) for name in ("flat_response_index", "flat_response_tokens",
+                                                          "flat_response_slot")}
+    sections["cu_seqlens"] = (s + 1, torch.int32)
     if responses is not None:
-        layout["response_mask"] = (b * r, torch.bool)
-    buf = _HostBuffer(layout, device=device)
+        sections["response_mask"] = (b * r, torch.bool)
+    buf = _HostBuffer(sections, device=device)
     a = buf.arrays
     ids, pos, labels = a["input_ids"], a["position_ids"], a["labels"]
     ids[:total], ids[total:] = row, pad_id
@@ -240,11 +240,11 @@ class _HostBuffer:
     CUDA, so `to_device` is one non-blocking copy; the caching host allocator does not hand a pinned
     block out again before the copies recorded on it have run, so the buffer may be dropped right after."""
 
-    def __init__(self, layout: dict[str, tuple[int, torch.dtype]], *, device):
+    def __init__(self, sections: dict[str, tuple[int, torch.dtype]], *, device):
         self.device = torch.device(device)
         self.sections: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (byte offset, bytes, dtype)
         at = 0
-        for name, (count, dtype) in layout.items():
+        for name, (count, dtype) in sections.items():
             self.sections[name] = (at, count * dtype.itemsize, dtype)
             at += count * dtype.itemsize
         self.data = torch.empty(at, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
