@@ -4,7 +4,8 @@
 
 One layer of the engine's cache layout (B rows, 8 KV heads, 16 query heads, head dim 128), every row
 at the same position L (the new token's K/V is written there, positions [0, L] are attended). Each
-config (BLOCK_N, warps, stages) is timed inside a CUDA graph; bytes =
+config (BLOCK_N, warps, stages) and the default (rollout.triton_attention.tile_config) is timed inside a
+CUDA graph; bytes =
 the K/V read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best
 config per shape is checked against SDPA. The last stdout line is one JSON object.
 """
@@ -27,37 +28,52 @@ def configs() -> list[dict]:
             for n, (w, s) in itertools.product((32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
 
 
-def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float) -> dict:
-    """Rows in groups of n sharing positions [0, plen): the autotuned kernels read each group's prompt
-    once. Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output."""
+def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
+                      sweep: bool) -> dict:
+    """Rows in groups of n sharing positions [0, plen): the kernels read each group's prompt once.
+    Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output.
+
+    Timed with the default tile (tile_config) and, with `sweep`, with each fixed config."""
     import triton.testing
 
+    from rollout import triton_attention
     from rollout.shared_prefix import members_per_entry, shared_prefix_tables
-    from rollout.triton_attention import attend
 
     b, hkv, d, g = q.shape[0], k.shape[1], q.shape[-1], q.shape[1] // k.shape[1]
     groups = [(plen, list(range(i, min(b, i + n)))) for i in range(0, b, n)]
     for _, members in groups:  # one prefill row's copies are identical
         cache[:, :, members[1:], :, :plen] = cache[:, :, members[:1], :, :plen]
     tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=members_per_entry(g)))
-    fn = functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, prefix=tables)
-    fn()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench_cudagraph(fn, rep=50)
     nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
-    out = fn().float()
+
+    def timed(cfg) -> dict:
+        fn = functools.partial(triton_attention.attend, cache, 0, pos, q, k, v, ctx + 1, prefix=tables, config=cfg)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
+            return {"config": cfg, "error": f"{type(e).__name__}: {e}"[:120]}
+        return {"config": cfg or "default", "us": round(ms * 1e3, 2),
+                "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)}
+
+    default = timed(None)
+    out = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()
     kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
     ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
-    return {"samples_per_prompt": n, "prompt_len": plen, "us": round(ms * 1e3, 2),
-            "speedup_vs_unshared": round(unshared_us / (ms * 1e3), 3), "bytes_mb": round(nbytes / 1e6, 2),
-            "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4),
-            "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
+    row = {"samples_per_prompt": n, "prompt_len": plen, "us": default["us"],
+           "speedup_vs_unshared": round(unshared_us / default["us"], 3), "bytes_mb": round(nbytes / 1e6, 2),
+           "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
+    if sweep:
+        ok = sorted((t for t in map(timed, configs()) if "us" in t), key=lambda t: t["us"])
+        row["best"], row["top5"] = ok[0], ok[:5]
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
     import triton.testing
 
-    from rollout.triton_attention import attend, decode_attention
+    from rollout.triton_attention import attend, tile_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="32,64,256")
@@ -68,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
     ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
+    ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
     args = ap.parse_args(argv)
     dev, dtype = "cuda", torch.bfloat16
     hkv, g, d = args.kv_heads, args.group, args.head_dim
@@ -82,33 +99,33 @@ def main(argv: list[str] | None = None) -> dict:
         timed = []
         for cfg in [None, *configs()]:
             try:
-                fn = functools.partial(decode_attention, cache, 0, pos, q, k, v, ctx + 1) if cfg is None else \
-                    functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, config=cfg)
-                fn()  # compile / autotune outside the graph
+                fn = functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, config=cfg)
+                fn()  # compile outside the graph
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench_cudagraph(fn, rep=50)
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
-                timed.append({"config": cfg or "autotuned", "error": f"{type(e).__name__}: {e}"[:120]})
+                timed.append({"config": cfg or "default", "error": f"{type(e).__name__}: {e}"[:120]})
                 continue
-            timed.append({"config": cfg or "autotuned", "us": round(ms * 1e3, 2),
+            timed.append({"config": cfg or "default", "us": round(ms * 1e3, 2),
                           "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
                           "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)})
         ok = [t for t in timed if "us" in t]
-        best = min((t for t in ok if t["config"] != "autotuned"), key=lambda t: t["us"])
+        best = min((t for t in ok if t["config"] != "default"), key=lambda t: t["us"])
         out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"]).float()
         kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
         ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
-        auto = next((t for t in ok if t["config"] == "autotuned"), None)
+        default = next((t for t in ok if t["config"] == "default"), None)
         rows.append({"batch": b, "context": ctx, "bytes_mb": round(nbytes / 1e6, 2), "best": best,
-                     "autotuned": auto, "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
+                     "default": default, "default_tile": tile_config(b, ctx + 1),
+                     "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
                      "top5": sorted(ok, key=lambda t: t["us"])[:5]})
         n, plen = args.samples_per_prompt, min(args.prompt_len, ctx)
-        if n > 1 and auto is not None:
+        if n > 1 and default is not None:
             rows[-1]["shared_prompt"] = shared_prompt_row(cache, pos, q, k, v, ctx, n=n, plen=plen, item=item,
-                                                          unshared_us=auto["us"])
+                                                          unshared_us=default["us"], sweep=args.sweep_shared)
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
-              f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; autotuned "
-              f"{auto and auto['us']} us", flush=True)
+              f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; default "
+              f"{default and default['us']} us", flush=True)
     result = {"bench": "decode_attention", "device_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
               "kv_heads": hkv, "group": g, "head_dim": d, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows,
               "samples_per_prompt": args.samples_per_prompt, "prompt_len": args.prompt_len}

@@ -10,6 +10,12 @@ whose first position is 0 is a root; one starting at s > 0 continues the row's l
 sees that root's first s tokens (a GRPO prompt packed once with its n responses). Over the flattened
 B*T tokens: cu_seqlens [S+1] int32 (segment boundaries), and for continuations the key index [K]
 (each segment's keys: its root's first s tokens, then its own) with cu_seqlens_k [S+1].
+
+`gather_keys(x, layout)` is x.index_select(0, key_index) whose backward needs no atomics: every token
+has exactly one "own" copy among the keys (own_index), and only the shared prompt's tokens have more
+(prefix_copies, one row of key positions per such token, summed in fp32). The plain index_select's
+backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200
+(docs/speed_round2_profile.md).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 def host_layout(pos: np.ndarray) -> dict:
     """pos [B, T] int -> {"cu": int32 [S+1], "max_len": int, "continues": bool, and when it continues
-    "key_index": int64 [K], "cu_k": int32 [S+1], "max_k": int}."""
+    "key_index": int64 [K], "cu_k": int32 [S+1], "max_k": int, "own_index": int64 [B*T] (where among the
+    keys each token's own copy sits), "prefix_rows": int64 [U] (the tokens that continuations also see)
+    and "prefix_copies": int64 [U, C] (those extra copies' key positions, -1 padded)}."""
     b, t = pos.shape
     starts = np.ones((b, t), dtype=bool)
     starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]  # every row also starts a segment
@@ -49,7 +57,53 @@ def host_layout(pos: np.ndarray) -> dict:
     key_lens = pre + lens
     cu_k = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(key_lens, out=cu_k[1:])
-    return out | {"key_index": _ranges(run_starts, run_lens), "cu_k": cu_k, "max_k": int(key_lens.max())}
+    rows, copies = _prefix_copies(_ranges(last_root[sees], pre[sees]), _ranges(cu_k[:-1][sees], pre[sees]))
+    return out | {"key_index": _ranges(run_starts, run_lens), "cu_k": cu_k, "max_k": int(key_lens.max()),
+                  "own_index": _ranges(cu_k[:-1].astype(np.int64) + pre, lens), "prefix_rows": rows,
+                  "prefix_copies": copies}
+
+
+def _prefix_copies(src: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Key positions `at` holding extra copies of tokens `src` -> (the distinct tokens [U], their copies'
+    positions [U, C] padded with -1), C the most copies of one token."""
+    if src.size == 0:
+        return src, np.full((0, 1), -1, dtype=np.int64)
+    order = np.argsort(src, kind="stable")
+    src, at = src[order], at[order]
+    rows, first, counts = np.unique(src, return_index=True, return_counts=True)
+    copies = np.full((rows.size, int(counts.max())), -1, dtype=np.int64)
+    copies[np.repeat(np.arange(rows.size), counts), np.arange(src.size) - np.repeat(first, counts)] = at
+    return rows, copies
+
+
+class _GatherKeys(torch.autograd.Function):
+    """index_select(0, key_index) forward; backward = the own copies' gradient (a gather) plus, for the
+    prompt tokens, the sum of their extra copies' gradients in fp32 (a gather-reduce), written back by
+    distinct index: no atomic adds, and the prompt's gradient is summed once in fp32, not in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, key_index, own_index, prefix_rows, prefix_copies):
+        ctx.save_for_backward(own_index, prefix_rows, prefix_copies)
+        return x.index_select(0, key_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        own_index, rows, copies = ctx.saved_tensors
+        grad_x = grad.index_select(0, own_index)
+        if rows.numel():
+            acc = torch.promote_types(grad.dtype, torch.float32)  # half rows are summed in fp32
+            valid = (copies >= 0).view(*copies.shape, *([1] * (grad.dim() - 1)))
+            extra = (grad[copies.clamp(min=0)].to(acc) * valid).sum(1)
+            grad_x = grad_x.index_put((rows,), (grad_x[rows].to(acc) + extra).to(grad_x.dtype))
+        return grad_x, None, None, None, None
+
+
+def gather_keys(x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    """x [B*T, ...] (one row per token) -> the continuations' keys [K, ...] (x[key_index])."""
+    return _GatherKeys.apply(x, layout.key_index, layout.own_index, layout.prefix_rows, layout.prefix_copies)
+
+
+DEVICE_ARRAYS = ("cu", "key_index", "cu_k", "own_index", "prefix_rows", "prefix_copies")  # host_layout's arrays
 
 
 @dataclass(slots=True)
@@ -62,6 +116,9 @@ class DocumentLayout:
     key_index: torch.Tensor | None = None  # int64 [K]
     cu_seqlens_k: torch.Tensor | None = None  # int32 [S+1]
     max_k: int = 0
+    own_index: torch.Tensor | None = None  # int64 [B*T]
+    prefix_rows: torch.Tensor | None = None  # int64 [U]
+    prefix_copies: torch.Tensor | None = None  # int64 [U, C]
 
     @classmethod
     def from_arrays(cls, arrays: dict, device) -> DocumentLayout:
@@ -70,7 +127,7 @@ class DocumentLayout:
             return None if x is None else torch.as_tensor(x).to(device)
 
         return cls(dev(arrays["cu"]), arrays["max_len"], arrays["continues"], dev(arrays.get("key_index")),
-                   dev(arrays.get("cu_k")), arrays.get("max_k", 0))
+                   dev(arrays.get("cu_k")), arrays.get("max_k", 0), *(dev(arrays.get(k)) for k in DEVICE_ARRAYS[3:]))
 
     @classmethod
     def from_positions(cls, position_ids: torch.Tensor) -> DocumentLayout:

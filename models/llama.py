@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.document_layout import DocumentLayout
+from models.document_layout import DocumentLayout, gather_keys
 
 
 class AttentionBackend(Protocol):
@@ -136,14 +136,15 @@ class DocumentAttention:
         lay = self.layout
         cu, max_len = lay.cu_seqlens, lay.max_len
         kwargs, expand = _varlen_kwargs(gqa=hq != k.shape[1])
+        q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # [B*T, H, D]
+        if lay.continues:  # continuation segments: gathered keys (before any GQA expansion: half the rows' bytes)
+            k, v = gather_keys(k, lay), gather_keys(v, lay)
         if expand:  # this torch's varlen_attn has no GQA: give every query head its own K/V head
             k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
-        flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]  # [B*T, H, D]
         if not lay.continues:
-            out = varlen_attn(*flat, cu, cu, max_len, max_len, **kwargs)
-        else:  # continuation segments: gathered keys; causal is bottom-right aligned (probed at startup)
-            out = varlen_attn(flat[0], flat[1].index_select(0, lay.key_index), flat[2].index_select(0, lay.key_index),
-                              cu, lay.cu_seqlens_k, max_len, lay.max_k, **kwargs)
+            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+        else:  # causal is bottom-right aligned (probed at startup)
+            out = varlen_attn(q, k, v, cu, lay.cu_seqlens_k, max_len, lay.max_k, **kwargs)
         return out.view(b, t, hq, d).transpose(1, 2)
 
 

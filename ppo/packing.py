@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from models.document_layout import DocumentLayout, host_layout
+from models.document_layout import DEVICE_ARRAYS, DocumentLayout, host_layout
 
 
 @dataclass(slots=True)
@@ -219,7 +219,7 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
         if name in out:
             out[name] = out[name].view(b, r)
     doc = host_layout(pos[None])
-    doc |= copy_to_device({k: torch.from_numpy(doc[k]) for k in ("cu", "key_index", "cu_k") if k in doc}, device)
+    doc |= copy_to_device({k: torch.from_numpy(doc[k]) for k in DEVICE_ARRAYS if k in doc}, device)
     return PackedBatch(**out, seq_lens=seg_lens.tolist(), max_seqlen=int(seg_lens.max()), num_pad=t - total,
                        layout=DocumentLayout.from_arrays(doc, device))
 

@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, qk_scale,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb,
-                       s_cv, s_cb, s_ch, s_ct, rows_p2, kv_p2, row_prefix_ptr, ws_acc_ptr, ws_ml_ptr, s_wb,
+                       s_cv, s_cb, s_ch, s_ct, row_prefix_ptr, ws_acc_ptr, ws_ml_ptr, s_wb,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
                        ROPE: tl.constexpr, PREFIX: tl.constexpr, BLOCK_N: tl.constexpr):
         # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
@@ -130,7 +130,7 @@ if triton is not None:
 
     @triton.jit
     def _prefix_kernel(q_ptr, cache_ptr, members_ptr, group_len_ptr, ws_acc_ptr, ws_ml_ptr, cos_ptr, sin_ptr,
-                       qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb, kv_p2,
+                       qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb,
                        G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                        IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
         # one program per (group, KV head). A group's rows (up to MEMBERS, the samples of one prompt admitted
@@ -168,20 +168,6 @@ if triton is not None:
             tl.store(ws_ml_ptr + 2 * at + 1, l_sum, mask=ok)
             tl.store(ws_acc_ptr + at[:, None] * D + d[None, :], acc, mask=ok[:, None])
 
-    # tile length and warps/stages tuned per (rows bucket, KV-length bucket, group, head dim) on first use
-    # (a 2-tile row wants other tiles than a 6-tile one), outside any CUDA
-    # graph capture (the engine warms every graph up eagerly first). Benchmark launches only rewrite the
-    # new token's K/V with the same values, so they leave the cache as one launch would.
-    _TUNED = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                 for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))],
-        key=["rows_p2", "kv_p2", "G", "D", "PREFIX"], warmup=5, rep=20)(_decode_kernel)
-    _TUNED_PREFIX = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                 for n in (32, 64, 128) for w, st in ((4, 2), (4, 3), (8, 2))],
-        key=["kv_p2", "G", "D", "MEMBERS"], warmup=5, rep=20)(_prefix_kernel)
-
-
     @triton.jit
     def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
                               s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_cv, s_cb, s_ch, s_ct,
@@ -215,20 +201,25 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
         cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
 
 
-def _launch(kernel, tuned, grid, args: tuple, consts: dict, *, interpret: bool, config: dict | None) -> None:
-    """Autotuned launch on a GPU, or one fixed `config` (BLOCK_N, num_warps, num_stages): the CPU
-    interpreter has nothing to time, and bench/decode_attention.py sweeps configs itself."""
-    if interpret or config is not None:
-        kernel[grid](*args, **consts, **(config or dict(BLOCK_N=64, num_warps=4, num_stages=2)))
-    else:
-        tuned[grid](*args, **consts)
+def tile_config(rows: int, kv_len: int) -> dict:
+    """Both kernels' tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
+
+    A fixed rule, from H200 sweeps of every config (bench/results/decode_attention_*.json; llama-1b heads,
+    contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at >= 128
+    rows (best or within 2% of best in every shape); fewer rows hide latency with deeper pipelines over
+    smaller tiles (64 rows: 32-position tiles, 3 stages; 32 rows: 64, 3). Triton's autotuner, which this
+    replaces, timed configs on the first decode step of each KV-length bucket: its picks ran 5-15% slower
+    than these (it saw one response token where the bucket later holds hundreds, and timing noise under
+    the compile workers' load), and differed between runs."""
+    block, warps, stages = (128, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
+    return dict(BLOCK_N=min(block, max(32, triton.next_power_of_2(kv_len))), num_warps=warps, num_stages=stages)
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
            config: dict | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` fixes the kernels' tile (default: autotuned on CUDA)."""
+    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -244,8 +235,9 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     layer_k = cache[layer, 0]
     cos_, sin_ = (cos, sin) if rope else (qs, qs)  # unread without RoPE
     scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
-    kv_p2, cache_strides = triton.next_power_of_2(max(1, kv_len)), tuple(cache.stride()[1:5])
-    ieee, interpret = q.dtype == torch.float32 or not q.is_cuda, not q.is_cuda
+    cache_strides = tuple(cache.stride()[1:5])
+    ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
+    tile = config or tile_config(b, kv_len)
     row_prefix, ws_acc, ws_ml = positions, out, out  # unread without shared prefixes
     if prefix is not None:
         row_prefix, members, group_len = prefix
@@ -254,17 +246,15 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
         ws_acc = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)  # per-row softmax state
         ws_ml = torch.empty(b, hq, 2, dtype=torch.float32, device=q.device)
         m = members.shape[1]
-        _launch(_prefix_kernel, _TUNED_PREFIX, (members.shape[0], hkv),
-                (qs, layer_k, members, group_len, ws_acc, ws_ml, cos_, sin_, scale, qs.stride(0), qs.stride(1),
-                 cos_.stride(0) if rope else 0, *cache_strides, members.stride(0), hq, kv_p2),
-                dict(G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope),
-                interpret=interpret, config=config)
-    _launch(_decode_kernel, _TUNED, (b, hkv),
-            (qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
-             ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
-             *cache_strides, triton.next_power_of_2(b), kv_p2, row_prefix, ws_acc, ws_ml, hq),
-            dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope,
-                 PREFIX=prefix is not None), interpret=interpret, config=config)
+        _prefix_kernel[(members.shape[0], hkv)](
+            qs, layer_k, members, group_len, ws_acc, ws_ml, cos_, sin_, scale, qs.stride(0), qs.stride(1),
+            cos_.stride(0) if rope else 0, *cache_strides, members.stride(0), hq,
+            G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope, **tile)
+    _decode_kernel[(b, hkv)](
+        qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
+        ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
+        *cache_strides, row_prefix, ws_acc, ws_ml, hq,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, PREFIX=prefix is not None, **tile)
     return out
 
 
@@ -275,7 +265,7 @@ def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q
                      group_len: torch.Tensor | None = None) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
-    position) only picks the tuned tile. With cos/sin ([B, D], the model's RoPE tables at each row's
+    position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
     position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer).
 
     Shared prompts (rollout.share_prompt_kv): row_prefix [B] int32 (row b's positions [0, row_prefix[b])

@@ -227,3 +227,98 @@ def test_host_layout_equals_walking_the_segments_on_random_rows():
         if cont:
             assert lay.key_index.tolist() == index and lay.cu_seqlens_k.tolist() == cu_k
             assert lay.max_k == max(b2 - a2 for a2, b2 in zip(cu_k[:-1], cu_k[1:]))
+
+
+def _random_prefix_rows(gen, b, t):
+    """[b, t] position rows of runs that restart at 0 or continue from a random earlier position."""
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r in range(b):
+        at = 0
+        while at < t:
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            s0 = int(torch.randint(0, 6, (1,), generator=gen)) * int(torch.rand(1, generator=gen) < 0.6)
+            pos[r, at:at + n] = torch.arange(s0, s0 + n)[: t - at]
+            at += n
+    return pos
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_gather_keys_equals_index_select_with_grads(backend):
+    """gather_keys' atomic-free backward (own copy + fp32 sum of the prompt's extra copies) equals the
+    gradient of x[key_index] on random layouts, eager and traced by torch.compile (fwd and bwd graphs)."""
+    from models.document_layout import gather_keys
+
+    gen = torch.Generator().manual_seed(3)
+    fn = gather_keys if backend is None else torch.compile(gather_keys, backend=backend, dynamic=True)
+    checked = 0
+    for _ in range(40):
+        pos = _random_prefix_rows(gen, int(torch.randint(1, 4, (1,), generator=gen)),
+                                  int(torch.randint(2, 40, (1,), generator=gen)))
+        lay = DocumentLayout.from_positions(pos)
+        if not lay.continues:
+            continue
+        x = torch.randn(pos.numel(), 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(lay.key_index.numel(), 2, 3, generator=gen, dtype=torch.float64)
+        out = fn(x, lay)
+        ref = x.index_select(0, lay.key_index)
+        assert torch.equal(out, ref)
+        (got,) = torch.autograd.grad(out, x, g)
+        (want,) = torch.autograd.grad(ref, x, g)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        checked += 1
+    assert checked > 10
+
+
+def test_gather_keys_backward_sums_the_prompt_in_fp32():
+    """bf16 rows: the prompt token seen by many continuations gets its gradient summed in fp32 and
+    rounded once (index_add would round after every copy)."""
+    from models.document_layout import gather_keys
+
+    pos = torch.tensor([[0, 1] + [1] * 64])  # a root of 2 tokens, 64 one-token continuations seeing token 0
+    lay = DocumentLayout.from_positions(pos)
+    assert lay.prefix_rows.tolist() == [0] and lay.prefix_copies.shape == (1, 64)
+    x = torch.zeros(pos.numel(), 1, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.full((lay.key_index.numel(), 1), 1 + 2 ** -7, dtype=torch.bfloat16)  # exact in bf16
+    (got,) = torch.autograd.grad(gather_keys(x, lay), x, g)
+    assert got[0].item() == torch.tensor(65 * (1 + 2 ** -7), dtype=torch.bfloat16).item()
+    assert torch.equal(got[1:], g[:1].expand(pos.numel() - 1, 1))
+
+
+@pytest.mark.parametrize("api", ["current", "torch2.10"])
+def test_varlen_shared_prompt_layout_with_reference_kernel(monkeypatch, api):
+    """Continuation segments through _varlen_attention (gathered keys, GQA expanded after the gather on
+    2.10) with a CPU stand-in kernel: outputs and q/k/v gradients equal the mask path's."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_mod
+    import torch.nn.functional as F
+
+    real_sig = inspect.signature(varlen_mod.varlen_attn if api == "current" else _old_varlen_signature)
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        real_sig.bind(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        gqa = kw.get("enable_gqa", False)
+        outs = []
+        for (s, e), (ks, ke) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                    zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+            n, m = e - s, ke - ks  # bottom-right causal: query i sees keys [0, m - n + i]
+            mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+            qs, kk, vv = q[s:e].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None]
+            outs.append(F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    fake_varlen.__signature__ = real_sig
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
+    _, _, pos = _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7))
+    pos = torch.cat([pos, torch.arange(pos.shape[1])[None]])  # and a plain row
+    attn = DocumentAttention(pos, backend="mask")
+    attn.layout = DocumentLayout.from_positions(pos)
+    assert attn.layout.continues
+    gen = torch.Generator().manual_seed(1)
+    qkv = [torch.randn(2, h, pos.shape[1], 16, generator=gen, dtype=torch.float64, requires_grad=True)
+           for h in (4, 2, 2)]
+    out, ref = attn._varlen_attention(*qkv), attn(0, *qkv)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

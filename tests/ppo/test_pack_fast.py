@@ -219,6 +219,6 @@ def test_packs_carry_the_document_layout_of_their_positions():
         got = packed.layout
         assert (got.max_len, got.continues, got.max_k) == (want.max_len, want.continues, want.max_k) and \
             got.continues == share
-        for name in ("cu_seqlens", "key_index", "cu_seqlens_k"):
+        for name in ("cu_seqlens", "key_index", "cu_seqlens_k", "own_index", "prefix_rows", "prefix_copies"):
             a, b = getattr(got, name), getattr(want, name)
             assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
