@@ -58,7 +58,7 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarise_trace(events: list[dict], *, top: int = 12) -> dict[str, dict]:
+def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
     """{stage: summary} from chrome-trace events (ts/dur in microseconds).
 
     A device event (kernel, memcpy, memset) belongs to the stage whose annotation window holds its start; the
