@@ -206,29 +206,6 @@ def _naive_prefix_keys(pos: torch.Tensor) -> tuple[list[int], list[int], list[in
     return bounds, index, cu_k
 
 
-def test_host_layout_equals_walking_the_segments_on_random_rows():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        b, t = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
-        # runs that restart at 0 or continue from a random earlier position
-        pos = torch.zeros(b, t, dtype=torch.long)
-        for r in range(b):
-            at = 0
-            while at < t:
-                n = int(torch.randint(1, 9, (1,), generator=gen))
-                s0 = int(torch.randint(0, 6, (1,), generator=gen)) * int(torch.rand(1, generator=gen) < 0.6)
-                pos[r, at:at + n] = torch.arange(s0, s0 + n)[: t - at]
-                at += n
-        lay = DocumentLayout.from_positions(pos)
-        bounds, index, cu_k = _naive_prefix_keys(pos)
-        assert lay.cu_seqlens.tolist() == bounds
-        cont = bool(((pos[:, 1:] <= pos[:, :-1]) & (pos[:, 1:] > 0)).any())
-        assert lay.continues == cont
-        if cont:
-            assert lay.key_index.tolist() == index and lay.cu_seqlens_k.tolist() == cu_k
-            assert lay.max_k == max(b2 - a2 for a2, b2 in zip(cu_k[:-1], cu_k[1:]))
-
-
 def _random_prefix_rows(gen, b, t):
     """[b, t] position rows of runs that restart at 0 or continue from a random earlier position."""
     pos = torch.zeros(b, t, dtype=torch.long)
@@ -240,6 +217,21 @@ def _random_prefix_rows(gen, b, t):
             pos[r, at:at + n] = torch.arange(s0, s0 + n)[: t - at]
             at += n
     return pos
+
+
+def test_host_layout_equals_walking_the_segments_on_random_rows():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, t = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        pos = _random_prefix_rows(gen, b, t)
+        lay = DocumentLayout.from_positions(pos)
+        bounds, index, cu_k = _naive_prefix_keys(pos)
+        assert lay.cu_seqlens.tolist() == bounds
+        cont = bool(((pos[:, 1:] <= pos[:, :-1]) & (pos[:, 1:] > 0)).any())
+        assert lay.continues == cont
+        if cont:
+            assert lay.key_index.tolist() == index and lay.cu_seqlens_k.tolist() == cu_k
+            assert lay.max_k == max(b2 - a2 for a2, b2 in zip(cu_k[:-1], cu_k[1:]))
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
