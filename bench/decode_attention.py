@@ -2,12 +2,12 @@
 
     python -m bench.decode_attention --batches 32,64,256 --contexts 256,384    # llama-1b heads, bf16
 
-One layer of the engine's cache layout (B rows, 8 KV heads, 16 query heads, head dim 128), every row
-at the same position L (the new token's K/V is written there, positions [0, L] are attended). Each
-config (BLOCK_N, warps, stages) and the default (rollout.triton_attention.tile_config) is timed inside a
-CUDA graph; bytes =
-the K/V read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best
-config per shape is checked against SDPA. The last stdout line is one JSON object.
+The engine's cache layout (B rows, 8 KV heads, 16 query heads, head dim 128; --layers of them, each
+attended once per timed call, time reported per layer), every row at the same position L (the new
+token's K/V is written there, positions [0, L] are attended). Each config (BLOCK_N, warps, stages)
+and the default (rollout.triton_attention.tile_config) is timed inside a CUDA graph; bytes = the K/V
+read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best config per
+shape is checked against SDPA. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,7 +25,16 @@ from bench.generate import HBM_BYTES_PER_S
 
 def configs() -> list[dict]:
     return [dict(BLOCK_N=n, num_warps=w, num_stages=s)
-            for n, (w, s) in itertools.product((32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
+            for n, (w, s) in itertools.product((32, 64, 128), ((2, 1), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
+
+
+def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """attend() over each layer of `cache` in turn (one timed call = one decode step's attention)."""
+    from rollout.triton_attention import attend
+
+    for layer in range(cache.shape[0]):
+        out = attend(cache, layer, *args, **kwargs)
+    return out
 
 
 def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
@@ -47,11 +56,11 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
 
     def timed(cfg) -> dict:
-        fn = functools.partial(triton_attention.attend, cache, 0, pos, q, k, v, ctx + 1, prefix=tables, config=cfg)
+        fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=tables, config=cfg)
         try:
             fn()
             torch.cuda.synchronize()
-            ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+            ms = triton.testing.do_bench_cudagraph(fn, rep=50) / cache.shape[0]
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
             return {"config": cfg, "error": f"{type(e).__name__}: {e}"[:120]}
         return {"config": cfg or "default", "us": round(ms * 1e3, 2),
@@ -85,13 +94,16 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
     ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers of KV in the cache, each attended once per timed call (16: no L2 reuse between "
+                         "calls, as in the engine, where each layer's KV is distinct; 1: the first round's setup)")
     args = ap.parse_args(argv)
     dev, dtype = "cuda", torch.bfloat16
     hkv, g, d = args.kv_heads, args.group, args.head_dim
     item = torch.empty((), dtype=dtype).element_size()
     rows = []
     for b, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
-        cache = torch.randn(1, 2, b + 1, hkv, ctx + 2, d, device=dev, dtype=dtype)
+        cache = torch.randn(args.layers, 2, b + 1, hkv, ctx + 2, d, device=dev, dtype=dtype)
         q = torch.randn(b, hkv * g, 1, d, device=dev, dtype=dtype)
         k, v = (torch.randn(b, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
         pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
@@ -99,10 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
         timed = []
         for cfg in [None, *configs()]:
             try:
-                fn = functools.partial(attend, cache, 0, pos, q, k, v, ctx + 1, config=cfg)
+                fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, config=cfg)
                 fn()  # compile outside the graph
                 torch.cuda.synchronize()
-                ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+                ms = triton.testing.do_bench_cudagraph(fn, rep=50) / args.layers
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
                 timed.append({"config": cfg or "default", "error": f"{type(e).__name__}: {e}"[:120]})
                 continue
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; default "
               f"{default and default['us']} us", flush=True)
     result = {"bench": "decode_attention", "device_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
+              "layers": args.layers,
               "kv_heads": hkv, "group": g, "head_dim": d, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows,
               "samples_per_prompt": args.samples_per_prompt, "prompt_len": args.prompt_len}
     print(json.dumps(result))

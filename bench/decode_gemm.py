@@ -1,0 +1,99 @@
+"""The decode step's projections alone: cuBLAS (what the engine runs) against Inductor's autotuned
+Triton GEMM templates, per shape, each beside its ceiling.
+
+    python -m bench.decode_gemm --model llama-1b --rows 32,64,256
+
+For every projection of one decode step (the fused q/k/v and gate/up weights, o_proj, down_proj and
+the LM head) at M rows: x [M, K] @ W[N, K].T in bf16, timed inside a CUDA graph. The ceiling of a
+shape is the slower of its FLOPs at the measured 790 TFLOP/s and its bytes (W, x and the output) at
+4.3 TB/s; `ceiling_fraction` = ceiling time / measured time. "autotuned" is torch.compile with
+mode="max-autotune-no-cudagraphs" on that static shape (Triton templates, and cuBLAS among the
+candidates), so it is at least as fast as cuBLAS up to timing noise; where it is much faster, the
+engine's 64x64-tile cuBLAS choices at decode sizes (docs/speed_round2_profile.md, item 4) have a
+better kernel to take. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+from bench.common import H200_BF16_FLOPS
+from bench.generate import HBM_BYTES_PER_S
+from models import preset_config
+
+
+def projections(cfg) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, per-step count) of one decode step's matmuls (the engine fuses q/k/v and gate/up)."""
+    h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    n_layers = cfg.num_hidden_layers
+    return {"qkv": (qkv, h, n_layers), "o_proj": (h, cfg.num_attention_heads * d, n_layers),
+            "gate_up": (2 * cfg.intermediate_size, h, n_layers), "down_proj": (h, cfg.intermediate_size, n_layers),
+            "lm_head": (cfg.vocab_size, h, 1)}
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w)
+
+
+def ceiling_us(m: int, n: int, k: int, item: int) -> float:
+    return max(2 * m * n * k / H200_BF16_FLOPS, (n * k + m * k + m * n) * item / HBM_BYTES_PER_S) * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import triton.testing
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--rows", default="32,64,256")
+    ap.add_argument("--no-autotune", action="store_true", help="time cuBLAS only")
+    args = ap.parse_args(argv)
+    dtype, dev = torch.bfloat16, "cuda"
+    item = torch.empty((), dtype=dtype).element_size()
+    shapes = projections(preset_config(args.model))
+    rows, step = [], {}
+    for m in map(int, args.rows.split(",")):
+        for name, (n, k, count) in shapes.items():
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            w = torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5
+            ceil = ceiling_us(m, n, k, item)
+            row = {"rows": m, "name": name, "n": n, "k": k, "per_step": count, "ceiling_us": round(ceil, 2)}
+            linear = torch.nn.functional.linear
+            timed = {"cublas": linear}
+            if not args.no_autotune:  # a fresh compile per shape: static, autotuned for exactly (M, N, K)
+                torch._dynamo.reset()  # (else the 9th shape would pass dynamo's recompile limit and run eagerly)
+                timed["autotuned"] = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+            for kind, fn in timed.items():
+                call = functools.partial(fn, x, w)
+                try:
+                    out = call()  # compiles and autotunes outside the graph
+                    torch.cuda.synchronize()
+                    us = triton.testing.do_bench_cudagraph(call, rep=50) * 1e3
+                except Exception as e:  # noqa: BLE001 - a backend that does not compile is reported, not fatal
+                    row[kind] = {"error": f"{type(e).__name__}: {e}"[:160]}
+                    continue
+                err = (out.float() - linear(x, w).float()).abs().max().item()
+                row[kind] = {"us": round(us, 2), "ceiling_fraction": round(ceil / us, 4),
+                             "tflop_per_s": round(2 * m * n * k / us / 1e6, 1), "max_abs_diff_vs_cublas": err}
+                step.setdefault(m, {}).setdefault(kind, 0.0)
+                step[m][kind] += us * count
+            rows.append(row)
+            print(f"M={m:<4} {name:<9} N={n:<6} K={k:<5} ceiling {ceil:7.2f} us  " + "  ".join(
+                f"{kd} {row[kd]['us']:7.2f} us ({row[kd]['ceiling_fraction'] * 100:.0f}%)"
+                for kd in timed if "us" in row.get(kd, {})), flush=True)
+    per_step = {m: {kind: round(us / 1e3, 4) for kind, us in kinds.items()}
+                | {"ceiling": round(sum(ceiling_us(m, n, k, item) * c for n, k, c in shapes.values()) / 1e3, 4)}
+                for m, kinds in step.items()}
+    result = {"bench": "decode_gemm", "model": args.model, "device_name": torch.cuda.get_device_name(),
+              "dtype": "bfloat16", "peak_flops": H200_BF16_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+              "rows": rows, "per_step_ms": per_step}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
