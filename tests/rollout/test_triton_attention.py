@@ -94,7 +94,7 @@ def test_prefill_write_kernel_equals_the_indexed_copy():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, dict(BLOCK_N=32, num_warps=4, num_stages=3),
-                                    dict(BLOCK_N=128, num_warps=8, num_stages=2)], ids=["autotuned", "n32", "n128"])
+                                    dict(BLOCK_N=128, num_warps=8, num_stages=2)], ids=["default", "n32", "n128"])
 def test_compiled_kernels_on_cuda_equal_sdpa(config):
     import torch
     import torch.nn.functional as F
