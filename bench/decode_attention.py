@@ -7,7 +7,8 @@ attended once per timed call, time reported per layer), every row at the same po
 token's K/V is written there, positions [0, L] are attended). Each config (BLOCK_N, warps, stages)
 and the default (rollout.triton_attention.tile_config) is timed inside a CUDA graph; bytes = the K/V
 read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best config per
-shape is checked against SDPA. The last stdout line is one JSON object.
+shape is checked against SDPA. The last stdout line is one JSON object; after each shape a partial one
+("partial": true) goes to stderr, so a time-out keeps the shapes done.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import functools
 import itertools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     dev, dtype = "cuda", torch.bfloat16
     hkv, g, d = args.kv_heads, args.group, args.head_dim
+
+    def summary(rows: list[dict], *, partial: bool) -> dict:
+        return {"bench": "decode_attention", "partial": partial, "device_name": torch.cuda.get_device_name(),
+                "dtype": "bfloat16", "layers": args.layers, "kv_heads": hkv, "group": g, "head_dim": d,
+                "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows, "samples_per_prompt": args.samples_per_prompt,
+                "prompt_len": args.prompt_len}
+
     item = torch.empty((), dtype=dtype).element_size()
     rows = []
     for b, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
@@ -138,10 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; default "
               f"{default and default['us']} us", flush=True)
-    result = {"bench": "decode_attention", "device_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
-              "layers": args.layers,
-              "kv_heads": hkv, "group": g, "head_dim": d, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows,
-              "samples_per_prompt": args.samples_per_prompt, "prompt_len": args.prompt_len}
+        print(json.dumps(summary(rows, partial=True)), file=sys.stderr, flush=True)  # a time-out keeps these
+    result = summary(rows, partial=False)
     print(json.dumps(result))
     return result
 
