@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
     ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
-    ap.add_argument("--layers", type=int, default=1,
+    ap.add_argument("--layers", type=int, default=16,
                     help="layers of KV in the cache, each attended once per timed call (16: no L2 reuse between "
-                         "calls, as in the engine, where each layer's KV is distinct; 1: the first round's setup)")
+                         "calls, as in the engine, where each layer's KV is distinct; 1, the setup of the records "
+                         "before a656859, lets small batches' KV stay in L2)")
     args = ap.parse_args(argv)
     dev, dtype = "cuda", torch.bfloat16
     hkv, g, d = args.kv_heads, args.group, args.head_dim
