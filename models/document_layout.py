@@ -14,7 +14,7 @@ B*T tokens: cu_seqlens [S+1] int32 (segment boundaries), and for continuations t
 `gather_keys(x, layout)` is x.index_select(0, key_index) whose backward needs no atomics: every token
 has exactly one "own" copy among the keys (own_index), and only the shared prompt's tokens have more
 (prefix_copies, one row of key positions per such token, summed in fp32). The plain index_select's
-backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200
+backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200; this one 28 ms
 (docs/speed_round2_profile.md).
 """
 
@@ -127,7 +127,8 @@ class DocumentLayout:
             return None if x is None else torch.as_tensor(x).to(device)
 
         return cls(dev(arrays["cu"]), arrays["max_len"], arrays["continues"], dev(arrays.get("key_index")),
-                   dev(arrays.get("cu_k")), arrays.get("max_k", 0), *(dev(arrays.get(k)) for k in DEVICE_ARRAYS[3:]))
+                   dev(arrays.get("cu_k")), arrays.get("max_k", 0),
+                   *(dev(arrays.get(k)) for k in ("own_index", "prefix_rows", "prefix_copies")))
 
     @classmethod
     def from_positions(cls, position_ids: torch.Tensor) -> DocumentLayout:
