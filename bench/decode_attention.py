@@ -39,14 +39,27 @@ def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
+def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None) -> dict:
+    """Per-layer time of one tile config (None: tile_config's) inside a CUDA graph, beside HBM bandwidth."""
+    import triton.testing
+
+    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg)
+    try:
+        fn()  # compile outside the graph
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50) / cache.shape[0]
+    except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
+        return {"config": cfg or "default", "error": f"{type(e).__name__}: {e}"[:120]}
+    return {"config": cfg or "default", "us": round(ms * 1e3, 2), "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
+            "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)}
+
+
 def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
                       sweep: bool) -> dict:
     """Rows in groups of n sharing positions [0, plen): the kernels read each group's prompt once.
     Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output.
 
     Timed with the default tile (tile_config) and, with `sweep`, with each fixed config."""
-    import triton.testing
-
     from rollout import triton_attention
     from rollout.shared_prefix import members_per_entry, shared_prefix_tables
 
@@ -58,15 +71,7 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
 
     def timed(cfg) -> dict:
-        fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=tables, config=cfg)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench_cudagraph(fn, rep=50) / cache.shape[0]
-        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
-            return {"config": cfg, "error": f"{type(e).__name__}: {e}"[:120]}
-        return {"config": cfg or "default", "us": round(ms * 1e3, 2),
-                "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)}
+        return time_config(cache, pos, q, k, v, ctx, nbytes, cfg, prefix=tables)
 
     default = timed(None)
     out = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()
@@ -82,8 +87,6 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import triton.testing
-
     from rollout.triton_attention import attend, tile_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -118,19 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         k, v = (torch.randn(b, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
         pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
         nbytes = (2 * b * hkv * ctx * d + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
-        timed = []
-        for cfg in [None, *configs()]:
-            try:
-                fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, config=cfg)
-                fn()  # compile outside the graph
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench_cudagraph(fn, rep=50) / args.layers
-            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
-                timed.append({"config": cfg or "default", "error": f"{type(e).__name__}: {e}"[:120]})
-                continue
-            timed.append({"config": cfg or "default", "us": round(ms * 1e3, 2),
-                          "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
-                          "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)})
+        timed = [time_config(cache, pos, q, k, v, ctx, nbytes, cfg) for cfg in [None, *configs()]]
         ok = [t for t in timed if "us" in t]
         best = min((t for t in ok if t["config"] != "default"), key=lambda t: t["us"])
         out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"]).float()
