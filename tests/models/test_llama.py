@@ -91,11 +91,10 @@ def _old_varlen_signature(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
     """torch 2.10's varlen_attn signature (no window_size, no enable_gqa)."""
 
 
-@pytest.mark.parametrize("api", ["current", "torch2.10"])
-def test_varlen_layout_with_reference_kernel(monkeypatch, api):
-    """The flatten / cu_seqlens / unflatten around varlen_attn, with a CPU stand-in kernel whose
-    arguments must also bind to the real varlen_attn signature (today's, or 2.10's where GQA heads
-    are expanded by hand and causality is is_causal=True)."""
+def _install_reference_varlen(monkeypatch, api: str) -> None:
+    """Replace varlen_attn with a CPU stand-in (SDPA per segment, causal aligned bottom-right when a
+    segment has more keys than queries) whose arguments must also bind to the real varlen_attn signature
+    (today's, or 2.10's where GQA heads are expanded by hand and causality is is_causal=True)."""
     import inspect
 
     import torch.nn.attention.varlen as varlen_mod
@@ -109,16 +108,24 @@ def test_varlen_layout_with_reference_kernel(monkeypatch, api):
         assert causal and cu_q.dtype == torch.int32 and q.dim() == 3
         gqa = kw.get("enable_gqa", False)
         assert gqa or q.shape[1] == k.shape[1]
-        out = torch.empty_like(q)
-        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            assert e - s <= max_q
-            qs, ks, vs = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
-            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)[0]\
-                .transpose(0, 1)
-        return out
+        outs = []
+        for (s, e), (ks, ke) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                    zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+            n, m = e - s, ke - ks  # bottom-right causal: query i sees keys [0, m - n + i]
+            assert n <= max_q and m <= max_k
+            mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+            qs, kk, vv = q[s:e].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None]
+            outs.append(F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
+        return torch.cat(outs)
 
     fake_varlen.__signature__ = real_sig
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
+
+
+@pytest.mark.parametrize("api", ["current", "torch2.10"])
+def test_varlen_layout_with_reference_kernel(monkeypatch, api):
+    """The flatten / cu_seqlens / unflatten around varlen_attn, with a CPU stand-in kernel."""
+    _install_reference_varlen(monkeypatch, api)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1]])
     layout = DocumentLayout.from_positions(pos)
     assert layout.cu_seqlens.tolist() == [0, 3, 7, 8, 14, 16] and layout.max_len == 6 and not layout.continues
@@ -280,27 +287,7 @@ def test_gather_keys_backward_sums_the_prompt_in_fp32():
 def test_varlen_shared_prompt_layout_with_reference_kernel(monkeypatch, api):
     """Continuation segments through _varlen_attention (gathered keys, GQA expanded after the gather on
     2.10) with a CPU stand-in kernel: outputs and q/k/v gradients equal the mask path's."""
-    import inspect
-
-    import torch.nn.attention.varlen as varlen_mod
-    import torch.nn.functional as F
-
-    real_sig = inspect.signature(varlen_mod.varlen_attn if api == "current" else _old_varlen_signature)
-
-    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        real_sig.bind(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
-        gqa = kw.get("enable_gqa", False)
-        outs = []
-        for (s, e), (ks, ke) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
-                                    zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
-            n, m = e - s, ke - ks  # bottom-right causal: query i sees keys [0, m - n + i]
-            mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
-            qs, kk, vv = q[s:e].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None]
-            outs.append(F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
-        return torch.cat(outs)
-
-    fake_varlen.__signature__ = real_sig
-    monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen)
+    _install_reference_varlen(monkeypatch, api)
     _, _, pos = _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7))
     pos = torch.cat([pos, torch.arange(pos.shape[1])[None]])  # and a plain row
     attn = DocumentAttention(pos, backend="mask")
