@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
     ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false",
+                    help="time tile_config's tile only (not every fixed config)")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
     ap.add_argument("--layers", type=int, default=16,
                     help="layers of KV in the cache, each attended once per timed call (16: no L2 reuse between "
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         k, v = (torch.randn(b, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
         pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
         nbytes = (2 * b * hkv * ctx * d + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
-        timed = [time_config(cache, pos, q, k, v, ctx, nbytes, cfg) for cfg in [None, *configs()]]
+        swept = configs() if args.sweep else [tile_config(b, ctx + 1)]
+        timed = [time_config(cache, pos, q, k, v, ctx, nbytes, cfg) for cfg in [None, *swept]]
         ok = [t for t in timed if "us" in t]
         best = min((t for t in ok if t["config"] != "default"), key=lambda t: t["us"])
         out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"]).float()

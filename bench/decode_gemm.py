@@ -42,6 +42,10 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
+def _transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mm(w, x.t()).t()
+
+
 def _each(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
     for w in weights:
         fn(x, w)
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
             ceil = ceiling_us(m, n, k, item)
             row = {"rows": m, "name": name, "n": n, "k": k, "per_step": count, "ceiling_us": round(ceil, 2)}
             linear = torch.nn.functional.linear
-            timed = {"cublas": linear}
+            # "cublas_t": the same product as W @ x^T (M and N swapped for cuBLAS's tile heuristics), transposed back
+            timed = {"cublas": linear, "cublas_t": _transposed}
             if not args.no_autotune:  # a fresh compile per shape: static, autotuned for exactly (M, N, K)
                 torch._dynamo.reset()  # (else the 9th shape would pass dynamo's recompile limit and run eagerly)
                 timed["autotuned"] = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)

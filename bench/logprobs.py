@@ -4,7 +4,8 @@
     python -m bench.logprobs --model llama3-8b --tokens 16384 --device cuda --parts logprobs
     python -m bench.logprobs --model tiny --tokens 512 --device cpu          # CPU smoke run
 
-logprobs: `compute_token_logprobs` (chunked, recomputing backward) against log_softmax over full
+logprobs: `compute_token_logprobs` (chunked, recomputing backward; with its fused Triton kernels and,
+as chunked_*_torch, without them) against log_softmax over full
 fp32 logits, forward+backward (w.r.t. hidden and lm_head weight) with the log-prob and entropy
 terms of the PPO loss: time, peak memory, max |diff| of log-probs/entropy/grads, and MFU counting
 the useful 6*N*V*H FLOPs (the chunked version does 8: it recomputes the logits in backward).
@@ -31,7 +32,7 @@ from bench.common import (
     run_info,
     time_steps,
 )
-from models import DocumentAttention, build_model, compute_token_logprobs, preset_config
+from models import DocumentAttention, build_model, compute_token_logprobs, preset_config, triton_logprobs
 
 
 def _naive(hidden, weight, targets):
@@ -49,6 +50,9 @@ def bench_logprobs(cfg, *, tokens: int, chunks: list[int], device, dtype, steps:
     coef = torch.randn(tokens, device=device, generator=gen)
     impls = {f"chunked_{c}": (lambda c=c: compute_token_logprobs(hidden, weight, targets, chunk_size=c,
                                                                  with_entropy=True)) for c in chunks}
+    if triton_logprobs.available(device):  # the torch path beside the fused kernels: what they buy
+        impls |= {f"chunked_{c}_torch": (lambda c=c: compute_token_logprobs(
+            hidden, weight, targets, chunk_size=c, with_entropy=True, fused=False)) for c in chunks}
     impls["naive"] = lambda: _naive(hidden, weight, targets)
     out, results = {}, {}
     for name, fn in impls.items():

@@ -34,7 +34,9 @@ from launcher.costmodel import (
 
 SCORE_STAGES = ("old_log_prob", "ref", "values", "reward")
 UPDATE_STAGES = ("update_actor", "update_critic")
-LOGITS_CHUNK = 4096  # tokens per chunk of the chunked log-prob (models/logprobs.py)
+# a chunk of the chunked log-prob (models/logprobs.py) as its torch path's fp32 copies at 4096 tokens: an upper
+# bound of both paths (the fused one holds 4096 x V in bf16, the torch one 1024 x V fp32 copies)
+LOGITS_CHUNK = 4096
 
 
 @dataclass(slots=True)

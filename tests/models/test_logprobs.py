@@ -136,13 +136,14 @@ def test_never_materialises_all_logits():
 
 
 @pytest.mark.gpu
-def test_cuda_bfloat16_large_vocab_matches_naive():
+@pytest.mark.parametrize("fused", [True, False])  # the Triton kernels (the CUDA default) and the torch path
+def test_cuda_bfloat16_large_vocab_matches_naive(fused):
     torch.manual_seed(0)
     n, h, v = 3000, 256, 50_000
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, device="cuda") * h**-0.5).bfloat16().requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda")
-    lp, ent = compute_token_logprobs(hidden, weight, targets, chunk_size=1024, with_entropy=True)
+    lp, ent = compute_token_logprobs(hidden, weight, targets, chunk_size=1024, with_entropy=True, fused=fused)
     gh, gw = torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), (hidden, weight))
     ref_lp, ref_ent = naive_logprobs(hidden, weight, targets)
     rh, rw = torch.autograd.grad(ref_lp.sum() + 0.1 * ref_ent.sum(), (hidden, weight))
