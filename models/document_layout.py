@@ -14,8 +14,9 @@ B*T tokens: cu_seqlens [S+1] int32 (segment boundaries), and for continuations t
 `gather_keys(x, layout)` is x.index_select(0, key_index) whose backward needs no atomics: every token
 has exactly one "own" copy among the keys (own_index), and only the shared prompt's tokens have more
 (prefix_copies, one row of key positions per such token, summed in fp32). The plain index_select's
-backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200; this one 28 ms
-(docs/speed_round2_profile.md).
+backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200; the same sum as
+torch ops under Inductor 28 ms (docs/speed_round2_profile.md); on CUDA it is now one Triton kernel
+(models/triton_gather.py).
 """
 
 from __future__ import annotations
@@ -89,13 +90,40 @@ class _GatherKeys(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         own_index, rows, copies = ctx.saved_tensors
-        grad_x = grad.index_select(0, own_index)
-        if rows.numel():
-            acc = torch.promote_types(grad.dtype, torch.float32)  # half rows are summed in fp32
-            valid = (copies >= 0).view(*copies.shape, *([1] * (grad.dim() - 1)))
-            extra = (grad[copies.clamp(min=0)].to(acc) * valid).sum(1)
-            grad_x = grad_x.index_put((rows,), (grad_x[rows].to(acc) + extra).to(grad_x.dtype))
-        return grad_x, None, None, None, None
+        return gather_keys_grad(grad.contiguous(), own_index, rows, copies), None, None, None, None
+
+
+@torch.library.custom_op("hybridrl_models::gather_keys_grad", mutates_args=())
+def gather_keys_grad(grad: torch.Tensor, own_index: torch.Tensor, rows: torch.Tensor,
+                     copies: torch.Tensor) -> torch.Tensor:
+    """d x[key_index] / d x applied to grad [K, ...]: grad[own_index], plus for prompt token rows[u] the
+    sum of its extra copies grad[copies[u]] (-1 padded) in fp32, rounded once. An opaque op (Inductor
+    fused the torch expression into one slow kernel); on CUDA the sum is models/triton_gather's kernel."""
+    return _gather_keys_grad_torch(grad, own_index, rows, copies)
+
+
+def _gather_keys_grad_torch(grad, own_index, rows, copies) -> torch.Tensor:
+    grad_x = grad.index_select(0, own_index)
+    if rows.numel():
+        acc = torch.promote_types(grad.dtype, torch.float32)  # half rows are summed in fp32
+        valid = (copies >= 0).view(*copies.shape, *([1] * (grad.dim() - 1)))
+        extra = (grad[copies.clamp(min=0)].to(acc) * valid).sum(1)
+        grad_x = grad_x.index_put((rows,), (grad_x[rows].to(acc) + extra).to(grad_x.dtype))
+    return grad_x
+
+
+@gather_keys_grad.register_kernel("cuda")
+def _gather_keys_grad_cuda(grad, own_index, rows, copies):
+    from models import triton_gather
+
+    if not triton_gather.available(grad.device):
+        return _gather_keys_grad_torch(grad, own_index, rows, copies)
+    return triton_gather.add_copies_(grad.index_select(0, own_index), grad, rows, copies)
+
+
+@gather_keys_grad.register_fake
+def _gather_keys_grad_fake(grad, own_index, rows, copies):
+    return grad.new_empty((own_index.shape[0], *grad.shape[1:]))
 
 
 def gather_keys(x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
