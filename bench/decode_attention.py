@@ -39,14 +39,11 @@ def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None,
-                prefix_cfg: dict | None = None) -> dict:
-    """Per-layer time of one tile config (None: tile_config's; `prefix_cfg`: the prefix kernel's alone) inside
-    a CUDA graph, beside HBM bandwidth."""
+def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None) -> dict:
+    """Per-layer time of one tile config (None: tile_config's) inside a CUDA graph, beside HBM bandwidth."""
     import triton.testing
 
-    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg,
-                           prefix_config=prefix_cfg)
+    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg)
     try:
         fn()  # compile outside the graph
         torch.cuda.synchronize()
@@ -58,7 +55,7 @@ def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, pr
 
 
 def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
-                      sweep: bool, sweep_prefix: bool) -> dict:
+                      sweep: bool) -> dict:
     """Rows in groups of n sharing positions [0, plen): the kernels read each group's prompt once.
     Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output.
 
@@ -86,10 +83,6 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     if sweep:
         ok = sorted((t for t in map(timed, configs()) if "us" in t), key=lambda t: t["us"])
         row["best"], row["top5"] = ok[0], ok[:5]
-    if sweep_prefix:  # the prefix kernel's tile alone, the decode kernel's at its default
-        ok = [time_config(cache, pos, q, k, v, ctx, nbytes, None, prefix=tables, prefix_cfg=c) for c in configs()]
-        ok = sorted((t | {"prefix_config": c} for t, c in zip(ok, configs()) if "us" in t), key=lambda t: t["us"])
-        row["best_prefix_tile"], row["top5_prefix_tiles"] = ok[0], ok[:5]
     return row
 
 
@@ -108,8 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="time tile_config's tile only (not every fixed config)")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
-    ap.add_argument("--sweep-prefix", action="store_true",
-                    help="on the shared rows, time every fixed config of the prefix kernel alone")
     ap.add_argument("--layers", type=int, default=16,
                     help="layers of KV in the cache, each attended once per timed call (16: no L2 reuse between "
                          "calls, as in the engine, where each layer's KV is distinct; 1, the setup of the records "
@@ -147,8 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         n, plen = args.samples_per_prompt, min(args.prompt_len, ctx)
         if n > 1 and default is not None:
             rows[-1]["shared_prompt"] = shared_prompt_row(cache, pos, q, k, v, ctx, n=n, plen=plen, item=item,
-                                                          unshared_us=default["us"], sweep=args.sweep_shared,
-                                                          sweep_prefix=args.sweep_prefix)
+                                                          unshared_us=default["us"], sweep=args.sweep_shared)
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; default "
               f"{default and default['us']} us", flush=True)

@@ -9,14 +9,16 @@ group finish the softmax statistics: MAX of the row maxima, then SUM of (sum-exp
 target logit, sum of p * logit) stacked into one buffer. Nothing of shape [N, V] is ever
 materialised; the backward recomputes each chunk's logits instead of saving them, and
 is itself vocab-parallel (each rank forms the gradient of its own logits; the hidden
-gradient is all-reduced). With `tp_group=None` (or a group of one) it is the plain
-single-device chunked computation.
+gradient is all-reduced). With `tp_group=None` (or a group of one) it is
+models.logprobs.compute_token_logprobs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from models.logprobs import compute_token_logprobs
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -144,6 +146,10 @@ def vocab_parallel_token_logprobs(
         raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape[:-1])}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if vocab_start == 0 and (tp_group is None or dist.get_world_size(tp_group) == 1):
+        # one device holds the whole head: the single-device function (with its fused kernels on CUDA)
+        return compute_token_logprobs(hidden, local_weight, targets, temperature=temperature, chunk_size=chunk_size,
+                                      with_entropy=with_entropy)
     lead = targets.shape
     out = _VocabParallelLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), local_weight, targets.reshape(-1).long(), tp_group,

@@ -218,9 +218,8 @@ def tile_config(rows: int, kv_len: int) -> dict:
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-           config: dict | None = None, prefix_config: dict | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile,
-    `prefix_config` the prefix kernel's alone (default: `config`'s)."""
+           config: dict | None = None) -> torch.Tensor:
+    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -250,8 +249,7 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
         _prefix_kernel[(members.shape[0], hkv)](
             qs, layer_k, members, group_len, ws_acc, ws_ml, cos_, sin_, scale, qs.stride(0), qs.stride(1),
             cos_.stride(0) if rope else 0, *cache_strides, members.stride(0), hq,
-            G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope,
-            **(prefix_config or tile))
+            G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope, **tile)
     _decode_kernel[(b, hkv)](
         qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
         ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
