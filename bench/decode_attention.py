@@ -39,11 +39,11 @@ def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None, groups=None) -> dict:
+def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None) -> dict:
     """Per-layer time of one tile config (None: tile_config's) inside a CUDA graph, beside HBM bandwidth."""
     import triton.testing
 
-    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg, groups=groups)
+    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg)
     try:
         fn()  # compile outside the graph
         torch.cuda.synchronize()
@@ -61,7 +61,7 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
 
     Timed with the default tile (tile_config) and, with `sweep`, with each fixed config."""
     from rollout import triton_attention
-    from rollout.shared_prefix import group_tables, members_per_entry, shared_prefix_tables
+    from rollout.shared_prefix import members_per_entry, shared_prefix_tables
 
     b, hkv, d, g = q.shape[0], k.shape[1], q.shape[-1], q.shape[1] // k.shape[1]
     groups = [(plen, list(range(i, min(b, i + n)))) for i in range(0, b, n)]
@@ -73,24 +73,13 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     def timed(cfg) -> dict:
         return time_config(cache, pos, q, k, v, ctx, nbytes, cfg, prefix=tables)
 
-    # the one-kernel layout (_group_kernel), with groups split into parts of at most m rows
-    one_kernel = {}
-    for m in (16, 8, 4, 2):
-        gt = tuple(t.cuda() for t in group_tables(groups, rows=b, members_per_entry=m))
-        t = time_config(cache, pos, q, k, v, ctx, nbytes, None, groups=gt)
-        if "us" in t:
-            t["speedup_vs_unshared"] = round(unshared_us / t["us"], 3)
-        got = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, groups=gt).float()
-        one_kernel[m] = t | {"err_vs_prefix_kernels": round((got - triton_attention.attend(
-            cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()).abs().max().item(), 5)}
     default = timed(None)
     out = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()
     kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
     ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
     row = {"samples_per_prompt": n, "prompt_len": plen, "us": default["us"],
            "speedup_vs_unshared": round(unshared_us / default["us"], 3), "bytes_mb": round(nbytes / 1e6, 2),
-           "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
-           "one_kernel_by_part_rows": one_kernel}
+           "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
     if sweep:
         ok = sorted((t for t in map(timed, configs()) if "us" in t), key=lambda t: t["us"])
         row["best"], row["top5"] = ok[0], ok[:5]

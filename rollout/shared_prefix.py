@@ -63,35 +63,3 @@ def shared_prefix_tables(groups: Iterable[tuple[int, Sequence[int]]], *, rows: i
             at += 1
         row_prefix[list(slots)] = plen
     return row_prefix, members, group_len
-
-
-def group_tables(groups: Iterable[tuple[int, Sequence[int]]], *, rows: int,
-                 members_per_entry: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-kernel layout (triton_attention._group_kernel): every row < `rows` in exactly one entry.
-    groups as for shared_prefix_tables; returns CPU int32 members [rows, M] (-1 padded; the first member's
-    slot holds the prompt read) and group_len [rows] (0: no shared prompt). A shared group of more than M
-    rows splits into near-equal parts of at least two rows; every other row is an entry of its own.
-    Entries are ordered by their smallest row, so a decode of the first b rows needs only entries [0, b)
-    (each entry's smallest row is at least its index)."""
-    if members_per_entry < 1:
-        raise ValueError(f"members_per_entry={members_per_entry} < 1")
-    entries: list[tuple[int, list[int]]] = []
-    shared = set()
-    for plen, slots in groups:
-        slots = list(slots)
-        if slots and max(slots) >= rows:
-            raise ValueError(f"group rows {slots} reach past the batch of {rows} rows")
-        if plen <= 0 or len(slots) < 2:
-            continue
-        parts = -(-len(slots) // members_per_entry)
-        for k in range(parts):
-            entries.append((plen, slots[k * len(slots) // parts: (k + 1) * len(slots) // parts]))
-        shared.update(slots)
-    entries += [(0, [r]) for r in range(rows) if r not in shared]
-    entries.sort(key=lambda entry: min(entry[1]))
-    members = torch.full((rows, members_per_entry), -1, dtype=torch.int32)
-    group_len = torch.zeros(rows, dtype=torch.int32)
-    for i, (plen, part) in enumerate(entries):
-        members[i, : len(part)] = torch.tensor(part, dtype=torch.int32)
-        group_len[i] = plen
-    return members, group_len

@@ -169,97 +169,6 @@ if triton is not None:
             tl.store(ws_acc_ptr + at[:, None] * D + d[None, :], acc, mask=ok[:, None])
 
     @triton.jit
-    def _attend_rows(q, k_row, v_row, lo, hi, sel, s_ct, qk_scale, m, l_sum, acc, D: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """_attend_range for the query rows where sel [M] holds; the others' state is unchanged, and a row
-        whose running max is still -inf keeps zero mass (no exp2 of -inf - -inf)."""
-        d = tl.arange(0, D)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(sel[:, None] & n_ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        return m, l_sum, acc
-
-    @triton.jit
-    def _group_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, members_ptr, group_len_ptr,
-                      n_rows, qk_scale, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb, s_cv, s_cb, s_ch, s_ct,
-                      s_mg, G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                      IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one program per (table entry, KV head): the entry's rows (up to MEMBERS, -1 padded; rows >= n_rows are
-        # not in this decode) x their G query heads as BLOCK_M tensor-core rows. Positions [0, plen) are a prompt
-        # every member holds identically: read once, from the first member's slot, for all rows together; then
-        # each member's own positions [plen, pos) for its rows alone, and its new token from registers.
-        e = tl.program_id(0)
-        h = tl.program_id(1)
-        i = tl.arange(0, BLOCK_M)
-        j, g = i // G, i % G
-        row = tl.load(members_ptr + e * s_mg + j, mask=j < MEMBERS, other=-1)
-        ok = (row >= 0) & (row < n_rows)
-        row = tl.where(ok, row, 0)
-        d = tl.arange(0, D)
-        pos = tl.load(pos_ptr + row, mask=ok, other=0)
-        q_at = q_ptr + row[:, None] * s_qb + (h * G + g)[:, None] * s_qh
-        q = tl.load(q_at + d[None, :], mask=ok[:, None], other=0.0)
-        kn_at = kn_ptr + row[:, None] * s_kb + h * s_kh
-        k_new = tl.load(kn_at + d[None, :], mask=ok[:, None], other=0.0)  # each query row its member's new k/v
-        v_new = tl.load(vn_ptr + row[:, None] * s_vb + h * s_vh + d[None, :], mask=ok[:, None], other=0.0)
-        if ROPE:  # as in _decode_kernel, each row at its own position
-            half = (d + D // 2) % D
-            sign = tl.where(d < D // 2, -1.0, 1.0)
-            cos = tl.load(cos_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32)
-            sin = tl.load(sin_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32) * sign[None, :]
-            q_half = tl.load(q_at + half[None, :], mask=ok[:, None], other=0.0)
-            q = (q.to(tl.float32) * cos + q_half.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
-            k_half = tl.load(kn_at + half[None, :], mask=ok[:, None], other=0.0)
-            k_new = (k_new.to(tl.float32) * cos + k_half.to(tl.float32) * sin).to(kn_ptr.dtype.element_ty)
-        # the new token's K/V into each member's slot at its position (from the member's first query row); no
-        # read below touches a member's own position
-        at = cache_ptr + row.to(tl.int64)[:, None] * s_cb + h * s_ch + pos[:, None] * s_ct + d[None, :]
-        first = (ok & (g == 0))[:, None]
-        tl.store(at, k_new, mask=first)
-        tl.store(at + s_cv, v_new, mask=first)
-
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        plen = tl.load(group_len_ptr + e)
-        src = tl.maximum(tl.load(members_ptr + e * s_mg), 0)
-        k_src = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
-        m, l_sum, acc = _attend_rows(q, k_src, k_src + s_cv, 0, plen, ok, s_ct, qk_scale, m, l_sum, acc, D, IEEE,
-                                     BLOCK_N)
-        for jj in range(MEMBERS):
-            r = tl.load(members_ptr + e * s_mg + jj)
-            if (r >= 0) & (r < n_rows):
-                k_r = cache_ptr + r.to(tl.int64) * s_cb + h * s_ch
-                m, l_sum, acc = _attend_rows(q, k_r, k_r + s_cv, plen, tl.load(pos_ptr + r), ok & (j == jj), s_ct,
-                                             qk_scale, m, l_sum, acc, D, IEEE, BLOCK_N)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
-        m_new = tl.maximum(m, s_new)
-        alpha = tl.exp2(m - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l_sum = l_sum * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + row[:, None] * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
-
-    @triton.jit
     def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
                               s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_cv, s_cb, s_ch, s_ct,
                               D: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -309,10 +218,8 @@ def tile_config(rows: int, kv_len: int) -> dict:
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-           config: dict | None = None, groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile.
-    groups=(members [E, M], group_len [E]): one program per (entry, KV head) over tables whose entries hold
-    every row < B (see _group_kernel)."""
+           config: dict | None = None) -> torch.Tensor:
+    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -331,15 +238,6 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     cache_strides = tuple(cache.stride()[1:5])
     ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
     tile = config or tile_config(b, kv_len)
-    if groups is not None:
-        members, group_len = groups
-        m = members.shape[1]
-        _group_kernel[(members.shape[0], hkv)](
-            qs, ks, vs, layer_k, positions, out, cos_, sin_, members, group_len, b, scale, qs.stride(0), qs.stride(1),
-            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
-            cos_.stride(0) if rope else 0, *cache_strides, members.stride(0),
-            G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope, **tile)
-        return out
     row_prefix, ws_acc, ws_ml = positions, out, out  # unread without shared prefixes
     if prefix is not None:
         row_prefix, members, group_len = prefix

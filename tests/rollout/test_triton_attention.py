@@ -211,52 +211,6 @@ def test_shared_prompt_groups_read_once_equal_every_row_reading_its_own_slot(blo
     """)
 
 
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_group_kernel_reads_each_prompt_once_and_equals_every_row_reading_its_own_slot(block_n):
-    # the one-kernel layout: each entry's rows in one program, the prompt from the first member's slot only.
-    # Poison the other members' prompt copies; the tables cover 12 rows, the decode the first 9.
-    run_interpreted(f"""
-        import torch
-        from models.llama import rotary_cos_sin
-        from rollout.shared_prefix import group_tables
-        from rollout.triton_attention import attend
-        torch.manual_seed(0)
-        layers, hkv, slot_len, d, b = 2, 2, 120, 16, 9
-        config = dict(BLOCK_N={block_n}, num_warps=4, num_stages=2)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-        groups = [(37, [0, 1, 2, 3, 8]), (64, [5, 7]), (20, [6]), (30, [9, 10])]
-        pos = torch.tensor([37, 50, 90, 41, 3, 64, 30, 100, 119])
-        members, group_len = group_tables(groups, rows=12, members_per_entry=4)
-        rows_in = sorted(r for row in members.tolist() for r in row if r >= 0)
-        assert rows_in == list(range(12)), rows_in
-        assert all(min(r for r in row if r >= 0) >= i for i, row in enumerate(members.tolist()) if row[0] >= 0)
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-            for g in (1, 2, 3):
-                cache = torch.randn(layers, 2, 13, hkv, slot_len + 1, d).to(dtype)
-                for plen, rows in groups:
-                    for r in rows[1:]:
-                        cache[:, :, r, :, :plen] = cache[:, :, rows[0], :, :plen]
-                q = torch.randn(b, hkv * g, 1, d).to(dtype)
-                k, v = (torch.randn(b, hkv, 1, d).to(dtype) for _ in range(2))
-                cos, sin = rotary_cos_sin(inv_freq, pos[:, None], dtype)
-                cos, sin = cos[:, 0, 0], sin[:, 0, 0]
-                want_cache = cache.clone()
-                want = attend(want_cache, 1, pos, q, k, v, slot_len, cos, sin, config=config)
-                poisoned = cache.clone()
-                leaders = {{int(row[0]) for row in members.tolist()}}
-                for plen, rows in groups[:2]:
-                    poisoned[1, :, [r for r in rows if r not in leaders], :, :plen] = float("nan")
-                poisoned[1, :, 9:] = float("nan")  # rows past the decode: never read
-                got = attend(poisoned, 1, pos, q, k, v, slot_len, cos, sin, config=config, groups=(members, group_len))
-                err = (got.float() - want.float()).abs().max().item()
-                assert err < tol, (dtype, g, err)
-                idx = torch.arange(b)
-                assert torch.equal(poisoned[1, :, idx, :, pos], want_cache[1, :, idx, :, pos])  # the new K/V
-                assert poisoned[1, :, 9:].isnan().all() and torch.equal(poisoned[0], cache[0])
-        print("ok")
-    """)
-
-
 def test_engine_sharing_prompt_kv_equals_every_row_reading_its_own_and_the_trainer():
     # 3 prompts x 4 samples in 8 slots: prompt 0 (2 tokens) frees its slots for prompt 2, then prompt 1's
     # group is compacted from slots 4-7 to 0-3 while decoding: the shared groups change and move
