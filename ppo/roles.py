@@ -55,7 +55,11 @@ class RuleReward:
         {"reward/<key>": {uid: value}} for each numeric extra key a dict result carried (a sample without
         that key contributes nothing to its mean)."""
         mine = exp.samples[self.rank_in_group::self.group_size]
-        items = [RewardSample(s.uid, self.tokenizer.decode(s.prompt_ids), self._text(s), s.ground_truth,
+        prompts: dict[int, str] = {}  # a group's samples share one prompt list: decoded once
+        for s in mine:
+            if id(s.prompt_ids) not in prompts:
+                prompts[id(s.prompt_ids)] = self.tokenizer.decode(s.prompt_ids)
+        items = [RewardSample(s.uid, prompts[id(s.prompt_ids)], self._text(s), s.ground_truth,
                               {**(s.info or {}), "response_length": len(s.response_ids)}) for s in mine]
         res = self.manager.score(items)
         out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},

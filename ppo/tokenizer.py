@@ -51,24 +51,20 @@ class CharTokenizer:
     def __init__(self) -> None:
         chars = "".join(chr(c) for c in range(32, 127)) + "\t\n"
         self._id = {c: i + len(self.SPECIALS) for i, c in enumerate(chars)}
-        self._char = {i: c for c, i in self._id.items()}
         self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2, 3
         self.vocab_size = len(self.SPECIALS) + len(chars)
         self.chat_template: str | None = None
         self.add_bos = False
+        # decode tables, id -> text ("" past the vocab: a model's vocab may be larger than this tokenizer's)
+        self._text = {False: list(self.SPECIALS) + list(chars), True: [""] * len(self.SPECIALS) + list(chars)}
 
     def encode(self, text: str) -> list[int]:
         return [self._id.get(c, self.unk_token_id) for c in text]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        out = []
-        for i in ids:
-            i = int(i)
-            if i in self._char:
-                out.append(self._char[i])
-            elif not skip_special_tokens and 0 <= i < len(self.SPECIALS):
-                out.append(self.SPECIALS[i])
-        return "".join(out)
+        text = self._text[bool(skip_special_tokens)]
+        n = len(text)
+        return "".join([text[i] if 0 <= i < n else "" for i in map(int, ids)])
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         raise TokenizerError("builtin:char has no chat template; give prompts as plain text")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from models.config import preset_config
 from ppo.data import PromptDataset
@@ -31,6 +32,9 @@ def test_char_tokenizer_round_trip_and_fits_tiny():
     assert tok.decode(ids + [tok.eos_token_id]) == text + "</s>"
     assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == text
     assert tok.encode("é") == [3]  # unknown -> <unk>
+    # ids of a larger model vocab (the 32k benchmark shapes) and tensor elements decode to nothing / their text
+    assert tok.decode([-1, 5, tok.vocab_size, 31999, 1]) == tok.decode([5]) + "<s>"
+    assert tok.decode(torch.tensor([5, 2, 40000]), skip_special_tokens=True) == tok.decode([5])
     assert tok.chat_template is None
     with pytest.raises(TokenizerError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
