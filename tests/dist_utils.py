@@ -20,6 +20,15 @@ import traceback
 import torch.multiprocessing as mp
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a child process: the repo first, then what the caller had (the GPU machine's carried
+    wheels live on PYTHONPATH)."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

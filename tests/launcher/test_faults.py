@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.dist_utils import repo_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = str(ROOT / "tests" / "launcher" / "fault_rewards.py")
 TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enabled=false", "data.batch_size=2",
@@ -22,14 +24,10 @@ TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enab
         "trainer.save_every_minutes=0"]
 
 
-def _pythonpath() -> str:
-    """The repo first, then what the caller had (the GPU machine's carried wheels live on PYTHONPATH)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
 
 def launch(tmp_path: Path, name: str, *overrides: str, nproc: int = 2, restarts: int = 0, fault: dict | None = None,
            timeout: int = 240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), **(fault or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath(), **(fault or {}))
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={restarts}", "--monitor-interval=0.5"]

@@ -18,20 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import repo_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["trainer.device=cuda", "trainer.total_steps=2", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "monitor.enabled=false", "data.batch_size=4", "rollout.max_response_length=8", "trainer.sft_warmup_steps=0",
         "trainer.save_final=false", "actor.max_tokens_per_micro_batch=1024", "ref.max_tokens_per_micro_batch=1024"]
 
 
-def _pythonpath() -> str:
-    """The repo first, then what the caller had (the GPU machine's carried wheels live on PYTHONPATH)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
 
 def _run(tmp_path: Path, name: str, *, oom: bool) -> tuple[list[dict], list[dict], str]:
     record = tmp_path / f"{name}.calls.jsonl"
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), OOM_RECORD=str(record), OOM_INJECT="1" if oom else "0")
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OOM_RECORD=str(record), OOM_INJECT="1" if oom else "0")
     res = subprocess.run([sys.executable, __file__, str(ROOT / "conf" / "grpo_tiny.yaml"),
                           f"trainer.runs_dir={tmp_path}", f"trainer.experiment_name={name}", *ARGS],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)

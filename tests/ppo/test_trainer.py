@@ -10,19 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import repo_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _pythonpath() -> str:
-    """The repo first, then what the caller had (the GPU machine's carried wheels live on PYTHONPATH)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enabled=false",
         "data.batch_size=8", "rollout.max_response_length=6", "data.task_size=256", "trainer.sft_warmup_steps=2",
         "actor.mini_batch_size=0", "actor.ppo_epochs=1", "critic.mini_batch_size=0"]
 
 
 def launch(tmp_path: Path, nproc: int, config: str, *overrides: str, timeout: int = 300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), HYBRIDRL_TRACEBACK="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath(), HYBRIDRL_TRACEBACK="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "launcher" / "main.py"), str(ROOT / config), f"trainer.runs_dir={tmp_path}", *TINY,
            *overrides]
@@ -138,7 +136,7 @@ def test_bad_override_exits_2_on_every_rank(tmp_path, override, needle):
     assert 'launcher/main.py", line' not in res.stderr and "hybridrl" not in res.stderr.lower().split("error:")[0]
     assert not (tmp_path / "ppo_tiny").exists()  # nothing created before validation
     # without torchrun the process exits with 2 itself
-    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath())
     single = subprocess.run([sys.executable, str(ROOT / "launcher" / "main.py"), str(ROOT / "conf/ppo_tiny.yaml"),
                              override], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert single.returncode == 2 and needle in single.stderr

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import repo_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # what a verl user already has: their data script's rows and their reward file
@@ -51,7 +53,7 @@ def write_verl_task(d: Path, *, n_train: int = 256, n_test: int = 32) -> None:
 def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300):
     task = tmp_path / "task"
     write_verl_task(task)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HYBRIDRL_TRACEBACK="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo_pythonpath(), HYBRIDRL_TRACEBACK="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            str(ROOT / "launcher" / "main.py"), str(ROOT / "conf" / "grpo_verl_tiny.yaml"),
            f"data.train_files={task / 'train.parquet'}", f"data.val_files={task / 'test.parquet'}",

@@ -5,17 +5,17 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import repo_pythonpath
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

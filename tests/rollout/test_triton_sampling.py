@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.dist_utils import repo_pythonpath
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # shared by the child processes and the GPU test: sample() with no filtering, and a float64 acceptance check.
 # The kernel sums in another order than torch's cumsum, so a draw may differ from sample()'s when u falls within
@@ -62,7 +62,7 @@ def check(logits, temp, u, tok, lp, lp_tol, min_same=0.99):
 
 
 def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", HELPERS + textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
