@@ -13,9 +13,9 @@ it runs on CPU tensors (tests/models/test_triton_gather.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from models.triton_support import triton_runs
 
 try:
     import triton
@@ -26,9 +26,7 @@ except ImportError:  # CPU-only installs: document_layout keeps its torch path
 
 def available(device: torch.device) -> bool:
     """Whether the kernel can run here: CUDA with triton, or triton's CPU interpreter."""
-    if triton is None:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device)
 
 
 if triton is not None:

@@ -21,9 +21,9 @@ Triton's CPU interpreter; tests/models/test_logprobs.py's GPU test on CUDA).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from models.triton_support import triton_runs
 
 try:
     import triton
@@ -34,28 +34,32 @@ except ImportError:  # CPU-only installs: models/logprobs.py keeps its torch pat
 
 def available(device: torch.device) -> bool:
     """Whether the kernels can run here: CUDA with triton, or triton's CPU interpreter."""
-    if triton is None:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _logits_tile(base, start, V, temperature, TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Vocab ids [start, start + BLOCK_V), which of them exist, and their logits / T in fp32 (IEEE division,
+        as torch's; 0 past the vocab)."""
+        v = start + tl.arange(0, BLOCK_V)
+        ok = v < V
+        x = tl.load(base + v, mask=ok, other=0.0).to(tl.float32)
+        if TEMP:
+            x = tl.math.div_rn(x, temperature)
+        return v, ok, x
 
     @triton.jit
     def _stats_kernel(z_ptr, tgt_ptr, lp_ptr, lse_ptr, ent_ptr, V, s_row, temperature,
                       TEMP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         base = z_ptr + row.to(tl.int64) * s_row
-        offs = tl.arange(0, BLOCK_V)
         m = tl.full([BLOCK_V], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_V], tl.float32)
         t = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, V, BLOCK_V):
-            v = start + offs
-            ok = v < V
-            x = tl.load(base + v, mask=ok, other=0.0).to(tl.float32)
-            if TEMP:
-                x = tl.math.div_rn(x, temperature)
+            v, ok, x = _logits_tile(base, start, V, temperature, TEMP, BLOCK_V)
             # one exp per element: e = exp(-|x - m|) rescales whichever of the old sum and the new term is
             # under the new max (the first live element of a lane: m = -inf, e = 0, s = 1)
             up = ok & (x > m)
@@ -81,7 +85,6 @@ if triton is not None:
                      TEMP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         base = z_ptr + row.to(tl.int64) * s_row
-        offs = tl.arange(0, BLOCK_V)
         lse = tl.load(lse_ptr + row)
         g_lp = tl.load(glp_ptr + row).to(tl.float32)
         tgt = tl.load(tgt_ptr + row)
@@ -89,11 +92,7 @@ if triton is not None:
             ent = tl.load(ent_ptr + row)
             g_ent = tl.load(gent_ptr + row).to(tl.float32)
         for start in range(0, V, BLOCK_V):
-            v = start + offs
-            ok = v < V
-            x = tl.load(base + v, mask=ok, other=0.0).to(tl.float32)
-            if TEMP:
-                x = tl.math.div_rn(x, temperature)
+            v, ok, x = _logits_tile(base, start, V, temperature, TEMP, BLOCK_V)
             logp = x - lse
             p = tl.exp(logp)
             if ENTROPY:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from models.triton_support import triton_runs
+
 try:
     import triton
     import triton.language as tl
@@ -33,11 +35,7 @@ except ImportError:  # CPU-only installs: the engine then never offers the "trit
 def available(device: torch.device, head_dim: int) -> bool:
     """Whether the kernel can run here: CUDA with triton (or its CPU interpreter) and a power-of-two
     head dim >= 16 (one [BLOCK, D] tile per load)."""
-    import os
-
-    if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return head_dim >= 16 and not head_dim & (head_dim - 1) and triton_runs(device)
 
 
 if triton is not None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from models.triton_support import triton_runs
+
 try:
     import triton
     import triton.language as tl
@@ -35,11 +37,7 @@ except ImportError:  # CPU-only installs: the engine then keeps sampler.sample
 
 def available(device: torch.device) -> bool:
     """Whether the kernel can run here: CUDA with triton, or triton's CPU interpreter."""
-    import os
-
-    if triton is None:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs(device)
 
 
 if triton is not None:
