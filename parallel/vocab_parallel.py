@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.logprobs import compute_token_logprobs
+from models.logprobs import TORCH_CHUNK, compute_token_logprobs
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -129,7 +129,7 @@ def vocab_parallel_token_logprobs(
     tp_group: dist.ProcessGroup | None,
     vocab_start: int = 0,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token (and the entropy of each row's distribution).
@@ -138,13 +138,14 @@ def vocab_parallel_token_logprobs(
     (rows vocab_start .. vocab_start + V_local of the head), targets [...] int64 global token
     ids -> logprobs [...] fp32, entropy [...] fp32 or None. Differentiable in hidden and
     local_weight; all ranks of `tp_group` must call it with the same hidden and targets.
+    chunk_size None: compute_token_logprobs' default on one device, models.logprobs.TORCH_CHUNK split over TP.
     """
     if local_weight.dim() != 2 or hidden.shape[-1] != local_weight.shape[1]:
         raise ValueError(f"hidden [..., {hidden.shape[-1]}] does not match head weight {tuple(local_weight.shape)}; "
                          "pass the local [V/tp, H] shard (DTensor.to_local())")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape[:-1])}")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if vocab_start == 0 and (tp_group is None or dist.get_world_size(tp_group) == 1):
         # one device holds the whole head: the single-device function (with its fused kernels on CUDA)
@@ -153,7 +154,7 @@ def vocab_parallel_token_logprobs(
     lead = targets.shape
     out = _VocabParallelLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), local_weight, targets.reshape(-1).long(), tp_group,
-        int(vocab_start), float(temperature), int(chunk_size), bool(with_entropy))
+        int(vocab_start), float(temperature), int(chunk_size or TORCH_CHUNK), bool(with_entropy))
     logp = out[0].view(lead)
     ent = out[1].view(lead) if with_entropy else None
     return logp, ent
