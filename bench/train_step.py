@@ -283,7 +283,7 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
                / (world * H200_BF16_FLOPS),
                flops_per_token=fpt, loss=float(metrics["loss"]))
     if args.profile:
-        res["profile"] = kernel_profile(step, device=device)
+        res["profile"] = kernel_profile(step, device=device, top=args.profile_top)
     if spec.mode == "ppo":
         res["clipfrac"] = metrics.get("clipfrac")
         res["attn_check_maxdiff"] = attn_diff
@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="ppo attention: varlen flash (cuda) or masked SDPA")
     p.add_argument("--profile", action="store_true",
                    help="after timing, one step under torch.profiler: top kernels and GEMM share per config")
+    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per profiled config")
     p.add_argument("--backend", choices=("native", "megatron", "both"), default="native",
                    help="training backend; both: every config on native then on megatron-core (bench/megatron_step.py)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None,
