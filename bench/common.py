@@ -86,8 +86,15 @@ def time_steps(step: Callable[[], object], *, device: torch.device, warmup: int,
 
 def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int = 15) -> dict:
     """One `step` under torch.profiler: where its device time goes. Returns the step's total kernel time
-    and the `top` kernels by total time ({name, calls, ms, share}), plus the GEMM share of the total."""
+    and the `top` kernels by total time ({name, calls, ms, share}), plus the GEMM share of the total; on
+    CUDA also the span from the first kernel's start to the last one's end, the busy time (union of the
+    kernels' intervals) and the largest idle gaps with the host operators that launched the kernel after
+    each (ppo.profiling.largest_gaps)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
+
+    from ppo.profiling import DEVICE_CATEGORIES, LaunchIndex, busy_us, largest_gaps
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
@@ -102,9 +109,20 @@ def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int
     total = sum(ms for _, _, ms in rows) or 1.0
     rows.sort(key=lambda r: -r[2])
     gemm = sum(ms for name, _, ms in rows if any(k in name.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet")))
-    return {"total_kernel_ms": total, "gemm_share": gemm / total,
-            "top": [{"name": n[:120], "calls": c, "ms": round(ms, 3), "share": round(ms / total, 4)}
-                    for n, c, ms in rows[:top]]}
+    out = {"total_kernel_ms": total, "gemm_share": gemm / total,
+           "top": [{"name": n[:120], "calls": c, "ms": round(ms, 3), "share": round(ms / total, 4)}
+                   for n, c, ms in rows[:top]]}
+    if device.type == "cuda":
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = json.load(open(f.name)).get("traceEvents", [])
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+        if kernels:
+            span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+            out.update(span_ms=round(span / 1e3, 3),
+                       busy_ms=round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels]) / 1e3, 3),
+                       largest_gaps=largest_gaps(kernels, LaunchIndex(events)))
+    return out
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 For each profiled step every rank writes, under <run dir>/profile/:
   step<N>_rank<r>.json      per stage (gen, ref, update_actor, ...): wall ms, kernel ms, busy ms (the union of the
                             kernels' intervals), the idle gaps (wall - busy), the kernel count, time by kernel
-                            category (gemm, attention, nccl, memcpy, other) and the top kernels;
+                            category (gemm, attention, nccl, memcpy, other), the top kernels, and the largest
+                            idle gaps with the host operators that launched the kernel after each;
   step<N>_rank<r>.trace.json.gz   the chrome trace (chrome://tracing, perfetto.dev).
 
 Stages are the StageTimer's: each is annotated with record_function("stage:<name>") and ends with a device
@@ -58,6 +59,59 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class LaunchIndex:
+    """Which host operators launched a device event: the cpu_op / user_annotation ranges that hold its launch
+    call (a cuda_runtime / cuda_driver event, joined to the kernel by the trace's correlation id)."""
+
+    def __init__(self, events: list[dict]):
+        self.launches = {ev.get("args", {}).get("correlation"): ev for ev in events
+                         if ev.get("ph") == "X" and ev.get("cat") in ("cuda_runtime", "cuda_driver")}
+        self.ops: dict = {}
+        for ev in events:
+            if ev.get("ph") == "X" and ev.get("cat") in ("cpu_op", "user_annotation"):
+                self.ops.setdefault(ev.get("tid"), []).append(ev)
+        for ops in self.ops.values():
+            ops.sort(key=lambda o: o["ts"])
+        self.starts = {tid: [o["ts"] for o in ops] for tid, ops in self.ops.items()}
+
+    def chain(self, device_event: dict, depth: int = 3) -> list[str]:
+        """Names of the innermost `depth` operators holding the launch, outermost first ([] if unknown)."""
+        import bisect
+
+        launch = self.launches.get(device_event.get("args", {}).get("correlation"))
+        if launch is None:
+            return []
+        tid, t = launch.get("tid"), launch["ts"]
+        ops = self.ops.get(tid, [])
+        i = bisect.bisect_right(self.starts.get(tid, []), t)
+        holding = [o for o in ops[max(0, i - 4000):i] if o["ts"] + o["dur"] >= t]
+        return [o["name"][:80] for o in holding[-depth:]]
+
+
+def largest_gaps(device: list[dict], index: LaunchIndex, *, top: int = 12, min_us: float = 20.0) -> dict:
+    """The device's idle gaps of at least `min_us` between `device` events (kernels, copies), each with the
+    kernels around it and the host operators that launched the kernel after it: what the host was doing while
+    the device waited. Returns {gap_ms, gaps, by_launcher: [{op, ms, gaps}], top: [{us, before, after,
+    launched_by}]}, by_launcher keyed by the innermost launching operator."""
+    gaps, end, last = [], None, None
+    for s, e, ev in sorted(((ev["ts"], ev["ts"] + ev["dur"], ev) for ev in device), key=lambda r: r[0]):
+        if end is not None and s - end >= min_us:
+            gaps.append((s - end, last, ev, index.chain(ev)))
+        if end is None or e > end:
+            end, last = e, ev
+    by_launcher: dict[str, list[float]] = {}
+    for us, _, _, chain in gaps:
+        acc = by_launcher.setdefault(chain[-1] if chain else "(unknown)", [0.0, 0])
+        acc[0] += us / 1e3
+        acc[1] += 1
+    gaps.sort(key=lambda r: -r[0])
+    return {"gap_ms": round(sum(g[0] for g in gaps) / 1e3, 3), "gaps": len(gaps),
+            "by_launcher": [{"op": k, "ms": round(v[0], 3), "gaps": v[1]}
+                            for k, v in sorted(by_launcher.items(), key=lambda kv: -kv[1][0])[:top]],
+            "top": [{"us": round(us, 1), "before": b["name"][:80], "after": a["name"][:80], "launched_by": chain}
+                    for us, b, a, chain in gaps[:top]]}
+
+
 def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
     """{stage: summary} from chrome-trace events (ts/dur in microseconds).
 
@@ -69,6 +123,7 @@ def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
                      and str(e.get("name", "")).startswith(STAGE_PREFIX)), key=lambda s: s[0])
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
     cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    index = LaunchIndex(events) if device else None
 
     def owner(ts: float) -> str:
         for s, e, name in stages:
@@ -102,6 +157,7 @@ def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
                        for n, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]])
         if st["wall_ms"] is not None:
             st["gaps_ms"] = round(st["wall_ms"] - busy, 3)
+        st["largest_gaps"] = largest_gaps(evs, index)
     if not device:  # CPU: the stages' top-level operators
         for st in out.values():
             ops: dict[str, list[float]] = {}

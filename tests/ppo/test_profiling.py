@@ -8,7 +8,7 @@ import json
 import torch
 
 from ppo.measure import StageTimer
-from ppo.profiling import StepProfiler, busy_us, kernel_kind, summarise_trace
+from ppo.profiling import LaunchIndex, StepProfiler, busy_us, kernel_kind, largest_gaps, summarise_trace
 
 
 def _x(cat, name, ts, dur):
@@ -51,6 +51,35 @@ def test_summary_attributes_kernels_to_stages_and_measures_gaps():
     assert upd["kernels"] == 1 and upd["gaps_ms"] == 0.03
     assert s["(outside stages)"]["kernels"] == 1 and s["(outside stages)"]["wall_ms"] is None
     assert "top_cpu_ops" not in gen  # device events exist: kernels, not CPU operators
+
+
+def test_largest_gaps_name_the_host_operators_that_launched_the_kernel_after_each():
+    def k(name, ts, dur, corr):
+        return {**_x("kernel", name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid=1):
+        return {**_x("cuda_runtime", "cudaLaunchKernel", ts, 2), "args": {"correlation": corr}, "tid": tid}
+
+    def op(name, ts, dur, tid=1):
+        return {**_x("cpu_op", name, ts, dur), "tid": tid}
+
+    events = [
+        op("step", 0, 1000), op("aten::mm", 5, 10), op("loss", 100, 300), op("aten::item", 150, 200),
+        op("aten::add", 380, 10), op("backward", 400, 500, tid=2), op("aten::mul", 600, 10, tid=2),
+        launch(6, 1), launch(385, 2), launch(605, 3, tid=2), launch(606, 4, tid=2),
+        k("gemm", 10, 100, 1),      # busy 10..110
+        k("add", 390, 10, 2),       # gap 280 us, launched inside loss > aten::add
+        k("mul", 610, 10, 3),       # gap 210 us, launched by backward > aten::mul (autograd thread)
+        k("mul2", 625, 10, 4),      # gap 5 us: below min_us
+    ]
+    device = [e for e in events if e["cat"] == "kernel"]
+    g = largest_gaps(device, LaunchIndex(events), min_us=20.0)
+    assert g["gaps"] == 2 and g["gap_ms"] == 0.49
+    assert g["top"][0] == {"us": 280.0, "before": "gemm", "after": "add", "launched_by": ["step", "loss", "aten::add"]}
+    assert g["top"][1]["launched_by"] == ["backward", "aten::mul"]
+    assert g["by_launcher"] == [{"op": "aten::add", "ms": 0.28, "gaps": 1}, {"op": "aten::mul", "ms": 0.21, "gaps": 1}]
+    # a kernel whose launch is not in the trace is still a gap, of an unknown launcher
+    assert largest_gaps([k("a", 0, 1, 9), k("b", 50, 1, 8)], LaunchIndex([]))["by_launcher"][0]["op"] == "(unknown)"
 
 
 def test_cpu_step_profile_writes_summary_and_trace(tmp_path):
