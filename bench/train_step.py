@@ -152,11 +152,9 @@ def _build(spec: RunSpec, args, *, device, dtype, mesh, dims):
                               param_dtype=dtype if mixed else None, fsdp=True if mixed else None,
                               n_microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                               stages_per_rank=args.stages_per_rank, attn_factory=attn_factory)
-    params = model.parameters()
+    opt = model.build_optimizer(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)  # the trainer's AdamW
     if dims.pp == 1:
         model = model.module  # the tensor-level pp = 1 path below calls the module itself
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
     return cfg, model, opt
 
 
@@ -263,7 +261,8 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
             loss = -(logp * m).sum() / m.sum()
         else:
             logp, ent = token_logprobs(True)
-            loss, pm = policy_loss(logp, batch["old"], batch["adv"], batch["mask"])
+            # as the trainer's update (ppo/roles.py): no host sync before backward, metrics read after the step
+            loss, pm = policy_loss(logp, batch["old"], batch["adv"], batch["mask"], sync_metrics=False)
             metrics.update(pm)
         loss.backward()
         opt.step()
@@ -285,7 +284,7 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
     if args.profile:
         res["profile"] = kernel_profile(step, device=device, top=args.profile_top)
     if spec.mode == "ppo":
-        res["clipfrac"] = metrics.get("clipfrac")
+        res["clipfrac"] = float(metrics["clipfrac"])
         res["attn_check_maxdiff"] = attn_diff
         res["seqs_per_row"] = batch["n_seqs"] / args.batch
         with torch.no_grad():

@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.adamw import adamw
 
+from parallel.shard_adamw import local as _local
+
 DEFAULT_CHUNK_BYTES = 512 << 20  # moments (m and v) per staged chunk: about 1 GiB of device memory at most
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (an alias: in-place updates reach the DTensor), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _pin(buf: torch.Tensor) -> bool:

@@ -293,8 +293,10 @@ class NativeRunner:
             from parallel.offload_optim import HostOffloadAdamW
 
             return HostOffloadAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        return torch.optim.AdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-                                 fused=self._device().type == "cuda")
+        from parallel.shard_adamw import ShardLocalAdamW
+
+        return ShardLocalAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                               fused=self._device().type == "cuda")
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
