@@ -280,9 +280,12 @@ class EngineModelRunner:
         if not rows:
             return
         slots = list(rows)
-        idx = torch.tensor(slots, device=self.device)
-        self.meta_i[:, idx] = torch.tensor([rows[s][0] for s in slots], dtype=torch.int64).T.to(self.device)
-        self.meta_f[:, idx] = torch.tensor([rows[s][1] for s in slots], dtype=torch.float32).T.to(self.device)
+        # one pinned, asynchronous upload per dtype: a copy from pageable memory would wait for the decode step
+        # already enqueued (CUDA syncs the stream first), draining the one-step-ahead pipeline at every change
+        ints = self._upload(torch.tensor([(s, *rows[s][0]) for s in slots], dtype=torch.int64))
+        idx = ints[:, 0]
+        self.meta_i[:, idx] = ints[:, 1:].T
+        self.meta_f[:, idx] = self._upload(torch.tensor([rows[s][1] for s in slots], dtype=torch.float32)).T
         # the row's uniforms for every position, once per (re)assignment: ~40 tiny hash kernels per decode
         # step become one gather
         positions = torch.arange(self.u_table.shape[1], device=self.device)
@@ -295,10 +298,19 @@ class EngineModelRunner:
         if not self.prefix_members or groups == self._prefix_groups:
             return
         tables = shared_prefix_tables(groups, rows=self.num_slots, members_per_entry=self.prefix_members)
-        pin = self.device.type == "cuda"
         for dst, src in zip((self.row_prefix, self.prefix_table, self.prefix_len), tables, strict=True):
-            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+            self._upload(src, into=dst)
         self._prefix_groups = groups
+
+    def _upload(self, host: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A host tensor on the device (a new tensor, or copied into `into`) without a host sync: through
+        pinned memory, asynchronously, on CUDA (torch's pinned-memory cache keeps the staging block until the
+        copy is done)."""
+        pin = self.device.type == "cuda"
+        src = host.pin_memory() if pin else host
+        if into is None:
+            return src.to(self.device, non_blocking=pin)
+        return into.copy_(src, non_blocking=pin)
 
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
