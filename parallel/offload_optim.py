@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from torch.optim.adamw import adamw
 
+from parallel.shard_adamw import ShardLocalAdamW, adamw_update
 from parallel.shard_adamw import local as _local
 
 DEFAULT_CHUNK_BYTES = 512 << 20  # moments (m and v) per staged chunk: about 1 GiB of device memory at most
@@ -89,7 +89,7 @@ class _Chunk:
     stored: object = None  # CUDA event: moments back in host memory
 
 
-class HostOffloadAdamW(torch.optim.AdamW):
+class HostOffloadAdamW(ShardLocalAdamW):
     """torch.optim.AdamW with exp_avg / exp_avg_sq kept in (pinned) host memory between steps.
 
     params: as for AdamW (tensors or DTensors on one device, one dtype per parameter group).
@@ -174,17 +174,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 for k, v in moments[pid].items():
                     state[k].copy_(_local(v))
 
-    # ---- the step ----
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group)
-        return loss
-
+    # ---- the step (ShardLocalAdamW.step calls _step_group per group) ----
     def _chunks(self, gi: int, group: dict) -> list[_Chunk]:
         flat = self._flat_of(gi)
         chunks: list[_Chunk] = []
@@ -226,11 +216,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
             n = p.numel()
             ms.append(c.staged[off:off + n].view(p.shape))
             vs.append(c.staged[off + n:off + 2 * n].view(p.shape))
-        beta1, beta2 = group["betas"]
-        adamw(c.params, c.grads, ms, vs, [], c.steps,
-              foreach=False, fused=self.cuda, capturable=False, differentiable=False,
-              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-              eps=group["eps"], maximize=False)
+        adamw_update(c.params, c.grads, ms, vs, c.steps, group)
 
     def _unstage(self, c: _Chunk, flat: torch.Tensor) -> None:
         """Updated moments back to host memory (on the device->host stream); the staging is released."""

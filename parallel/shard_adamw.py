@@ -46,30 +46,39 @@ class ShardLocalAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:  # as AdamW: no gradient, no state and no step
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("ShardLocalAdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:  # as AdamW's lazy init: moments like the parameter (DTensors for DTensors)
-                    # the fused kernel reads and bumps the step on the device; the loop keeps it on the host
-                    state["step"] = torch.zeros((), dtype=torch.float32,
-                                                device=local(p).device if group["fused"] else "cpu")
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(local(p))
-                grads.append(local(p.grad))
-                exp_avgs.append(local(state["exp_avg"]))
-                exp_avg_sqs.append(local(state["exp_avg_sq"]))
-                steps.append(state["step"])
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                  foreach=False, fused=group["fused"], capturable=False, differentiable=False,
-                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group)
         return loss
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        """One parameter group's update (subclasses place the moments elsewhere: parallel/offload_optim.py)."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:  # as AdamW: no gradient, no state and no step
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self.state[p]
+            if not state:  # as AdamW's lazy init: moments like the parameter (DTensors for DTensors)
+                # the fused kernel reads and bumps the step on the device; the loop keeps it on the host
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=local(p).device if group["fused"] else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(local(p))
+            grads.append(local(p.grad))
+            exp_avgs.append(local(state["exp_avg"]))
+            exp_avg_sqs.append(local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if params:
+            adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, group)
+
+
+def adamw_update(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, group: dict) -> None:
+    """torch's functional AdamW over plain (local) tensors with one parameter group's hyperparameters:
+    the fused kernel when the group says so, else the single-tensor loop."""
+    beta1, beta2 = group["betas"]
+    adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps,
+          foreach=False, fused=group["fused"], capturable=False, differentiable=False,
+          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+          eps=group["eps"], maximize=False)
