@@ -44,8 +44,6 @@ from parallel.shard_adamw import local as _local
 DEFAULT_CHUNK_BYTES = 512 << 20  # moments (m and v) per staged chunk: about 1 GiB of device memory at most
 
 
-
-
 def _pin(buf: torch.Tensor) -> bool:
     """Page-lock an existing host tensor for asynchronous copies (exact size, unlike pin_memory=True);
     it is unregistered when the tensor is freed. False (and a warning) when the driver refuses: the

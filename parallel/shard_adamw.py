@@ -6,7 +6,7 @@
 
 Why: FSDP2 and tensor parallelism make every parameter, gradient and Adam moment a DTensor, and
 torch's AdamW then sends its one fused call over ~150 x 4 DTensors through DTensor's dispatcher:
-sharding propagation on the host, ~6 ms per step for a 1B model on the H200 machine's CPU, during
+sharding propagation on the host, a 5.2 ms gap per step for a 1B model on the H200 machine, during
 which the device idles (the step follows the gradient norm's host sync; bench.train_step's
 profile of the fp32-master step shows the gap). AdamW is elementwise, so each rank's update of its
 shard is the whole update: here the fused kernel runs on the local tensors (aliases of the
