@@ -247,7 +247,6 @@ class EngineModelRunner:
     def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float]]:
         """Run the prompts (plus any tokens already generated) of each row; sample the next token of
         every sequence. Returns tokens, logprobs in batch.seqs order."""
-        dev = self.device
         ids = torch.zeros(len(batch.rows), batch.padded_len, dtype=torch.int64)
         last = []
         for r, row in enumerate(batch.rows):
@@ -255,11 +254,12 @@ class EngineModelRunner:
             ids[r, : len(toks)] = torch.tensor(toks)
             last.append(len(toks) - 1)
         seqs = batch.seqs
-        rows = torch.tensor([r for r, row in enumerate(batch.rows) for _ in row], device=dev)
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
-        logits = self._prefill(ids.to(dev), slots, rows, torch.tensor(last, device=dev))
-        f = torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs], device=dev)
-        i = torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs], device=dev)
+        # inputs up through pinned memory without a host sync (a pageable copy waits for the stream)
+        rows = self._upload(torch.tensor([r for r, row in enumerate(batch.rows) for _ in row]))
+        slots = self._upload(torch.tensor([s.slot for s in seqs]))
+        logits = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
+        f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))
+        i = self._upload(torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs]))
         tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
                          positions=i[:, 2], filtered=any_filtered(seqs))
         out = torch.stack([tok.double(), lp.double()]).cpu()
