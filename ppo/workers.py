@@ -150,10 +150,12 @@ class ShardedWorker:
         the global loss."""
         from ppo.core_algos import agg_count
 
-        n = torch.tensor([float(agg_count(mask, agg))], device=self.device if self.device.type == "cuda" else "cpu")
+        n = float(agg_count(mask, agg))  # the mask is on the host: no device round trip (two syncs) at dp = 1
         if self.dp > 1:
-            dist.all_reduce(n, group=self.dp_group)
-        return max(float(n) / self.dp, 1.0)
+            total = torch.tensor([n], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(total, group=self.dp_group)
+            n = float(total)
+        return max(n / self.dp, 1.0)
 
     def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, pad_id: int, mb_loss, agg: str = "token-mean") -> dict[str, float]:
