@@ -115,7 +115,8 @@ def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int
     if device.type == "cuda":
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
-            events = json.load(open(f.name)).get("traceEvents", [])
+            with open(f.name) as trace:
+                events = json.load(trace).get("traceEvents", [])
         kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
         if kernels:
             span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
