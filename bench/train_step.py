@@ -20,8 +20,10 @@ through the chunked (vocab-parallel under TP) log-prob kernel of parallel/vocab_
   recompute (`logprob_tokens_per_s`), the PPO step's other trainer stage.
 
 Weights (`--master`): bf16 = bf16 parameters, grads and AdamW moments (fused AdamW);
-fp32 = fp32 master parameters/moments, FSDP2 mixed precision all-gathers bf16 compute
-copies and reduces fp32 gradients (FSDP applied even on one GPU for that).
+fp32 = the trainer's mixed precision: fp32 master weights and moments. With dp > 1 FSDP2 holds
+the fp32 shards and all-gathers bf16 compute copies; with dp = 1 the model is bf16 with fp32 main
+grads and the optimizer keeps the fp32 masters (parallel/master_weights.py); `--fsdp` forces FSDP2's
+layout at dp = 1 too (how the trainer runs with an offloaded optimizer).
 
 MFU = FLOPs / (step time x GPUs x 790 TFLOP/s), FLOPs per token = 6 N + 12 L H C (PaLM),
 N = parameters without the input embedding (the lookup does no matmul; the head counts;
@@ -149,7 +151,7 @@ def _build(spec: RunSpec, args, *, device, dtype, mesh, dims):
     _init_on_device(model, seed=0)
     attn_factory = functools.partial(DocumentAttention, backend=spec.attn) if spec.mode == "ppo" else None
     model = parallelize_model(model, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile,
-                              param_dtype=dtype if mixed else None, fsdp=True if mixed else None,
+                              param_dtype=dtype if mixed else None, fsdp=True if args.fsdp else None,
                               n_microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                               stages_per_rank=args.stages_per_rank, attn_factory=attn_factory)
     opt = model.build_optimizer(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)  # the trainer's AdamW
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     p.add_argument("--master", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 even at dp = 1 (fp32 masters as its sharded parameters)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None, help="default: world size / (tp x pp)")
@@ -420,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     ok = [r for r in results if "mfu" in r]
     best = max(ok, key=lambda r: r["mfu"]) if ok else {}
     summary = dict(bench="train_step", model=args.model, seq=args.seq, batch=args.batch, tp=args.tp, pp=args.pp, dp=dp,
-                   world=world, dtype=str(dtype).removeprefix("torch."), ceiling_flops_per_gpu=H200_BF16_FLOPS,
+                   world=world, dtype=str(dtype).removeprefix("torch."), fsdp_forced=args.fsdp,
+                   ceiling_flops_per_gpu=H200_BF16_FLOPS,
                    best_mfu=best.get("mfu"), best_tokens_per_s=best.get("tokens_per_s"),
                    best_config={k: best[k] for k in ("mode", "compile", "ac", "master", "backend")} if best else None,
                    **_backend_summary(results),

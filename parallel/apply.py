@@ -11,8 +11,9 @@ Order (as in torchtitan): pipeline split -> tensor parallel -> activation checkp
 -> per-layer torch.compile -> FSDP2 (compile with ac="full" checkpoints around the compiled
 layer body instead: see apply_compile_then_full_ac). TP is applied only when tp > 1 (at size 1 it is
 pure DTensor dispatch overhead; `apply_tp` itself works on a size-1 mesh); FSDP is
-applied when dp > 1 or when `param_dtype` asks for mixed precision (on one GPU that gives
-fp32 master weights with bf16 compute).
+applied when dp > 1 (or asked for). Mixed precision (`param_dtype`) is FSDP2's when it shards (fp32
+sharded masters, bf16 compute copies) and megatron's layout when it does not (bf16 weights, fp32
+main grads, fp32 masters in the optimizer: parallel/master_weights.py).
 
 Loss code that wants hidden states instead of logits (chunked log-probs: no [N, V] fp32
 tensor) calls `forward_hidden(model, ids, pos)`, which goes through `nn.Module.__call__`
@@ -30,6 +31,7 @@ from torch import nn
 
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
+from parallel.master_weights import attach_main_grads
 from parallel.pipeline import PipelineRunner, build_stages
 from parallel.runner import LocalRunner, ModelRunner
 from parallel.tensor_parallel import apply_tp
@@ -116,13 +118,20 @@ def apply_compile_then_full_ac(model: nn.Module, *, dynamic: bool | None = None)
     return model
 
 
-def _should_fsdp(dims: ParallelDims, param_dtype: torch.dtype | None, fsdp: bool | None) -> bool:
-    return fsdp if fsdp is not None else (dims.dp > 1 or param_dtype is not None)
+def _should_fsdp(dims: ParallelDims, fsdp: bool | None) -> bool:
+    return fsdp if fsdp is not None else dims.dp > 1
 
 
 def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool, dynamic: bool | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  loss_parallel: bool, fsdp: bool | None) -> nn.Module:
+    sharded = _should_fsdp(dims, fsdp)
+    if param_dtype is not None and not sharded:
+        # mixed precision with nothing to shard: 16-bit weights, fp32 main grads and masters in the optimizer
+        # (parallel/master_weights.py); the RoPE frequencies stay fp32 (LlamaModel._apply)
+        if reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"reduce_dtype={reduce_dtype} without FSDP: main grads accumulate in fp32")
+        model.to(param_dtype)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
     if compile and ac == "full":
@@ -131,10 +140,12 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
         apply_ac(model, ac)
         if compile:
             apply_compile(model, dynamic=dynamic)
-    if _should_fsdp(dims, param_dtype, fsdp):
+    if sharded:
         # on a dp mesh of one, resharding after forward frees nothing worth a second cast-copy in backward
         apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=dims.dp > 1)
+    elif param_dtype is not None:
+        attach_main_grads(model)  # after TP: its gradient-placement hooks run first
     return model
 
 
@@ -162,7 +173,10 @@ def parallelize_model(
     place; `runner.module`); pp > 1 a PipelineRunner over this rank's stage(s), whose stages
     return hidden states (see parallel/pipeline.py). `attn_factory(position_ids)` picks the
     attention backend of the runner's forward passes (e.g. DocumentAttention for packed rows).
-    fsdp None: on when dp > 1 or param_dtype is set. dynamic: torch.compile's (see apply_compile).
+    param_dtype (e.g. bf16 for an fp32 model) asks for mixed precision: with FSDP, its fp32 sharded parameters
+    and param_dtype compute copies; without (dp = 1), the model is cast to param_dtype with fp32 main grads, and
+    the runner's optimizer keeps the fp32 masters (parallel/master_weights.py). fsdp None: on when dp > 1.
+    dynamic: torch.compile's (see apply_compile).
     """
     got = tuple(mesh.mesh_dim_names or ())
     if got != ("pp", "dp", "tp") or tuple(mesh.shape) != (dims.pp, dims.dp, dims.tp):

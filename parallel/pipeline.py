@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.master_weights import grad_of
 from parallel.runner import LossFn, MicroBatch, NativeRunner, ReduceFn, split_loss
 from parallel.sharding import pp_stage_layers
 
@@ -105,8 +106,10 @@ def build_stages(model: nn.Module, *, pp: int, pp_rank: int, stages_per_rank: in
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor:
-    """The gradient tensor this rank holds (a DTensor's local shard under TP / FSDP)."""
-    return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    """The gradient tensor this rank holds (its fp32 main grad if it has one; a DTensor's local shard under
+    TP / FSDP)."""
+    g = grad_of(p)
+    return g.to_local() if hasattr(g, "to_local") else g
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -239,7 +242,7 @@ class PipelineRunner(NativeRunner):
         losses: list[torch.Tensor] = []
         target = torch.arange(self.n_microbatches) if self.has_last else None
         tied = self._tied_copy()
-        before = _local_grad(tied).clone() if tied is not None and tied.grad is not None else None
+        before = _local_grad(tied).clone() if tied is not None and grad_of(tied) is not None else None
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if tied is not None:
             self._add_peer_tied_grad(tied, before)

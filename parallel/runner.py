@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.fsdp import gradients_synced
+from parallel.master_weights import clear_grad, grad_of
 
 
 @dataclass(slots=True)
@@ -190,7 +191,7 @@ class NativeRunner:
         """Drop gradient storage while the GPU generates (hybrid engine); the next backward recreates it."""
         for m in self.modules:
             for p in m.parameters():
-                p.grad = None
+                clear_grad(p)
 
     def restore_gradients(self) -> None:
         """Native gradients are recreated by the next backward: nothing to bring back."""
@@ -290,23 +291,30 @@ class NativeRunner:
         return {k: v for part in parts for k, v in part.items()}
 
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float, offload: bool = False):
+        """AdamW over this rank's trainable parameters: fp32 masters in its state when they are 16-bit with main
+        grads (parallel/master_weights.py), Adam's moments in host memory with `offload` (FSDP layout only)."""
+        params, kw = self.parameters(), dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        main_grads = any(hasattr(p, "main_grad") for p in params)
         if offload:
+            if main_grads:
+                raise ValueError("optimizer offload streams FSDP's fp32 parameter shards: build the runner with "
+                                 "fsdp=True (16-bit parameters with fp32 main grads have no offloaded optimizer)")
             from parallel.offload_optim import HostOffloadAdamW
 
-            return HostOffloadAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+            return HostOffloadAdamW(params, **kw)
+        from parallel.master_weights import MasterWeightAdamW
         from parallel.shard_adamw import ShardLocalAdamW
 
-        return ShardLocalAdamW(self.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-                               fused=self._device().type == "cuda")
+        return (MasterWeightAdamW if main_grads else ShardLocalAdamW)(params, **kw, fused=self._device().type == "cuda")
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        params = [p for p in self.parameters() if grad_of(p) is not None]
+        grads = [grad_of(p) for p in params]
         norm = 0.0
         if grads or self.pp_group is not None:
             twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's
-            norm = self._grad_norm([p.grad for p in params if p is not twice])
+            norm = self._grad_norm([g for p, g in zip(params, grads) if p is not twice])
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 # a few fused launches, not one per parameter; DTensor grads are scaled through their local

@@ -36,8 +36,9 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 
 def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
-          frozen: bool = False) -> WorkerSpec:
+          frozen: bool = False, offload_optimizer: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
+                      fsdp_masters=offload_optimizer and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
                       pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
                       stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts)
@@ -240,7 +241,8 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     here = set(plan.roles_of(rank))
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts)
+        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
+                     offload_optimizer=b.actor_offload_optimizer)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
                                    optim=b.actor_optim, total_steps=total_steps,
                                    offload_optimizer=b.actor_offload_optimizer)
@@ -250,7 +252,9 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)
-        roles.critic = CriticWorker(model, _spec(b.layouts["critic"], groups["critic"], placement, dtype),
+        spec = _spec(b.layouts["critic"], groups["critic"], placement, dtype,
+                     offload_optimizer=b.critic_offload_optimizer)
+        roles.critic = CriticWorker(model, spec,
                                     pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps,
                                     offload_optimizer=b.critic_offload_optimizer)
     if "reward" in here:

@@ -51,6 +51,9 @@ class WorkerSpec:
     # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
     frozen: bool = False
     backend: str = "native"  # native | megatron (parallel/backends.py)
+    # FSDP2 even at dp = 1 (a host-offloaded optimizer streams FSDP's fp32 parameter shards); otherwise mixed
+    # precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
+    fsdp_masters: bool = False
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -98,7 +101,8 @@ class ShardedWorker:
             param_dtype=param_dtype, frozen=spec.frozen,
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
-            stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention)
+            stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention,
+            fsdp=True if spec.fsdp_masters else None)
         self.share_prompts = spec.share_prompts
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None

@@ -101,6 +101,7 @@ class HybridEngine:
             for p in m.parameters():
                 add(p)
                 add(p.grad)
+                add(getattr(p, "main_grad", None))  # fp32 main grads (parallel/master_weights.py)
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for v in state.values():

@@ -129,7 +129,7 @@ def _fsdp_actor_layout_matches_adamw(device: str, backend: str):
         dims = ParallelDims(tp=1, pp=1, dp=1)
         mesh = build_mesh(dims, [0], device_type=device)
         runners = [parallelize_model(build_model("tiny", seed=3).to(device), mesh=mesh, dims=dims, ac="full",
-                                     param_dtype=torch.bfloat16) for _ in range(2)]
+                                     param_dtype=torch.bfloat16, fsdp=True) for _ in range(2)]
         opts = [runners[0].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
                 runners[1].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, offload=True)]
         assert isinstance(opts[1], HostOffloadAdamW) and not isinstance(opts[0], HostOffloadAdamW)

@@ -75,7 +75,7 @@ def _fsdp_layout_matches_adamw(device: str, backend: str):
         dims = ParallelDims(tp=1, pp=1, dp=1)
         mesh = build_mesh(dims, [0], device_type=device)
         runners = [parallelize_model(build_model("tiny", seed=3).to(device), mesh=mesh, dims=dims,
-                                     param_dtype=torch.bfloat16) for _ in range(2)]
+                                     param_dtype=torch.bfloat16, fsdp=True) for _ in range(2)]
         fused = device == "cuda"
         plain = torch.optim.AdamW(runners[0].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=fused, foreach=False if not fused else None)

@@ -54,7 +54,9 @@ def test_frozen_model_in_compute_dtype_gives_the_mixed_precision_outputs(one_ran
     pos = torch.arange(16)[None]
     out = {}
     for frozen in (False, True):
-        spec = WorkerSpec(mesh=mesh, dims=dims, device=torch.device("cpu"), dtype=torch.bfloat16, frozen=frozen)
+        # trained: FSDP2's mixed precision (fp32 masters; at dp = 1 only when asked), the reference layout here
+        spec = WorkerSpec(mesh=mesh, dims=dims, device=torch.device("cpu"), dtype=torch.bfloat16, frozen=frozen,
+                          fsdp_masters=not frozen)
         w = PolicyWorker(build_model("tiny", seed=4), spec, temperature=1.0, pad_id=0, trainable=False)
         params = list(w.runner.modules[0].parameters())  # before forward: FSDP at dp=1 then shows bf16 copies
         stored = ({p.dtype for p in params}, any(hasattr(p, "full_tensor") for p in params))

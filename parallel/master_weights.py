@@ -1,0 +1,132 @@
+"""Megatron's mixed-precision layout for a model that is not data-sharded: 16-bit parameters, fp32
+gradient accumulation (`p.main_grad`) and fp32 master weights inside the optimizer.
+
+    model.to(torch.bfloat16); attach_main_grads(model)   # after TP, before the optimizer
+    for mb in micro_batches:
+        loss(mb).backward()          # each parameter's bf16 .grad is added into p.main_grad (fp32), then freed
+    opt = MasterWeightAdamW(params, lr=1e-6)             # fp32 masters and moments in its state
+    opt.step()                       # AdamW on the masters (fused on CUDA), then one copy into the bf16 params
+    opt.zero_grad()                  # main_grad = None: the next backward starts it from its first gradient
+
+Why: on one data-parallel rank FSDP2's mixed precision (fp32 parameters, bf16 compute copies)
+shards nothing but still casts every parameter to bf16 before each micro-batch's forward, through
+per-parameter Python work that takes longer than a layer's forward on the H200 machine (the
+fp32-master train step: 16 host gaps of 0.65-0.95 ms per step, `bench.train_step --profile`).
+Here the forward reads the bf16 parameters as they are; the gradient still accumulates in fp32
+across micro-batches (as FSDP's reduce_dtype=fp32 and megatron's grad_reduce_in_fp32 do), and the
+fp32 -> bf16 copy happens once per optimizer step instead of once per micro-batch. parallel/apply.py
+chooses this layout for mixed precision when nothing is data-sharded (dp = 1) and FSDP2 otherwise.
+
+Numerics: the same as FSDP2's mixed precision at dp = 1 (compute on the bf16 rounding of the fp32
+master, bf16 gradients summed into fp32, AdamW in fp32): tests/parallel/test_master_weights.py
+checks the two layouts bit for bit. Weights loaded into the bf16 model start the masters at their
+bf16 rounding (Hugging Face checkpoints of these models are bf16 already); a resumed run restores
+the fp32 masters from the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.shard_adamw import ShardLocalAdamW, adamw_update, local
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def attach_main_grads(module: nn.Module) -> int:
+    """Give every trainable 16-bit parameter of `module` an fp32 `main_grad` (None until its first gradient)
+    fed by a post-accumulate-grad hook. Call after tensor parallelism (which replaces the parameters) and
+    after hooks that fix a gradient's placement (they must run first). Returns the count."""
+    n = 0
+    for p in module.parameters():
+        if p.requires_grad and p.dtype in HALF and not hasattr(p, "main_grad"):
+            p.main_grad = None
+            p.register_post_accumulate_grad_hook(_accumulate)
+            n += 1
+    return n
+
+
+def _accumulate(p: torch.Tensor) -> None:
+    # the first gradient of a step becomes the fp32 buffer (no zero-fill); later ones add into its local
+    # shard, which skips DTensor dispatch (the gradient has the parameter's placements)
+    if p.main_grad is None:
+        p.main_grad = p.grad.to(torch.float32)
+    else:
+        local(p.main_grad).add_(local(p.grad))
+    p.grad = None
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer steps: `main_grad` for a parameter that has one, else `.grad`."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def clear_grad(p: torch.Tensor) -> None:
+    """Drop a parameter's gradient storage (both kinds)."""
+    p.grad = None
+    if hasattr(p, "main_grad"):
+        p.main_grad = None
+
+
+class MasterWeightAdamW(ShardLocalAdamW):
+    """AdamW over fp32 master copies of 16-bit parameters, stepping their `main_grad`s.
+
+    The state per parameter is AdamW's ("step", "exp_avg", "exp_avg_sq", fp32 and laid out like the
+    parameter: DTensors for DTensors) plus "master", the fp32 weight; checkpoints therefore carry the
+    full-precision weights. A parameter without main_grad (a plain fp32 one) is stepped as
+    ShardLocalAdamW would, in place."""
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        halves, their_masters = [], []  # the 16-bit weights and their masters, for the copy after the update
+        for p in group["params"]:
+            g = grad_of(p)
+            if g is None:  # as AdamW: no gradient, no state and no step
+                continue
+            state = self.state[p]
+            if not state:
+                master = p.detach().to(torch.float32) if p.dtype in HALF else None
+                like = master if master is not None else p
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=local(p).device if group["fused"] else "cpu")
+                state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                if master is not None:
+                    state["master"] = master
+            if "master" in state:
+                halves.append(local(p))
+                their_masters.append(local(state["master"]))
+                masters.append(their_masters[-1])
+            else:  # an fp32 parameter is its own master
+                masters.append(local(p))
+            grads.append(local(g))
+            exp_avgs.append(local(state["exp_avg"]))
+            exp_avg_sqs.append(local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if masters:
+            adamw_update(masters, grads, exp_avgs, exp_avg_sqs, steps, group)
+        if halves:  # one fused cast-copy into the 16-bit weights the forward reads
+            torch._foreach_copy_(halves, their_masters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "main_grad", None) is None:
+                    continue
+                if set_to_none:
+                    p.main_grad = None
+                else:
+                    local(p.main_grad).zero_()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """AdamW's loader casts every floating state tensor to its parameter's dtype, which would round the
+        fp32 masters and moments to bf16: they are put back from `state_dict` at full precision."""
+        super().load_state_dict(state_dict)
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        live = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved, live):
+            for k, v in state_dict["state"].get(i, {}).items():
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=local(p).device, dtype=torch.float32, copy=True)
