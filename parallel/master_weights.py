@@ -48,13 +48,26 @@ def attach_main_grads(module: nn.Module) -> int:
 
 
 def _accumulate(p: torch.Tensor) -> None:
-    # the first gradient of a step becomes the fp32 buffer (no zero-fill); later ones add into its local
-    # shard, which skips DTensor dispatch (the gradient has the parameter's placements)
+    # the first gradient of a step is cast into a new fp32 buffer (no zero-fill); later ones add into its
+    # local shard, which skips DTensor dispatch (the gradient has the parameter's placements)
+    g = local(p.grad)
     if p.main_grad is None:
-        p.main_grad = p.grad.to(torch.float32)
+        buf = torch.empty_like(g, dtype=torch.float32)
+        # the foreach copy casts with vectorized loads: `g.to(float32)` ran CUDA's unrolled casting kernel at
+        # ~1.9 TB/s on the H200 machine (4 ms per step for 1.2 B parameters: bench.train_step --profile)
+        torch._foreach_copy_([buf], [g])
+        p.main_grad = buf if g is p.grad else _like(p.grad, buf)
     else:
-        local(p.main_grad).add_(local(p.grad))
+        local(p.main_grad).add_(g)
     p.grad = None
+
+
+def _like(dt: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor with `dt`'s mesh, placements and global shape around `local_tensor`."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_tensor, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                              stride=dt.stride())
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:

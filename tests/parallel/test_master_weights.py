@@ -2,8 +2,9 @@
 fp32 masters in the optimizer) trains exactly like FSDP2's mixed precision on the same model: the same
 losses, grad norms and fp32 weights, bit for bit, over clipped steps of several uneven micro-batches;
 a checkpoint round trip restores the fp32 masters and moments (AdamW's loader alone would round them to
-bf16); released gradients drop the main grads; and at pp = 2 with a tied embedding the pipeline's tied
-copies step with the whole fp32 gradient like the single-process runner's."""
+bf16); released gradients drop the main grads; at pp = 2 with a tied embedding the pipeline's tied
+copies step with the whole fp32 gradient like the single-process runner's; at tp = 2 the DTensor main
+grads and masters give the single-process runner's clipped gradients."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from models import build_model
 from models.llama import DocumentAttention
@@ -19,7 +21,7 @@ from parallel.master_weights import MasterWeightAdamW, attach_main_grads
 from parallel.runner import LocalRunner, MicroBatch
 from parallel.shard_adamw import ShardLocalAdamW
 from tests.dist_utils import run_world
-from tests.parallel.test_runner import _batches, _logp
+from tests.parallel.test_runner import _batches, _critic, _logp
 
 
 def _loss_fn(runner, batches):
@@ -31,12 +33,19 @@ def _loss_fn(runner, batches):
     return loss_fn
 
 
-def _steps(runner, opt, n: int, device: str = "cpu") -> list[tuple[float, float]]:
+def _value_loss_fn(runner, batches):
+    def loss_fn(h, k):  # a critic's: no vocab-sharded head under TP
+        loss = F.linear(h, runner.head("score")[0]).float().square().mean() / len(batches)
+        return loss, {"loss": loss.detach()}
+    return loss_fn
+
+
+def _steps(runner, opt, n: int, device: str = "cpu", loss=_loss_fn) -> list[tuple[float, float]]:
     """n clipped optimizer steps over the 4 uneven micro-batches: [(summed loss, grad norm)]."""
     batches, out = [MicroBatch(mb.input_ids.to(device), mb.position_ids.to(device)) for mb in _batches()], []
     for _ in range(n):
         opt.zero_grad(set_to_none=True)
-        metrics = runner.forward_backward(batches, loss_fn=_loss_fn(runner, batches))
+        metrics = runner.forward_backward(batches, loss_fn=loss(runner, batches))
         norm = runner.optimizer_step(opt, max_norm=0.05)  # small: the clip scales the gradients
         out.append((float(sum(m["loss"] for m in metrics)), norm))
     return out
@@ -129,19 +138,28 @@ def _checkpoint_round_trip(mesh, dims):
     assert all(torch.equal(x, y) for x, y in zip(_fp32_weights(a, opt_a).values(), _fp32_weights(b, opt_b).values()))
 
 
+def _two_steps(runner, opt, loss=_loss_fn) -> tuple[list, dict[str, torch.Tensor]]:
+    """Two clipped steps' (loss, norm), and the first step's clipped fp32 gradients (before any update
+    moved the weights: Adam's ~lr steps would amplify rounding differences in the second's)."""
+    first = _steps(runner, opt, 1, loss=loss)
+    grads = _main_grads(runner)
+    return first + _steps(runner, opt, 1, loss=loss), grads
+
+
 def _main_grads(runner) -> dict[str, torch.Tensor]:
-    return {n: p.main_grad.clone() for n, p in runner.named_parameters()}
+    return {n: (p.main_grad.full_tensor() if hasattr(p.main_grad, "full_tensor") else p.main_grad).clone()
+            for n, p in runner.named_parameters()}
 
 
-def _single_process(preset: str):
-    model = build_model(preset, seed=0).to(torch.bfloat16)
+def _single_process(model, loss=_loss_fn):
+    model = model.to(torch.bfloat16)
     attach_main_grads(model)
     runner = LocalRunner(model, attn_factory=DocumentAttention)
     opt = runner.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
-    return _steps(runner, opt, 2), _main_grads(runner)
+    return _two_steps(runner, opt, loss)
 
 
-def _pp2_body(rank, world):
+def _layouts_body(rank, world):
     from parallel.apply import parallelize_model
     from parallel.dims import ParallelDims, build_mesh
 
@@ -150,20 +168,40 @@ def _pp2_body(rank, world):
                                dims=dims, n_microbatches=4, param_dtype=torch.bfloat16, attn_factory=DocumentAttention)
     opt = runner.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     assert isinstance(opt, MasterWeightAdamW)
-    return _steps(runner, opt, 2), _main_grads(runner), _fp32_weights(runner, opt), runner.has_last
+    pp2 = *_two_steps(runner, opt), _fp32_weights(runner, opt), runner.has_last
+    # tp = 2: DTensor parameters, so DTensor main grads (a Replicate norm weight's too) and masters
+    dims = ParallelDims(tp=2)
+    runner = parallelize_model(_critic(), mesh=build_mesh(dims, [0, 1], device_type="cpu"),
+                               dims=dims, param_dtype=torch.bfloat16, attn_factory=DocumentAttention)
+    opt = runner.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    tp2 = _two_steps(runner, opt, _value_loss_fn)
+    p = dict(runner.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    assert hasattr(p.main_grad, "to_local") and hasattr(opt.state[p]["master"], "to_local")
+    return pp2, tp2
+
+
+def _close(grads: dict, ref: dict, tied: str | None = None) -> None:
+    for n, g in grads.items():
+        want = ref[tied if n == "lm_head.weight" and tied else n]
+        assert (g - want).abs().max() <= 0.03 * want.abs().max() + 1e-7, n
 
 
 @pytest.mark.distributed
-def test_pipeline_tied_copies_step_like_the_single_process_runner():
-    ref_steps, ref_grads = _single_process("tiny-qwen3")
-    res = run_world(_pp2_body, 2)
+def test_pipeline_and_tensor_parallel_main_grads_match_the_single_process_runner():
+    ref_steps, ref_grads = _single_process(build_model("tiny-qwen3", seed=0))
+    out = run_world(_layouts_body, 2)
+    res = [pp2 for pp2, _ in out]
     steps = next(s for s, _, _, last in res if last)
     for (loss, norm), (want_loss, want_norm) in zip(steps, ref_steps, strict=True):
         # the pipeline pads its micro-batches to one length: bf16 sums in another order, not bit for bit
         assert loss == pytest.approx(want_loss, rel=1e-2) and norm == pytest.approx(want_norm, rel=2e-2)
     tied = [w.get("lm_head.weight", w.get("model.embed_tokens.weight")) for _, _, w, _ in res]
     assert torch.equal(tied[0], tied[1])  # both stages' copies took the same fp32 step
-    for _, grads, _, _ in res:  # the second step's clipped fp32 gradients, the tied head's the whole one
-        for n, g in grads.items():
-            want = ref_grads["model.embed_tokens.weight" if n == "lm_head.weight" else n]
-            assert (g - want).abs().max() <= 0.03 * want.abs().max() + 1e-7, n
+    for _, grads, _, _ in res:  # the first step's clipped fp32 gradients, the tied head's the whole one
+        _close(grads, ref_grads, tied="model.embed_tokens.weight")
+    ref_steps, ref_grads = _single_process(_critic(), loss=_value_loss_fn)
+    for steps, grads in (tp2 for _, tp2 in out):
+        # bf16 TP partial sums differ in rounding; lr 1e-2 Adam steps move every weight by ~lr, so the second
+        # step's loss drifts a little further than the first's
+        assert steps[0] == pytest.approx(ref_steps[0], rel=1e-2) and steps[1] == pytest.approx(ref_steps[1], rel=5e-2)
+        _close(grads, ref_grads)
