@@ -30,7 +30,9 @@ from pathlib import Path
 from ppo.step_plan import old_logp_source
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
-TRAINED_BYTES_PER_PARAM = 16  # FSDP2 mixed precision: fp32 master + fp32 grad + Adam m, v (fp32)
+# mixed precision: fp32 master + fp32 grad + Adam m, v (fp32); the 2-byte weights the forward reads (FSDP2's
+# gathered copy, or the bf16 parameters of parallel/master_weights.py at dp = 1) are not counted
+TRAINED_BYTES_PER_PARAM = 16
 FROZEN_BYTES_PER_PARAM = 4  # reference / reward model with model.dtype=float32; a 16-bit model.dtype stores
 # them in it (2 bytes: ppo/workers.py, WorkerSpec.frozen)
 # Adam's m and v (fp32): to host memory while generating (actor.offload), or for good (<role>.offload_optimizer)

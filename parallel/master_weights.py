@@ -98,15 +98,16 @@ class MasterWeightAdamW(ShardLocalAdamW):
             if g is None:  # as AdamW: no gradient, no state and no step
                 continue
             state = self.state[p]
-            if not state:
-                master = p.detach().to(torch.float32) if p.dtype in HALF else None
-                like = master if master is not None else p
+            if p.dtype in HALF and "master" not in state:
+                # first step, or a state saved by FSDP2's layout (fp32 parameters, no master): the master starts
+                # from the 16-bit weight
+                state["master"] = p.detach().to(torch.float32)
+            if "step" not in state:
+                like = state.get("master", p)
                 state["step"] = torch.zeros((), dtype=torch.float32,
                                             device=local(p).device if group["fused"] else "cpu")
                 state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                if master is not None:
-                    state["master"] = master
             if "master" in state:
                 halves.append(local(p))
                 their_masters.append(local(state["master"]))

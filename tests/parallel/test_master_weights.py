@@ -136,6 +136,15 @@ def _checkpoint_round_trip(mesh, dims):
             assert opt_b.state[pb][k].dtype == torch.float32 and torch.equal(opt_a.state[pa][k], opt_b.state[pb][k])
     assert _steps(a, opt_a, 1) == _steps(b, opt_b, 1)
     assert all(torch.equal(x, y) for x, y in zip(_fp32_weights(a, opt_a).values(), _fp32_weights(b, opt_b).values()))
+    # a state saved without masters (FSDP2's layout): the masters start from the loaded 16-bit weights
+    c = _runner(fsdp=False, mesh=mesh, dims=dims)
+    opt_c = c.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    state = a.checkpoint_state(opt_a)
+    for st in state["optim"]["state"].values():
+        del st["master"]
+    c.load_checkpoint_state(opt_c, state)
+    _steps(c, opt_c, 1)
+    assert all(opt_c.state[p]["master"].dtype == torch.float32 for p in c.parameters())
 
 
 def _two_steps(runner, opt, loss=_loss_fn) -> tuple[list, dict[str, torch.Tensor]]:
