@@ -66,14 +66,20 @@ def test_ppo_colocated_two_ranks(tmp_path):
 
 
 @pytest.mark.distributed
-def test_resume_gives_identical_metrics(tmp_path):
-    common = ["algorithm.name=ppo", "trainer.save_every=2"]
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=straight",
+@pytest.mark.parametrize("nproc,dtype", [(2, "float32"), (1, "bfloat16")])
+def test_resume_gives_identical_metrics(tmp_path, nproc, dtype):
+    """fp32 on two ranks (FSDP over dp 2); bf16 on one: the dp = 1 master-weight layout, whose fp32 masters
+    and moments must come back from the checkpoint (parallel/master_weights.py)."""
+    common = ["algorithm.name=ppo", "trainer.save_every=2", f"model.dtype={dtype}"]
+    _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=straight",
                *common))
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=split",
+    _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=split",
                *common))
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=split",
+    _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=split",
                "trainer.resume=auto", *common))
+    if dtype == "bfloat16":
+        log = (tmp_path / "split" / "logs" / "rank_0.log").read_text()
+        assert log.count("optimizer MasterWeightAdamW") == 4  # actor and critic, in both launches
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "split")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
