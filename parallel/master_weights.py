@@ -21,7 +21,9 @@ Numerics: the same as FSDP2's mixed precision at dp = 1 (compute on the bf16 rou
 master, bf16 gradients summed into fp32, AdamW in fp32): tests/parallel/test_master_weights.py
 checks the two layouts bit for bit. Weights loaded into the bf16 model start the masters at their
 bf16 rounding (Hugging Face checkpoints of these models are bf16 already); a resumed run restores
-the fp32 masters from the optimizer's state.
+the fp32 masters from the optimizer's state (tests/ppo/test_trainer.py resumes bit for bit). The Hugging
+Face export (`runner.export_state_dict`) writes the bf16 weights the model computes with; the fp32
+masters are in the run's checkpoints only.
 """
 
 from __future__ import annotations
