@@ -125,6 +125,16 @@ class MasterWeightAdamW(ShardLocalAdamW):
         if halves:  # one fused cast-copy into the 16-bit weights the forward reads
             torch._foreach_copy_(halves, their_masters)
 
+    def masters(self) -> dict[torch.Tensor, torch.Tensor]:
+        """{16-bit parameter: its fp32 master} for the parameters that have stepped (or were given one)."""
+        return {p: st["master"] for p, st in self.state.items() if "master" in st}
+
+    def set_masters(self, masters: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Put full-precision weights (e.g. a checkpoint's parameters) in as the 16-bit parameters' masters."""
+        for p, w in masters.items():
+            if p.dtype in HALF:
+                self.state[p]["master"] = w.detach().to(dtype=torch.float32, copy=True)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:

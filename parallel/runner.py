@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.fsdp import gradients_synced
-from parallel.master_weights import clear_grad, grad_of
+from parallel.master_weights import MasterWeightAdamW, clear_grad, grad_of
 
 
 @dataclass(slots=True)
@@ -163,6 +163,16 @@ def head_weight(module: nn.Module, name: str = "lm_head") -> tuple[torch.Tensor,
     return w.to_local(), local_slices(w)[0].start or 0
 
 
+def _like_param(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """A saved local shard on `p`'s device, as a DTensor with `p`'s placements when `p` is one."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local_value.to(p.to_local().device), p.device_mesh, p.placements,
+                                  shape=p.shape, stride=p.stride())
+    return local_value.to(p.device)
+
+
 class NativeRunner:
     """What the native runners share: HF-named parameters, heads, export, the optimizer.
 
@@ -205,14 +215,24 @@ class NativeRunner:
             load_sharded_weights(m, path, strict=strict)
 
     def checkpoint_state(self, optimizer=None) -> dict:
-        """This rank's parameters (local shards under HF names) and optimizer state, cloned (picklable)."""
-        state = {"params": {n: _to_local(p.data) for n, p in self.named_parameters()}}
+        """This rank's parameters (local shards under HF names) and optimizer state, cloned (picklable).
+
+        The parameters saved are the full-precision weights: an optimizer's fp32 masters where it keeps them
+        (parallel/master_weights.py), which then leave its saved state. The format is FSDP2's layout's (fp32
+        parameters, AdamW moments) either way, so a run resumes in the other layout too."""
+        masters = optimizer.masters() if isinstance(optimizer, MasterWeightAdamW) else {}
+        state = {"params": {n: _to_local(masters.get(p, p.data)) for n, p in self.named_parameters()}}
         if optimizer is not None:
-            state["optim"] = _to_local(optimizer.state_dict())
+            optim = optimizer.state_dict()
+            if masters:
+                optim = {**optim, "state": {i: {k: v for k, v in st.items() if k != "master"}
+                                            for i, st in optim["state"].items()}}
+            state["optim"] = _to_local(optim)
         return state
 
     def load_checkpoint_state(self, optimizer, state: dict) -> None:
-        """Copy saved local shards into the live (possibly DTensor) parameters and optimizer state."""
+        """Copy saved local shards into the live (possibly DTensor) parameters and optimizer state (and the saved
+        full-precision parameters into an optimizer's fp32 masters)."""
         params = dict(self.named_parameters())
         with torch.no_grad():
             for n, p in params.items():
@@ -229,17 +249,12 @@ class NativeRunner:
         new_state = {}
         for idx, st in saved["state"].items():
             p = order[int(idx)]
-            new_state[idx] = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and hasattr(p, "device_mesh"):
-                    from torch.distributed.tensor import DTensor
-
-                    v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
-                                           shape=p.shape, stride=p.stride())
-                elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                    v = v.to(p.device)
-                new_state[idx][k] = v
+            new_state[idx] = {k: _like_param(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                              for k, v in st.items()}
         optimizer.load_state_dict({"state": new_state, "param_groups": saved["param_groups"]})
+        if isinstance(optimizer, MasterWeightAdamW):
+            names = {p: n for n, p in params.items()}
+            optimizer.set_masters({p: _like_param(p, state["params"][names[p]]) for p in order if p in names})
 
     def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
         if not self.has_last:

@@ -1,10 +1,11 @@
 """Megatron's mixed-precision layout at dp = 1 (parallel/master_weights.py: bf16 weights, fp32 main grads,
 fp32 masters in the optimizer) trains exactly like FSDP2's mixed precision on the same model: the same
-losses, grad norms and fp32 weights, bit for bit, over clipped steps of several uneven micro-batches;
-a checkpoint round trip restores the fp32 masters and moments (AdamW's loader alone would round them to
-bf16); released gradients drop the main grads; at pp = 2 with a tied embedding the pipeline's tied
-copies step with the whole fp32 gradient like the single-process runner's; at tp = 2 the DTensor main
-grads and masters give the single-process runner's clipped gradients."""
+losses, grad norms and fp32 weights, bit for bit, over clipped steps of several uneven micro-batches.
+A checkpoint round trip restores the fp32 masters and moments (AdamW's loader alone would round them to
+bf16), and checkpoints move between the two layouts. Released gradients drop the main grads. At pp = 2
+with a tied embedding the pipeline's tied copies step with the whole fp32 gradient like the
+single-process runner's; at tp = 2 the DTensor main grads and masters give the single-process runner's
+clipped gradients."""
 
 from __future__ import annotations
 
@@ -136,15 +137,21 @@ def _checkpoint_round_trip(mesh, dims):
             assert opt_b.state[pb][k].dtype == torch.float32 and torch.equal(opt_a.state[pa][k], opt_b.state[pb][k])
     assert _steps(a, opt_a, 1) == _steps(b, opt_b, 1)
     assert all(torch.equal(x, y) for x, y in zip(_fp32_weights(a, opt_a).values(), _fp32_weights(b, opt_b).values()))
-    # a state saved without masters (FSDP2's layout): the masters start from the loaded 16-bit weights
+    # the checkpoint is FSDP2's format (fp32 parameters, no masters in the optimizer state): either layout
+    # resumes from the other's, with the same fp32 weights
+    saved = a.checkpoint_state(opt_a)
+    assert all(v.dtype == torch.float32 for v in saved["params"].values())
+    assert not any("master" in st for st in saved["optim"]["state"].values())
+    fsdp = _runner(fsdp=True, mesh=mesh, dims=dims)
+    opt_f = fsdp.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    fsdp.load_checkpoint_state(opt_f, saved)
+    assert all(torch.equal(x, y) for x, y in zip(_fp32_weights(a, opt_a).values(), _fp32_weights(fsdp, opt_f).values()))
+    _steps(fsdp, opt_f, 1)
     c = _runner(fsdp=False, mesh=mesh, dims=dims)
     opt_c = c.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    state = a.checkpoint_state(opt_a)
-    for st in state["optim"]["state"].values():
-        del st["master"]
-    c.load_checkpoint_state(opt_c, state)
-    _steps(c, opt_c, 1)
-    assert all(opt_c.state[p]["master"].dtype == torch.float32 for p in c.parameters())
+    c.load_checkpoint_state(opt_c, fsdp.checkpoint_state(opt_f))
+    assert all(torch.equal(x, y) for x, y in zip(_fp32_weights(fsdp, opt_f).values(), _fp32_weights(c, opt_c).values()))
+    assert _steps(fsdp, opt_f, 1) == _steps(c, opt_c, 1)
 
 
 def _two_steps(runner, opt, loss=_loss_fn) -> tuple[list, dict[str, torch.Tensor]]:
