@@ -88,9 +88,10 @@ class MasterWeightAdamW(ShardLocalAdamW):
     """AdamW over fp32 master copies of 16-bit parameters, stepping their `main_grad`s.
 
     The state per parameter is AdamW's ("step", "exp_avg", "exp_avg_sq", fp32 and laid out like the
-    parameter: DTensors for DTensors) plus "master", the fp32 weight; checkpoints therefore carry the
-    full-precision weights. A parameter without main_grad (a plain fp32 one) is stepped as
-    ShardLocalAdamW would, in place."""
+    parameter: DTensors for DTensors) plus "master", the fp32 weight. The runner's checkpoints save the
+    masters as the parameters and put them back with `set_masters` (parallel/runner.py), so they have
+    FSDP2's format. A parameter without main_grad (a plain fp32 one) is stepped as ShardLocalAdamW
+    would, in place."""
 
     def _step_group(self, gi: int, group: dict) -> None:
         masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -101,8 +102,7 @@ class MasterWeightAdamW(ShardLocalAdamW):
                 continue
             state = self.state[p]
             if p.dtype in HALF and "master" not in state:
-                # first step, or a state saved by FSDP2's layout (fp32 parameters, no master): the master starts
-                # from the 16-bit weight
+                # first step, or a state loaded without masters: the master starts from the 16-bit weight
                 state["master"] = p.detach().to(torch.float32)
             if "step" not in state:
                 like = state.get("master", p)
