@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.shard_adamw import ShardLocalAdamW, adamw_update, local
+from parallel.shard_adamw import ShardLocalAdamW, adamw_update, init_moments, like, local
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -58,18 +58,10 @@ def _accumulate(p: torch.Tensor) -> None:
         # the foreach copy casts with vectorized loads: `g.to(float32)` ran CUDA's unrolled casting kernel at
         # ~1.9 TB/s on the H200 machine (4 ms per step for 1.2 B parameters: bench.train_step --profile)
         torch._foreach_copy_([buf], [g])
-        p.main_grad = buf if g is p.grad else _like(p.grad, buf)
+        p.main_grad = like(p.grad, buf)
     else:
         local(p.main_grad).add_(g)
     p.grad = None
-
-
-def _like(dt: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor with `dt`'s mesh, placements and global shape around `local_tensor`."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local_tensor, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
-                              stride=dt.stride())
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -105,11 +97,7 @@ class MasterWeightAdamW(ShardLocalAdamW):
                 # first step, or a state loaded without masters: the master starts from the 16-bit weight
                 state["master"] = p.detach().to(torch.float32)
             if "step" not in state:
-                like = state.get("master", p)
-                state["step"] = torch.zeros((), dtype=torch.float32,
-                                            device=local(p).device if group["fused"] else "cpu")
-                state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                init_moments(state, state.get("master", p), group)
             if "master" in state:
                 halves.append(local(p))
                 their_masters.append(local(state["master"]))

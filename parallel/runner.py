@@ -63,6 +63,7 @@ from torch import nn
 
 from parallel.fsdp import gradients_synced
 from parallel.master_weights import MasterWeightAdamW, clear_grad, grad_of
+from parallel.shard_adamw import like
 
 
 @dataclass(slots=True)
@@ -163,16 +164,6 @@ def head_weight(module: nn.Module, name: str = "lm_head") -> tuple[torch.Tensor,
     return w.to_local(), local_slices(w)[0].start or 0
 
 
-def _like_param(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
-    """A saved local shard on `p`'s device, as a DTensor with `p`'s placements when `p` is one."""
-    if hasattr(p, "device_mesh"):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local_value.to(p.to_local().device), p.device_mesh, p.placements,
-                                  shape=p.shape, stride=p.stride())
-    return local_value.to(p.device)
-
-
 class NativeRunner:
     """What the native runners share: HF-named parameters, heads, export, the optimizer.
 
@@ -249,12 +240,12 @@ class NativeRunner:
         new_state = {}
         for idx, st in saved["state"].items():
             p = order[int(idx)]
-            new_state[idx] = {k: _like_param(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            new_state[idx] = {k: like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
                               for k, v in st.items()}
         optimizer.load_state_dict({"state": new_state, "param_groups": saved["param_groups"]})
         if isinstance(optimizer, MasterWeightAdamW):
             names = {p: n for n, p in params.items()}
-            optimizer.set_masters({p: _like_param(p, state["params"][names[p]]) for p in order if p in names})
+            optimizer.set_masters({p: like(p, state["params"][names[p]]) for p in order if p in names})
 
     def head(self, name: str = "lm_head") -> tuple[torch.Tensor, int]:
         if not self.has_last:
@@ -324,8 +315,11 @@ class NativeRunner:
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
-        params = [p for p in self.parameters() if grad_of(p) is not None]
-        grads = [grad_of(p) for p in params]
+        params, grads = [], []
+        for p in self.parameters():
+            if (g := grad_of(p)) is not None:
+                params.append(p)
+                grads.append(g)
         norm = 0.0
         if grads or self.pp_group is not None:
             twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's

@@ -26,6 +26,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def like(ref: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` (on `ref`'s local device) as a DTensor with `ref`'s mesh, placements and global shape when
+    `ref` is one, else as it is: the inverse of `local`."""
+    local_tensor = local_tensor.to(local(ref).device)
+    if not hasattr(ref, "device_mesh"):
+        return local_tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_tensor, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                              stride=ref.stride())
+
+
 class ShardLocalAdamW(torch.optim.AdamW):
     """AdamW (decoupled weight decay, no amsgrad) whose step runs on local shards.
 
@@ -59,12 +71,8 @@ class ShardLocalAdamW(torch.optim.AdamW):
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self.state[p]
-            if not state:  # as AdamW's lazy init: moments like the parameter (DTensors for DTensors)
-                # the fused kernel reads and bumps the step on the device; the loop keeps it on the host
-                state["step"] = torch.zeros((), dtype=torch.float32,
-                                            device=local(p).device if group["fused"] else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not state:
+                init_moments(state, p, group)
             params.append(local(p))
             grads.append(local(p.grad))
             exp_avgs.append(local(state["exp_avg"]))
@@ -72,6 +80,14 @@ class ShardLocalAdamW(torch.optim.AdamW):
             steps.append(state["step"])
         if params:
             adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, group)
+
+
+def init_moments(state: dict, like_tensor: torch.Tensor, group: dict) -> None:
+    """AdamW's lazy state: "step" and zero moments laid out like `like_tensor` (DTensors for DTensors)."""
+    # the fused kernel reads and bumps the step on the device; the loop keeps it on the host
+    state["step"] = torch.zeros((), dtype=torch.float32, device=local(like_tensor).device if group["fused"] else "cpu")
+    state["exp_avg"] = torch.zeros_like(like_tensor, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(like_tensor, memory_format=torch.preserve_format)
 
 
 def adamw_update(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, group: dict) -> None:
