@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn train gen reshard grpo grpo_long ppo placement
+#   parts: env tests megatron attn adamw train gen reshard grpo grpo_long ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
-#      T_<PART> (time limits, s; T_PLACEMENT is per mode).
+#      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -42,6 +42,10 @@ for p in "${parts[@]}"; do
     megatron) run megatron_tests "${T_MEGATRON:-300}" python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 240 \
                 tests/parallel/test_megatron_gpu.py tests/ppo/test_trainer_megatron.py ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
+    adamw) for case in masters:bf16 masters:fp32 bf16:bf16; do  # layout:grads
+             run "adamw_${case/:/_}" "${T_ADAMW:-120}" python3 -m bench.adamw --model llama-1b --layout "${case%:*}" \
+               --grads "${case#*:}" ${ADAMW_SWEEP:+--sweep $ADAMW_SWEEP}
+           done ;;
     train) run train_step "${T_TRAIN:-300}" python3 -m bench.train_step --model llama-1b --seq 2048 --batch 4 \
              ${TRAIN_ARGS:---sweep} "${prof_train[@]}" ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \

@@ -47,3 +47,17 @@ def gradients_synced(model: nn.Module, enabled: bool) -> None:
     """Turn FSDP gradient reduce-scatter on/off (off while accumulating micro-batches)."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
+
+
+def register_sharded_parameters(model: nn.Module) -> None:
+    """Reshard every FSDP unit of `model`, so that its sharded parameters are the registered ones.
+
+    FSDP2 registers a unit's unsharded parameters while they are gathered (the root and the last layer stay
+    gathered after a forward: reshard_after_forward=False) and its sharded ones again after backward. An
+    optimizer built in between holds the unsharded tensors, which never get a gradient: it would skip those
+    parameters at every step. The runner calls this before building an optimizer."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

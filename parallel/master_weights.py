@@ -3,9 +3,9 @@ gradient accumulation (`p.main_grad`) and fp32 master weights inside the optimiz
 
     model.to(torch.bfloat16); attach_main_grads(model)   # after TP, before the optimizer
     for mb in micro_batches:
-        loss(mb).backward()          # each parameter's bf16 .grad is added into p.main_grad (fp32), then freed
+        loss(mb).backward()          # each parameter's bf16 .grad is summed into p.main_grad (fp32), then freed
     opt = MasterWeightAdamW(params, lr=1e-6)             # fp32 masters and moments in its state
-    opt.step()                       # AdamW on the masters (fused on CUDA), then one copy into the bf16 params
+    opt.step(grad_scale=clip)        # AdamW on the masters from main_grad x clip, the bf16 params written
     opt.zero_grad()                  # main_grad = None: the next backward starts it from its first gradient
 
 Why: on one data-parallel rank FSDP2's mixed precision (fp32 parameters, bf16 compute copies)
@@ -16,6 +16,12 @@ Here the forward reads the bf16 parameters as they are; the gradient still accum
 across micro-batches (as FSDP's reduce_dtype=fp32 and megatron's grad_reduce_in_fp32 do), and the
 fp32 -> bf16 copy happens once per optimizer step instead of once per micro-batch. parallel/apply.py
 chooses this layout for mixed precision when nothing is data-sharded (dp = 1) and FSDP2 otherwise.
+
+A main grad holding one micro-batch's gradient keeps it in the 16-bit dtype it came in (exactly the
+fp32 sum of one term); the second gradient converts it to fp32 before adding. On CUDA the optimizer's
+step is one Triton kernel (parallel/triton_adamw.py) that reads either dtype, applies the clip
+coefficient, updates the fp32 master and moments and writes the bf16 weight: a step with one
+micro-batch makes no cast, scale or copy pass over the parameters of its own.
 
 Numerics: the same as FSDP2's mixed precision at dp = 1 (compute on the bf16 rounding of the fp32
 master, bf16 gradients summed into fp32, AdamW in fp32): tests/parallel/test_master_weights.py
@@ -31,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.shard_adamw import ShardLocalAdamW, adamw_update, init_moments, like, local
+from parallel.shard_adamw import ShardLocalAdamW, Stepped, init_moments, like, local
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -50,22 +56,34 @@ def attach_main_grads(module: nn.Module) -> int:
 
 
 def _accumulate(p: torch.Tensor) -> None:
-    # the first gradient of a step is cast into a new fp32 buffer (no zero-fill); later ones add into its
-    # local shard, which skips DTensor dispatch (the gradient has the parameter's placements)
-    g = local(p.grad)
+    # the first gradient of a step becomes the main grad as it is (its fp32 sum of one term, exactly); the second
+    # converts it to fp32 and every later one adds into its local shard, which skips DTensor dispatch (the
+    # gradient has the parameter's placements)
     if p.main_grad is None:
+        p.main_grad = p.grad
+    else:
+        fp32_grad(p).add_(local(p.grad))
+    p.grad = None
+
+
+def fp32_grad(p: torch.Tensor) -> torch.Tensor:
+    """The local fp32 tensor that accumulates `p`'s main grad (a 16-bit one is converted first, in place of the
+    old); `p.grad`'s local tensor for a parameter without main grads."""
+    if not hasattr(p, "main_grad"):
+        return local(p.grad)
+    g = local(p.main_grad)
+    if g.dtype != torch.float32:
         buf = torch.empty_like(g, dtype=torch.float32)
         # the foreach copy casts with vectorized loads: `g.to(float32)` ran CUDA's unrolled casting kernel at
         # ~1.9 TB/s on the H200 machine (4 ms per step for 1.2 B parameters: bench.train_step --profile)
         torch._foreach_copy_([buf], [g])
-        p.main_grad = like(p.grad, buf)
-    else:
-        local(p.main_grad).add_(g)
-    p.grad = None
+        p.main_grad, g = like(p.main_grad, buf), buf
+    return g
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer steps: `main_grad` for a parameter that has one, else `.grad`."""
+    """The gradient the optimizer steps: `main_grad` for a parameter that has one (fp32, or 16-bit while it holds
+    one micro-batch's gradient), else `.grad`."""
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
@@ -83,11 +101,12 @@ class MasterWeightAdamW(ShardLocalAdamW):
     parameter: DTensors for DTensors) plus "master", the fp32 weight. The runner's checkpoints save the
     masters as the parameters and put them back with `set_masters` (parallel/runner.py), so they have
     FSDP2's format. A parameter without main_grad (a plain fp32 one) is stepped as ShardLocalAdamW
-    would, in place."""
+    would, in place. On CUDA the Triton update reads each main grad in its dtype and writes the master, the
+    moments and the 16-bit weight at once; torch's path steps fp32 copies of 16-bit main grads, then one
+    foreach copy writes the 16-bit weights."""
 
-    def _step_group(self, gi: int, group: dict) -> None:
-        masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        halves, their_masters = [], []  # the 16-bit weights and their masters, for the copy after the update
+    def _step_group(self, gi: int, group: dict, grad_scale: float) -> None:
+        stepped = []
         for p in group["params"]:
             g = grad_of(p)
             if g is None:  # as AdamW: no gradient, no state and no step
@@ -98,20 +117,11 @@ class MasterWeightAdamW(ShardLocalAdamW):
                 state["master"] = p.detach().to(torch.float32)
             if "step" not in state:
                 init_moments(state, state.get("master", p), group)
-            if "master" in state:
-                halves.append(local(p))
-                their_masters.append(local(state["master"]))
-                masters.append(their_masters[-1])
-            else:  # an fp32 parameter is its own master
-                masters.append(local(p))
-            grads.append(local(g))
-            exp_avgs.append(local(state["exp_avg"]))
-            exp_avg_sqs.append(local(state["exp_avg_sq"]))
-            steps.append(state["step"])
-        if masters:
-            adamw_update(masters, grads, exp_avgs, exp_avg_sqs, steps, group)
-        if halves:  # one fused cast-copy into the 16-bit weights the forward reads
-            torch._foreach_copy_(halves, their_masters)
+            master = state.get("master")
+            stepped.append(Stepped(local(g), local(master if master is not None else p), local(state["exp_avg"]),
+                                   local(state["exp_avg_sq"]), state["step"],
+                                   copy=local(p) if master is not None else None))
+        self._step_tensors(stepped, group, grad_scale)
 
     def masters(self) -> dict[torch.Tensor, torch.Tensor]:
         """{16-bit parameter: its fp32 master} for the parameters that have stepped (or were given one)."""

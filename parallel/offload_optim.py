@@ -102,7 +102,8 @@ class HostOffloadAdamW(ShardLocalAdamW):
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # torch's functional AdamW over each staged chunk (the Triton update reads its moments in place)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, kernel=False)
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
         self.chunk_bytes = chunk_bytes
@@ -230,8 +231,10 @@ class HostOffloadAdamW(ShardLocalAdamW):
             c.stored.record(self._d2h)
         c.staged = None
 
-    def _step_group(self, gi: int, group: dict) -> None:
+    def _step_group(self, gi: int, group: dict, grad_scale: float) -> None:
         chunks = self._chunks(gi, group)
+        if grad_scale != 1.0:  # the clip coefficient, in place on the gradients (local shards)
+            torch._foreach_mul_([g for c in chunks for g in c.grads], grad_scale)
         flat = self._flat[gi]
         returning: deque[_Chunk] = deque()
         if chunks:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.master_weights import grad_of
+from parallel.master_weights import fp32_grad, grad_of
 from parallel.runner import LossFn, MicroBatch, NativeRunner, ReduceFn, split_loss
 from parallel.sharding import pp_stage_layers
 
@@ -270,8 +270,9 @@ class PipelineRunner(NativeRunner):
         return self._tied_copy() if self.has_last else None
 
     def _add_peer_tied_grad(self, p: nn.Parameter, before: torch.Tensor | None) -> None:
-        """Send this call's gradient of the tied copy to the other end of the pipeline and add theirs."""
-        grad = _local_grad(p)
+        """Send this call's gradient of the tied copy to the other end of the pipeline and add theirs (into an
+        fp32 main grad where the parameter has one)."""
+        grad = fp32_grad(p)
         delta = grad - before if before is not None else grad.clone()
         peer_idx = dist.get_world_size(self.pp_group) - 1 if self.has_first else 0
         peer = dist.get_global_rank(self.pp_group, peer_idx)

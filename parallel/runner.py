@@ -61,9 +61,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.fsdp import gradients_synced
+from parallel.fsdp import gradients_synced, register_sharded_parameters
 from parallel.master_weights import MasterWeightAdamW, clear_grad, grad_of
-from parallel.shard_adamw import like
+from parallel.shard_adamw import ShardLocalAdamW, like
 
 
 @dataclass(slots=True)
@@ -128,6 +128,19 @@ def _to_local(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_local(v) for v in obj)
     return obj
+
+
+def _square_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of plain tensors, accumulated and returned in fp32 (16-bit main grads included:
+    parallel/master_weights.py), one foreach norm per (device, dtype)."""
+    by_kind: dict = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    out = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    for ts in by_kind.values():
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        out = out + torch.linalg.vector_norm(torch.stack([n.to(out.device) for n in norms])).square()
+    return out
 
 
 def split_loss(res) -> tuple[torch.Tensor, dict]:
@@ -299,6 +312,8 @@ class NativeRunner:
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float, offload: bool = False):
         """AdamW over this rank's trainable parameters: fp32 masters in its state when they are 16-bit with main
         grads (parallel/master_weights.py), Adam's moments in host memory with `offload` (FSDP layout only)."""
+        for m in self.modules:  # after a forward FSDP2 may have the gathered parameters registered
+            register_sharded_parameters(m)
         params, kw = self.parameters(), dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         main_grads = any(hasattr(p, "main_grad") for p in params)
         if offload:
@@ -308,9 +323,6 @@ class NativeRunner:
             from parallel.offload_optim import HostOffloadAdamW
 
             return HostOffloadAdamW(params, **kw)
-        from parallel.master_weights import MasterWeightAdamW
-        from parallel.shard_adamw import ShardLocalAdamW
-
         return (MasterWeightAdamW if main_grads else ShardLocalAdamW)(params, **kw, fused=self._device().type == "cuda")
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
@@ -320,15 +332,18 @@ class NativeRunner:
             if (g := grad_of(p)) is not None:
                 params.append(p)
                 grads.append(g)
-        norm = 0.0
+        norm, coef = 0.0, 1.0
         if grads or self.pp_group is not None:
             twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's
             norm = self._grad_norm([g for p, g in zip(params, grads) if p is not twice])
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                # a few fused launches, not one per parameter; DTensor grads are scaled through their local
-                # shards (in place), since one foreach op cannot mix DTensors with plain tensors
-                torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
+            coef = min(1.0, max_norm / (norm + 1e-6))
+        if isinstance(optimizer, ShardLocalAdamW):  # the clip inside the update (on CUDA no pass of its own)
+            optimizer.step(grad_scale=coef)
+            return norm
+        if coef < 1.0:
+            # a few fused launches, not one per parameter; DTensor grads are scaled through their local
+            # shards (in place), since one foreach op cannot mix DTensors with plain tensors
+            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
         optimizer.step()
         return norm
 
@@ -347,7 +362,7 @@ class NativeRunner:
         sq = torch.zeros((), dtype=torch.float32, device=device)
         plain = [g for g in grads if not hasattr(g, "to_local")]
         if plain:
-            sq = sq + torch.nn.utils.get_total_norm(plain).float().square().to(device)
+            sq = sq + _square_norm(plain).to(device)
         by_mesh: dict = {}  # mesh -> {replica count: local shards}
         for g in grads:
             if not hasattr(g, "to_local"):
@@ -357,7 +372,7 @@ class NativeRunner:
             replicas = math.prod(g.device_mesh.size(d) for d, p in enumerate(g.placements) if p.is_replicate())
             by_mesh.setdefault(g.device_mesh, {}).setdefault(replicas, []).append(g.to_local())
         for mesh, groups in by_mesh.items():
-            part = sum(torch.nn.utils.get_total_norm(ts).float().square().to(device) / r for r, ts in groups.items())
+            part = sum(_square_norm(ts).to(device) / r for r, ts in groups.items())
             for d in range(mesh.ndim):
                 if mesh.size(d) > 1:
                     dist.all_reduce(part, group=mesh.get_group(d))

@@ -1,11 +1,12 @@
 """Megatron's mixed-precision layout at dp = 1 (parallel/master_weights.py: bf16 weights, fp32 main grads,
 fp32 masters in the optimizer) trains exactly like FSDP2's mixed precision on the same model: the same
-losses, grad norms and fp32 weights, bit for bit, over clipped steps of several uneven micro-batches.
+losses, grad norms and fp32 weights, bit for bit, over clipped steps of several uneven micro-batches or of
+one (whose main grads stay bf16).
 A checkpoint round trip restores the fp32 masters and moments (AdamW's loader alone would round them to
 bf16), and checkpoints move between the two layouts. Released gradients drop the main grads. At pp = 2
 with a tied embedding the pipeline's tied copies step with the whole fp32 gradient like the
 single-process runner's; at tp = 2 the DTensor main grads and masters give the single-process runner's
-clipped gradients."""
+gradients. A bf16 main grad holds a step's first gradient and turns fp32 at the second."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def _value_loss_fn(runner, batches):
     return loss_fn
 
 
-def _steps(runner, opt, n: int, device: str = "cpu", loss=_loss_fn) -> list[tuple[float, float]]:
-    """n clipped optimizer steps over the 4 uneven micro-batches: [(summed loss, grad norm)]."""
-    batches, out = [MicroBatch(mb.input_ids.to(device), mb.position_ids.to(device)) for mb in _batches()], []
+def _steps(runner, opt, n: int, device: str = "cpu", loss=_loss_fn, micro: int = 4) -> list[tuple[float, float]]:
+    """n clipped optimizer steps over the first `micro` of the 4 uneven micro-batches: [(summed loss, grad norm)]."""
+    batches = [MicroBatch(mb.input_ids.to(device), mb.position_ids.to(device)) for mb in _batches()[:micro]]
+    out = []
     for _ in range(n):
         opt.zero_grad(set_to_none=True)
         metrics = runner.forward_backward(batches, loss_fn=loss(runner, batches))
@@ -82,14 +84,15 @@ def _world_of_one(backend: str = "gloo", device: str = "cpu"):
         dist.destroy_process_group()
 
 
-def _layouts_agree(device: str, backend: str, *, exact: bool):
+def _layouts_agree(device: str, backend: str, *, exact: bool, micro: int = 4):
     with _world_of_one(backend, device) as (mesh, dims):
         fsdp = _runner(fsdp=True, mesh=mesh, dims=dims, device=device)
         mine = _runner(fsdp=False, mesh=mesh, dims=dims, device=device)
         assert all(p.dtype == torch.bfloat16 and not hasattr(p, "to_local") for p in mine.parameters())
         opts = [r.build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1) for r in (fsdp, mine)]
         assert type(opts[0]) is ShardLocalAdamW and type(opts[1]) is MasterWeightAdamW
-        want_steps, got_steps = _steps(fsdp, opts[0], 3, device), _steps(mine, opts[1], 3, device)
+        want_steps = _steps(fsdp, opts[0], 3, device, micro=micro)
+        got_steps = _steps(mine, opts[1], 3, device, micro=micro)
         if exact:  # losses and (clipped) grad norms
             assert want_steps == got_steps
         else:
@@ -104,21 +107,44 @@ def _layouts_agree(device: str, backend: str, *, exact: bool):
             assert torch.equal(p.detach(), got[n].to(torch.bfloat16)), n  # the weights the forward reads
             st = opts[1].state[p]
             assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32, n
-            assert p.grad is None and p.main_grad.dtype == torch.float32, n  # the bf16 grads were folded in
+            # the bf16 grads were folded in; one micro-batch's stays as it came (its fp32 sum, exactly)
+            assert p.grad is None and p.main_grad.dtype == (torch.float32 if micro > 1 else torch.bfloat16), n
         name = "model.layers.0.mlp.up_proj.weight"
         assert not torch.equal(got[name].cpu(), dict(build_model("tiny", seed=3).named_parameters())[name])
         mine.release_gradients()
         assert all(p.main_grad is None for p in mine.parameters())
 
 
-def test_main_grads_equal_fsdp_mixed_precision():
-    _layouts_agree("cpu", "gloo", exact=True)
+@pytest.mark.parametrize("micro", [4, 1])
+def test_main_grads_equal_fsdp_mixed_precision(micro):
+    _layouts_agree("cpu", "gloo", exact=True, micro=micro)
 
 
 @pytest.mark.gpu
-def test_gpu_main_grads_match_fsdp_mixed_precision():
-    """Fused AdamW on both sides; cuBLAS may pick other kernels for the two layouts' GEMMs: to rounding."""
-    _layouts_agree("cuda", "nccl", exact=False)
+@pytest.mark.parametrize("micro", [4, 1])
+def test_gpu_main_grads_match_fsdp_mixed_precision(micro):
+    """FSDP2's side steps with torch's fused AdamW, ours with the Triton kernel (parallel/triton_adamw.py);
+    cuBLAS may pick other kernels for the two layouts' GEMMs: to rounding."""
+    _layouts_agree("cuda", "nccl", exact=False, micro=micro)
+
+
+def test_first_gradient_stays_16_bit_and_the_second_sums_in_fp32():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    hooked = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    hooked.load_state_dict(plain.state_dict())
+    attach_main_grads(hooked)
+    x = torch.randn(2, 3, 16).to(torch.bfloat16)
+    want = []
+    for part in x:  # each micro-batch's own bf16 gradient, from the model without hooks
+        plain.zero_grad()
+        plain(part).float().square().sum().backward()
+        want.append(plain.weight.grad.clone())
+    hooked(x[0]).float().square().sum().backward()
+    w = hooked.weight
+    assert w.grad is None and w.main_grad.dtype == torch.bfloat16 and torch.equal(w.main_grad, want[0])
+    hooked(x[1]).float().square().sum().backward()
+    assert w.main_grad.dtype == torch.float32 and torch.equal(w.main_grad, want[0].float() + want[1].float())
 
 
 def test_checkpoint_round_trip_keeps_fp32_masters():
@@ -155,8 +181,9 @@ def _checkpoint_round_trip(mesh, dims):
 
 
 def _two_steps(runner, opt, loss=_loss_fn) -> tuple[list, dict[str, torch.Tensor]]:
-    """Two clipped steps' (loss, norm), and the first step's clipped fp32 gradients (before any update
-    moved the weights: Adam's ~lr steps would amplify rounding differences in the second's)."""
+    """Two clipped steps' (loss, norm), and the first step's main grads (the clip scales them inside the update, not in
+    place), taken before any update moved the weights: Adam's ~lr steps would amplify rounding differences in the
+    second's."""
     first = _steps(runner, opt, 1, loss=loss)
     grads = _main_grads(runner)
     return first + _steps(runner, opt, 1, loss=loss), grads
@@ -213,7 +240,7 @@ def test_pipeline_and_tensor_parallel_main_grads_match_the_single_process_runner
         assert loss == pytest.approx(want_loss, rel=1e-2) and norm == pytest.approx(want_norm, rel=2e-2)
     tied = [w.get("lm_head.weight", w.get("model.embed_tokens.weight")) for _, _, w, _ in res]
     assert torch.equal(tied[0], tied[1])  # both stages' copies took the same fp32 step
-    for _, grads, _, _ in res:  # the first step's clipped fp32 gradients, the tied head's the whole one
+    for _, grads, _, _ in res:  # the first step's fp32 gradients, the tied head's the whole one
         _close(grads, ref_grads, tied="model.embed_tokens.weight")
     ref_steps, ref_grads = _single_process(_critic(), loss=_value_loss_fn)
     for steps, grads in (tp2 for _, tp2 in out):
