@@ -112,13 +112,19 @@ class ShardLocalAdamW(torch.optim.AdamW):
         """AdamW over `stepped`: the kernel for each (dtypes, step) bucket where it runs, torch's path for the rest."""
         buckets: dict[tuple, list[Stepped]] = {}
         rest = []
-        for x in stepped:
-            if self.kernel and all(t.is_contiguous() for t in x.tensors()):
-                x.step += 1  # a host tensor: the kernel reads the bias corrections as arguments
-                key = (*(t.dtype for t in x.tensors()), x.copy is not None, int(x.step))
-                buckets.setdefault(key, []).append(x)
-            else:
-                rest.append(x)
+        if self.kernel:
+            fit = []
+            for x in stepped:
+                (fit if all(t.is_contiguous() for t in x.tensors()) else rest).append(x)
+            if fit:
+                # host tensors: the kernel reads the bias corrections as arguments (two host ops, not two per tensor)
+                counts = [x.step for x in fit]
+                torch._foreach_add_(counts, 1.0)
+                for x, n in zip(fit, torch.stack(counts).tolist()):
+                    key = (*(t.dtype for t in x.tensors()), x.copy is not None, int(n))
+                    buckets.setdefault(key, []).append(x)
+        else:
+            rest = stepped
         for key, xs in buckets.items():
             triton_adamw.adamw_([x.grad for x in xs], [x.weight for x in xs], [x.exp_avg for x in xs],
                                 [x.exp_avg_sq for x in xs], [x.copy for x in xs] if xs[0].copy is not None else None,

@@ -60,7 +60,8 @@ if triton is not None:
     def _adamw_kernel(addr_ptr, numel_ptr, first_ptr, T, grad_scale, decay, one_minus_beta1, beta2,
                       one_minus_beta2, step_size, bc2_sqrt, eps,
                       GRAD: tl.constexpr, WEIGHT: tl.constexpr, MOMENT: tl.constexpr, HALF: tl.constexpr,
-                      HAS_HALF: tl.constexpr, TPAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_HALF: tl.constexpr, ALIGNED: tl.constexpr, TPAD: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         idx = tl.arange(0, TPAD)
         firsts = tl.load(first_ptr + idx, mask=idx < T, other=2147483647)
@@ -71,23 +72,46 @@ if triton is not None:
         w_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(WEIGHT))
         m_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(MOMENT))
         v_ptr = tl.load(addr_ptr + 3 * T + t).to(tl.pointer_type(MOMENT))
-        for i in range(0, CHUNK, BLOCK):
-            offs = base + i + tl.arange(0, BLOCK)
-            ok = offs < n
-            g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32) * grad_scale
-            w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * decay
-            m = tl.load(m_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            m = m + one_minus_beta1 * (g - m)
-            v = v * beta2 + one_minus_beta2 * (g * g)
-            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-            w = w - step_size * tl.div_rn(m, denom)
-            tl.store(w_ptr + offs, _round(w, WEIGHT), mask=ok)
-            tl.store(m_ptr + offs, _round(m, MOMENT), mask=ok)
-            tl.store(v_ptr + offs, _round(v, MOMENT), mask=ok)
-            if HAS_HALF:
-                h_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(HALF))
-                tl.store(h_ptr + offs, _round(w, HALF), mask=ok)
+        h_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(HALF)) if HAS_HALF else w_ptr
+        if ALIGNED:  # every address 16-byte aligned (checked on the host): vector loads and stores
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            h_ptr = tl.multiple_of(h_ptr, 16)
+        # a length read from memory says nothing about divisibility, so a masked load is element-wise: whole
+        # chunks (all but each tensor's last) run unmasked
+        if base + CHUNK <= n:
+            for i in range(0, CHUNK, BLOCK):
+                _step_block(g_ptr, w_ptr, m_ptr, v_ptr, h_ptr, base + i + tl.arange(0, BLOCK), n, grad_scale, decay,
+                            one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                            WEIGHT, MOMENT, HALF, HAS_HALF, False)
+        else:
+            for i in range(0, CHUNK, BLOCK):
+                _step_block(g_ptr, w_ptr, m_ptr, v_ptr, h_ptr, base + i + tl.arange(0, BLOCK), n, grad_scale, decay,
+                            one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                            WEIGHT, MOMENT, HALF, HAS_HALF, True)
+
+    @triton.jit
+    def _step_block(g_ptr, w_ptr, m_ptr, v_ptr, h_ptr, offs, n, grad_scale, decay, one_minus_beta1, beta2,
+                    one_minus_beta2, step_size, bc2_sqrt, eps, WEIGHT: tl.constexpr, MOMENT: tl.constexpr,
+                    HALF: tl.constexpr, HAS_HALF: tl.constexpr, MASKED: tl.constexpr):
+        """AdamW on the elements `offs` of one tensor (those below n where MASKED)."""
+        ok = offs < n if MASKED else None
+        zero = 0.0 if MASKED else None
+        g = tl.load(g_ptr + offs, mask=ok, other=zero).to(tl.float32) * grad_scale
+        w = tl.load(w_ptr + offs, mask=ok, other=zero).to(tl.float32) * decay
+        m = tl.load(m_ptr + offs, mask=ok, other=zero).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=ok, other=zero).to(tl.float32)
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        w = w - step_size * tl.div_rn(m, denom)
+        tl.store(w_ptr + offs, _round(w, WEIGHT), mask=ok)
+        tl.store(m_ptr + offs, _round(m, MOMENT), mask=ok)
+        tl.store(v_ptr + offs, _round(v, MOMENT), mask=ok)
+        if HAS_HALF:
+            tl.store(h_ptr + offs, _round(w, HALF), mask=ok)
 
     @triton.jit
     def _round(w, HALF: tl.constexpr):
@@ -159,4 +183,5 @@ def _launch(lists: list[list[torch.Tensor]], *, grad_scale, decay, beta1, beta2,
         float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
         GRAD=_TL[grads[0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
         HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy,
+        ALIGNED=all(x.data_ptr() % 16 == 0 for col in lists for x in col),
         TPAD=max(16, triton.next_power_of_2(t)), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
