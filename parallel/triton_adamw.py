@@ -41,9 +41,10 @@ except ImportError:  # CPU-only installs: MasterWeightAdamW keeps its torch path
     triton = None
 
 MAX_TENSORS = 1024  # per launch: the program -> tensor search reads this many first-program ids
-CHUNK = 16384  # elements per program
-BLOCK = 2048  # elements per inner iteration
-NUM_WARPS = 8
+# the best of bench.adamw's sweep on the H200 machine over llama-1b's three layouts (bench/results/adamw_h200.json)
+CHUNK = 8192  # elements per program
+BLOCK = 1024  # elements per inner iteration
+NUM_WARPS = 4
 HALF = (torch.bfloat16, torch.float16)
 _DTYPES = (torch.float32, *HALF)
 
@@ -60,7 +61,8 @@ if triton is not None:
     def _adamw_kernel(addr_ptr, numel_ptr, first_ptr, T, grad_scale, decay, one_minus_beta1, beta2,
                       one_minus_beta2, step_size, bc2_sqrt, eps,
                       GRAD: tl.constexpr, WEIGHT: tl.constexpr, MOMENT: tl.constexpr, HALF: tl.constexpr,
-                      HAS_HALF: tl.constexpr, ALIGNED: tl.constexpr, TPAD: tl.constexpr, CHUNK: tl.constexpr,
+                      HAS_HALF: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_G: tl.constexpr, ALIGN_W: tl.constexpr,
+                      ALIGN_M: tl.constexpr, ALIGN_H: tl.constexpr, TPAD: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         idx = tl.arange(0, TPAD)
@@ -74,11 +76,14 @@ if triton is not None:
         v_ptr = tl.load(addr_ptr + 3 * T + t).to(tl.pointer_type(MOMENT))
         h_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(HALF)) if HAS_HALF else w_ptr
         if ALIGNED:  # every address 16-byte aligned (checked on the host): vector loads and stores
-            g_ptr = tl.multiple_of(g_ptr, 16)
-            w_ptr = tl.multiple_of(w_ptr, 16)
-            m_ptr = tl.multiple_of(m_ptr, 16)
-            v_ptr = tl.multiple_of(v_ptr, 16)
-            h_ptr = tl.multiple_of(h_ptr, 16)
+            # where 32-bit tensors take 4 elements per 16-byte vector, 16-bit ones are claimed 8-byte aligned only,
+            # so that they take 4 per vector too: with 8 they would lay their elements out 8 per thread, and every
+            # fp32 store would first move its registers through shared memory to the 4-per-thread layout
+            g_ptr = tl.multiple_of(g_ptr, ALIGN_G)
+            w_ptr = tl.multiple_of(w_ptr, ALIGN_W)
+            m_ptr = tl.multiple_of(m_ptr, ALIGN_M)
+            v_ptr = tl.multiple_of(v_ptr, ALIGN_M)
+            h_ptr = tl.multiple_of(h_ptr, ALIGN_H)
         # a length read from memory says nothing about divisibility, so a masked load is element-wise: whole
         # chunks (all but each tensor's last) run unmasked
         if base + CHUNK <= n:
@@ -178,10 +183,15 @@ def _launch(lists: list[list[torch.Tensor]], *, grad_scale, decay, beta1, beta2,
     a = len(lists) * t
     addrs, numel_t, first_t = table[:a], table[a: a + t], table[a + t:]
     has_copy = len(lists) == 5
+    # the alignment claimed per list (bytes): 16 for the widest elements, proportionally less for narrower ones,
+    # so that every tensor takes one element count per vector (see the kernel)
+    widest = max(col[0].element_size() for col in lists)
+    align = [16 * col[0].element_size() // widest for col in lists]
     _adamw_kernel[(total,)](
         addrs, numel_t, first_t, t, float(grad_scale), float(decay), float(1 - beta1), float(beta2),
         float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
         GRAD=_TL[grads[0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
         HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy,
         ALIGNED=all(x.data_ptr() % 16 == 0 for col in lists for x in col),
+        ALIGN_G=align[0], ALIGN_W=align[1], ALIGN_M=align[2], ALIGN_H=align[-1],
         TPAD=max(16, triton.next_power_of_2(t)), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
