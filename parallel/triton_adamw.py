@@ -28,6 +28,7 @@ CPU tensors.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -168,30 +169,30 @@ def _launch(lists: list[list[torch.Tensor]], *, grad_scale, decay, beta1, beta2,
     grads = lists[0]
     t = len(grads)
     numels = [g.numel() for g in grads]
-    firsts, total = [], 0
-    for n in numels:
-        firsts.append(total)
-        total += triton.cdiv(n, CHUNK)
+    programs = [-(-n // CHUNK) for n in numels]
+    total = sum(programs)
     if total == 0:
         return
+    firsts = list(itertools.accumulate(programs, initial=0))[:-1]
+    addrs = [x.data_ptr() for col in lists for x in col]
     # one host table (addresses, lengths, first program ids) and one upload: pinned and asynchronous on CUDA,
     # so the device does not wait for the host's copy (a pageable copy would sync the stream first)
-    table = torch.tensor([x.data_ptr() for col in lists for x in col] + numels + firsts, dtype=torch.int64)
+    table = torch.tensor(addrs + numels + firsts, dtype=torch.int64)
     device = grads[0].device
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
     a = len(lists) * t
-    addrs, numel_t, first_t = table[:a], table[a: a + t], table[a + t:]
+    addr_t, numel_t, first_t = table[:a], table[a: a + t], table[a + t:]
     has_copy = len(lists) == 5
     # the alignment claimed per list (bytes): 16 for the widest elements, proportionally less for narrower ones,
     # so that every tensor takes one element count per vector (see the kernel)
     widest = max(col[0].element_size() for col in lists)
     align = [16 * col[0].element_size() // widest for col in lists]
     _adamw_kernel[(total,)](
-        addrs, numel_t, first_t, t, float(grad_scale), float(decay), float(1 - beta1), float(beta2),
+        addr_t, numel_t, first_t, t, float(grad_scale), float(decay), float(1 - beta1), float(beta2),
         float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
         GRAD=_TL[grads[0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
         HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy,
-        ALIGNED=all(x.data_ptr() % 16 == 0 for col in lists for x in col),
+        ALIGNED=all(x % 16 == 0 for x in addrs),
         ALIGN_G=align[0], ALIGN_W=align[1], ALIGN_M=align[2], ALIGN_H=align[-1],
         TPAD=max(16, triton.next_power_of_2(t)), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
