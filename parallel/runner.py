@@ -326,7 +326,8 @@ class NativeRunner:
         return (MasterWeightAdamW if main_grads else ShardLocalAdamW)(params, **kw, fused=self._device().type == "cuda")
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
-        """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step."""
+        """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step. `optimizer` is
+        build_optimizer's (a ShardLocalAdamW: it applies the clip coefficient in its update)."""
         params, grads = [], []
         for p in self.parameters():
             if (g := grad_of(p)) is not None:
@@ -337,14 +338,7 @@ class NativeRunner:
             twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's
             norm = self._grad_norm([g for p, g in zip(params, grads) if p is not twice])
             coef = min(1.0, max_norm / (norm + 1e-6))
-        if isinstance(optimizer, ShardLocalAdamW):  # the clip inside the update (on CUDA no pass of its own)
-            optimizer.step(grad_scale=coef)
-            return norm
-        if coef < 1.0:
-            # a few fused launches, not one per parameter; DTensor grads are scaled through their local
-            # shards (in place), since one foreach op cannot mix DTensors with plain tensors
-            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
-        optimizer.step()
+        optimizer.step(grad_scale=coef)  # the clip inside the update (on CUDA no pass of its own)
         return norm
 
     def _counted_twice(self) -> nn.Parameter | None:

@@ -113,16 +113,19 @@ class ShardLocalAdamW(torch.optim.AdamW):
         buckets: dict[tuple, list[Stepped]] = {}
         rest = []
         if self.kernel:
-            fit = []
+            fit = []  # (entry, its dtypes)
             for x in stepped:
-                (fit if all(t.is_contiguous() for t in x.tensors()) else rest).append(x)
+                ts = x.tensors()
+                if all(t.is_contiguous() for t in ts):
+                    fit.append((x, tuple(t.dtype for t in ts)))
+                else:
+                    rest.append(x)
             if fit:
                 # host tensors: the kernel reads the bias corrections as arguments (two host ops, not two per tensor)
-                counts = [x.step for x in fit]
+                counts = [x.step for x, _ in fit]
                 torch._foreach_add_(counts, 1.0)
-                for x, n in zip(fit, torch.stack(counts).tolist()):
-                    key = (*(t.dtype for t in x.tensors()), x.copy is not None, int(n))
-                    buckets.setdefault(key, []).append(x)
+                for (x, dtypes), n in zip(fit, torch.stack(counts).tolist()):
+                    buckets.setdefault((*dtypes, x.copy is not None, int(n)), []).append(x)
         else:
             rest = stepped
         for key, xs in buckets.items():
