@@ -46,6 +46,21 @@ def _transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.t()).t()
 
 
+def split_k(x: torch.Tensor, w: torch.Tensor, splits: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T as `splits` partial products over K chunks: [splits, M, N] in `out_dtype`, one
+    cuBLAS strided-batched GEMM over views (no copies): `splits` times the output tiles of one GEMM."""
+    (m, k), n = x.shape, w.shape[0]
+    c = k // splits
+    return torch.bmm(x.view(m, splits, c).transpose(0, 1), w.view(n, splits, c).permute(1, 2, 0), out_dtype=out_dtype)
+
+
+def _split_k_fn(splits: int, out_dtype: torch.dtype, reduce: bool):
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        parts = split_k(x, w, splits, out_dtype)
+        return parts.sum(0, dtype=torch.float32).to(x.dtype) if reduce else parts[0]
+    return fn
+
+
 def _each(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
     for w in weights:
         fn(x, w)
@@ -62,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--rows", default="32,64,256")
     ap.add_argument("--no-autotune", action="store_true", help="time cuBLAS only")
+    ap.add_argument("--split-k", default="", help="comma list of K splits to time as one cuBLAS batched GEMM "
+                    "(fp32 and bf16 partials, each with its reduction and alone), e.g. 2,4")
     args = ap.parse_args(argv)
     dtype, dev = torch.bfloat16, "cuda"
     item = torch.empty((), dtype=dtype).element_size()
@@ -90,6 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
             linear = torch.nn.functional.linear
             # "cublas_t": the same product as W @ x^T (M and N swapped for cuBLAS's tile heuristics), transposed back
             timed = {"cublas": linear, "cublas_t": _transposed}
+            for splits in (int(v) for v in args.split_k.split(",") if v):
+                if k % splits == 0:  # "_nored": the partials alone (a consumer kernel would fuse their sum)
+                    for tag, odt in (("f32", torch.float32), ("bf16", dtype)):
+                        timed[f"splitk{splits}_{tag}"] = _split_k_fn(splits, odt, True)
+                        timed[f"splitk{splits}_{tag}_nored"] = _split_k_fn(splits, odt, False)
             if not args.no_autotune:  # a fresh compile per shape: static, autotuned for exactly (M, N, K)
                 torch._dynamo.reset()  # (else the 9th shape would pass dynamo's recompile limit and run eagerly)
                 timed["autotuned"] = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
@@ -101,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception as e:  # noqa: BLE001 - a backend that does not compile is reported, not fatal
                     row[kind] = {"error": f"{type(e).__name__}: {e}"[:160]}
                     continue
-                err = (out.float() - linear(x, w).float()).abs().max().item()
+                err = (out.float() - linear(x, w).float()).abs().max().item() if "nored" not in kind else None
                 row[kind] = {"us": round(us, 2), "ceiling_fraction": round(ceil / us, 4),
                              "tflop_per_s": round(2 * m * n * k / us / 1e6, 1), "max_abs_diff_vs_cublas": err}
                 step.setdefault(m, {}).setdefault(kind, 0.0)
