@@ -55,11 +55,6 @@ class TrainerConfig:
     # actor/reference forwards pack each prompt once with its rollout.n responses (GRPO: n x fewer prompt
     # tokens trained; needs actor.pp = ref.pp = 1)
     share_prompts: bool = False
-    # every packed micro-batch of the actor, reference, critic and reward model padded up to a multiple of this
-    # many tokens (a padding document outside every response). cuBLAS picks a kernel per GEMM shape on the host
-    # and caches it; with packing, a micro-batch's token count is new at every step, so each projection pays
-    # that pick again while the device waits. Rounded counts repeat, at the cost of < this many tokens each.
-    pad_to_multiple: int = 1
     test_freq: int = 0  # validate on data.val_files every N steps (and after the last); 0: only after the last
     val_before_train: bool = True  # validate once before the first RL step (needs data.val_files)
     log_samples_every: int = 0  # every N steps write a few prompts/responses/rewards to samples.jsonl; 0: off
@@ -545,8 +540,6 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
                         f"set rollout.n >= 2 (got {r.n})")
     _validate_algorithm_variants(cfg)
-    if t.pad_to_multiple < 1:
-        raise UserError(f"trainer.pad_to_multiple={t.pad_to_multiple} must be >= 1 (1: no padding)")
     if t.share_prompts and (cfg.actor.pp > 1 or cfg.ref.pp > 1):
         raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
                         f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "

@@ -86,7 +86,7 @@ def build_role_settings(cfg: Config) -> RoleBuildSettings:
         layouts={role: layout(getattr(cfg, role)) for role in ("actor", "ref", "critic", "reward")},
         actor_optim=_optimizer(cfg.actor.optim), critic_optim=_optimizer(cfg.critic.optim),
         actor_offload_optimizer=cfg.actor.offload_optimizer, critic_offload_optimizer=cfg.critic.offload_optimizer,
-        reward=_reward_settings(cfg), pad_to_multiple=cfg.trainer.pad_to_multiple)
+        reward=_reward_settings(cfg))
 
 
 def build_loop_settings(cfg: Config) -> LoopSettings:

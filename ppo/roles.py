@@ -35,14 +35,13 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
     return model
 
 
-def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, pad_to_multiple: int,
-          share_prompts: bool = False, frozen: bool = False, offload_optimizer: bool = False) -> WorkerSpec:
+def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
+          frozen: bool = False, offload_optimizer: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
                       fsdp_masters=offload_optimizer and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
                       pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
-                      stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts,
-                      pad_to_multiple=pad_to_multiple)
+                      stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts)
 
 
 class RuleReward:
@@ -240,22 +239,20 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     temperature = settings.generation.temperature
     here = set(plan.roles_of(rank))
-    pad = b.pad_to_multiple
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, pad_to_multiple=pad,
-                     share_prompts=b.share_prompts, offload_optimizer=b.actor_offload_optimizer)
+        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
+                     offload_optimizer=b.actor_offload_optimizer)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
                                    optim=b.actor_optim, total_steps=total_steps,
                                    offload_optimizer=b.actor_offload_optimizer)
     if "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, pad_to_multiple=pad,
-                     share_prompts=b.share_prompts, frozen=True)
+        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["critic"], groups["critic"], placement, dtype, pad_to_multiple=pad,
+        spec = _spec(b.layouts["critic"], groups["critic"], placement, dtype,
                      offload_optimizer=b.critic_offload_optimizer)
         roles.critic = CriticWorker(model, spec,
                                     pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps,
@@ -265,7 +262,7 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
         if w.is_model:
             model = _build(LlamaForSequenceClassification, model_config, path=w.model_path, device=device,
                            seed=seed + 1)
-            spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, pad_to_multiple=pad, frozen=True)
+            spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, frozen=True)
             roles.reward = RewardModelWorker(model, spec, pad_id=pad_id, max_tokens=w.max_tokens_per_micro_batch)
         else:
             manager = RewardManager(load_reward_function(w.resolved_function), default_score=w.default_score,

@@ -118,7 +118,6 @@ class RoleBuildSettings:
     actor_offload_optimizer: bool = False
     critic_offload_optimizer: bool = False
     reward: RewardSettings = RewardSettings()
-    pad_to_multiple: int = 1  # trainer.pad_to_multiple: packed micro-batches padded to a multiple of this
 
 
 @dataclass(frozen=True, slots=True)

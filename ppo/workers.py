@@ -46,7 +46,6 @@ class WorkerSpec:
     pp_schedule: str = "1F1B"
     stages_per_rank: int = 1
     share_prompts: bool = False  # pack a prompt once with its n responses (policy workers)
-    pad_to_multiple: int = 1  # each packed micro-batch padded up to a multiple of this many tokens
     # never trained (reference, reward model): stored in the compute dtype, with no fp32 master copy.
     # FSDP's mixed precision would cast the masters to that dtype for every forward anyway, so the
     # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
@@ -139,8 +138,7 @@ class ShardedWorker:
 
     def _pack(self, samples: list[Sample], pad_id: int):
         return pack_prompt_responses([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id=pad_id,
-                                     pad_to_multiple=self.spec.pad_to_multiple, device=self.device,
-                                     share_prompts=self.share_prompts)
+                                     device=self.device, share_prompts=self.share_prompts)
 
     def _packs(self, exp: Experience, mbs: list[list[int]], pad_id: int):
         """Packed micro-batches of one mini-batch and their runner inputs, both packed on first access:

@@ -58,7 +58,6 @@ def test_extends_chain_and_cycle(tmp_path):
     ("trainer.resume=/nonexistent/ckpt", "trainer.resume"),
     ("model.path=/nonexistent", "model.path"),
     ("actor", "key=value"),
-    ("trainer.pad_to_multiple=0", "trainer.pad_to_multiple"),
     ("placement.pools=[{roles:[actor],size:1}]", "space after ':'"),
 ])
 def test_value_errors(override, needle):

@@ -68,10 +68,9 @@ def test_role_build_settings_carry_sources_layouts_and_optimizers():
         "trainer.seed=11", "model.dtype=bfloat16", "critic.path=/tmp/critic", "actor.optim.lr=0.003",
         "actor.optim.betas=[0.8,0.95]", "critic.optim.lr_schedule=cosine", "critic.optim.grad_clip=0.5",
         "actor.activation_checkpointing=full", "ref.compile=true", "actor.offload_optimizer=true",
-        "reward.timeout_s=0", "reward.default_score=-1.0", "trainer.share_prompts=true", "trainer.pad_to_multiple=64"])
+        "reward.timeout_s=0", "reward.default_score=-1.0", "trainer.share_prompts=true"])
     b = build_ppo_settings(cfg, device=torch.device("cpu")).build
-    assert (b.seed, b.dtype, b.critic_path, b.share_prompts, b.pad_to_multiple) == (
-        11, "bfloat16", "/tmp/critic", True, 64)
+    assert (b.seed, b.dtype, b.critic_path, b.share_prompts) == (11, "bfloat16", "/tmp/critic", True)
     assert b.actor_optim.lr == 0.003 and b.actor_optim.betas == (0.8, 0.95)
     assert (b.critic_optim.lr_schedule, b.critic_optim.grad_clip) == ("cosine", 0.5)
     assert b.layouts["actor"].activation_checkpointing == "full" and not b.layouts["actor"].compile

@@ -52,28 +52,6 @@ def test_policy_logprobs_equal_per_sequence_forward(trainer):
             torch.testing.assert_close(torch.tensor(s.behaviour_logprobs), want, rtol=1e-4, atol=1e-4)
 
 
-def test_padded_packs_give_the_same_logprobs_and_values(trainer):
-    """trainer.pad_to_multiple: each micro-batch gains a padding document; no response reads it."""
-    t, exp = trainer
-    actor, critic = t.roles.actor, t.roles.critic
-    plan = t.roles.actor_plan(exp, max_tokens=24)
-    cplan = t.roles.critic_plan(exp, max_tokens=30)
-    got = {}
-    for mult in (1, 16):
-        actor.spec.pad_to_multiple = critic.spec.pad_to_multiple = mult
-        try:
-            pads = [actor._pack([exp.samples[i] for i in mb], actor.pad_id).num_pad for mb in plan[0]]
-            assert (max(pads) > 0) == (mult > 1) and all(p < mult for p in pads)
-            with torch.no_grad():
-                got[mult] = (actor.compute_logprobs(exp, plan)["logp"], critic.compute_values(exp, cplan)["values"])
-        finally:
-            actor.spec.pad_to_multiple = critic.spec.pad_to_multiple = 1
-    (logp, values), (want_logp, want_values) = got[16], got[1]
-    for s in exp.samples:
-        torch.testing.assert_close(logp[s.uid], want_logp[s.uid], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(values[s.uid], want_values[s.uid], rtol=1e-5, atol=1e-5)
-
-
 def test_critic_values_equal_per_sequence_forward(trainer):
     t, exp = trainer
     critic = t.roles.critic
