@@ -39,11 +39,11 @@ def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None) -> dict:
+def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, prefix=None, counts=None) -> dict:
     """Per-layer time of one tile config (None: tile_config's) inside a CUDA graph, beside HBM bandwidth."""
     import triton.testing
 
-    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, config=cfg)
+    fn = functools.partial(every_layer, cache, pos, q, k, v, ctx + 1, prefix=prefix, counts=counts, config=cfg)
     try:
         fn()  # compile outside the graph
         torch.cuda.synchronize()
@@ -68,10 +68,11 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     for _, members in groups:  # one prefill row's copies are identical
         cache[:, :, members[1:], :, :plen] = cache[:, :, members[:1], :, :plen]
     tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=members_per_entry(g)))
+    counts = torch.zeros(tables[2].shape[0], hkv, dtype=torch.int32, device="cuda")  # the engine's: kept zero
     nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
 
     def timed(cfg) -> dict:
-        return time_config(cache, pos, q, k, v, ctx, nbytes, cfg, prefix=tables)
+        return time_config(cache, pos, q, k, v, ctx, nbytes, cfg, prefix=tables, counts=counts)
 
     default = timed(None)
     out = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()

@@ -117,9 +117,9 @@ class DecodeAttention:
 
     def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa",
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 prefix: tuple[torch.Tensor, ...] | None = None):
         self.cache, self.positions, self.mode = cache, positions, mode
-        # shared-prompt tables (rollout/shared_prefix.py), read by the triton kernel only
+        # shared-prompt tables (rollout/shared_prefix.py) and the kernel's counters, read by the triton kernel only
         self.prefix = prefix if mode == "triton" else None
         self.kv_len = kv_index.shape[0]
         self.mask = None
@@ -144,7 +144,7 @@ class DecodeAttention:
             from rollout.triton_attention import decode_attention
 
             return decode_attention(self.cache, layer_idx, self.positions, q, k, v, self.kv_len,
-                                    *(self.rope or (None, None)), *(self.prefix or (None, None, None)))
+                                    *(self.rope or (None, None)), *(self.prefix or (None,) * 5))
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

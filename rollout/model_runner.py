@@ -148,8 +148,12 @@ class EngineModelRunner:
         if self.prefix_members:  # static device tables of the decode rows that share a prompt's KV
             entries = table_entries(slots)
             self.row_prefix = torch.zeros(slots, dtype=torch.int32, device=self.device)
+            self.row_entry = torch.full((slots,), -1, dtype=torch.int32, device=self.device)
             self.prefix_table = torch.full((entries, self.prefix_members), -1, dtype=torch.int32, device=self.device)
             self.prefix_len = torch.zeros(entries, dtype=torch.int32, device=self.device)
+            # the decode kernel's arrival counters per (entry, KV head): zero, and left zero by every launch
+            self.prefix_counts = torch.zeros(entries, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
+                                             device=self.device)
             self._prefix_groups = []
         self.u_table = torch.full((slots + 1, slot_len + 1), 0.5, dtype=torch.float32, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
@@ -172,7 +176,8 @@ class EngineModelRunner:
         self.graphs.clear()
         self.graph_pool = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
-        self.row_prefix = self.prefix_table = self.prefix_len = self._prefix_groups = None
+        self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
+        self._prefix_groups = None
         if drop_weights:
             for p in self.params.values():
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -298,7 +303,7 @@ class EngineModelRunner:
         if not self.prefix_members or groups == self._prefix_groups:
             return
         tables = shared_prefix_tables(groups, rows=self.num_slots, members_per_entry=self.prefix_members)
-        for dst, src in zip((self.row_prefix, self.prefix_table, self.prefix_len), tables, strict=True):
+        for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_table, self.prefix_len), tables, strict=True):
             self._upload(src, into=dst)
         self._prefix_groups = groups
 
@@ -322,7 +327,8 @@ class EngineModelRunner:
         prefix = None
         if self._kernel == "triton" and self.prefix_members:  # entries fill from 0: at most b // 2 are used
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
-            prefix = (self.row_prefix[:b], self.prefix_table[:entries], self.prefix_len[:entries])
+            prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries], self.prefix_len[:entries],
+                      self.prefix_counts[:entries])
         attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel, rope=rope,
                                prefix=prefix)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])

@@ -3,11 +3,12 @@
 The n samples of a prompt admitted in one prefill row have bit-identical K/V at positions
 [0, prompt_len) in each of their slots (one prefill computed it; write_prefill copied it). Decode
 attention that reads those positions once per group instead of once per row saves, at GRPO's n = 8,
-7/8 of the prompt's share of the KV traffic (rollout/triton_attention.py, `_prefix_kernel`).
+7/8 of the prompt's share of the KV traffic (rollout/triton_attention.py, `_prompt_program`).
 
-    row_prefix, members, group_len = shared_prefix_tables([(128, [0, 1, 2, 3]), (96, [4, 5])],
-                                                          rows=8, members_per_entry=8)
-    # row_prefix [8] = 128 x4, 96 x2, 0 x2; members [4, 8] = [0,1,2,3,-1..], [4,5,-1..], -1...; group_len [4]
+    row_prefix, row_entry, members, group_len = shared_prefix_tables([(128, [0, 1, 2, 3]), (96, [4, 5])],
+                                                                     rows=8, members_per_entry=8)
+    # row_prefix [8] = 128 x4, 96 x2, 0 x2; row_entry [8] = 0 x4, 1 x2, -1 x2;
+    # members [4, 8] = [0,1,2,3,-1..], [4,5,-1..], -1...; group_len [4] = 128, 96, 0, 0
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def table_entries(rows: int) -> int:
 
 
 def shared_prefix_tables(groups: Iterable[tuple[int, Sequence[int]]], *, rows: int,
-                         members_per_entry: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         members_per_entry: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """groups: (prompt length, rows/slots sharing it), rows < `rows`. Returns CPU int32 tensors
-    row_prefix [rows] (0: the row reads its whole history itself), members [table_entries(rows), M]
-    (-1 padded; the first member's slot is the one read) and group_len [table_entries(rows)] (0: unused).
+    row_prefix [rows] (0: the row reads its whole history itself), row_entry [rows] (the row's table entry;
+    -1: none), members [table_entries(rows), M] (-1 padded; the first member's slot is the one read) and
+    group_len [table_entries(rows)] (0: unused).
     A group of one row or an empty prompt is not shared; a group of more than M rows is split into
     near-equal parts, each of at least two rows (each part reads the prompt once)."""
     if members_per_entry < MIN_MEMBERS:
@@ -47,6 +49,7 @@ def shared_prefix_tables(groups: Iterable[tuple[int, Sequence[int]]], *, rows: i
                          f"have one row, and the table could overflow")
     entries = table_entries(rows)
     row_prefix = torch.zeros(rows, dtype=torch.int32)
+    row_entry = torch.full((rows,), -1, dtype=torch.int32)
     members = torch.full((entries, members_per_entry), -1, dtype=torch.int32)
     group_len = torch.zeros(entries, dtype=torch.int32)
     at = 0
@@ -59,7 +62,8 @@ def shared_prefix_tables(groups: Iterable[tuple[int, Sequence[int]]], *, rows: i
         for k in range(parts):
             part = slots[k * len(slots) // parts: (k + 1) * len(slots) // parts]
             members[at, : len(part)] = torch.tensor(part, dtype=torch.int32)
+            row_entry[list(part)] = at
             group_len[at] = plen
             at += 1
         row_prefix[list(slots)] = plen
-    return row_prefix, members, group_len
+    return row_prefix, row_entry, members, group_len

@@ -11,6 +11,12 @@ the rows' RoPE cos/sin it also rotates q and the new k (the engine's decode then
 RoPE kernel: one of ~10 kernels per layer, whose launch gaps cost as much as their work at decode
 sizes). The prefill's K/V write is one kernel here too (write_prefill).
 
+Shared prompts (GRPO's n samples of one prompt hold identical prompt K/V) stay one launch: beside the rows'
+programs, one program per (table entry, KV head) reads the entry's prompt once for all its rows' queries.
+Each leaves its online-softmax state in a workspace and takes a ticket from the entry's counter; the last
+to arrive merges every member's prompt and own-position states and writes their outputs. A separate
+prompt kernel before the rows' kernel cost a launch gap and a second, mostly idle wave per layer.
+
     out = decode_attention(cache, layer, positions, q, k, v, kv_len)   # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
     out = decode_attention(cache, layer, positions, q, k, v, kv_len, cos, sin)  # q/k before RoPE
 
@@ -68,103 +74,159 @@ if triton is not None:
         return m, l_sum, acc
 
     @triton.jit
-    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, qk_scale,
-                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb,
-                       s_cv, s_cb, s_ch, s_ct, row_prefix_ptr, ws_acc_ptr, ws_ml_ptr, s_wb,
-                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                       ROPE: tl.constexpr, PREFIX: tl.constexpr, BLOCK_N: tl.constexpr):
-        # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
-        # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
-        d = tl.arange(0, D)
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < G
-        q_at = q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh
-        q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0)
-        k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d)
-        v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d)
-        if ROPE:  # q and the new k arrive un-rotated: x * cos + rotate_half(x) * sin with the row's cos/sin
-            # [D] (the model's own values), in fp32 and rounded once, as the compiled model's RoPE does
-            half = (d + D // 2) % D
-            sign = tl.where(d < D // 2, -1.0, 1.0)
-            cos = tl.load(cos_ptr + b * s_rb + d).to(tl.float32)
-            sin = tl.load(sin_ptr + b * s_rb + d).to(tl.float32) * sign
-            q_half = tl.load(q_at + half[None, :], mask=g_ok[:, None], other=0.0)
-            q = (q.to(tl.float32) * cos[None, :] + q_half.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
-            k_half = tl.load(kn_ptr + b * s_kb + h * s_kh + half)
-            k_new = (k_new.to(tl.float32) * cos + k_half.to(tl.float32) * sin).to(kn_ptr.dtype.element_ty)
-        k_row = cache_ptr + b.to(tl.int64) * s_cb + h * s_ch  # cache_ptr points at this layer's K; a
-        # 7B layer's K over hundreds of slots passes 2**31 elements, so the slot offset is int64
-        v_row = k_row + s_cv
-        tl.store(k_row + pos * s_ct + d, k_new)
-        tl.store(v_row + pos * s_ct + d, v_new)
-
-        if PREFIX:  # positions [0, lo) are a shared prompt, already attended by _prefix_kernel (lo = 0: none)
-            lo = tl.load(row_prefix_ptr + b)
-            at = b * s_wb + h * G + g  # (row, query head) in the workspace
-            has = g_ok & ((g * 0 + lo) > 0)  # (broadcast first: the interpreter masks only with [BLOCK_G] bools)
-            m = tl.load(ws_ml_ptr + 2 * at, mask=has, other=float("-inf"))
-            l_sum = tl.load(ws_ml_ptr + 2 * at + 1, mask=has, other=0.0)
-            acc = tl.load(ws_acc_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
-        else:
-            lo = 0
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l_sum = tl.zeros([BLOCK_G], tl.float32)
-            acc = tl.zeros([BLOCK_G, D], tl.float32)
+    def _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(m, l_sum, acc) advanced over cache positions [lo, pos) and then the new token itself (from
+        registers: the cache store of its K/V has no read-after-write hazard)."""
         m, l_sum, acc = _attend_range(q, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D, IEEE, BLOCK_N)
-        # the new token itself, from registers
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m, s_new)
         alpha = tl.exp2(m - m_new)
         p_new = tl.exp2(s_new - m_new)
         l_sum = l_sum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=g_ok[:, None])
-
+        return m_new, l_sum, acc
 
     @triton.jit
-    def _prefix_kernel(q_ptr, cache_ptr, members_ptr, group_len_ptr, ws_acc_ptr, ws_ml_ptr, cos_ptr, sin_ptr,
-                       qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb,
-                       G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                       IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one program per (group, KV head). A group's rows (up to MEMBERS, the samples of one prompt admitted
-        # in one prefill row) hold identical K/V at positions [0, plen) in their slots; read them once, from
-        # the first member's slot, for the MEMBERS x G query rows together (tensor-core tiles of BLOCK_M rows),
-        # and leave each row's online-softmax state (m, l, unnormalised acc) in the workspace for _decode_kernel
-        gi = tl.program_id(0)
-        h = tl.program_id(1)
-        plen = tl.load(group_len_ptr + gi)  # 0: an unused table entry
+    def _store_state(ws_acc_ptr, ws_ml_ptr, at, ok, m, l_sum, acc, D: tl.constexpr):
+        d = tl.arange(0, D)
+        tl.store(ws_ml_ptr + 2 * at, m, mask=ok)
+        tl.store(ws_ml_ptr + 2 * at + 1, l_sum, mask=ok)
+        tl.store(ws_acc_ptr + at[:, None] * D + d[None, :], acc, mask=ok[:, None])
+
+    @triton.jit
+    def _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
+                G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+        """One of the (members + 1) programs of table entry e (its prefix program and each member's row
+        program) has left its softmax state in the workspace (half 0: the prompt's, half 1: a row's own
+        positions). The last to arrive merges both halves of every member row and writes their outputs,
+        then re-arms the counter for the next launch (so no launch needs a zero-fill)."""
+        i = tl.arange(0, BLOCK_M)
+        j, g = i // G, i % G
+        row = tl.load(members_ptr + e * s_mg + j, mask=j < MEMBERS, other=-1)
+        ok = row >= 0
+        n_members = tl.sum((ok & (g == 0)).to(tl.int32))
+        tl.debug_barrier()  # every thread's workspace stores precede the release below
+        count_ptr += e * tl.num_programs(1) + h  # counts [N, Hkv]
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_members:
+            row = tl.where(ok, row, 0)
+            at = row * s_wb + h * G + g
+            d = tl.arange(0, D)
+            # .cg: other SMs wrote these; read them from L2, never from a stale L1 line
+            m_p = tl.load(ws_ml_ptr + 2 * at, mask=ok, other=0.0, cache_modifier=".cg")
+            l_p = tl.load(ws_ml_ptr + 2 * at + 1, mask=ok, other=1.0, cache_modifier=".cg")
+            a_p = tl.load(ws_acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            m_s = tl.load(ws_ml_ptr + s_half * 2 + 2 * at, mask=ok, other=0.0, cache_modifier=".cg")
+            l_s = tl.load(ws_ml_ptr + s_half * 2 + 2 * at + 1, mask=ok, other=1.0, cache_modifier=".cg")
+            a_s = tl.load(ws_acc_ptr + s_half * D + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            m = tl.maximum(m_p, m_s)
+            w_p, w_s = tl.exp2(m_p - m), tl.exp2(m_s - m)
+            out = (a_p * w_p[:, None] + a_s * w_s[:, None]) / (l_p * w_p + l_s * w_s)[:, None]
+            tl.store(out_ptr + row[:, None] * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr,
+                        cos_ptr, sin_ptr, qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb, s_half,
+                        s_ob, s_oh, e, h, G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
+        # table entry e, KV head h. The entry's rows (up to MEMBERS, the samples of one prompt admitted in one
+        # prefill row) hold identical K/V at positions [0, plen) in their slots; read them once, from the
+        # first member's slot, for the MEMBERS x G query rows together (tensor-core tiles of BLOCK_M rows), and
+        # leave each row's online-softmax state (m, l, unnormalised acc) in half 0 of the workspace
+        plen = tl.load(group_len_ptr + e)  # 0: an unused table entry
         if plen > 0:
             i = tl.arange(0, BLOCK_M)
             j, g = i // G, i % G
-            row = tl.load(members_ptr + gi * s_mg + j, mask=j < MEMBERS, other=-1)
+            row = tl.load(members_ptr + e * s_mg + j, mask=j < MEMBERS, other=-1)
             ok = row >= 0
             row = tl.where(ok, row, 0)
             d = tl.arange(0, D)
             q_at = q_ptr + row[:, None] * s_qb + (h * G + g)[:, None] * s_qh
             q = tl.load(q_at + d[None, :], mask=ok[:, None], other=0.0)
-            if ROPE:  # as in _decode_kernel, each row at its own position
+            if ROPE:  # as for a row, each member at its own position
                 half = (d + D // 2) % D
                 sign = tl.where(d < D // 2, -1.0, 1.0)
                 cos = tl.load(cos_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32)
                 sin = tl.load(sin_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32) * sign[None, :]
                 q_half = tl.load(q_at + half[None, :], mask=ok[:, None], other=0.0)
                 q = (q.to(tl.float32) * cos + q_half.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
-            src = tl.load(members_ptr + gi * s_mg)
+            src = tl.load(members_ptr + e * s_mg)
             k_row = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
             m, l_sum, acc = _attend_range(q, k_row, k_row + s_cv, 0, plen, s_ct, qk_scale, m, l_sum, acc, D, IEEE,
                                           BLOCK_N)
-            at = row * s_wb + h * G + g
-            tl.store(ws_ml_ptr + 2 * at, m, mask=ok)
-            tl.store(ws_ml_ptr + 2 * at + 1, l_sum, mask=ok)
-            tl.store(ws_acc_ptr + at[:, None] * D + d[None, :], acc, mask=ok[:, None])
+            _store_state(ws_acc_ptr, ws_ml_ptr, row * s_wb + h * G + g, ok, m, l_sum, acc, D)
+            _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
+                    G, MEMBERS, BLOCK_M, D)
+
+    @triton.jit
+    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, qk_scale,
+                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb,
+                       s_cv, s_cb, s_ch, s_ct, row_prefix_ptr, row_entry_ptr, members_ptr, group_len_ptr, count_ptr,
+                       ws_acc_ptr, ws_ml_ptr, s_wb, s_half, s_mg, n_entries,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+                       ROPE: tl.constexpr, PREFIX: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
+        # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200).
+        # Programs (i, h), h a KV head: with shared prompts (PREFIX) i < n_entries is table entry i's prompt
+        # program, else row b = i - n_entries's; without, row b = i.
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        if PREFIX and i < n_entries:
+            _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr,
+                            out_ptr, cos_ptr, sin_ptr, qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg,
+                            s_wb, s_half, s_ob, s_oh, i, h, G, MEMBERS, BLOCK_M, D, IEEE, ROPE, BLOCK_N)
+        else:
+            b = i - n_entries if PREFIX else i
+            pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
+            g = tl.arange(0, BLOCK_G)
+            g_ok = g < G
+            q_at = q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh
+            q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0)
+            k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d)
+            v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d)
+            if ROPE:  # q and the new k arrive un-rotated: x * cos + rotate_half(x) * sin with the row's cos/sin
+                # [D] (the model's own values), in fp32 and rounded once, as the compiled model's RoPE does
+                half = (d + D // 2) % D
+                sign = tl.where(d < D // 2, -1.0, 1.0)
+                cos = tl.load(cos_ptr + b * s_rb + d).to(tl.float32)
+                sin = tl.load(sin_ptr + b * s_rb + d).to(tl.float32) * sign
+                q_half = tl.load(q_at + half[None, :], mask=g_ok[:, None], other=0.0)
+                q = (q.to(tl.float32) * cos[None, :] + q_half.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
+                k_half = tl.load(kn_ptr + b * s_kb + h * s_kh + half)
+                k_new = (k_new.to(tl.float32) * cos + k_half.to(tl.float32) * sin).to(kn_ptr.dtype.element_ty)
+            k_row = cache_ptr + b.to(tl.int64) * s_cb + h * s_ch  # cache_ptr points at this layer's K; a
+            # 7B layer's K over hundreds of slots passes 2**31 elements, so the slot offset is int64
+            v_row = k_row + s_cv
+            tl.store(k_row + pos * s_ct + d, k_new)
+            tl.store(v_row + pos * s_ct + d, v_new)
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+            lo = 0
+            if PREFIX:  # positions [0, lo) are a prompt its table entry's prompt program attends
+                lo = tl.load(row_prefix_ptr + b)
+            m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D,
+                                       IEEE, BLOCK_N)
+            if lo > 0:  # its own positions' state, half 1 of the workspace; the entry's last arrival merges
+                e = tl.load(row_entry_ptr + b)
+                _store_state(ws_acc_ptr + s_half * D, ws_ml_ptr + s_half * 2, b * s_wb + h * G + g, g_ok, m,
+                             l_sum, acc, D)
+                _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
+                        G, MEMBERS, BLOCK_M, D)
+            else:
+                out = acc / l_sum[:, None]
+                tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
@@ -215,9 +277,11 @@ def tile_config(rows: int, kv_len: int) -> dict:
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-           prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+           prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None, *,
            config: dict | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile."""
+    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile.
+    prefix: shared_prefix_tables' (row_prefix, row_entry, members, group_len) on q's device; counts: their
+    arrival counters, int32 [N, Hkv] zeros (left zero by every launch; None: a fresh zeroed tensor)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -236,45 +300,54 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     cache_strides = tuple(cache.stride()[1:5])
     ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
     tile = config or tile_config(b, kv_len)
-    row_prefix, ws_acc, ws_ml = positions, out, out  # unread without shared prefixes
+    # unread without shared prefixes
+    row_prefix = row_entry = members = group_len = counts_ = ws_acc = ws_ml = positions
+    n, m = 0, 1
     if prefix is not None:
-        row_prefix, members, group_len = prefix
-        if row_prefix.shape != (b,) or members.shape[0] != group_len.shape[0] or members.stride(1) != 1:
-            raise ValueError(f"prefix tables must be row_prefix [{b}], members [N, M] and group_len [N]")
-        ws_acc = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)  # per-row softmax state
-        ws_ml = torch.empty(b, hq, 2, dtype=torch.float32, device=q.device)
-        m = members.shape[1]
-        _prefix_kernel[(members.shape[0], hkv)](
-            qs, layer_k, members, group_len, ws_acc, ws_ml, cos_, sin_, scale, qs.stride(0), qs.stride(1),
-            cos_.stride(0) if rope else 0, *cache_strides, members.stride(0), hq,
-            G=g, MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), D=d, IEEE=ieee, ROPE=rope, **tile)
-    _decode_kernel[(b, hkv)](
+        row_prefix, row_entry, members, group_len = prefix
+        n, m = members.shape
+        if row_prefix.shape != (b,) or row_entry.shape != (b,) or group_len.shape != (n,) or members.stride(1) != 1:
+            raise ValueError(f"prefix tables must be row_prefix [{b}], row_entry [{b}], members [N, M] and "
+                             f"group_len [N], got {[tuple(t.shape) for t in prefix]}")
+        counts_ = torch.zeros(n, hkv, dtype=torch.int32, device=q.device) if counts is None else counts
+        if counts_.shape != (n, hkv) or counts_.dtype != torch.int32 or not counts_.is_contiguous():
+            raise ValueError(f"counts must be contiguous int32 [{n}, {hkv}], got {tuple(counts_.shape)}")
+        # per-(row, query head) softmax states: half 0 the prompt's, half 1 the row's own positions
+        ws_acc = torch.empty(2, b, hq, d, dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty(2, b, hq, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(n + b, hkv)](
         qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
         ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
-        *cache_strides, row_prefix, ws_acc, ws_ml, hq,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, PREFIX=prefix is not None, **tile)
+        *cache_strides, row_prefix, row_entry, members, group_len, counts_, ws_acc, ws_ml, hq, b * hq,
+        members.stride(0) if prefix is not None else 0, n,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, PREFIX=prefix is not None,
+        MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), **tile)
     return out
 
 
-@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache", "counts"))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                     row_prefix: torch.Tensor | None = None, members: torch.Tensor | None = None,
-                     group_len: torch.Tensor | None = None) -> torch.Tensor:
+                     row_prefix: torch.Tensor | None = None, row_entry: torch.Tensor | None = None,
+                     members: torch.Tensor | None = None, group_len: torch.Tensor | None = None,
+                     counts: torch.Tensor | None = None) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
     position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
     position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer).
 
-    Shared prompts (rollout.share_prompt_kv): row_prefix [B] int32 (row b's positions [0, row_prefix[b])
-    are a prompt its group shares; 0: none), members [N, M] int32 (each group's rows, -1 padded; the first
-    member's slot is read) and group_len [N] int32 (the group's prompt length; 0: unused entry). Each
-    group's prompt K/V is then read once instead of once per sample."""
-    prefix = None if row_prefix is None else (row_prefix, members, group_len)
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, prefix)
+    Shared prompts (rollout.share_prompt_kv), the tables of rollout/shared_prefix.py: row_prefix [B] int32
+    (row b's positions [0, row_prefix[b]) are a prompt its group shares; 0: none), row_entry [B] int32 (the
+    table entry of row b's group; -1: none), members [N, M] int32 (each entry's rows, -1 padded, all of them
+    rows of this launch; the first member's slot is read) and group_len [N] int32 (the entry's prompt
+    length; 0: unused entry), with `counts` int32 [N, Hkv] zeros that the kernel uses and leaves zero. One
+    launch: each entry's prompt K/V is read once, by a program of its own, beside the rows' programs; the
+    last of an entry's programs to finish merges the prompt's and each row's softmax states."""
+    prefix = None if row_prefix is None else (row_prefix, row_entry, members, group_len)
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, prefix, counts)
 
 
 @decode_attention.register_fake
 def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None, row_prefix=None,
-                           members=None, group_len=None) -> torch.Tensor:
+                           row_entry=None, members=None, group_len=None, counts=None) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -9,24 +9,26 @@ from rollout.shared_prefix import members_per_entry, shared_prefix_tables, table
 
 
 def test_tables_list_each_group_once_and_leave_unshared_rows_at_zero():
-    row_prefix, members, group_len = shared_prefix_tables([(128, [0, 1, 2, 3]), (96, [6, 4]), (50, [5])], rows=8,
-                                                          members_per_entry=8)
+    row_prefix, row_entry, members, group_len = shared_prefix_tables([(128, [0, 1, 2, 3]), (96, [6, 4]), (50, [5])],
+                                                                     rows=8, members_per_entry=8)
     assert row_prefix.tolist() == [128, 128, 128, 128, 96, 0, 96, 0]  # a group of one row shares nothing
+    assert row_entry.tolist() == [0, 0, 0, 0, 1, -1, 1, -1]
     assert members.shape == (table_entries(8), 8) == (4, 8)
     assert members[0].tolist() == [0, 1, 2, 3] + [-1] * 4 and members[1].tolist() == [6, 4] + [-1] * 6
     assert (members[2:] == -1).all() and group_len.tolist() == [128, 96, 0, 0]
-    assert {t.dtype for t in (row_prefix, members, group_len)} == {torch.int32}
+    assert {t.dtype for t in (row_prefix, row_entry, members, group_len)} == {torch.int32}
 
 
 def test_a_group_larger_than_an_entry_splits_into_parts_of_two_rows_or_more():
     for n in range(2, 40):
-        _, members, group_len = shared_prefix_tables([(7, list(range(n)))], rows=64, members_per_entry=4)
+        _, row_entry, members, group_len = shared_prefix_tables([(7, list(range(n)))], rows=64, members_per_entry=4)
         parts = [[r for r in row if r >= 0] for row in members.tolist() if row[0] >= 0]
         assert sorted(r for p in parts for r in p) == list(range(n))
+        assert all(row_entry[r] == e for e, p in enumerate(parts) for r in p) and (row_entry[n:] == -1).all()
         assert all(2 <= len(p) <= 4 for p in parts) and (group_len > 0).sum() == len(parts)
     # at most rows // 2 entries are ever used, so a decode of b rows passes the first (b + 1) // 2
-    _, members, _ = shared_prefix_tables([(3, [0, 1, 2]), (3, [3, 4]), (3, [5, 6, 7, 8, 9])], rows=10,
-                                         members_per_entry=4)
+    _, _, members, _ = shared_prefix_tables([(3, [0, 1, 2]), (3, [3, 4]), (3, [5, 6, 7, 8, 9])], rows=10,
+                                            members_per_entry=4)
     assert (members[:, 0] >= 0).sum() <= 10 // 2
 
 

@@ -190,13 +190,20 @@ def test_shared_prompt_groups_read_once_equal_every_row_reading_its_own_slot(blo
                 want_cache = cache.clone()
                 want = attend(want_cache, 1, pos, q, k, v, slot_len, cos, sin, config=config)
                 tables = shared_prefix_tables(groups, rows=b, members_per_entry=4)
-                read = set(tables[1][:, 0].tolist())  # the one slot each table entry reads
+                read = set(tables[2][:, 0].tolist())  # the one slot each table entry reads
                 poisoned = cache.clone()
                 for plen, rows in groups[:2]:
                     poisoned[1, :, [r for r in rows if r not in read], :, :plen] = float("nan")
-                got = attend(poisoned, 1, pos, q, k, v, slot_len, cos, sin, prefix=tables, config=config)
+                counts = torch.zeros(tables[2].shape[0], hkv, dtype=torch.int32)
+                got = attend(poisoned, 1, pos, q, k, v, slot_len, cos, sin, prefix=tables, counts=counts,
+                             config=config)
                 err = (got.float() - want.float()).abs().max().item()
                 assert err < tol, (dtype, g, err)
+                # the last program of each entry re-arms its counter: the next launch merges again
+                assert not counts.any()
+                again = attend(poisoned, 1, pos, q, k, v, slot_len, cos, sin, prefix=tables, counts=counts,
+                               config=config)
+                assert torch.equal(again, got)
                 # the new tokens' K/V are written as without sharing
                 idx = torch.arange(b)
                 assert torch.equal(poisoned[1, :, idx, :, pos], want_cache[1, :, idx, :, pos])
