@@ -212,21 +212,23 @@ if triton is not None:
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
-            lo = 0
+            out_at = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
             if PREFIX:  # positions [0, lo) are a prompt its table entry's prompt program attends
                 lo = tl.load(row_prefix_ptr + b)
-            m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D,
-                                       IEEE, BLOCK_N)
-            if lo > 0:  # its own positions' state, half 1 of the workspace; the entry's last arrival merges
-                e = tl.load(row_entry_ptr + b)
-                _store_state(ws_acc_ptr + s_half * D, ws_ml_ptr + s_half * 2, b * s_wb + h * G + g, g_ok, m,
-                             l_sum, acc, D)
-                _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
-                        G, MEMBERS, BLOCK_M, D)
+                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc,
+                                           D, IEEE, BLOCK_N)
+                if lo > 0:  # its own positions' state, half 1 of the workspace; the entry's last arrival merges
+                    e = tl.load(row_entry_ptr + b)
+                    _store_state(ws_acc_ptr + s_half * D, ws_ml_ptr + s_half * 2, b * s_wb + h * G + g, g_ok, m,
+                                 l_sum, acc, D)
+                    _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh,
+                            s_wb, h, G, MEMBERS, BLOCK_M, D)
+                else:
+                    tl.store(out_at, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
             else:
-                out = acc / l_sum[:, None]
-                tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, 0, pos, s_ct, qk_scale, m, l_sum, acc, D,
+                                           IEEE, BLOCK_N)
+                tl.store(out_at, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
@@ -261,8 +263,8 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
         cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
 
 
-def tile_config(rows: int, kv_len: int) -> dict:
-    """Both kernels' tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
+def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
+    """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
 
     A fixed rule, from H200 sweeps of every config (bench/results/decode_attention_*.json; llama-1b heads,
     contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at >= 128
@@ -270,9 +272,18 @@ def tile_config(rows: int, kv_len: int) -> dict:
     smaller tiles (64 rows: 32-position tiles, 3 stages; 32 rows: 64, 3). Triton's autotuner, which this
     replaces, timed configs on the first decode step of each KV-length bucket: its picks ran 5-15% slower
     than these (it saw one response token where the bucket later holds hundreds, and timing noise under
-    the compile workers' load), and differed between runs."""
+    the compile workers' load), and differed between runs.
+
+    With shared prompts (`shared`) the launch also holds the prompt programs (32 query rows each): left to
+    itself, ptxas then gives every program 255 registers and spills, two programs per SM. Capped at 96
+    registers and with 64-position tiles, 256 rows of llama-1b heads over prompts of 128 took 31.0 / 48.5 /
+    80.7 us per layer at contexts 160 / 256 / 384 against 56.6 / 64.7 / 93.7 uncapped with 128-position tiles
+    (and 42.3 / 53.6 / 82.2 for the earlier separate prompt kernel; bench/results/decode_attention_fused_h200.json)."""
     block, warps, stages = (128, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
-    return dict(BLOCK_N=min(block, max(32, triton.next_power_of_2(kv_len))), num_warps=warps, num_stages=stages)
+    if shared:
+        block = min(block, 64)
+    tile = dict(BLOCK_N=min(block, max(32, triton.next_power_of_2(kv_len))), num_warps=warps, num_stages=stages)
+    return tile | {"maxnreg": 96} if shared else tile
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -299,7 +310,7 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
     cache_strides = tuple(cache.stride()[1:5])
     ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
-    tile = config or tile_config(b, kv_len)
+    tile = config or tile_config(b, kv_len, shared=prefix is not None)
     # unread without shared prefixes
     row_prefix = row_entry = members = group_len = counts_ = ws_acc = ws_ml = positions
     n, m = 0, 1
