@@ -141,10 +141,10 @@ class DecodeAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.mode == "triton":
-            from rollout.triton_attention import decode_attention
+            from rollout.triton_attention import decode_attention, decode_attention_shared
 
-            return decode_attention(self.cache, layer_idx, self.positions, q, k, v, self.kv_len,
-                                    *(self.rope or (None, None)), *(self.prefix or (None,) * 5))
+            args = (self.cache, layer_idx, self.positions, q, k, v, self.kv_len, *(self.rope or (None, None)))
+            return decode_attention(*args) if self.prefix is None else decode_attention_shared(*args, *self.prefix)
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

@@ -336,29 +336,42 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     return out
 
 
-@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache", "counts"))
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                     row_prefix: torch.Tensor | None = None, row_entry: torch.Tensor | None = None,
-                     members: torch.Tensor | None = None, group_len: torch.Tensor | None = None,
-                     counts: torch.Tensor | None = None) -> torch.Tensor:
+                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
     position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
-    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer).
-
-    Shared prompts (rollout.share_prompt_kv), the tables of rollout/shared_prefix.py: row_prefix [B] int32
-    (row b's positions [0, row_prefix[b]) are a prompt its group shares; 0: none), row_entry [B] int32 (the
-    table entry of row b's group; -1: none), members [N, M] int32 (each entry's rows, -1 padded, all of them
-    rows of this launch; the first member's slot is read) and group_len [N] int32 (the entry's prompt
-    length; 0: unused entry), with `counts` int32 [N, Hkv] zeros that the kernel uses and leaves zero. One
-    launch: each entry's prompt K/V is read once, by a program of its own, beside the rows' programs; the
-    last of an entry's programs to finish merges the prompt's and each row's softmax states."""
-    prefix = None if row_prefix is None else (row_prefix, row_entry, members, group_len)
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, prefix, counts)
+    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer)."""
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None, row_prefix=None,
-                           row_entry=None, members=None, group_len=None, counts=None) -> torch.Tensor:
+def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+# a second op rather than optional arguments: torch 2.11's compile cannot run an op whose mutated optional
+# tensor is None ("IndexError: tuple index out of range" making the fake tensor call)
+@torch.library.custom_op("hybridrl_rollout::decode_attention_shared", mutates_args=("cache", "counts"))
+def decode_attention_shared(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor,
+                            k: torch.Tensor, v: torch.Tensor, kv_len: int, cos: torch.Tensor | None,
+                            sin: torch.Tensor | None, row_prefix: torch.Tensor, row_entry: torch.Tensor,
+                            members: torch.Tensor, group_len: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """decode_attention with shared prompts (rollout.share_prompt_kv), given the tables of
+    rollout/shared_prefix.py: row_prefix [B] int32 (row b's positions [0, row_prefix[b]) are a prompt its
+    group shares; 0: none), row_entry [B] int32 (the table entry of row b's group; -1: none), members [N, M]
+    int32 (each entry's rows, -1 padded, all of them rows of this launch; the first member's slot is read) and
+    group_len [N] int32 (the entry's prompt length; 0: unused entry), with `counts` int32 [N, Hkv] zeros that
+    the kernel uses and leaves zero. One launch: each entry's prompt K/V is read once, by a program of its own,
+    beside the rows' programs; the last of an entry's programs to finish merges the prompt's and each row's
+    softmax states."""
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, (row_prefix, row_entry, members, group_len),
+                  counts)
+
+
+@decode_attention_shared.register_fake
+def _decode_attention_shared_fake(cache, layer, positions, q, k, v, kv_len, cos, sin, row_prefix, row_entry,
+                                  members, group_len, counts) -> torch.Tensor:
     return q.new_empty(q.shape)
