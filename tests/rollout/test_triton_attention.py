@@ -162,8 +162,8 @@ def test_kernel_applies_rope_to_q_and_the_new_k_like_the_model():
 
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_shared_prompt_groups_read_once_equal_every_row_reading_its_own_slot(block_n):
-    # a group's rows hold identical prompt K/V (one prefill row); the prefix kernel reads it from the first
-    # member's slot only. Poison the other members' prompt copies: the result must not change.
+    # a group's rows hold identical prompt K/V (one prefill row); each table entry's prompt program reads it from
+    # the first member's slot only. Poison the other members' prompt copies: the result must not change.
     run_interpreted(f"""
         import torch, torch.nn.functional as F
         from models.llama import rotary_cos_sin
