@@ -97,7 +97,7 @@ if triton is not None:
     @triton.jit
     def _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
                 G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-        """One of the (members + 1) programs of table entry e (its prefix program and each member's row
+        """One of the (members + 1) programs of table entry e (its prompt program and each member's row
         program) has left its softmax state in the workspace (half 0: the prompt's, half 1: a row's own
         positions). The last to arrive merges both halves of every member row and writes their outputs,
         then re-arms the counter for the next launch (so no launch needs a zero-fill)."""
