@@ -17,7 +17,9 @@ class StageTimer:
         self.times: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str, *, sync: bool = True):
+        """sync=False: the stage ends when its host work does (kernels it enqueued may still run; a later
+        stage that waits for them counts that wait)."""
         if self.monitor is not None:
             self.monitor.set_stage(name)
         if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
@@ -29,7 +31,7 @@ class StageTimer:
                 try:
                     yield
                 finally:
-                    if self.device.type == "cuda":
+                    if sync and self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0

@@ -143,24 +143,28 @@ class PPOTrainer:
 
     def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True) -> dict:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
-        dynamic sampling scored the samples already."""
-        roles, results = self.roles, {}
+        dynamic sampling scored the samples already. The forwards (old log-probs, reference, values) are
+        enqueued first and waited for last: rule rewards are scored on the host while their kernels run."""
+        roles, results, pending = self.roles, {}, []
         if roles.actor is not None and old_logp:
-            with timer("old_log_prob"):
-                r = self.budgeted("old_log_prob", lambda b: roles.actor.compute_logprobs(
-                    exp, roles.actor_plan(exp, b), with_entropy=True), "actor")
-                results.update(old_logp=r["logp"], entropy=r["entropy"])
+            with timer("old_log_prob", sync=False):
+                pending.append(("old_log_prob", self.budgeted("old_log_prob", lambda b: roles.actor.launch_logprobs(
+                    exp, roles.actor_plan(exp, b), with_entropy=True), "actor"),
+                    lambda r: {"old_logp": r["logp"], "entropy": r["entropy"]}))
         if roles.ref is not None:
-            with timer("ref"):
-                results["ref_logp"] = self.budgeted("ref", lambda b: roles.ref.compute_logprobs(
-                    exp, roles.ref_plan(exp, b)), "ref")["logp"]
+            with timer("ref", sync=False):
+                pending.append(("ref", self.budgeted("ref", lambda b: roles.ref.launch_logprobs(
+                    exp, roles.ref_plan(exp, b)), "ref"), lambda r: {"ref_logp": r["logp"]}))
         if roles.critic is not None:
-            with timer("values"):
-                results.update(self.budgeted("values", lambda b: roles.critic.compute_values(
-                    exp, roles.critic_plan(exp, b)), "critic"))
+            with timer("values", sync=False):
+                pending.append(("values", self.budgeted("values", lambda b: roles.critic.launch_values(
+                    exp, roles.critic_plan(exp, b)), "critic"), lambda r: r))
         if roles.reward is not None and reward:
-            with timer("reward"):
+            with timer("reward", sync=False):  # a reward model's forward waits for its own outputs
                 results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
+        for stage, launched, named in pending:
+            with timer(stage):
+                results.update(named(launched.result()))
         return results
 
     def step(self, step: int) -> dict[str, float]:

@@ -248,24 +248,39 @@ class PolicyWorker(ShardedWorker):
                          with_entropy: bool = False) -> dict[str, dict[int, torch.Tensor]]:
         """{"logp": {uid: [R_i]}, "entropy": {uid: [R_i]}} for this rank's shard (owners only report).
         Uses the same mini-batch -> micro-batch partition as `update`, so the ratio is 1 on-policy."""
-        out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
+        return self.launch_logprobs(exp, plan, with_entropy=with_entropy).result()
+
+    @torch.no_grad()
+    def launch_logprobs(self, exp: Experience, plan: list[list[list[int]]], *,
+                        with_entropy: bool = False) -> PendingResults:
+        """compute_logprobs with the wait left to the caller: the forwards are enqueued, and result() makes
+        the one device -> host copy (the host can do other work while the kernels run)."""
+        outputs = []  # (mini-batch, its micro-batches' device results) of the owner ranks
         for mini in plan:
             packs, batches = self._packs(exp, mini, self.pad_id)
             results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_logprobs(
                 packs[k], h, with_entropy=with_entropy))
-            if not self.is_owner or results is None:
-                continue
-            # one device->host copy per mini-batch (not a sync per micro-batch), then split on the host
-            logps = to_host([logp for logp, _ in results])
-            ents = to_host([ent for _, ent in results]) if results[0][1] is not None else [None] * len(results)
-            for mb, logp, ent in zip(mini, logps, ents):
+            if self.is_owner and results is not None:
+                outputs.append((mini, results))
+
+        def finish() -> dict[str, dict[int, torch.Tensor]]:
+            out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
+            pairs = [(mb, logp, ent) for mini, results in outputs for mb, (logp, ent) in zip(mini, results)]
+            if not pairs:
+                return out
+            # one device -> host copy for the whole batch (not a sync per micro-batch), then split on the host
+            logps = to_host([logp for _, logp, _ in pairs])
+            ents = to_host([ent for *_, ent in pairs]) if pairs[0][2] is not None else [None] * len(pairs)
+            for (mb, _, _), logp, ent in zip(pairs, logps, ents):
                 for j, i in enumerate(mb):
                     s = exp.samples[i]
                     n = len(s.response_ids)
                     out["logp"][s.uid] = logp[j, :n]
                     if ent is not None:
                         out["entropy"][s.uid] = ent[j, :n]
-        return out
+            return out
+
+        return PendingResults(finish)
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
@@ -303,6 +318,19 @@ class LazyList(Sequence):
         return self._items[k]
 
 
+class PendingResults:
+    """A scoring pass whose forwards are enqueued on the device: result() waits for them (once) and returns
+    their per-sample host tensors."""
+
+    def __init__(self, finish):
+        self._finish, self._value = finish, None
+
+    def result(self) -> dict[str, dict[int, torch.Tensor]]:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value
+
+
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Device tensors -> fp32 CPU copies of the same shapes, through one concatenated copy (one sync)."""
     flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
@@ -336,18 +364,28 @@ class CriticWorker(ShardedWorker):
         return unpack_responses(score_heads(self.runner, hidden).squeeze(-1), packed)
 
     @torch.no_grad()
-    def compute_values(self, exp: Experience, plan: list[list[list[int]]]):
-        out: dict[int, torch.Tensor] = {}
+    def compute_values(self, exp: Experience, plan: list[list[list[int]]]) -> dict[str, dict[int, torch.Tensor]]:
+        return self.launch_values(exp, plan).result()
+
+    @torch.no_grad()
+    def launch_values(self, exp: Experience, plan: list[list[list[int]]]) -> PendingResults:
+        """{"values": {uid: [R_i]}} once result() is called (see PolicyWorker.launch_logprobs)."""
+        outputs = []
         for mini in plan:
             packs, batches = self._packs(exp, mini, self.pad_id)
             results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_values(packs[k], h))
-            if not self.is_owner or results is None:
-                continue
-            for mb, values in zip(mini, to_host(results)):
+            if self.is_owner and results is not None:
+                outputs.extend(zip(mini, results))
+
+        def finish() -> dict[str, dict[int, torch.Tensor]]:
+            out: dict[int, torch.Tensor] = {}
+            for (mb, _), values in zip(outputs, to_host([v for _, v in outputs]) if outputs else []):
                 for j, i in enumerate(mb):
                     s = exp.samples[i]
                     out[s.uid] = values[j, : len(s.response_ids)]
-        return {"values": out}
+            return {"values": out}
+
+        return PendingResults(finish)
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, loss_fn, agg: str = "token-mean") -> dict[str, float]:

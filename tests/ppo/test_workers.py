@@ -108,3 +108,28 @@ def test_to_host_is_one_copy_of_every_shape():
     xs = [torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(4), torch.randn(1, 1, dtype=torch.float64)]
     for x, y in zip(xs, to_host(xs)):
         assert y.dtype == torch.float32 and torch.equal(y, x.float())
+
+
+def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monkeypatch):
+    """Trainer.score launches every forward, scores rule rewards while their kernels run, then waits."""
+    from ppo.workers import PendingResults
+
+    t, exp = trainer
+    roles, calls = t.roles, []
+
+    def recorded(obj, name, label):
+        fn = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, **k: calls.append(label) or fn(*a, **k))
+
+    recorded(roles.actor, "launch_logprobs", "launch actor")
+    recorded(roles.ref, "launch_logprobs", "launch ref")
+    recorded(roles.critic, "launch_values", "launch critic")
+    recorded(roles.reward, "score", "reward")
+    result = PendingResults.result
+    monkeypatch.setattr(PendingResults, "result", lambda self: calls.append("wait") or result(self))
+    got = t.score(exp, StageTimer(t.device), old_logp=True)
+    assert calls == ["launch actor", "launch ref", "launch critic", "reward", "wait", "wait", "wait"]
+    want = roles.ref.compute_logprobs(exp, roles.ref_plan(exp, t.budgets["ref"]))["logp"]
+    assert sorted(got) == sorted(["old_logp", "entropy", "ref_logp", "values", "score", "reward_failed"])
+    for uid, logp in want.items():
+        torch.testing.assert_close(got["ref_logp"][uid], logp)
