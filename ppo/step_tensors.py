@@ -60,8 +60,7 @@ def step_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *,
         metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
     if merged.get("entropy"):
         metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
-    if "ref_logp" in merged:
-        t["ref_logp"] = exp.stack(merged["ref_logp"])
+    t.update(late_tensors(exp, merged))
     if "ref_logp" in t and "old_logp" in t:
         kl = algos.kl_estimate(t["old_logp"], t["ref_logp"], kind=a.kl_penalty)
         metrics["actor/kl"] = float(algos.masked_mean(kl, mask.float()))
@@ -102,9 +101,19 @@ def step_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *,
         truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
         metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
         t["actor_mask"] = overlong_filter_mask(mask, truncated)
+    return t, metrics
+
+
+def late_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The [B, R] tensors that only the losses read (the reference's log-probs), from merged results: the
+    trainer adds them after step_tensors when the advantages did not need them."""
+    return {"ref_logp": exp.stack(merged["ref_logp"])} if "ref_logp" in merged else {}
+
+
+def check_step_tensors(t: dict[str, torch.Tensor], a: AdvantageSettings) -> None:
+    """The step's tensors hold what its losses read."""
     if a.use_kl_loss and "ref_logp" not in t:
         raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
-    return t, metrics
 
 
 def reward_extra_metrics(merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, float]:

@@ -31,7 +31,7 @@ from ppo.samples import SampleLog
 from ppo.settings import PPOSettings
 from ppo.state import TrainState
 from ppo.step_plan import old_logp_source
-from ppo.step_tensors import overlong_penalties, step_tensors
+from ppo.step_tensors import check_step_tensors, late_tensors, overlong_penalties, step_tensors
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
 
@@ -141,10 +141,13 @@ class PPOTrainer:
         pen = self.overlong_penalties(exp)
         return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
-    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True) -> dict:
+    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True,
+              defer: tuple[str, ...] = ()) -> tuple[dict, list]:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
         dynamic sampling scored the samples already. The forwards (old log-probs, reference, values) are
-        enqueued first and waited for last: rule rewards are scored on the host while their kernels run."""
+        enqueued first and waited for last: rule rewards are scored on the host while their kernels run.
+        The forwards of the stages in `defer` are not waited for: they come back for finish_scoring().
+        -> (results, deferred)."""
         roles, results, pending = self.roles, {}, []
         if roles.actor is not None and old_logp:
             with timer("old_log_prob", sync=False):
@@ -162,7 +165,14 @@ class PPOTrainer:
         if roles.reward is not None and reward:
             with timer("reward", sync=False):  # a reward model's forward waits for its own outputs
                 results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
-        for stage, launched, named in pending:
+        results.update(self.finish_scoring([p for p in pending if p[0] not in defer], timer))
+        return results, [p for p in pending if p[0] in defer]
+
+    @staticmethod
+    def finish_scoring(deferred: list, timer: StageTimer) -> dict:
+        """Wait for the forwards score() left running; their results by key."""
+        results = {}
+        for stage, launched, named in deferred:
             with timer(stage):
                 results.update(named(launched.result()))
         return results
@@ -187,8 +197,13 @@ class PPOTrainer:
             exp, gen = self.generate(step, timer)
         self.pending = None
 
-        # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source)
-        results = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None)
+        # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source). The reference's
+        #    log-probs reach only the loss unless they shape the rewards (KL penalty) or a KL metric against
+        #    old log-probs: then the advantages are computed while its forward still runs
+        a = self.loop.advantages
+        defer = ("ref",) if "ref" in self.plan.groups and old_logp == "fused" and not a.use_kl_penalty else ()
+        results, deferred = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
+                                       defer=defer)
         if old_logp == "behaviour" and step + 1 < self.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending, gen = self.generate(step + 1, timer)
@@ -203,6 +218,9 @@ class PPOTrainer:
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv"):
             tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
+        if defer:  # every rank merges (a collective), with or without the deferred role
+            tensors.update(late_tensors(exp, merge_results(self.finish_scoring(deferred, timer))))
+        check_step_tensors(tensors, a)
         adv_metrics.update(sampling_m)
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
 

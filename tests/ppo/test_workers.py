@@ -127,9 +127,46 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     recorded(roles.reward, "score", "reward")
     result = PendingResults.result
     monkeypatch.setattr(PendingResults, "result", lambda self: calls.append("wait") or result(self))
-    got = t.score(exp, StageTimer(t.device), old_logp=True)
+    timer = StageTimer(t.device)
+    got, deferred = t.score(exp, timer, old_logp=True)
     assert calls == ["launch actor", "launch ref", "launch critic", "reward", "wait", "wait", "wait"]
+    assert deferred == []
     want = roles.ref.compute_logprobs(exp, roles.ref_plan(exp, t.budgets["ref"]))["logp"]
     assert sorted(got) == sorted(["old_logp", "entropy", "ref_logp", "values", "score", "reward_failed"])
     for uid, logp in want.items():
         torch.testing.assert_close(got["ref_logp"][uid], logp)
+    # a deferred stage is launched but not waited for: finish_scoring() does that
+    calls.clear()
+    got, deferred = t.score(exp, timer, old_logp=False, defer=("ref",))
+    assert calls == ["launch ref", "launch critic", "reward", "wait"] and "ref_logp" not in got
+    late = t.finish_scoring(deferred, timer)
+    assert calls[-1] == "wait" and sorted(late) == ["ref_logp"]
+    for uid, logp in want.items():
+        torch.testing.assert_close(late["ref_logp"][uid], logp)
+
+
+def test_deferred_reference_wait_trains_identically(tmp_path, monkeypatch):
+    """GRPO with a KL loss and fused old log-probs computes the advantages while the reference forward runs;
+    the step's metrics and the actor's weights equal those of a step that waits for the reference first."""
+    from ppo.trainer import PPOTrainer
+
+    def one_step(name: str):
+        with world_of_one():
+            t = tiny_run(tmp_path / name, config="conf/grpo_tiny.yaml").trainer()
+            assert t.old_logp_source() == "fused"
+            metrics = t.step(0)
+            return metrics, {n: p.detach().clone() for n, p in t.roles.actor.runner.named_parameters()}
+
+    finished = []
+    finish = PPOTrainer.finish_scoring
+    monkeypatch.setattr(PPOTrainer, "finish_scoring", staticmethod(
+        lambda deferred, timer: finished.append([d[0] for d in deferred]) or finish(deferred, timer)))
+    deferred_m, deferred_w = one_step("deferred")
+    assert ["ref"] in finished
+    score = PPOTrainer.score
+    monkeypatch.setattr(PPOTrainer, "score", lambda self, *a, defer=(), **k: score(self, *a, **k))
+    waited_m, waited_w = one_step("waited")
+    for key in ("actor/pg_loss", "actor/kl", "actor/grad_norm", "reward/mean"):
+        assert deferred_m[key] == waited_m[key], key
+    for n, w in waited_w.items():
+        torch.testing.assert_close(deferred_w[n], w, rtol=0, atol=0)
