@@ -216,7 +216,7 @@ class PPOTrainer:
             merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
 
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
-        with timer("adv"):
+        with timer("adv", sync=False):  # host work: the deferred reference forward may still run
             tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
         if defer:  # every rank merges (a collective), with or without the deferred role
             tensors.update(late_tensors(exp, merge_results(self.finish_scoring(deferred, timer))))
