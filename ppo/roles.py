@@ -88,20 +88,16 @@ class RewardModelWorker(ShardedWorker):
     @torch.no_grad()
     def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
         """{"score": {uid: score}} (a model has no failures to count)."""
+        def last_scores(packed, hidden):
+            last = packed.cu_seqlens[1:].long() - 1  # each sequence's last token
+            return score_heads(self.runner, hidden[0, last])[:, 0]
+
+        outputs = self._enqueue_forwards(exp, self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens),
+                                         self.pad_id, last_scores)
         out: dict[int, torch.Tensor] = {}
-        for mini in self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens):
-            packs, batches = self._packs(exp, mini, self.pad_id)
-
-            def last_scores(hidden, k, packs=packs):
-                last = packs[k].cu_seqlens[1:].long() - 1  # each sequence's last token
-                return score_heads(self.runner, hidden[0, last])[:, 0]
-
-            results = self.runner.forward(batches, reduce=last_scores)
-            if not self.is_owner or results is None:
-                continue
-            for mb, scores in zip(mini, to_host(results)):
-                for i, v in zip(mb, scores):
-                    out[exp.samples[i].uid] = v
+        for (mb, _), scores in zip(outputs, to_host([s for _, s in outputs]) if outputs else []):
+            for i, v in zip(mb, scores):
+                out[exp.samples[i].uid] = v
         return {"score": out}
 
 

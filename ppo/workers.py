@@ -148,6 +148,18 @@ class ShardedWorker:
         return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
                                                                  packs[k].layout))
 
+    def _enqueue_forwards(self, exp: Experience, plan: list[list[list[int]]], pad_id: int,
+                          reduce) -> list[tuple[list[int], object]]:
+        """The no-grad forwards of every mini-batch in `plan`, enqueued: (micro-batch sample indices,
+        reduce(packed, hidden) on the device) of each micro-batch, on owner ranks (empty elsewhere)."""
+        outputs = []
+        for mini in plan:
+            packs, batches = self._packs(exp, mini, pad_id)
+            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: reduce(packs[k], h))
+            if self.is_owner and results is not None:
+                outputs.extend(zip(mini, results))
+        return outputs
+
     def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
         """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
         divided by dp because FSDP averages gradients over dp: summed micro-batch losses then equal
@@ -255,23 +267,17 @@ class PolicyWorker(ShardedWorker):
                         with_entropy: bool = False) -> PendingResults:
         """compute_logprobs with the wait left to the caller: the forwards are enqueued, and result() makes
         the one device -> host copy (the host can do other work while the kernels run)."""
-        outputs = []  # (mini-batch, its micro-batches' device results) of the owner ranks
-        for mini in plan:
-            packs, batches = self._packs(exp, mini, self.pad_id)
-            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_logprobs(
-                packs[k], h, with_entropy=with_entropy))
-            if self.is_owner and results is not None:
-                outputs.append((mini, results))
+        outputs = self._enqueue_forwards(exp, plan, self.pad_id, lambda packed, h: self._response_logprobs(
+            packed, h, with_entropy=with_entropy))
 
         def finish() -> dict[str, dict[int, torch.Tensor]]:
             out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
-            pairs = [(mb, logp, ent) for mini, results in outputs for mb, (logp, ent) in zip(mini, results)]
-            if not pairs:
+            if not outputs:
                 return out
             # one device -> host copy for the whole batch (not a sync per micro-batch), then split on the host
-            logps = to_host([logp for _, logp, _ in pairs])
-            ents = to_host([ent for *_, ent in pairs]) if pairs[0][2] is not None else [None] * len(pairs)
-            for (mb, _, _), logp, ent in zip(pairs, logps, ents):
+            logps = to_host([logp for _, (logp, _) in outputs])
+            ents = to_host([ent for _, (_, ent) in outputs]) if outputs[0][1][1] is not None else [None] * len(outputs)
+            for (mb, _), logp, ent in zip(outputs, logps, ents):
                 for j, i in enumerate(mb):
                     s = exp.samples[i]
                     n = len(s.response_ids)
@@ -370,12 +376,7 @@ class CriticWorker(ShardedWorker):
     @torch.no_grad()
     def launch_values(self, exp: Experience, plan: list[list[list[int]]]) -> PendingResults:
         """{"values": {uid: [R_i]}} once result() is called (see PolicyWorker.launch_logprobs)."""
-        outputs = []
-        for mini in plan:
-            packs, batches = self._packs(exp, mini, self.pad_id)
-            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: self._response_values(packs[k], h))
-            if self.is_owner and results is not None:
-                outputs.extend(zip(mini, results))
+        outputs = self._enqueue_forwards(exp, plan, self.pad_id, self._response_values)
 
         def finish() -> dict[str, dict[int, torch.Tensor]]:
             out: dict[int, torch.Tensor] = {}
