@@ -22,9 +22,7 @@ import torch
 
 from bench.common import git_commit
 from bench.generate import random_model
-from models.llama import rotary_cos_sin
 from rollout import NativeEngine, RolloutConfig
-from rollout.kv_cache import DecodeAttention
 from rollout.shared_prefix import shared_prefix_tables
 
 
@@ -47,11 +45,7 @@ class Slice:
             self.prefix = (row_prefix, row_entry, members, group_len, counts)
 
     def forward(self, ids, pos, kv_index, cache, prefix):
-        model = self.runner.model
-        cos, sin = rotary_cos_sin(model.model.inv_freq, pos[:, None], cache.dtype)
-        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode="triton",
-                               rope=(cos[:, 0, 0], sin[:, 0, 0]), prefix=prefix)
-        return self.runner._logits(model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
+        return self.runner.decode_forward(ids, pos, kv_index, cache, prefix=prefix, mode="triton")
 
 
 def capture(slices, fn, *, streams: bool) -> torch.cuda.CUDAGraph:

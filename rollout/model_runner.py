@@ -320,17 +320,22 @@ class EngineModelRunner:
     def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
         Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
-        rope = None
-        if self._kernel == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
-            cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
-            rope = (cos[:, 0, 0], sin[:, 0, 0])
         prefix = None
         if self._kernel == "triton" and self.prefix_members:  # entries fill from 0: at most b // 2 are used
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
             prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries], self.prefix_len[:entries],
                       self.prefix_counts[:entries])
-        attn = DecodeAttention(self.cache.data, positions=pos, kv_index=kv_index, mode=self._kernel, rope=rope,
-                               prefix=prefix)
+        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel)
+
+    def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
+                       prefix: tuple[torch.Tensor, ...] | None, mode: str) -> torch.Tensor:
+        """Logits [B, V] of one token per row of `cache` (the engine's cache, or a view of some of its slots)
+        with decode kernel `mode` and the rows' shared-prompt tables `prefix` (triton only)."""
+        rope = None
+        if mode == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
+            cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
+            rope = (cos[:, 0, 0], sin[:, 0, 0])
+        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
