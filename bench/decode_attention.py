@@ -24,10 +24,19 @@ import torch.nn.functional as F
 
 from bench.generate import HBM_BYTES_PER_S
 
+TILES = [(n, w, s) for n, (w, s) in itertools.product((32, 64, 128), ((2, 1), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2),
+                                                                       (8, 3)))]
 
-def configs() -> list[dict]:
-    return [dict(BLOCK_N=n, num_warps=w, num_stages=s)
-            for n, (w, s) in itertools.product((32, 64, 128), ((2, 1), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)))]
+
+def configs(tiles: list[tuple[int, int, int]] = TILES, maxnreg: tuple[int, ...] = ()) -> list[dict]:
+    """Each tile (BLOCK_N, warps, stages) as a launch config, each also with every register cap in `maxnreg`."""
+    out = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in tiles]
+    return out if not maxnreg else [t | {"maxnreg": r} for t in out for r in maxnreg]
+
+
+def parse_tiles(spec: str) -> list[tuple[int, int, int]]:
+    """"64:4:2,32:4:1" -> [(64, 4, 2), (32, 4, 1)] (BLOCK_N:warps:stages); empty: every tile (TILES)."""
+    return [tuple(int(x) for x in t.split(":")) for t in spec.split(",") if t] or TILES
 
 
 def every_layer(cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -55,11 +64,12 @@ def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, pr
 
 
 def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
-                      sweep: bool) -> dict:
+                      sweep: bool, members: int = 0, tiles: list = TILES, maxnreg: tuple[int, ...] = ()) -> dict:
     """Rows in groups of n sharing positions [0, plen): the kernels read each group's prompt once.
     Bytes = each group's prompt K/V once + every row's own [plen, ctx) + the new K/V, q, output.
 
-    Timed with the default tile (tile_config) and, with `sweep`, with each fixed config."""
+    Timed with the default tile (tile_config) and, with `sweep`, with each of `tiles` (each with every
+    register cap in `maxnreg`). `members`: rows per table entry (0: the engine's, members_per_entry)."""
     from rollout import triton_attention
     from rollout.shared_prefix import members_per_entry, shared_prefix_tables
 
@@ -67,7 +77,8 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     groups = [(plen, list(range(i, min(b, i + n)))) for i in range(0, b, n)]
     for _, members in groups:  # one prefill row's copies are identical
         cache[:, :, members[1:], :, :plen] = cache[:, :, members[:1], :, :plen]
-    tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=members_per_entry(g)))
+    m = members or members_per_entry(g)
+    tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=m))
     counts = torch.zeros(tables[2].shape[0], hkv, dtype=torch.int32, device="cuda")  # the engine's: kept zero
     nbytes = (2 * hkv * d * (len(groups) * plen + b * (ctx - plen)) + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
 
@@ -78,11 +89,11 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     out = triton_attention.attend(cache, 0, pos, q, k, v, ctx + 1, prefix=tables).float()
     kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
     ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
-    row = {"samples_per_prompt": n, "prompt_len": plen, "us": default["us"],
+    row = {"samples_per_prompt": n, "prompt_len": plen, "members_per_entry": tables[2].shape[1], "us": default["us"],
            "speedup_vs_unshared": round(unshared_us / default["us"], 3), "bytes_mb": round(nbytes / 1e6, 2),
            "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
     if sweep:
-        ok = sorted((t for t in map(timed, configs()) if "us" in t), key=lambda t: t["us"])
+        ok = sorted((t for t in map(timed, configs(tiles, maxnreg)) if "us" in t), key=lambda t: t["us"])
         row["best"], row["top5"] = ok[0], ok[:5]
     return row
 
@@ -99,6 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="also time shared-prompt groups of this many rows (rollout.share_prompt_kv)")
     ap.add_argument("--prompt-len", type=int, default=128, help="the groups' shared prompt length")
+    ap.add_argument("--members", default="0", help="comma list of rows per shared-prompt table entry to time "
+                                                   "(0: the engine's rule, shared_prefix.members_per_entry)")
+    ap.add_argument("--shared-tiles", default="",
+                    help="BLOCK_N:warps:stages list of the shared sweep's tiles (default: all)")
+    ap.add_argument("--maxnreg", default="", help="comma list of register caps the shared sweep adds to each tile")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="time tile_config's tile only (not every fixed config)")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
@@ -138,8 +154,12 @@ def main(argv: list[str] | None = None) -> dict:
                      "top5": sorted(ok, key=lambda t: t["us"])[:5]})
         n, plen = args.samples_per_prompt, min(args.prompt_len, ctx)
         if n > 1 and default is not None:
-            rows[-1]["shared_prompt"] = shared_prompt_row(cache, pos, q, k, v, ctx, n=n, plen=plen, item=item,
-                                                          unshared_us=default["us"], sweep=args.sweep_shared)
+            caps = tuple(int(r) for r in args.maxnreg.split(",") if r)
+            shared = [shared_prompt_row(cache, pos, q, k, v, ctx, n=n, plen=plen, item=item, unshared_us=default["us"],
+                                        sweep=args.sweep_shared, members=int(m),
+                                        tiles=parse_tiles(args.shared_tiles), maxnreg=caps)
+                      for m in args.members.split(",")]
+            rows[-1]["shared_prompt"] = shared[0] if len(shared) == 1 else shared
         print(f"B={b:<4} L={ctx:<4} best {best['us']:7.2f} us {best['tb_per_s']:.2f} TB/s "
               f"({best['hbm_fraction'] * 100:.1f}%) {best['config']}; default "
               f"{default and default['us']} us", flush=True)
