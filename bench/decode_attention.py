@@ -75,8 +75,8 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
 
     b, hkv, d, g = q.shape[0], k.shape[1], q.shape[-1], q.shape[1] // k.shape[1]
     groups = [(plen, list(range(i, min(b, i + n)))) for i in range(0, b, n)]
-    for _, members in groups:  # one prefill row's copies are identical
-        cache[:, :, members[1:], :, :plen] = cache[:, :, members[:1], :, :plen]
+    for _, rows in groups:  # one prefill row's copies are identical
+        cache[:, :, rows[1:], :, :plen] = cache[:, :, rows[:1], :, :plen]
     m = members or members_per_entry(g)
     tables = tuple(t.cuda() for t in shared_prefix_tables(groups, rows=b, members_per_entry=m))
     counts = torch.zeros(tables[2].shape[0], hkv, dtype=torch.int32, device="cuda")  # the engine's: kept zero

@@ -4,8 +4,9 @@ KV cache, prefill, graphed decode.
 Decode rows (token, position, RNG key, sampling params, active flag) live on the device, one per KV
 slot; a step reads rows [0, B) and advances them in place, so consecutive steps need no host input and
 the engine can enqueue step k+1 before reading step k's tokens. Each step runs as one CUDA graph per
-(batch bucket, KV-length bucket, filtered-sampling) key, captured lazily into one shared pool (and
-optionally torch.compile'd once, dynamic in B and KV length); results come back in one async D2H copy.
+(batch bucket, KV-length bucket, filtered-sampling, shared-prompt tile width) key, captured lazily into
+one shared pool (and optionally torch.compile'd once, dynamic in B and KV length); results come back in
+one async D2H copy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from rollout.kv_cache import (
 from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
-from rollout.shared_prefix import members_per_entry, shared_prefix_tables, table_entries
+from rollout.shared_prefix import members_for, members_per_entry, shared_prefix_tables, table_entries
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EngineModelRunner:
         self.prefix_members = members_per_entry(cfg.num_attention_heads // cfg.num_key_value_heads) \
             if config.share_prompt_kv else 0
         self._prefix_groups: list | None = None  # what the device tables hold now
+        self._prefix_width = self.prefix_members  # the tables' members in use now (shared_prefix.members_for)
         self._decode, self._prefill = self._decode_fn, self._prefill_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
@@ -302,10 +304,15 @@ class EngineModelRunner:
         enqueued keeps reading the tables it was launched with."""
         if not self.prefix_members or groups == self._prefix_groups:
             return
-        tables = shared_prefix_tables(groups, rows=self.num_slots, members_per_entry=self.prefix_members)
-        for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_table, self.prefix_len), tables, strict=True):
+        width = members_for(groups, cap=self.prefix_members)
+        row_prefix, row_entry, members, group_len = shared_prefix_tables(groups, rows=self.num_slots,
+                                                                         members_per_entry=width)
+        table = torch.full(self.prefix_table.shape, -1, dtype=torch.int32)  # columns past `width` stay -1
+        table[:, :width] = members
+        for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_table, self.prefix_len),
+                            (row_prefix, row_entry, table, group_len), strict=True):
             self._upload(src, into=dst)
-        self._prefix_groups = groups
+        self._prefix_groups, self._prefix_width = groups, width
 
     def _upload(self, host: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
         """A host tensor on the device (a new tensor, or copied into `into`) without a host sync: through
@@ -323,8 +330,8 @@ class EngineModelRunner:
         prefix = None
         if self._kernel == "triton" and self.prefix_members:  # entries fill from 0: at most b // 2 are used
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
-            prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries], self.prefix_len[:entries],
-                      self.prefix_counts[:entries])
+            prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries, :self._prefix_width],
+                      self.prefix_len[:entries], self.prefix_counts[:entries])
         return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel)
 
     def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
@@ -385,15 +392,16 @@ class EngineModelRunner:
     @torch.inference_mode()
     def launch_decode(self, num_rows: int, kv_len: int, filtered: bool) -> DecodeHandle:
         """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result."""
-        key = (num_rows, kv_len, filtered)
+        step = (num_rows, kv_len, filtered)
+        key = (*step, self._prefix_width)  # the decode kernel's shared-prompt tile is part of the graph
         if not self.use_graphs:
-            self._decode_step(*key)
+            self._decode_step(*step)
         elif key in self.graphs:
             self.graphs[key].replay()
         else:
             try:
                 try:
-                    self._capture(key)
+                    self._capture(key, step)
                 except RuntimeError:
                     if self.kernel_for.get(key[:2], "sdpa") == "sdpa":
                         raise
@@ -401,14 +409,14 @@ class EngineModelRunner:
                     log.warning("decode kernel %s did not capture; using sdpa", self.kernel_for[key[:2]])
                     self.kernel_for[key[:2]] = "sdpa"
                     torch.cuda.synchronize(self.device)
-                    self._capture(key)
+                    self._capture(key, step)
             except RuntimeError as e:  # keep generating: eager decode is slower but correct
                 self.graph_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.graph_error)
                 self.use_graphs = False
                 self.graphs.clear()
                 torch.cuda.synchronize(self.device)
-                self._decode_step(*key)
+                self._decode_step(*step)
         buf = self._host_out[self._flip]
         self._flip ^= 1
         buf[: 2 * num_rows].copy_(self.out[: 2 * num_rows], non_blocking=True)  # contiguous: truly async
@@ -425,7 +433,7 @@ class EngineModelRunner:
         b = handle.num_rows
         return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist()
 
-    def _capture(self, key: tuple[int, int, bool]) -> None:
+    def _capture(self, key: tuple, step: tuple[int, int, bool]) -> None:
         """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once.
 
         capture_begin/end directly rather than `torch.cuda.graph`, whose gc.collect + empty_cache per
@@ -434,14 +442,14 @@ class EngineModelRunner:
         stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._decode_step(*key)  # warm-up: compiles / loads every kernel outside the capture
+            self._decode_step(*step)  # warm-up: compiles / loads every kernel outside the capture
             self.meta_i.copy_(saved)
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.graph_pool)
             try:
-                self._decode_step(*key)
+                self._decode_step(*step)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)

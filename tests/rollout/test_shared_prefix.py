@@ -5,7 +5,7 @@ import torch
 
 from rollout.base import SamplingParams
 from rollout.scheduler import Scheduler, Sequence
-from rollout.shared_prefix import members_per_entry, shared_prefix_tables, table_entries
+from rollout.shared_prefix import members_for, members_per_entry, shared_prefix_tables, table_entries
 
 
 def test_tables_list_each_group_once_and_leave_unshared_rows_at_zero():
@@ -38,6 +38,14 @@ def test_members_per_entry_fills_a_tile_and_refuses_too_many_query_heads():
         shared_prefix_tables([(4, [0, 1])], rows=4, members_per_entry=2)
     with pytest.raises(ValueError, match="reach past"):
         shared_prefix_tables([(4, [0, 9])], rows=4, members_per_entry=8)
+
+
+def test_members_for_is_the_smallest_power_of_two_tile_that_holds_the_largest_group():
+    groups = lambda *sizes: [(16, list(range(n))) for n in sizes]  # noqa: E731
+    assert members_for(groups(8, 8, 3), cap=16) == 8  # GRPO's n = 8: 16 query rows at 2 heads, not 32
+    assert members_for(groups(5), cap=16) == 8 and members_for(groups(2, 3), cap=16) == 4  # at least 4
+    assert members_for(groups(9), cap=16) == 16 and members_for(groups(40), cap=16) == 16  # then it splits
+    assert members_for([], cap=16) == 4 and members_for(groups(8), cap=4) == 4
 
 
 def test_scheduler_groups_the_samples_of_one_prefill_row_only():
