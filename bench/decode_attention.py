@@ -9,6 +9,13 @@ and the default (rollout.triton_attention.tile_config) is timed inside a CUDA gr
 read + the new K/V, q and output; `hbm_fraction` is bytes / time over 4.3 TB/s. The best config per
 shape is checked against SDPA. The last stdout line is one JSON object; after each shape a partial one
 ("partial": true) goes to stderr, so a time-out keeps the shapes done.
+
+With --samples-per-prompt N the rows also run in groups of N sharing a prompt (the fused shared-prompt
+launch), for each table width in --members; --sweep-shared times those with each of --shared-tiles, each
+with every register cap in --maxnreg:
+
+    python -m bench.decode_attention --batches 256 --samples-per-prompt 8 --no-sweep --sweep-shared \
+        --members 16,8 --shared-tiles 64:4:2,64:4:1 --maxnreg 80,96
 """
 
 from __future__ import annotations
