@@ -1,14 +1,15 @@
 """Packed (varlen) attention of a PPO update micro-batch: FlashAttention-2 (what torch's varlen_attn runs)
-against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with cumulative lengths), forward
-and backward, with the numerics of each against FA2.
+against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with cumulative lengths) and
+FlexAttention over the packed sequence, forward and backward, with the numerics of each against FA2.
 
     python -m bench.varlen_attention --groups 11 --prompt-len 128 --response-len 256 --samples 8
 
 The layout is trainer.share_prompts' packing of GRPO groups: each prompt a causal segment of its own, each
 of its `samples` responses a continuation segment whose queries see the prompt's keys and their own (keys
 [prompt + response], causal aligned bottom-right). 16 query heads of 128, K/V expanded to them (as the
-model does on torches without enable_gqa), bf16. TFLOP/s counts the causal work only (each query's keys up
-to itself). The last stdout line is one JSON object.
+model does on torches without enable_gqa), bf16; FlexAttention (flex_row) instead reads the prompt's keys in
+place and keeps 8 grouped K/V heads. TFLOP/s counts the causal work only (each query's keys up to itself).
+The last stdout line is one JSON object.
 """
 
 from __future__ import annotations

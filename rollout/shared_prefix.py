@@ -33,10 +33,11 @@ def members_per_entry(group_size: int) -> int:
 
 def members_for(groups: Iterable[tuple[int, Sequence[int]]], *, cap: int) -> int:
     """Rows per table entry for these groups: the smallest power of two (>= MIN_MEMBERS) that holds the
-    largest group, at most `cap` (members_per_entry's). A prompt program's tile then holds no padding rows a
-    smaller power of two would drop: GRPO's 8 samples x 2 query heads fill 16 query rows, not 32. On an H200,
-    256 rows of llama-1b heads in groups of 8 then took 28.7 / 47.3 / 79.6 us per layer against 31.2 / 48.7 /
-    80.8 at contexts 160 / 256 / 384 (bench/results/decode_attention_members_h200.json)."""
+    largest group, at most `cap` (members_per_entry's). A prompt program's tile (members x query heads per
+    KV head rows) is then no taller than the groups need: GRPO's 8 samples x 2 query heads fill 16 query
+    rows, where the cap's 16 members made a 32-row tile half padding. On an H200, 256 rows of llama-1b heads
+    in groups of 8 then took 28.7 / 47.3 / 79.6 us per layer against 31.2 / 48.7 / 80.8 at contexts 160 / 256
+    / 384 (bench/results/decode_attention_members_h200.json)."""
     largest = max((len(slots) for _, slots in groups), default=0)
     return min(cap, max(MIN_MEMBERS, 1 << max(0, largest - 1).bit_length()))
 
