@@ -1,6 +1,7 @@
 """Packed (varlen) attention of a PPO update micro-batch: FlashAttention-2 (what torch's varlen_attn runs)
-against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with cumulative lengths) and
-FlexAttention over the packed sequence, forward and backward, with the numerics of each against FA2.
+against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with cumulative lengths), the
+CUTLASS memory-efficient kernel (varlen, causal from the bottom right) and FlexAttention over the packed
+sequence, forward and backward, with the numerics of each against FA2.
 
     python -m bench.varlen_attention --groups 11 --prompt-len 128 --response-len 256 --samples 8
 
@@ -64,6 +65,21 @@ def cudnn_backward(g, q, k, v, out, saved, cq, ck, mq, mk, scale):
     bias = torch.empty(0, device=q.device)
     return torch.ops.aten._cudnn_attention_backward(g, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, 0.0,
                                                     True, scale=scale)
+
+
+def efficient(q, k, v, cq, ck, mq, mk, scale):
+    """The CUTLASS memory-efficient kernel (SDPA's "efficient" backend), varlen with a batch of one and
+    custom_mask_type 2 (causal from the bottom right)."""
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q[None], k[None], v[None], None, cq, ck, mq, mk, 0.0, 2, True, scale=scale)
+    return out[0], (lse, seed, offset, out)
+
+
+def efficient_backward(g, q, k, v, out, saved, cq, ck, mq, mk, scale):
+    lse, seed, offset, out4 = saved
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        g[None], q[None], k[None], v[None], None, out4, cq, ck, mq, mk, lse, 0.0, seed, offset, 2, False, scale=scale)
+    return dq[0], dk[0], dv[0]
 
 
 def time_backend(fwd, bwd, q, k, v, g, args: tuple, ref_out, ref_grads, flops: float) -> dict:
@@ -157,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
               "heads": h, "head_dim": d, "segments": len(q_lens), "q_tokens": sum(q_lens), "k_tokens": sum(k_lens),
               "layout": vars(args), "causal_fwd_gflop": round(flops / 1e9, 1), "kernels": {}}
     args_ = (cq, ck, mq, mk, scale)
-    for name, fwd, bwd in (("flash", flash, flash_backward), ("cudnn", cudnn, cudnn_backward)):
+    for name, fwd, bwd in (("flash", flash, flash_backward), ("cudnn", cudnn, cudnn_backward),
+                           ("efficient", efficient, efficient_backward)):
         try:
             row = time_backend(fwd, bwd, q, k, v, g, args_, ref_out, ref_grads, flops)
         except Exception as e:  # noqa: BLE001 - a backend that rejects the layout is reported, not fatal
