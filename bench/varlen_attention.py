@@ -1,7 +1,8 @@
 """Packed (varlen) attention of a PPO update micro-batch: FlashAttention-2 (what torch's varlen_attn runs)
 against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with cumulative lengths), the
-CUTLASS memory-efficient kernel (varlen, causal from the bottom right) and FlexAttention over the packed
-sequence, forward and backward, with the numerics of each against FA2.
+CUTLASS memory-efficient kernel (varlen, causal from the bottom right), FlexAttention over the packed
+sequence, and SDPA's fused kernels (cuDNN, FA2, memory-efficient) on the responses as one dense batch
+(dense_rows), forward and backward, with the numerics of each against FA2.
 
     python -m bench.varlen_attention --groups 11 --prompt-len 128 --response-len 256 --samples 8
 
@@ -82,6 +83,12 @@ def efficient_backward(g, q, k, v, out, saved, cq, ck, mq, mk, scale):
     return dq[0], dk[0], dv[0]
 
 
+def rates(fwd_ms: float, bwd_ms: float, flops: float) -> dict:
+    """Median times and the causal work's TFLOP/s (the backward does 2.5x the forward's FLOPs)."""
+    return {"fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4), "fwd_tflops": round(flops / fwd_ms / 1e9, 1),
+            "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1)}
+
+
 def time_backend(fwd, bwd, q, k, v, g, args: tuple, ref_out, ref_grads, flops: float) -> dict:
     """Errors against FA2's output and gradients, and the median forward / backward times."""
     import triton.testing
@@ -94,8 +101,7 @@ def time_backend(fwd, bwd, q, k, v, g, args: tuple, ref_out, ref_grads, flops: f
                                              for a, b in zip(grads, ref_grads))}
     fwd_ms = triton.testing.do_bench(lambda: fwd(q, k, v, *args), rep=200)
     bwd_ms = triton.testing.do_bench(lambda: bwd(g, q, k, v, out, saved, *args), rep=200)
-    return row | {"fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4), "fwd_tflops": round(flops / fwd_ms / 1e9, 1),
-                  "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1)}
+    return row | rates(fwd_ms, bwd_ms, flops)
 
 
 def flex_row(q_lens: list[int], samples: int, q, k_heads: int, g, flops: float, scale: float) -> dict:
@@ -143,9 +149,73 @@ def flex_row(q_lens: list[int], samples: int, q, k_heads: int, g, flops: float, 
     fwd_ms = triton.testing.do_bench(fwd, rep=200)
     gp = g.transpose(0, 1)[None].contiguous()
     bwd_ms = triton.testing.do_bench(lambda: out.backward(gp, retain_graph=True), rep=200, grad_to_none=[qp, *kv])
-    return {"max_abs_err_out_vs_flash": err, "fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4),
-            "fwd_tflops": round(flops / fwd_ms / 1e9, 1), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
-            "block_mask_ms": round(mask_ms, 3), "kv_heads": k_heads}
+    return {"max_abs_err_out_vs_flash": err, **rates(fwd_ms, bwd_ms, flops), "block_mask_ms": round(mask_ms, 3),
+            "kv_heads": k_heads}
+
+
+def dense_rows(q, k, v, g, q_lens: list[int], k_lens: list[int], samples: int, ref_out, flops: float,
+               scale: float) -> dict:
+    """The responses as one dense batch for SDPA's fused kernels: each row's queries are [its prompt's; its
+    own] and its keys the segment's [prompt; own], square and causal, so the first response of each group
+    also yields its prompt's outputs (the other copies' prompt rows get no gradient). Needs equal response
+    lengths. Rows: cuDNN and dense FA2 at 16 K/V heads, cuDNN with 8 grouped heads (enable_gqa), and cuDNN
+    with only the response queries (its causal alignment shows in the error against FA2's bottom-right)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cq, ck = cumulative(q_lens).tolist(), cumulative(k_lens).tolist()
+    qs, ks, vs, gs, refs = [], [], [], [], []
+    for i in range(len(q_lens)):
+        if i % (samples + 1) == 0:
+            p, first = i, True
+            continue
+        qs.append(torch.cat([q[cq[p]:cq[p + 1]], q[cq[i]:cq[i + 1]]]))
+        ks.append(k[ck[i]:ck[i + 1]])
+        vs.append(v[ck[i]:ck[i + 1]])
+        gp = g[cq[p]:cq[p + 1]] if first else torch.zeros_like(g[cq[p]:cq[p + 1]])
+        gs.append(torch.cat([gp, g[cq[i]:cq[i + 1]]]))
+        refs.append(ref_out[cq[i]:cq[i + 1]])
+        first = False
+    prompt = q_lens[0]
+    qd, kd, vd, gd = (torch.stack(x).transpose(1, 2) for x in (qs, ks, vs, gs))  # [B, H, S, D], BSHD strides
+    ref = torch.stack(refs).transpose(1, 2)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    cases = {"cudnn_dense": ("cudnn", False, False), "flash_dense": ("flash", False, False),
+             "efficient_dense": ("efficient", False, False), "cudnn_dense_gqa": ("cudnn", True, False),
+             "cudnn_dense_responses_only": ("cudnn", False, True)}
+    rows = {}
+    for name, (backend, gqa, responses_only) in cases.items():
+        try:
+            qx = (qd[:, :, prompt:] if responses_only else qd).detach().clone().requires_grad_()
+            kx, vx = ((x[:, ::2] if gqa else x).detach().clone().requires_grad_() for x in (kd, vd))
+            gx = gd[:, :, prompt:] if responses_only else gd
+
+            def fwd(qx=qx, kx=kx, vx=vx, backend=backend, gqa=gqa):
+                with sdpa_kernel([backends[backend]]):
+                    return torch.nn.functional.scaled_dot_product_attention(qx, kx, vx, is_causal=True, scale=scale,
+                                                                            enable_gqa=gqa)
+
+            out = fwd()
+            got = out if responses_only else out[:, :, prompt:]
+            row = {}
+            if not gqa:
+                row["max_abs_err_response_out_vs_flash"] = (got.float() - ref.float()).abs().max().item()
+            else:  # against the same kernel on explicitly expanded heads
+                with sdpa_kernel([backends[backend]]):
+                    exp = torch.nn.functional.scaled_dot_product_attention(
+                        qx, kx.repeat_interleave(2, 1), vx.repeat_interleave(2, 1), is_causal=True, scale=scale)
+                row["max_abs_err_vs_expanded"] = (out.float() - exp.float()).abs().max().item()
+            with torch.no_grad():
+                fwd_ms = triton.testing.do_bench(fwd, rep=200)
+            bwd_ms = triton.testing.do_bench(lambda out=out, gx=gx: out.backward(gx, retain_graph=True), rep=200,
+                                             grad_to_none=[qx, kx, vx])
+            row |= rates(fwd_ms, bwd_ms, flops) | {"shape_q": list(qx.shape), "shape_k": list(kx.shape)}
+        except Exception as e:  # noqa: BLE001 - a backend that rejects the layout is reported, not fatal
+            row = {"error": f"{type(e).__name__}: {e}"[:400]}
+        rows[name] = row
+        print(name, row, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"error": f"{type(e).__name__}: {e}"[:400]}
         result["kernels"]["flex"] = row
         print("flex", row, flush=True)
+        result["kernels"] |= dense_rows(q, k, v, g, q_lens, k_lens, args.samples, ref_out, flops, scale)
     print(json.dumps(result))
     return result
 
