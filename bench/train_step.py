@@ -79,14 +79,14 @@ class RunSpec:
     compile: bool = False
     ac: str = "none"  # none | full | selective
     master: str = "bf16"  # bf16 | fp32
-    attn: str = "auto"  # ppo only, DocumentAttention backend: auto (varlen on cuda) | varlen | mask
+    attn: str = "auto"  # ppo only, DocumentAttention backend: auto | varlen | dense | mask
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         """'ppo:compile:selective:fp32:varlen' (mode:eager|compile:ac:master:attn; trailing fields optional)."""
         parts = text.strip().split(":")
         allowed = (("lm", "ppo"), ("eager", "compile"), ("none", "full", "selective"), ("bf16", "fp32"),
-                   ("auto", "varlen", "mask"))
+                   ("auto", "varlen", "dense", "mask"))
         if len(parts) > len(allowed) or any(v not in ok for v, ok in zip(parts, allowed)):
             raise SystemExit(f"bad sweep entry {text!r}; expected " + ":".join("|".join(a) for a in allowed))
         spec = cls(mode=parts[0])

@@ -17,6 +17,14 @@ has exactly one "own" copy among the keys (own_index), and only the shared promp
 backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200; the same sum as
 torch ops under Inductor 28 ms (docs/speed_round2_profile.md); on CUDA it is now one Triton kernel
 (models/triton_gather.py).
+
+The dense view (`dense_*`): every segment as one row of a [rows, S] batch holding its keys (a
+continuation's: its root's first s tokens, then its own), padded at the end to the longest. With the
+queries gathered the same way, causal attention aligned top-left over each row is exact for the own
+tokens: a row's prompt copies and its padding are computed and dropped (`dense_own` is each token's
+own position), and a valid query never reaches the padding behind it. `dense_waste` is the rows'
+causal work over the segments' own (>= 1); DocumentAttention takes this view for cuDNN's fused kernel
+when the waste is small. `gather_dense(x, layout)` is gather_keys over the dense positions.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ def host_layout(pos: np.ndarray) -> dict:
     """pos [B, T] int -> {"cu": int32 [S+1], "max_len": int, "continues": bool, and when it continues
     "key_index": int64 [K], "cu_k": int32 [S+1], "max_k": int, "own_index": int64 [B*T] (where among the
     keys each token's own copy sits), "prefix_rows": int64 [U] (the tokens that continuations also see)
-    and "prefix_copies": int64 [U, C] (those extra copies' key positions, -1 padded)}."""
+    and "prefix_copies": int64 [U, C] (those extra copies' key positions, -1 padded); always the dense
+    view's "dense_*" (_dense_layout)}."""
     b, t = pos.shape
     starts = np.ones((b, t), dtype=bool)
     starts[:, 1:] = pos[:, 1:] <= pos[:, :-1]  # every row also starts a segment
@@ -46,7 +55,7 @@ def host_layout(pos: np.ndarray) -> dict:
     lens = np.diff(cu).astype(np.int64)
     out = {"cu": cu, "max_len": int(lens.max()), "continues": bool(cont.any())}
     if not out["continues"]:
-        return out
+        return out | _dense_layout(lens, np.zeros_like(lens), np.arange(b * t, dtype=np.int64), None)
     s0 = pos.reshape(-1)[first]
     root = np.where(s0 == 0, first, -1)
     last_root = np.maximum.accumulate(root)  # the latest root segment at or before each segment...
@@ -58,10 +67,32 @@ def host_layout(pos: np.ndarray) -> dict:
     key_lens = pre + lens
     cu_k = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(key_lens, out=cu_k[1:])
-    rows, copies = _prefix_copies(_ranges(last_root[sees], pre[sees]), _ranges(cu_k[:-1][sees], pre[sees]))
-    return out | {"key_index": _ranges(run_starts, run_lens), "cu_k": cu_k, "max_k": int(key_lens.max()),
+    prompt_tokens = _ranges(last_root[sees], pre[sees])
+    rows, copies = _prefix_copies(prompt_tokens, _ranges(cu_k[:-1][sees], pre[sees]))
+    key_index = _ranges(run_starts, run_lens)
+    return out | {"key_index": key_index, "cu_k": cu_k, "max_k": int(key_lens.max()),
                   "own_index": _ranges(cu_k[:-1].astype(np.int64) + pre, lens), "prefix_rows": rows,
-                  "prefix_copies": copies}
+                  "prefix_copies": copies} | _dense_layout(lens, pre, key_index, (sees, prompt_tokens))
+
+
+def _dense_layout(lens: np.ndarray, pre: np.ndarray, key_index: np.ndarray, prompts) -> dict:
+    """The dense view of segments with `lens` own tokens after `pre` prompt keys, whose keys key_index
+    lists segment after segment; prompts = (which segments see a prompt, those prompt tokens) or None.
+    -> {"dense_waste", "dense_index" [rows, S] (the token at each position; 0 in the padding),
+    "dense_own" [B*T], "dense_prefix_rows" [U], "dense_prefix_copies" [U, C]}."""
+    n, key_lens = len(lens), pre + lens
+    width = int(key_lens.max())
+    row_start = np.arange(n, dtype=np.int64) * width
+    index = np.zeros((n, width), dtype=np.int64)
+    index.reshape(-1)[_ranges(row_start, key_lens)] = key_index
+    if prompts is None:
+        rows, copies = _prefix_copies(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    else:
+        sees, prompt_tokens = prompts
+        rows, copies = _prefix_copies(prompt_tokens, _ranges(row_start[sees], pre[sees]))
+    useful = float((lens * pre + lens * (lens + 1) // 2).sum())
+    return {"dense_waste": n * width * (width + 1) / 2 / useful, "dense_index": index,
+            "dense_own": _ranges(row_start + pre, lens), "dense_prefix_rows": rows, "dense_prefix_copies": copies}
 
 
 def _prefix_copies(src: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -131,7 +162,17 @@ def gather_keys(x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
     return _GatherKeys.apply(x, layout.key_index, layout.own_index, layout.prefix_rows, layout.prefix_copies)
 
 
-DEVICE_ARRAYS = ("cu", "key_index", "cu_k", "own_index", "prefix_rows", "prefix_copies")  # host_layout's arrays
+def gather_dense(x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    """x [B*T, ...] -> the dense view [rows, S, ...] (x[dense_index]); the backward sums each token's
+    copies like gather_keys' (padding positions are no token's copy and get no gradient)."""
+    index = layout.dense_index
+    out = _GatherKeys.apply(x, index.view(-1), layout.dense_own, layout.dense_prefix_rows,
+                            layout.dense_prefix_copies)
+    return out.view(*index.shape, *x.shape[1:])
+
+
+DENSE_ARRAYS = ("dense_index", "dense_own", "dense_prefix_rows", "dense_prefix_copies")
+DEVICE_ARRAYS = ("cu", "key_index", "cu_k", "own_index", "prefix_rows", "prefix_copies", *DENSE_ARRAYS)
 
 
 @dataclass(slots=True)
@@ -147,6 +188,11 @@ class DocumentLayout:
     own_index: torch.Tensor | None = None  # int64 [B*T]
     prefix_rows: torch.Tensor | None = None  # int64 [U]
     prefix_copies: torch.Tensor | None = None  # int64 [U, C]
+    dense_waste: float = float("inf")  # the dense view (module docstring): its causal work over the own
+    dense_index: torch.Tensor | None = None  # int64 [rows, S]
+    dense_own: torch.Tensor | None = None  # int64 [B*T]
+    dense_prefix_rows: torch.Tensor | None = None  # int64 [U']
+    dense_prefix_copies: torch.Tensor | None = None  # int64 [U', C']
 
     @classmethod
     def from_arrays(cls, arrays: dict, device) -> DocumentLayout:
@@ -156,7 +202,8 @@ class DocumentLayout:
 
         return cls(dev(arrays["cu"]), arrays["max_len"], arrays["continues"], dev(arrays.get("key_index")),
                    dev(arrays.get("cu_k")), arrays.get("max_k", 0),
-                   *(dev(arrays.get(k)) for k in ("own_index", "prefix_rows", "prefix_copies")))
+                   *(dev(arrays.get(k)) for k in ("own_index", "prefix_rows", "prefix_copies")),
+                   arrays["dense_waste"], *(dev(arrays[k]) for k in DENSE_ARRAYS))
 
     @classmethod
     def from_positions(cls, position_ids: torch.Tensor) -> DocumentLayout:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.document_layout import DocumentLayout, gather_keys
+from models.document_layout import DocumentLayout, gather_dense, gather_keys
 
 
 class AttentionBackend(Protocol):
@@ -56,33 +56,43 @@ class DocumentAttention:
     document of its row: it also sees that root's first s tokens (positions 0..s-1). That is how a
     prompt is packed once with its n responses (ppo/batching.pack(share_prompts=True)): prompt +
     response 1 form the root, responses 2..n follow with positions from len(prompt) on.
-    Two exact implementations:
+    Three exact implementations:
     - "mask": SDPA with a [B, 1, T, T] boolean mask (CPU, fp32, and any fallback);
     - "varlen": flash attention over cumulative document lengths (torch.nn.attention.varlen),
-      O(T) memory and no wasted cross-document FLOPs; CUDA with bf16/fp16 only.
-    backend="auto" takes varlen when the tensors allow it and a one-time probe on this GPU agrees
-    with the mask path, else the mask.
+      O(T) memory and no wasted cross-document FLOPs; CUDA with bf16/fp16 only;
+    - "dense": every segment as one row of a padded batch (the layout's dense view: a continuation's
+      row holds its prompt's keys, then its own), causal attention per row by cuDNN's fused kernel on
+      CUDA (SDPA elsewhere). It computes the padding and a continuation's prompt queries and drops
+      them (layout.dense_waste), and on an H200 still ran GRPO's packed groups about twice as fast
+      forward as FA2's varlen kernel, whose programs see only a few key blocks each
+      (bench/results/varlen_attention_h200.json).
+    backend="auto" takes dense when its waste is at most DENSE_MAX_WASTE, else varlen, each when the
+    tensors allow it and a one-time probe on this GPU agrees with the mask path; else the mask.
     """
 
     def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto", layout: DocumentLayout | None = None):
-        if backend not in ("auto", "mask", "varlen"):
-            raise ValueError(f"DocumentAttention backend {backend!r}: use auto, mask or varlen")
+        if backend not in ("auto", "mask", "varlen", "dense"):
+            raise ValueError(f"DocumentAttention backend {backend!r}: use auto, mask, varlen or dense")
         if backend == "varlen" and not position_ids.is_cuda:
             raise ValueError("DocumentAttention backend 'varlen' needs CUDA tensors; use 'auto' or 'mask' on CPU")
         self.position_ids = position_ids
         self.backend = backend
         self._mask: torch.Tensor | None = None
-        self.layout: DocumentLayout | None = None  # the varlen path's segments and keys
-        # everything data-dependent (host work, the GPU probe) happens here, eagerly, so layers compiled
-        # with torch.compile see only tensor work in __call__. `layout` (the packer computes it on the
-        # host: models/document_layout.py) saves the one device->host copy of the positions.
-        if position_ids.is_cuda and backend != "mask":
+        self.layout: DocumentLayout | None = None  # the varlen and dense paths' segments and keys
+        # everything data-dependent (host work, the GPU probes, the dense view's cost) happens here,
+        # eagerly, so layers compiled with torch.compile see only tensor work in __call__. `layout` (the
+        # packer computes it on the host: models/document_layout.py) saves the one device->host copy.
+        self.dense_fits = False  # auto: the dense view wastes little enough for cuDNN to win
+        if backend == "dense" or (position_ids.is_cuda and backend != "mask"):
             self.layout = layout or DocumentLayout.from_positions(position_ids)
+            self.dense_fits = self.layout.dense_waste <= DENSE_MAX_WASTE
             if backend == "auto":
-                for dtype in (torch.bfloat16, torch.float16):
+                for dtype in _HALF:
                     _varlen_ok(position_ids.device, dtype)
                     if self.continues:
                         _varlen_ok(position_ids.device, dtype, prefix=True)
+                    if self.dense_fits:
+                        _dense_ok(position_ids.device, dtype)
         else:
             self._mask = self._document_mask(position_ids)
 
@@ -116,6 +126,9 @@ class DocumentAttention:
         return (mask | sees_root)[:, None]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == "dense" or (self.backend == "auto" and self.dense_fits and q.dtype in _HALF
+                                       and q.shape[-1] <= 128 and _dense_ok(q.device, q.dtype)):
+            return self._dense_attention(q, k, v)
         use_varlen = self.layout is not None and (
             self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype)
                                          and (not self.continues or _varlen_ok(q.device, q.dtype, prefix=True)))
@@ -147,7 +160,30 @@ class DocumentAttention:
             out = varlen_attn(q, k, v, cu, lay.cu_seqlens_k, max_len, lay.max_k, **kwargs)
         return out.view(b, t, hq, d).transpose(1, 2)
 
+    def _dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, hq, t, d = q.shape
+        lay = self.layout
+        q, k, v = (gather_dense(x.transpose(1, 2).reshape(b * t, x.shape[1], d), lay) for x in (q, k, v))
+        if k.shape[2] != hq:  # expanded after the gather (half the bytes gathered); cuDNN's GQA backward is slower
+            k, v = (x.repeat_interleave(hq // x.shape[2], dim=2) for x in (k, v))
+        out = causal_rows(*(x.transpose(1, 2) for x in (q, k, v)))  # [rows, H, S, D] over [rows, S, H, D]
+        out = out.transpose(1, 2).reshape(-1, hq, d).index_select(0, lay.dense_own)
+        return out.view(b, t, hq, d).transpose(1, 2)
 
+
+def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention aligned top-left over [N, H, S, D] rows of equal heads: cuDNN's fused kernel on
+    CUDA (differentiable; the log-sum-exp kept only when a backward may follow), SDPA elsewhere."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, grad, 0.0, True, False)[0]
+
+
+# The dense view's largest waste that auto accepts: cuDNN ran (a)'s packed groups (waste 1.11) 2.0x as
+# fast as FA2 forward and 1.14x backward on an H200 (bench.varlen_attention); beyond ~1.3 the update's
+# backward, where the two are closest, would lose what the forward wins.
+DENSE_MAX_WASTE = 1.25
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -185,7 +221,25 @@ def _varlen_ok(device: torch.device, dtype: torch.dtype, *, prefix: bool = False
     return _VARLEN_OK[key]
 
 
+_DENSE_OK: dict[tuple[int, torch.dtype], bool] = {}
+
+
+def _dense_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """cuDNN's fused attention runs the dense view on this GPU, forward and backward, and matches the
+    mask path (probed once per device and dtype)."""
+    key = (device.index or 0, dtype)
+    if key not in _DENSE_OK:
+        _DENSE_OK[key] = _probe(device, dtype, backend="dense", prefix=True)
+    return _DENSE_OK[key]
+
+
 def _probe_varlen(device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
+    return _probe(device, dtype, backend="varlen", prefix=prefix)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, *, backend: str, prefix: bool) -> bool:
+    """`backend` runs on this GPU and agrees with the mask path: outputs, and for dense (whose backward
+    is a separate cuDNN kernel) the q/k/v gradients too."""
     import logging
 
     try:
@@ -193,18 +247,24 @@ def _probe_varlen(device: torch.device, dtype: torch.dtype, *, prefix: bool = Fa
         pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]], device=device)
         if prefix:  # a root of 8 tokens, then two continuations of its first 3 (a prompt shared 3 ways)
             pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 3, 4, 5, 6, 7]], device=device)
-        q, k, v = (torch.randn(1, h, 16, 64, device=device, dtype=dtype, generator=gen) for h in (4, 2, 2))
-        with torch.no_grad():
-            fast = DocumentAttention(pos, backend="varlen")(0, q, k, v)
-            ref = DocumentAttention(pos, backend="mask")(0, q, k, v)
-        err = (fast.float() - ref.float()).abs().max().item()
-        if err > 2e-2:
-            raise RuntimeError(f"varlen differs from the masked SDPA by {err:.3g}")
+        grads = backend == "dense"
+        qkv = [torch.randn(1, h, 16, 64, device=device, dtype=dtype, generator=gen).requires_grad_(grads)
+               for h in (4, 2, 2)]
+        with torch.set_grad_enabled(grads):
+            fast = DocumentAttention(pos, backend=backend)(0, *qkv)
+            ref = DocumentAttention(pos, backend="mask")(0, *qkv)
+            pairs = [(fast, ref)]
+            if grads:
+                g = torch.randn(fast.shape, device=device, dtype=dtype, generator=gen)
+                pairs += zip(torch.autograd.grad(fast, qkv, g), torch.autograd.grad(ref, qkv, g))
+        err = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        if err > 2e-2 * (4 if grads else 1):
+            raise RuntimeError(f"{backend} differs from the masked SDPA by {err:.3g}")
         return True
-    except Exception as e:  # capability probe: a missing kernel means the mask path, not a crash
+    except Exception as e:  # capability probe: a missing kernel means another path, not a crash
         what = "rows with shared prompts" if prefix else "packed rows"
-        logging.getLogger(__name__).warning("varlen attention unavailable on %s (%s); %s use SDPA with a "
-                                            "[B, 1, T, T] mask", device, e, what)
+        logging.getLogger(__name__).warning("%s attention unavailable on %s (%s); %s take the next path",
+                                            backend, device, e, what)
         return False
 
 

@@ -52,18 +52,22 @@ def test_varlen_backend_needs_cuda():
 
 
 def _assert_varlen_matches_mask(model, ids, pos):
-    """Outputs and gradients of the varlen backend match the masked-SDPA backend (half precision)."""
+    _assert_backend_matches_mask(model, ids, pos, "varlen")
+
+
+def _assert_backend_matches_mask(model, ids, pos, backend):
+    """Outputs and gradients of a fused backend match the masked-SDPA backend (half precision)."""
     outs, grads = {}, {}
     # a unit-scale upstream gradient: mean(out^2) gave ~1e-6 gradients, fp16 subnormals, where a
     # relative comparison measures rounding of denormals rather than the attention kernel
     g = torch.randn(ids.shape[0], ids.shape[1], model.config.vocab_size, device="cuda",
                     generator=torch.Generator(device="cuda").manual_seed(0))
-    for backend in ("varlen", "mask"):
-        out = model(ids, pos, attn=DocumentAttention(pos, backend=backend))
-        grads[backend] = torch.autograd.grad((out.float() * g).sum(), list(model.parameters()))
-        outs[backend] = out.float()
-    assert (outs["varlen"] - outs["mask"]).abs().max() <= 0.05
-    for a, b in zip(grads["varlen"], grads["mask"]):
+    for name in (backend, "mask"):
+        out = model(ids, pos, attn=DocumentAttention(pos, backend=name))
+        grads[name] = torch.autograd.grad((out.float() * g).sum(), list(model.parameters()))
+        outs[name] = out.float()
+    assert (outs[backend] - outs["mask"]).abs().max() <= 0.05
+    for a, b in zip(grads[backend], grads["mask"]):
         assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
 
 
@@ -301,3 +305,83 @@ def test_varlen_shared_prompt_layout_with_reference_kernel(monkeypatch, api):
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _well_formed_prefix_rows(gen, b, t):
+    """[b, t] rows of roots (from 0) and continuations of the row's last root (from s <= its length)."""
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r in range(b):
+        at, root_len = 0, 0
+        while at < t:
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            s0 = 0
+            if root_len and torch.rand(1, generator=gen) < 0.6:
+                s0 = int(torch.randint(1, root_len + 1, (1,), generator=gen))
+            pos[r, at:at + n] = torch.arange(s0, s0 + n)[: t - at]
+            root_len = min(n, t - at) if s0 == 0 else root_len
+            at += n
+    return pos
+
+
+def test_dense_view_equals_mask_with_grads_on_random_rows():
+    """The dense view (each segment a padded row of its keys, causal top-left, own positions picked):
+    outputs and q/k/v gradients equal the mask path's on random rows of roots and continuations."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(30):
+        pos = _well_formed_prefix_rows(gen, int(torch.randint(1, 4, (1,), generator=gen)),
+                                       int(torch.randint(2, 30, (1,), generator=gen)))
+        qkv = [torch.randn(pos.shape[0], h, pos.shape[1], 8, generator=gen, dtype=torch.float64,
+                           requires_grad=True) for h in (4, 2, 2)]
+        dense = DocumentAttention(pos, backend="dense")
+        out, ref = dense(0, *qkv), DocumentAttention(pos, backend="mask")(0, *qkv)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_dense_view_of_shared_prompts_and_its_waste():
+    """A prompt of 4 with responses of 3, 2, 3 (the first in the root): rows [prompt + own keys], the
+    own positions, the prompt's extra copies, and the waste = padded causal pairs / the own pairs."""
+    _, _, pos = _shared_prompt_rows(prompt_len=4, response_lens=(3, 2, 3))
+    lay = DocumentLayout.from_positions(pos)
+    assert lay.dense_index.tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 7, 8, 0], [0, 1, 2, 3, 9, 10, 11]]
+    assert lay.dense_own.tolist() == [0, 1, 2, 3, 4, 5, 6, 11, 12, 18, 19, 20]
+    assert lay.dense_prefix_rows.tolist() == [0, 1, 2, 3]
+    assert lay.dense_prefix_copies.tolist() == [[7, 14], [8, 15], [9, 16], [10, 17]]
+    own_pairs = 7 * 8 / 2 + (2 * 4 + 3) + (3 * 4 + 6)  # the root causal; each continuation: prompt + causal
+    assert lay.dense_waste == pytest.approx(3 * 7 * 8 / 2 / own_pairs)
+    plain = DocumentLayout.from_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]]))  # no continuations
+    assert plain.dense_index.tolist() == [[0, 1, 2, 0], [3, 4, 5, 6], [7, 0, 0, 0]]
+    assert plain.dense_own.tolist() == [0, 1, 2, 4, 5, 6, 7, 8] and plain.dense_prefix_rows.numel() == 0
+
+
+def test_dense_attention_traces_under_compile():
+    """The dense path under torch.compile (aot_eager: forward and backward graphs), as the training
+    layers run it, equals eager."""
+    _, _, pos = _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7))
+    attn = DocumentAttention(pos, backend="dense")
+    gen = torch.Generator().manual_seed(2)
+    qkv = [torch.randn(1, h, pos.shape[1], 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+    out = torch.compile(lambda *x: attn(0, *x), backend="aot_eager", dynamic=True)(*qkv)
+    ref = attn(0, *qkv)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(out.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_equals_mask_on_gpu_and_auto_takes_it(dtype):
+    """cuDNN's fused kernel over the dense view of shared prompts equals the mask path (model outputs
+    and gradients); a GRPO-like layout (equal responses) has little waste, so auto takes it."""
+    model = build_model("tiny", dtype=dtype, device="cuda", seed=4)
+    _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
+    _assert_backend_matches_mask(model, ids, pos, "dense")
+    _, _, even = _shared_prompt_rows(prompt_len=32, response_lens=(64,) * 8, device="cuda")
+    auto = DocumentAttention(even)
+    assert auto.layout.dense_waste < 1.25 and auto.dense_fits
+    from models.llama import _dense_ok
+
+    assert _dense_ok(even.device, dtype)
