@@ -63,11 +63,14 @@ class DocumentAttention:
     - "dense": every segment as one row of a padded batch (the layout's dense view: a continuation's
       row holds its prompt's keys, then its own), causal attention per row by cuDNN's fused kernel on
       CUDA (SDPA elsewhere). It computes the padding and a continuation's prompt queries and drops
-      them (layout.dense_waste), and on an H200 still ran GRPO's packed groups about twice as fast
-      forward as FA2's varlen kernel, whose programs see only a few key blocks each
+      them (layout.dense_waste), and on an H200 still ran GRPO's packed groups twice as fast forward
+      as FA2's varlen kernel, whose programs see only a few key blocks each
       (bench/results/varlen_attention_h200.json).
-    backend="auto" takes dense when its waste is at most DENSE_MAX_WASTE, else varlen, each when the
-    tensors allow it and a one-time probe on this GPU agrees with the mask path; else the mask.
+    backend="auto" takes dense for forward-only passes (no grad: the reference's and other scoring
+    forwards) when its waste is at most DENSE_MAX_WASTE, else varlen, each when the tensors allow it
+    and a one-time probe on this GPU agrees with the mask path; else the mask. Training passes keep
+    varlen: there cuDNN's backward is within 15% of FA2's, and the dense view's extra gathers and
+    scatters made GRPO's update slower (bench/results/grpo_a_round10_h200.json).
     """
 
     def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto", layout: DocumentLayout | None = None):
@@ -126,8 +129,8 @@ class DocumentAttention:
         return (mask | sees_root)[:, None]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.backend == "dense" or (self.backend == "auto" and self.dense_fits and q.dtype in _HALF
-                                       and q.shape[-1] <= 128 and _dense_ok(q.device, q.dtype)):
+        if self.backend == "dense" or (self.backend == "auto" and self.dense_fits and not torch.is_grad_enabled()
+                                       and q.dtype in _HALF and q.shape[-1] <= 128 and _dense_ok(q.device, q.dtype)):
             return self._dense_attention(q, k, v)
         use_varlen = self.layout is not None and (
             self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype)
@@ -180,10 +183,10 @@ def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, grad, 0.0, True, False)[0]
 
 
-# The dense view's largest waste that auto accepts: cuDNN ran (a)'s packed groups (waste 1.11) 2.0x as
-# fast as FA2 forward and 1.14x backward on an H200 (bench.varlen_attention); beyond ~1.3 the update's
-# backward, where the two are closest, would lose what the forward wins.
-DENSE_MAX_WASTE = 1.25
+# The dense view's largest waste that auto accepts in a forward-only pass: cuDNN ran (a)'s packed
+# groups (waste 1.11) forward in 0.170 ms against FA2's 0.341 (bench.varlen_attention on an H200), so
+# it stays ahead up to a waste of ~2; the bound leaves room for the gathers around it.
+DENSE_MAX_WASTE = 1.5
 _HALF = (torch.bfloat16, torch.float16)
 
 

@@ -375,7 +375,8 @@ def test_dense_attention_traces_under_compile():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dense_equals_mask_on_gpu_and_auto_takes_it(dtype):
     """cuDNN's fused kernel over the dense view of shared prompts equals the mask path (model outputs
-    and gradients); a GRPO-like layout (equal responses) has little waste, so auto takes it."""
+    and gradients); a GRPO-like layout (equal responses) has little waste, so auto takes it for
+    forward-only passes."""
     model = build_model("tiny", dtype=dtype, device="cuda", seed=4)
     _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
     _assert_backend_matches_mask(model, ids, pos, "dense")
@@ -385,3 +386,10 @@ def test_dense_equals_mask_on_gpu_and_auto_takes_it(dtype):
     from models.llama import _dense_ok
 
     assert _dense_ok(even.device, dtype)
+    calls = []
+    auto._dense_attention = lambda *x: calls.append(1) or DocumentAttention._dense_attention(auto, *x)
+    q, k, v = (torch.randn(1, h, even.shape[1], 64, device="cuda", dtype=dtype) for h in (4, 2, 2))
+    auto(0, q, k, v)
+    with torch.no_grad():
+        auto(0, q, k, v)
+    assert calls == [1]  # the no-grad call only
