@@ -3,7 +3,7 @@
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
 #   parts: env tests megatron attn adamw train gen reshard grpo grpo_long ppo placement
 # Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
-#      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile,
+#      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
 #      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), T_<PART> (time limits, s; T_PLACEMENT is per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
@@ -67,4 +67,9 @@ for p in "${parts[@]}"; do
   esac
 done
 tag=$(IFS=_; echo "${parts[*]}")${GRPO_TAG:-}  # one archive per call: several calls may share $OUT
+if [ -n "${PROFILE:-}" ]; then  # the step summaries, at the top of $OUT: deeper files do not come back
+  for f in "$OUT"/runs/*/profile/step*_rank*.json; do
+    [ -e "$f" ] && cp "$f" "$OUT/profile_${tag}_$(basename "$(dirname "$(dirname "$f")")")_$(basename "$f")"
+  done
+fi
 tar -czf "$OUT/logs_$tag.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
