@@ -65,7 +65,7 @@ class DocumentAttention:
       CUDA (SDPA elsewhere). It computes the padding and a continuation's prompt queries and drops
       them (layout.dense_waste), and on an H200 still ran GRPO's packed groups twice as fast forward
       as FA2's varlen kernel, whose programs see only a few key blocks each
-      (bench/results/varlen_attention_h200.json).
+      (bench/results/varlen_attention_dense_h200.json).
     backend="auto" takes dense for forward-only passes (no grad: the reference's and other scoring
     forwards) when its waste is at most DENSE_MAX_WASTE, else varlen, each when the tensors allow it
     and a one-time probe on this GPU agrees with the mask path; else the mask. Training passes keep
