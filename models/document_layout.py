@@ -55,7 +55,8 @@ def host_layout(pos: np.ndarray) -> dict:
     lens = np.diff(cu).astype(np.int64)
     out = {"cu": cu, "max_len": int(lens.max()), "continues": bool(cont.any())}
     if not out["continues"]:
-        return out | _dense_layout(lens, np.zeros_like(lens), np.arange(b * t, dtype=np.int64), None)
+        every = np.arange(b * t, dtype=np.int64)
+        return out | _dense_layout(lens, np.zeros_like(lens), every, every, *_prefix_copies(every[:0], every[:0]))
     s0 = pos.reshape(-1)[first]
     root = np.where(s0 == 0, first, -1)
     last_root = np.maximum.accumulate(root)  # the latest root segment at or before each segment...
@@ -67,32 +68,30 @@ def host_layout(pos: np.ndarray) -> dict:
     key_lens = pre + lens
     cu_k = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(key_lens, out=cu_k[1:])
-    prompt_tokens = _ranges(last_root[sees], pre[sees])
-    rows, copies = _prefix_copies(prompt_tokens, _ranges(cu_k[:-1][sees], pre[sees]))
-    key_index = _ranges(run_starts, run_lens)
-    return out | {"key_index": key_index, "cu_k": cu_k, "max_k": int(key_lens.max()),
-                  "own_index": _ranges(cu_k[:-1].astype(np.int64) + pre, lens), "prefix_rows": rows,
-                  "prefix_copies": copies} | _dense_layout(lens, pre, key_index, (sees, prompt_tokens))
+    rows, copies = _prefix_copies(_ranges(last_root[sees], pre[sees]), _ranges(cu_k[:-1][sees], pre[sees]))
+    key_index, own_index = _ranges(run_starts, run_lens), _ranges(cu_k[:-1].astype(np.int64) + pre, lens)
+    return out | {"key_index": key_index, "cu_k": cu_k, "max_k": int(key_lens.max()), "own_index": own_index,
+                  "prefix_rows": rows, "prefix_copies": copies} | _dense_layout(lens, pre, key_index, own_index,
+                                                                               rows, copies)
 
 
-def _dense_layout(lens: np.ndarray, pre: np.ndarray, key_index: np.ndarray, prompts) -> dict:
-    """The dense view of segments with `lens` own tokens after `pre` prompt keys, whose keys key_index
-    lists segment after segment; prompts = (which segments see a prompt, those prompt tokens) or None.
+def _dense_layout(lens: np.ndarray, pre: np.ndarray, key_index: np.ndarray, own_index: np.ndarray,
+                  prefix_rows: np.ndarray, prefix_copies: np.ndarray) -> dict:
+    """The dense view of segments with `lens` own tokens after `pre` prompt keys, from their keys'
+    layout (key_index segment after segment, each token's own key position, the prompt tokens' extra
+    copies): key position p of segment i moves to row i, column p - its segment's first key.
     -> {"dense_waste", "dense_index" [rows, S] (the token at each position; 0 in the padding),
     "dense_own" [B*T], "dense_prefix_rows" [U], "dense_prefix_copies" [U, C]}."""
     n, key_lens = len(lens), pre + lens
     width = int(key_lens.max())
-    row_start = np.arange(n, dtype=np.int64) * width
+    shift = np.repeat(np.arange(n, dtype=np.int64) * width - (np.cumsum(key_lens) - key_lens), key_lens)
     index = np.zeros((n, width), dtype=np.int64)
-    index.reshape(-1)[_ranges(row_start, key_lens)] = key_index
-    if prompts is None:
-        rows, copies = _prefix_copies(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    else:
-        sees, prompt_tokens = prompts
-        rows, copies = _prefix_copies(prompt_tokens, _ranges(row_start[sees], pre[sees]))
+    index.reshape(-1)[np.arange(len(key_index)) + shift] = key_index
     useful = float((lens * pre + lens * (lens + 1) // 2).sum())
+    copies = np.where(prefix_copies >= 0, prefix_copies + shift[np.maximum(prefix_copies, 0)], -1)
     return {"dense_waste": n * width * (width + 1) / 2 / useful, "dense_index": index,
-            "dense_own": _ranges(row_start + pre, lens), "dense_prefix_rows": rows, "dense_prefix_copies": copies}
+            "dense_own": own_index + shift[own_index], "dense_prefix_rows": prefix_rows,
+            "dense_prefix_copies": copies}
 
 
 def _prefix_copies(src: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
