@@ -91,11 +91,11 @@ class DocumentAttention:
             self.dense_fits = self.layout.dense_waste <= DENSE_MAX_WASTE
             if backend == "auto":
                 for dtype in _HALF:
-                    _varlen_ok(position_ids.device, dtype)
+                    _fused_ok("varlen", position_ids.device, dtype)
                     if self.continues:
-                        _varlen_ok(position_ids.device, dtype, prefix=True)
+                        _fused_ok("varlen", position_ids.device, dtype, prefix=True)
                     if self.dense_fits:
-                        _dense_ok(position_ids.device, dtype)
+                        _fused_ok("dense", position_ids.device, dtype, prefix=True)
         else:
             self._mask = self._document_mask(position_ids)
 
@@ -130,11 +130,13 @@ class DocumentAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.backend == "dense" or (self.backend == "auto" and self.dense_fits and not torch.is_grad_enabled()
-                                       and q.dtype in _HALF and q.shape[-1] <= 128 and _dense_ok(q.device, q.dtype)):
+                                       and q.dtype in _HALF and q.shape[-1] <= 128
+                                       and _fused_ok("dense", q.device, q.dtype, prefix=True)):
             return self._dense_attention(q, k, v)
         use_varlen = self.layout is not None and (
-            self.backend == "varlen" or (q.dtype in _HALF and q.shape[-1] <= 256 and _varlen_ok(q.device, q.dtype)
-                                         and (not self.continues or _varlen_ok(q.device, q.dtype, prefix=True)))
+            self.backend == "varlen"
+            or (q.dtype in _HALF and q.shape[-1] <= 256 and _fused_ok("varlen", q.device, q.dtype)
+                and (not self.continues or _fused_ok("varlen", q.device, q.dtype, prefix=True)))
         )
         if use_varlen:
             return self._varlen_attention(q, k, v)
@@ -212,32 +214,17 @@ def _segment_start_values(position_ids: torch.Tensor, doc: torch.Tensor) -> torc
     return position_ids.gather(1, first_idx)
 
 
-_VARLEN_OK: dict[tuple[int, torch.dtype, bool], bool] = {}
+_FUSED_OK: dict[tuple[str, int, torch.dtype, bool], bool] = {}
 
 
-def _varlen_ok(device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
-    """varlen flash attention exists on this GPU and matches the mask path (probed once per device/dtype);
-    prefix=True also checks continuation segments (fewer queries than keys: bottom-right causal)."""
-    key = (device.index or 0, dtype, prefix)
-    if key not in _VARLEN_OK:
-        _VARLEN_OK[key] = _probe_varlen(device, dtype, prefix=prefix)
-    return _VARLEN_OK[key]
-
-
-_DENSE_OK: dict[tuple[int, torch.dtype], bool] = {}
-
-
-def _dense_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """cuDNN's fused attention runs the dense view on this GPU, forward and backward, and matches the
-    mask path (probed once per device and dtype)."""
-    key = (device.index or 0, dtype)
-    if key not in _DENSE_OK:
-        _DENSE_OK[key] = _probe(device, dtype, backend="dense", prefix=True)
-    return _DENSE_OK[key]
-
-
-def _probe_varlen(device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
-    return _probe(device, dtype, backend="varlen", prefix=prefix)
+def _fused_ok(backend: str, device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
+    """`backend` ("varlen" flash attention, or cuDNN over the "dense" view) runs on this GPU and matches
+    the mask path (_probe, once per device and dtype); prefix=True also checks continuation segments
+    (for varlen: fewer queries than keys, bottom-right causal)."""
+    key = (backend, device.index or 0, dtype, prefix)
+    if key not in _FUSED_OK:
+        _FUSED_OK[key] = _probe(device, dtype, backend=backend, prefix=prefix)
+    return _FUSED_OK[key]
 
 
 def _probe(device: torch.device, dtype: torch.dtype, *, backend: str, prefix: bool) -> bool:

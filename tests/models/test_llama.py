@@ -383,9 +383,9 @@ def test_dense_equals_mask_on_gpu_and_auto_takes_it(dtype):
     _, _, even = _shared_prompt_rows(prompt_len=32, response_lens=(64,) * 8, device="cuda")
     auto = DocumentAttention(even)
     assert auto.layout.dense_waste < 1.25 and auto.dense_fits
-    from models.llama import _dense_ok
+    from models.llama import _fused_ok
 
-    assert _dense_ok(even.device, dtype)
+    assert _fused_ok("dense", even.device, dtype, prefix=True)
     calls = []
     auto._dense_attention = lambda *x: calls.append(1) or DocumentAttention._dense_attention(auto, *x)
     q, k, v = (torch.randn(1, h, even.shape[1], 64, device="cuda", dtype=dtype) for h in (4, 2, 2))
