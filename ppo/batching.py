@@ -65,6 +65,8 @@ def karmarkar_karp(lengths: Sequence[int], k: int, *, equal_size: bool = False) 
     _check_k(n, k, equal_size)
     if n == 0:
         return [[] for _ in range(k)]
+    if k == 1:  # one part holds everything (the merges below would take ~1 ms to find that out)
+        return [list(range(n))]
     lens = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.arange(n), lens))  # ascending (length, index)
     heap: list[tuple[int, int, np.ndarray, np.ndarray]] = []
@@ -233,7 +235,10 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, rank: int, max_tokens
                                  "pipeline micro-batches; raise the mini-batch size")
             parts = karmarkar_karp([lengths[i] for i in mine], fixed_count)
         else:
-            count = max(len(micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens)) for m in minis)
-            parts = micro_batches_by_tokens([lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
+            natural = [micro_batches_by_tokens([lengths[i] for i in m], max_tokens=max_tokens) for m in minis]
+            count = max(map(len, natural))
+            # this rank's own partition already has the common count (always at dp = 1): it is the plan
+            parts = natural[rank] if len(natural[rank]) == count else micro_batches_by_tokens(
+                [lengths[i] for i in mine], max_tokens=max_tokens, min_count=count)
         out.append([[mine[j] for j in p] for p in parts])
     return out

@@ -42,6 +42,16 @@ class Experience:
     samples: list[Sample]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     scores: torch.Tensor | None = None  # [B] outcome reward per sample
+    # what the workers derive from the token ids alone (micro-batch plans, packed micro-batches), by the
+    # arguments that determine it: the reference's forward and the update plan and pack each once. Never
+    # weights or results, so nothing here goes stale within the step (the batch dies with it)
+    derived: dict = field(default_factory=dict)
+
+    def derive(self, key: tuple, make):
+        """make() once per key for this batch."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     @property
     def max_response_len(self) -> int:

@@ -15,6 +15,7 @@ class StageTimer:
         """annotate: mark each stage as a profiler range "stage:<name>" (ppo.profiling attributes kernels by it)."""
         self.device, self.monitor, self.on_stage, self.annotate = device, monitor, on_stage, annotate
         self.times: dict[str, float] = {}
+        self.starts: dict[str, float] = {}  # perf_counter() at each stage's first start
 
     @contextmanager
     def __call__(self, name: str, *, sync: bool = True):
@@ -25,6 +26,7 @@ class StageTimer:
         if self.on_stage is not None:  # the watchdog's heartbeat names the stage a stalled rank was in
             self.on_stage(name)
         t0 = time.perf_counter()
+        self.starts.setdefault(name, t0)
         rf = torch.profiler.record_function(f"stage:{name}") if self.annotate else nullcontext()
         try:
             with rf:  # the synchronise inside the range: the stage's last kernels start within it
@@ -42,6 +44,30 @@ class StageTimer:
         """Report `seconds` of stage `name` as stage `part` instead (e.g. the reshard inside gen)."""
         self.times[name] = self.times.get(name, 0.0) - seconds
         self.times[part] = self.times.get(part, 0.0) + seconds
+
+
+class DeviceSpan:
+    """The device time of the work enqueued inside `with span:` (CUDA events; 0 elsewhere, where work runs as
+    it is enqueued). seconds() waits for that work."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+
+    def __enter__(self) -> DeviceSpan:
+        if self._events is not None:
+            self._events[0].record()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._events is not None:
+            self._events[1].record()
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return 0.0
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
 def host_memory_gb() -> dict[str, float]:

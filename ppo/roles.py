@@ -92,8 +92,8 @@ class RewardModelWorker(ShardedWorker):
             last = packed.cu_seqlens[1:].long() - 1  # each sequence's last token
             return score_heads(self.runner, hidden[0, last])[:, 0]
 
-        outputs = self._enqueue_forwards(exp, self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens),
-                                         self.pad_id, last_scores)
+        outputs = self.reported(self._enqueue_forwards(
+            exp, self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens), self.pad_id, last_scores))
         out: dict[int, torch.Tensor] = {}
         for (mb, _), scores in zip(outputs, to_host([s for _, s in outputs]) if outputs else []):
             for i, v in zip(mb, scores):
@@ -133,8 +133,11 @@ class Roles:
         return RolloutConfig().max_num_batched_tokens
 
     def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
-                     fused_old_logp: bool) -> dict[str, float]:
-        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided)."""
+                     fused_old_logp: bool, device_rows: dict | None = None) -> dict[str, float]:
+        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided).
+        device_rows: tensors the update reads from the device instead ({"ref_logp": DeviceRows}: the
+        reference's log-probs, computed on these ranks and never sent through the host)."""
+        device_rows = device_rows or {}
         settings = self.settings.policy_loss
         keys = (["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"])
                 + (["ref_logp"] if settings.needs_ref else [])
@@ -147,13 +150,14 @@ class Roles:
                                              rollout_logp=t.get("rollout_logp"), denom=denom,
                                              sync_metrics=False)  # the update converts them after its loop
 
-        mine = {k: tensors[k] for k in keys}
+        mine = {k: tensors[k] for k in keys if k not in device_rows}
         if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
             mine["mask"] = tensors["actor_mask"]
         # fused: no scoring forward measured the entropy, so the update reports it
         return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine,
                                  epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
-                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg)
+                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg,
+                                 device_rows={k: v for k, v in device_rows.items() if k in keys})
 
     def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
         v = self.settings.value_loss

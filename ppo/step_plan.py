@@ -21,3 +21,12 @@ def old_logp_source(*, async_rollout: bool, ppo_epochs: int, mini_batch_size: in
     if ppo_epochs == 1 and (mini_batch_size == 0 or mini_batch_size >= samples) and not kl_penalty_with_ref:
         return "fused"
     return "recompute"
+
+
+def ref_beside_actor(plan) -> bool:
+    """The reference is placed exactly like the actor (the same ranks, the same TP x PP x DP): each rank then
+    computes the reference's log-probs of the very samples its actor shard trains on, and the update can read
+    them on the device (a function of the plan, so every rank decides alike)."""
+    a, r = plan.groups.get("actor"), plan.groups.get("ref")
+    return (a is not None and r is not None and list(a.ranks) == list(r.ranks)
+            and (a.tp, a.pp, a.dp) == (r.tp, r.pp, r.dp))

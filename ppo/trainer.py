@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -23,14 +24,14 @@ import torch.distributed as dist
 
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
-from ppo.measure import StageTimer, host_memory_gb
+from ppo.measure import DeviceSpan, StageTimer, host_memory_gb
 from ppo.placement import Placement
 from ppo.profiling import StepProfiler
 from ppo.roles import build_roles
 from ppo.samples import SampleLog
 from ppo.settings import PPOSettings
 from ppo.state import TrainState
-from ppo.step_plan import old_logp_source
+from ppo.step_plan import old_logp_source, ref_beside_actor
 from ppo.step_tensors import check_step_tensors, late_tensors, overlong_penalties, step_tensors
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
@@ -69,6 +70,12 @@ class PPOTrainer:
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
+        self.ref_beside_actor = ref_beside_actor(self.plan)
+        if self.ref_beside_actor and self.roles.actor is not None:
+            a, r = self.roles.actor, self.roles.ref
+            if (a.pp_idx, a.dp_idx, a.tp_idx) != (r.pp_idx, r.dp_idx, r.tp_idx):
+                raise RuntimeError(f"rank {self.rank}: the actor's mesh coordinates {(a.pp_idx, a.dp_idx, a.tp_idx)} "
+                                   f"differ from the reference's {(r.pp_idx, r.dp_idx, r.tp_idx)} on the same ranks")
         self.base_budgets = dict(loop.micro_batch_tokens)  # role -> configured micro-batch token budget
         self.budgets = dict(self.base_budgets)
         self.controller = self.controller_base = None
@@ -142,12 +149,12 @@ class PPOTrainer:
         return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
     def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True,
-              defer: tuple[str, ...] = ()) -> tuple[dict, list]:
+              defer: tuple[str, ...] = (), ref_span: DeviceSpan | None = None) -> tuple[dict, list]:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
         dynamic sampling scored the samples already. The forwards (old log-probs, reference, values) are
         enqueued first and waited for last: rule rewards are scored on the host while their kernels run.
         The forwards of the stages in `defer` are not waited for: they come back for finish_scoring().
-        -> (results, deferred)."""
+        ref_span: marks the device time of the reference's forward. -> (results, deferred)."""
         roles, results, pending = self.roles, {}, []
         if roles.actor is not None and old_logp:
             with timer("old_log_prob", sync=False):
@@ -155,7 +162,7 @@ class PPOTrainer:
                     exp, roles.actor_plan(exp, b), with_entropy=True), "actor"),
                     lambda r: {"old_logp": r["logp"], "entropy": r["entropy"]}))
         if roles.ref is not None:
-            with timer("ref", sync=False):
+            with timer("ref", sync=False), ref_span or nullcontext():
                 pending.append(("ref", self.budgeted("ref", lambda b: roles.ref.launch_logprobs(
                     exp, roles.ref_plan(exp, b)), "ref"), lambda r: {"ref_logp": r["logp"]}))
         if roles.critic is not None:
@@ -200,10 +207,14 @@ class PPOTrainer:
         # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source). The reference's
         #    log-probs reach only the loss unless they shape the rewards (KL penalty) or a KL metric against
         #    old log-probs: then the advantages are computed while its forward still runs
+        #    Placed on the actor's ranks alike, the reference's log-probs even stay on the device: the update reads
+        #    them there (DeviceRows) and is enqueued right behind the reference's forward, with no wait between
         a = self.loop.advantages
         defer = ("ref",) if "ref" in self.plan.groups and old_logp == "fused" and not a.use_kl_penalty else ()
+        on_device = bool(defer) and self.ref_beside_actor  # the same on every rank (a function of the plan)
+        ref_span = DeviceSpan(self.device)
         results, deferred = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
-                                       defer=defer)
+                                       defer=defer, ref_span=ref_span)
         if old_logp == "behaviour" and step + 1 < self.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending, gen = self.generate(step + 1, timer)
@@ -218,9 +229,14 @@ class PPOTrainer:
         # 3. advantages: a pure function of the merged batch, computed identically on every rank
         with timer("adv", sync=False):  # host work: the deferred reference forward may still run
             tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
-        if defer:  # every rank merges (a collective), with or without the deferred role
+        device_rows = {}
+        ref_pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
+        if on_device:
+            if ref_pending is not None:  # (None where the reference was waited for after all)
+                device_rows["ref_logp"] = ref_pending.logp_rows
+        elif defer:  # every rank merges (a collective), with or without the deferred role
             tensors.update(late_tensors(exp, merge_results(self.finish_scoring(deferred, timer))))
-        check_step_tensors(tensors, a)
+        check_step_tensors({**tensors, **device_rows}, a)
         adv_metrics.update(sampling_m)
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
 
@@ -229,8 +245,11 @@ class PPOTrainer:
         if roles.actor is not None:
             with timer("update_actor"):
                 actor_m = self.budgeted("update_actor", lambda b: roles.update_actor(
-                    exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused"),
+                    exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused", device_rows=device_rows),
                     "actor", retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
+            if device_rows:  # the reference's kernels that ran on into the update's window count as the reference's
+                overlap = timer.starts["ref"] + ref_span.seconds() - timer.starts["update_actor"]
+                timer.carve("update_actor", "ref", min(max(0.0, overlap), timer.times["update_actor"]))
         if roles.critic is not None:
             with timer("update_critic"):
                 critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),

@@ -26,7 +26,7 @@ from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batching import plan_micro_batches
-from ppo.experience import Experience, Sample
+from ppo.experience import Experience
 from ppo.packing import copy_to_device, gather_response_logprobs, pack_prompt_responses, unpack_responses
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,6 +124,10 @@ class ShardedWorker:
         (`runner.microbatches`, a pipeline's). The same plan serves the old-log-prob recompute and
         the update (ratio == 1 on-policy).
         """
+        key = ("plan", self.share_prompts, self.dp, self.dp_idx, mini_batch_size, max_tokens, self.runner.microbatches)
+        return exp.derive(key, lambda: self._plan(exp, mini_batch_size=mini_batch_size, max_tokens=max_tokens))
+
+    def _plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
         # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
         # tokens it packs to (prompt once + every response)
         units, lengths = exp.prompt_units() if self.share_prompts else ([], [])
@@ -136,29 +140,41 @@ class ShardedWorker:
         # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
         return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
 
-    def _pack(self, samples: list[Sample], pad_id: int):
-        return pack_prompt_responses([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id=pad_id,
-                                     device=self.device, share_prompts=self.share_prompts)
+    def _pack(self, exp: Experience, mb: list[int], pad_id: int):
+        """One micro-batch packed, once per step for every pass that plans it alike (the reference's
+        forward and the update, when their token budgets match)."""
+        def make():
+            samples = [exp.samples[i] for i in mb]
+            return pack_prompt_responses([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                         pad_id=pad_id, device=self.device, share_prompts=self.share_prompts)
+
+        return exp.derive(("pack", tuple(mb), pad_id, self.share_prompts, str(self.device)), make)
 
     def _packs(self, exp: Experience, mbs: list[list[int]], pad_id: int):
         """Packed micro-batches of one mini-batch and their runner inputs, both packed on first access:
         a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
         needs every shape up front, like the pipeline schedule, simply packs them all first)."""
-        packs = LazyList(len(mbs), lambda k: self._pack([exp.samples[i] for i in mbs[k]], pad_id))
+        packs = LazyList(len(mbs), lambda k: self._pack(exp, mbs[k], pad_id))
         return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
                                                                  packs[k].layout))
 
     def _enqueue_forwards(self, exp: Experience, plan: list[list[list[int]]], pad_id: int,
                           reduce) -> list[tuple[list[int], object]]:
         """The no-grad forwards of every mini-batch in `plan`, enqueued: (micro-batch sample indices,
-        reduce(packed, hidden) on the device) of each micro-batch, on owner ranks (empty elsewhere)."""
+        reduce(packed, hidden) on the device) of each micro-batch, on the ranks of the last pipeline stage
+        (every TP rank; empty elsewhere). Only owners report them (`reported`)."""
         outputs = []
         for mini in plan:
             packs, batches = self._packs(exp, mini, pad_id)
             results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: reduce(packs[k], h))
-            if self.is_owner and results is not None:
+            if results is not None:
                 outputs.extend(zip(mini, results))
         return outputs
+
+    def reported(self, outputs: list) -> list:
+        """What this rank reports of a pass's outputs: all of them on the DP shard's owner, none elsewhere
+        (so that each sample's result is merged exactly once)."""
+        return outputs if self.is_owner else []
 
     def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
         """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
@@ -174,7 +190,8 @@ class ShardedWorker:
         return max(n / self.dp, 1.0)
 
     def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean") -> dict[str, float]:
+               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean",
+               device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
         """Epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
 
         mb_loss(packed, hidden [1, T, H], mb_tensors {name: [B_k, R] on the device}, denom) ->
@@ -188,7 +205,9 @@ class ShardedWorker:
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
                 # every micro-batch's [B_k, R] tensors queued for the device now, one pinned copy each (no sync)
-                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device) for mb in mbs]
+                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device)
+                        | {k: rows.take(mb) for k, rows in (device_rows or {}).items() if rows is not None}
+                        for mb in mbs]
                 denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
 
@@ -267,8 +286,9 @@ class PolicyWorker(ShardedWorker):
                         with_entropy: bool = False) -> PendingResults:
         """compute_logprobs with the wait left to the caller: the forwards are enqueued, and result() makes
         the one device -> host copy (the host can do other work while the kernels run)."""
-        outputs = self._enqueue_forwards(exp, plan, self.pad_id, lambda packed, h: self._response_logprobs(
+        computed = self._enqueue_forwards(exp, plan, self.pad_id, lambda packed, h: self._response_logprobs(
             packed, h, with_entropy=with_entropy))
+        outputs = self.reported(computed)
 
         def finish() -> dict[str, dict[int, torch.Tensor]]:
             out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
@@ -286,15 +306,17 @@ class PolicyWorker(ShardedWorker):
                         out["entropy"][s.uid] = ent[j, :n]
             return out
 
-        return PendingResults(finish)
+        rows = DeviceRows(exp, [(mb, logp) for mb, (logp, _) in computed]) if computed else None
+        return PendingResults(finish, logp_rows=rows)
 
     def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
                epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
-               agg: str = "token-mean") -> dict[str, float]:
+               agg: str = "token-mean", device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
         tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
+        KL loss); device_rows: more of them still on the device (DeviceRows, e.g. the reference's log-probs
+        computed on these ranks). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
         with_entropy else None; denom is the global count `agg` normalises by. Returns the metrics
         averaged over micro-batches (keys ending in _max / _min: their max / min), grad_norm and lr
         (meaningful on owner ranks)."""
@@ -302,7 +324,8 @@ class PolicyWorker(ShardedWorker):
             logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
             return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
 
-        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg,
+                          device_rows=device_rows)
         if step_scheduler:
             self.scheduler.step()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -326,15 +349,40 @@ class LazyList(Sequence):
 
 class PendingResults:
     """A scoring pass whose forwards are enqueued on the device: result() waits for them (once) and returns
-    their per-sample host tensors."""
+    their per-sample host tensors. logp_rows: a policy's log-probs as they are on the device, on the ranks
+    that computed them (DeviceRows), for an update on the same ranks to read without the wait."""
 
-    def __init__(self, finish):
+    def __init__(self, finish, *, logp_rows: DeviceRows | None = None):
         self._finish, self._value = finish, None
+        self.logp_rows = logp_rows
 
     def result(self) -> dict[str, dict[int, torch.Tensor]]:
         if self._finish is not None:
             self._value, self._finish = self._finish(), None
         return self._value
+
+
+class DeviceRows:
+    """Per-sample response rows of a scoring pass, left on the device: its micro-batches' [B_k, R_k] outputs
+    (0 past each response's end). take(mb) -> [len(mb), R] for any micro-batch of those samples, R its longest
+    response: the pass's own tensor when the micro-batch is one of its (an update planned like the pass),
+    else the rows gathered and padded (another token budget, e.g. after an OOM halving)."""
+
+    def __init__(self, exp: Experience, outputs: list[tuple[list[int], torch.Tensor]]):
+        self._lengths = {i: len(exp.samples[i].response_ids) for mb, _ in outputs for i in mb}
+        self._by_mb = {tuple(mb): t for mb, t in outputs}
+        self._where = {i: (t, j) for mb, t in outputs for j, i in enumerate(mb)}
+
+    def take(self, mb: list[int]) -> torch.Tensor:
+        missing = [i for i in mb if i not in self._where]
+        if missing:
+            raise RuntimeError(f"samples {missing[:5]} were scored on other ranks: their rows are not on this device")
+        width = max(1, max(self._lengths[i] for i in mb))
+        own = self._by_mb.get(tuple(mb))
+        if own is not None and own.shape[1] == width:
+            return own.float()
+        return torch.stack([F.pad(t[j, :width].float(), (0, max(0, width - t.shape[1])))
+                            for t, j in (self._where[i] for i in mb)])
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -376,7 +424,7 @@ class CriticWorker(ShardedWorker):
     @torch.no_grad()
     def launch_values(self, exp: Experience, plan: list[list[list[int]]]) -> PendingResults:
         """{"values": {uid: [R_i]}} once result() is called (see PolicyWorker.launch_logprobs)."""
-        outputs = self._enqueue_forwards(exp, plan, self.pad_id, self._response_values)
+        outputs = self.reported(self._enqueue_forwards(exp, plan, self.pad_id, self._response_values))
 
         def finish() -> dict[str, dict[int, torch.Tensor]]:
             out: dict[int, torch.Tensor] = {}

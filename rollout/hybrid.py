@@ -117,9 +117,12 @@ class HybridEngine:
     def _record(self, step: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            alloc = torch.cuda.memory_allocated(self.device)
-            rec = MemoryRecord(step, alloc, torch.cuda.memory_reserved(self.device),
-                               torch.cuda.max_memory_allocated(self.device), time.perf_counter() - self._t0)
+            # one read of the allocator's statistics (memory_allocated, memory_reserved and max_memory_allocated
+            # each flatten all of them: ~0.8 ms a record on the H200 machine, nine records a generate, GPU idle)
+            stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+            alloc, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+            rec = MemoryRecord(step, alloc["current"], reserved["current"], alloc["peak"],
+                               time.perf_counter() - self._t0)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             live = self._cpu_live_bytes()

@@ -144,3 +144,34 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     for uid, logp in want.items():
         torch.testing.assert_close(late["ref_logp"][uid], logp)
 
+
+
+def test_device_rows_equal_the_host_rows_for_any_partition(trainer):
+    """DeviceRows.take: the reference pass's own tensor for one of its micro-batches, and for a micro-batch of
+    another plan (another token budget) the same rows gathered, each equal to the host path's exp.stack rows."""
+    t, exp = trainer
+    actor = t.roles.actor
+    pending = actor.launch_logprobs(exp, t.roles.actor_plan(exp, max_tokens=24))
+    rows = pending.logp_rows
+    host = exp.stack(pending.result()["logp"])
+    own = t.roles.actor_plan(exp, max_tokens=24)[0][0]
+    assert rows.take(own) is not None and rows._by_mb[tuple(own)].data_ptr() == rows.take(own).data_ptr()
+    for mb in [m for mini in t.roles.actor_plan(exp, max_tokens=40) for m in mini] + [[len(exp.samples) - 1, 0]]:
+        got = rows.take(mb)
+        width = max(len(exp.samples[i].response_ids) for i in mb)
+        assert got.shape == (len(mb), width)
+        torch.testing.assert_close(got, host[mb, :width], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="other ranks"):
+        type(rows)(exp, [(own, rows.take(own))]).take([i for i in range(len(exp.samples)) if i not in own][:1])
+
+
+def test_plans_and_packs_are_derived_once_per_batch(trainer):
+    """The reference's forward and the update with the same token budget share one plan and its packed
+    micro-batches (Experience.derive), and another budget plans anew."""
+    t, exp = trainer
+    fresh = type(exp)(exp.samples)
+    a = t.roles.ref_plan(fresh, 24)
+    assert t.roles.actor_plan(fresh, 24) is a and t.roles.actor_plan(fresh, 40) is not a
+    packs, _ = t.roles.actor._packs(fresh, a[0], t.roles.actor.pad_id)
+    ref_packs, _ = t.roles.ref._packs(fresh, a[0], t.roles.ref.pad_id)
+    assert all(packs[k] is ref_packs[k] for k in range(len(a[0])))
