@@ -62,7 +62,6 @@ class Watchdog:
         self.watched = [(rank + i) % world_size for i in range(1, min(world_size, WATCH_PEERS + 1))]
         self._seen: dict[int, tuple[object, float]] = {}  # rank -> (last counter, when it changed here)
         self._done = threading.Event()
-        self._staged = threading.Event()  # set_stage asks the thread for a beat
         self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -74,37 +73,26 @@ class Watchdog:
         return self
 
     def set_stage(self, stage: str, step: int | None = None) -> None:
-        """The thread writes the new stage at once (a rank that stalls right after entering a stage is
-        reported in that stage), off the main thread: the write and rename cost ~0.6 ms, which at a
-        stage boundary the GPU would wait for."""
+        """Written at once (a few small writes per step), so a rank that stalls right after
+        entering a stage is reported in that stage."""
         self.stage = stage
         if step is not None:
             self.step = step
         if self._thread is not None and not self._done.is_set():
-            self._staged.set()
+            self._beat("running")
 
     def stop(self, *, clean: bool = True) -> None:
         """clean=False (this rank failed): peers report it at once instead of after the timeout."""
         self._done.set()
-        self._staged.set()  # wakes the thread
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._beat("exited" if clean else "failed")
 
     # ------------------------------------------------------------------ thread
     def _loop(self) -> None:
-        next_tick = time.monotonic() + self.interval_s
-        while not self._done.is_set():
-            staged = self._staged.wait(max(0.0, next_tick - time.monotonic()))
-            if self._done.is_set():
-                return
+        while not self._done.wait(self.interval_s):
             try:
-                if staged:  # a stage change: its beat only (peers are read on the interval)
-                    self._staged.clear()
-                    self._beat("running")
-                if time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self.interval_s
-                    self.tick()
+                self.tick()
             except Exception as e:  # noqa: BLE001 - a full disk must not kill the watchdog itself
                 _log.warning("watchdog: %s: %s", type(e).__name__, e)
 
