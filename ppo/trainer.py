@@ -212,7 +212,7 @@ class PPOTrainer:
         a = self.loop.advantages
         defer = ("ref",) if "ref" in self.plan.groups and old_logp == "fused" and not a.use_kl_penalty else ()
         on_device = bool(defer) and self.ref_beside_actor  # the same on every rank (a function of the plan)
-        ref_span = DeviceSpan(self.device)
+        ref_span = DeviceSpan(self.device) if on_device else None  # the reference's kernels, for its timing
         results, deferred = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
                                        defer=defer, ref_span=ref_span)
         if old_logp == "behaviour" and step + 1 < self.total_steps:
@@ -230,8 +230,8 @@ class PPOTrainer:
         with timer("adv", sync=False):  # host work: the deferred reference forward may still run
             tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
         device_rows = {}
-        ref_pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
         if on_device:
+            ref_pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
             if ref_pending is not None:  # (None where the reference was waited for after all)
                 device_rows["ref_logp"] = ref_pending.logp_rows
         elif defer:  # every rank merges (a collective), with or without the deferred role
