@@ -267,8 +267,12 @@ class EngineModelRunner:
         logits = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
         f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))
         i = self._upload(torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs]))
-        tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
-                         positions=i[:, 2], filtered=any_filtered(seqs))
+        filtered = any_filtered(seqs)
+        if not filtered and self.device.type == "cuda" and triton_sampling.available(self.device):  # as decode
+            tok, lp = triton_sampling.sample_unfiltered(logits, f[:, 0], uniform_from_counter(i[:, 0], i[:, 2]))
+        else:
+            tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
+                             positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
         return [int(t) for t in out[0]], out[1].tolist()
 
@@ -351,14 +355,15 @@ class EngineModelRunner:
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
         self._kernel = self._pick_kernel(b, kv_len)
         logits = self._decode(ids, pos, self.kv_index[:kv_len])
-        u = self.u_table[:b].gather(1, (pos + 1)[:, None])[:, 0]  # the uniform of the new token's position
         if not filtered and self.device.type == "cuda" and triton_sampling.available(self.device):
-            # one Triton kernel instead of ~10 over [B, V] fp32, same draws up to CDF-boundary rounding; CPU
-            # keeps sample()
-            tok, lp = triton_sampling.sample_unfiltered(logits, self.meta_f[0, :b], u)
-        else:
-            tok, lp = sample(logits, temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b],
-                             top_k=self.meta_i[3, :b], uniforms=u, filtered=filtered)
+            # the draw and the rows' advance below as one Triton kernel (~12 kernels and their launch gaps per
+            # step otherwise): same draws as sample() up to CDF-boundary rounding; CPU keeps sample()
+            triton_sampling.decode_tail(logits, self.meta_i, self.meta_f[0], self.u_table, self.out,
+                                        max_position=self.cache.slot_len - 1)
+            return
+        u = self.u_table[:b].gather(1, (pos + 1)[:, None])[:, 0]  # the uniform of the new token's position
+        tok, lp = sample(logits, temperature=self.meta_f[0, :b], top_p=self.meta_f[1, :b],
+                         top_k=self.meta_i[3, :b], uniforms=u, filtered=filtered)
         self.out[:b].copy_(tok)
         self.out[b: 2 * b].copy_(lp)
         # clamp: a row that finished on the step before runs once more (pipelining) and must stay in its slot

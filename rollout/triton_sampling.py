@@ -43,11 +43,8 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _sample_kernel(logits_ptr, temp_ptr, u_ptr, tok_ptr, lp_ptr, V, s_row,
-                       BLOCK_V: tl.constexpr, TILES: tl.constexpr):
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * s_row
-        t = tl.load(temp_ptr + row)
+    def _draw(base, t, u, V, BLOCK_V: tl.constexpr, TILES: tl.constexpr):
+        """(token, logprob) of the row of logits at `base` at temperature t (<= 0: greedy) for the uniform u."""
         greedy = t <= 0
         t = tl.where(greedy, 1.0, t)
         offs = tl.arange(0, BLOCK_V)
@@ -73,7 +70,7 @@ if triton is not None:
         # short of every tile: then the last tile with mass)
         mass = tl.where(t_max > float("-inf"), t_sum * tl.exp(t_max - m), 0.0)
         total = tl.sum(mass, 0)
-        target = tl.load(u_ptr + row) * total
+        target = u * total
         cum = tl.cumsum(mass, 0)
         last_tile = tl.max(tl.where(mass > 0, tiles, 0), 0)
         k = tl.min(tl.where((cum >= target) & (mass > 0), tiles, last_tile), 0)
@@ -91,8 +88,33 @@ if triton is not None:
         tok = tl.where(greedy, best, tok)
 
         x_tok = tl.math.div_rn(tl.load(base + tok).to(tl.float32), t)
+        return tok, x_tok - m - tl.log(total)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, temp_ptr, u_ptr, tok_ptr, lp_ptr, V, s_row,
+                       BLOCK_V: tl.constexpr, TILES: tl.constexpr):
+        row = tl.program_id(0)
+        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), tl.load(u_ptr + row), V,
+                        BLOCK_V, TILES)
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, x_tok - m - tl.log(total))
+        tl.store(lp_ptr + row, lp)
+
+    @triton.jit
+    def _decode_tail_kernel(logits_ptr, meta_i_ptr, s_meta, temp_ptr, u_ptr, s_u, out_ptr, b, max_pos, V, s_row,
+                            BLOCK_V: tl.constexpr, TILES: tl.constexpr):
+        # row `row` of the engine's device-resident decode rows: meta_i[0] token, [1] position, [4] active
+        row = tl.program_id(0)
+        ids_at = meta_i_ptr + row
+        pos_at = meta_i_ptr + s_meta + row
+        pos = tl.load(pos_at)
+        active = tl.load(meta_i_ptr + 4 * s_meta + row)
+        u = tl.load(u_ptr + row.to(tl.int64) * s_u + pos + 1)  # the uniform of the new token's position
+        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), u, V, BLOCK_V, TILES)
+        tl.store(out_ptr + row, tok.to(tl.float64))
+        tl.store(out_ptr + b + row, lp.to(tl.float64))
+        # every program reads and writes its own row only: the in-place advance has no hazard
+        tl.store(ids_at, tl.where(active > 0, tok.to(tl.int64), 0))
+        tl.store(pos_at, tl.minimum(pos + active, max_pos))
 
 
 def _config(vocab: int, interpret: bool) -> dict:
@@ -128,3 +150,30 @@ def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor,
 def _sample_unfiltered_fake(logits, temperature, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
     b = logits.shape[0]
     return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
+
+
+def decode_tail(logits: torch.Tensor, meta_i: torch.Tensor, temperature: torch.Tensor, u_table: torch.Tensor,
+                out: torch.Tensor, *, max_position: int) -> None:
+    """The engine's decode step after its forward, as ONE kernel (it was ~12 at decode sizes: the uniforms'
+    gather, the draw, two copies into `out`, and the rows' advance as clamp / add / where / copies, each a
+    launch gap in the step's CUDA graph). For rows b < B = logits.shape[0]:
+
+        u = u_table[b, meta_i[1, b] + 1]; (tok, lp) = the unfiltered draw of sample_unfiltered(logits[b], T[b], u)
+        out[b], out[B + b] = tok, lp                         (float64)
+        meta_i[0, b] = tok if meta_i[4, b] > 0 else 0        (the next step's token)
+        meta_i[1, b] = min(meta_i[1, b] + meta_i[4, b], max_position)
+
+    logits [B, V]; meta_i int64 [>= 5, slots] (rows: token, position, key, top_k, active), contiguous rows;
+    temperature fp32 [>= B]; u_table fp32 [>= B, >= max position + 2]; out float64 [>= 2B]. Writes in place,
+    in stream order (graph-capturable); not a custom op: the engine runs it outside torch.compile."""
+    b, vocab = logits.shape
+    if b == 0:
+        return
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if meta_i.dtype != torch.int64 or meta_i.stride(1) != 1 or meta_i.shape[0] < 5 or temperature.dtype != \
+            torch.float32 or u_table.dtype != torch.float32 or u_table.stride(1) != 1 or out.dtype != torch.float64:
+        raise ValueError("decode_tail wants int64 meta_i [5, slots], fp32 temperature and u_table, float64 out, "
+                         "each with contiguous rows")
+    _decode_tail_kernel[(b,)](logits, meta_i, meta_i.stride(0), temperature, u_table, u_table.stride(0), out, b,
+                              max_position, vocab, logits.stride(0), **_config(vocab, interpret=not logits.is_cuda))

@@ -137,6 +137,47 @@ def test_padded_vocab_strided_rows_ties_and_peaked_rows():
     """)
 
 
+def test_decode_tail_equals_the_draw_then_the_rows_advance():
+    """decode_tail (the engine's step after its forward, one kernel) equals sample_unfiltered on the gathered
+    uniforms followed by the rows' advance written as torch ops (what it replaced), bit for bit; rows past B and
+    meta_i's other rows are untouched."""
+    run_interpreted("""
+        from rollout.sampler import uniform_from_counter
+        from rollout.triton_sampling import decode_tail, sample_unfiltered
+        torch.manual_seed(2)
+        slots, slot_len, vocab, b = 24, 40, 700, 20
+        logits = (torch.randn(b, vocab + 5) * 3)[:, :vocab].to(torch.bfloat16)  # strided rows
+        meta_i = torch.zeros(5, slots, dtype=torch.int64)
+        meta_i[0] = torch.randint(0, vocab, (slots,))
+        meta_i[1] = torch.randint(0, slot_len, (slots,))
+        meta_i[1, :3] = slot_len - 1  # at the end of the slot: the advance clamps
+        meta_i[2] = torch.randint(0, 2**40, (slots,))
+        meta_i[4] = torch.randint(0, 2, (slots,))
+        meta_f = torch.rand(2, slots) + 0.3
+        meta_f[0, 5] = 0.0  # a greedy row
+        u_table = uniform_from_counter(meta_i[2][:, None], torch.arange(slot_len + 1)[None, :])
+        u_table = torch.cat([u_table, torch.full((1, slot_len + 1), 0.5)])  # [slots + 1, slot_len + 1]
+        out = torch.full((2 * slots,), -7.0, dtype=torch.float64)
+
+        ids, pos, active = (meta_i[r, :b].clone() for r in (0, 1, 4))
+        u = u_table[:b].gather(1, (pos + 1)[:, None])[:, 0]
+        tok, lp = sample_unfiltered(logits, meta_f[0, :b], u)
+        want_i = meta_i.clone()
+        want_i[0, :b] = torch.where(active > 0, tok, torch.zeros_like(tok))
+        want_i[1, :b] = torch.clamp(pos + active, max=slot_len - 1)
+        want_out = out.clone()
+        want_out[:b], want_out[b: 2 * b] = tok.double(), lp.double()
+
+        decode_tail(logits, meta_i, meta_f[0], u_table, out, max_position=slot_len - 1)
+        assert torch.equal(meta_i, want_i), (meta_i, want_i)
+        assert torch.equal(out, want_out), (out - want_out).abs().max()
+        assert (want_i[1, :b] != pos).any() and (want_i[0, :b] == 0).any()  # the case exercises both branches
+        decode_tail(logits[:0], meta_i, meta_f[0], u_table, out, max_position=slot_len - 1)  # B = 0: a no-op
+        assert torch.equal(meta_i, want_i)
+        print("ok")
+    """)
+
+
 def test_custom_op_registration():
     """Schema, fake (meta) kernel and autograd registration are consistent, as torch.compile relies on."""
     run_interpreted("""
@@ -174,3 +215,23 @@ def test_kernel_on_gpu_at_decode_shape_and_under_cuda_graph():
             g_tok, g_lp = sample_unfiltered(logits, temp, u)
         graph.replay()
         assert torch.equal(g_tok, tok) and torch.equal(g_lp, lp)
+
+    # decode_tail, captured as the engine does: the same draw from the uniform at each row's next position
+    from rollout.triton_sampling import decode_tail
+
+    slots, slot_len = rows + 8, 300
+    meta_i = torch.zeros(5, slots, dtype=torch.int64, device=dev)
+    meta_i[1] = torch.randint(0, slot_len - 1, (slots,), device=dev)
+    meta_i[4] = 1
+    u_table = torch.rand(slots + 1, slot_len + 1, device=dev).clamp(1e-7, 1 - 1e-7)
+    out = torch.zeros(2 * slots, dtype=torch.float64, device=dev)
+    u = u_table[:rows].gather(1, (meta_i[1, :rows] + 1)[:, None])[:, 0]
+    tok, lp = sample_unfiltered(logits, temp, u)
+    pos = meta_i[1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_tail(logits, meta_i, temp, u_table, out, max_position=slot_len - 1)
+    meta_i[1] = pos  # capture ran nothing; the replay runs the step once
+    graph.replay()
+    assert torch.equal(out[:rows], tok.double()) and torch.equal(out[rows: 2 * rows], lp.double())
+    assert torch.equal(meta_i[0, :rows], tok) and torch.equal(meta_i[1, :rows], pos[:rows] + 1)
