@@ -100,7 +100,9 @@ class EngineModelRunner:
         self.prefix_members = members_per_entry(cfg.num_attention_heads // cfg.num_key_value_heads) \
             if config.share_prompt_kv else 0
         self._prefix_groups: list | None = None  # what the device tables hold now
-        self._prefix_width = self.prefix_members  # the tables' members in use now (shared_prefix.members_for)
+        # the tables' members in use now (shared_prefix.members_for); 0 while no rows share a prompt: the decode
+        # then runs the unshared kernel (no idle prompt programs, its own tile and split runs)
+        self._prefix_width = 0
         self._decode, self._prefill = self._decode_fn, self._prefill_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
@@ -156,7 +158,11 @@ class EngineModelRunner:
             # the decode kernel's arrival counters per (entry, KV head): zero, and left zero by every launch
             self.prefix_counts = torch.zeros(entries, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
                                              device=self.device)
-            self._prefix_groups = []
+            self._prefix_groups, self._prefix_width = [], 0
+        # the Triton decode kernel's arrival counters per (row, KV head) when it splits the rows' positions
+        # (triton_attention.kv_splits): zero, and left zero by every launch
+        self.split_counts = torch.zeros(slots, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
+                                        device=self.device)
         self.u_table = torch.full((slots + 1, slot_len + 1), 0.5, dtype=torch.float32, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
@@ -177,7 +183,7 @@ class EngineModelRunner:
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
+        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = self.split_counts = None
         self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
         self._prefix_groups = None
         if drop_weights:
@@ -308,6 +314,9 @@ class EngineModelRunner:
         enqueued keeps reading the tables it was launched with."""
         if not self.prefix_members or groups == self._prefix_groups:
             return
+        if not groups:  # the unshared kernel from now on: the device tables are not read
+            self._prefix_groups, self._prefix_width = groups, 0
+            return
         width = members_for(groups, cap=self.prefix_members)
         row_prefix, row_entry, members, group_len = shared_prefix_tables(groups, rows=self.num_slots,
                                                                          members_per_entry=width)
@@ -332,21 +341,25 @@ class EngineModelRunner:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
         Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
         prefix = None
-        if self._kernel == "triton" and self.prefix_members:  # entries fill from 0: at most b // 2 are used
+        if self._kernel == "triton" and self._prefix_width:  # entries fill from 0: at most b // 2 are used
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
             prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries, :self._prefix_width],
                       self.prefix_len[:entries], self.prefix_counts[:entries])
-        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel)
+        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel,
+                                   counts=self.split_counts[: ids.shape[0]])
 
     def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
-                       prefix: tuple[torch.Tensor, ...] | None, mode: str) -> torch.Tensor:
+                       prefix: tuple[torch.Tensor, ...] | None, mode: str,
+                       counts: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of one token per row of `cache` (the engine's cache, or a view of some of its slots)
-        with decode kernel `mode` and the rows' shared-prompt tables `prefix` (triton only)."""
+        with decode kernel `mode`, the rows' shared-prompt tables `prefix` and the split runs' counters `counts`
+        (triton only; kv_cache.DecodeAttention)."""
         rope = None
         if mode == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
             cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
             rope = (cos[:, 0, 0], sin[:, 0, 0])
-        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix)
+        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix,
+                               counts=counts)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
