@@ -16,11 +16,6 @@ with every register cap in --maxnreg:
 
     python -m bench.decode_attention --batches 256 --samples-per-prompt 8 --no-sweep --sweep-shared \
         --members 16,8 --shared-tiles 64:4:2,64:4:1 --maxnreg 80,96
-
---splits times the unshared rows with each (row, KV head)'s positions in that many runs (one program each,
-merged in the kernel; tile_config picks the count by kv_splits), with each of --split-tiles:
-
-    python -m bench.decode_attention --batches 32,64,128,256 --contexts 160,256,384 --no-sweep --splits 1,2,4,8
 """
 
 from __future__ import annotations
@@ -127,10 +122,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shared-tiles", default="",
                     help="BLOCK_N:warps:stages list of the shared sweep's tiles (default: all)")
     ap.add_argument("--maxnreg", default="", help="comma list of register caps the shared sweep adds to each tile")
-    ap.add_argument("--splits", default="", help="comma list of split counts (flash-decoding runs per row and KV "
-                                                 "head) to time the unshared rows with, each with every --split-tiles")
-    ap.add_argument("--split-tiles", default="32:4:3,64:4:3,64:4:2,128:4:2",
-                    help="BLOCK_N:warps:stages list of the --splits sweep's tiles")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="time tile_config's tile only (not every fixed config)")
     ap.add_argument("--sweep-shared", action="store_true", help="time every fixed config on the shared rows too")
@@ -156,20 +147,16 @@ def main(argv: list[str] | None = None) -> dict:
         k, v = (torch.randn(b, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
         pos = torch.full((b,), ctx, device=dev, dtype=torch.int64)
         nbytes = (2 * b * hkv * ctx * d + 2 * b * hkv * d + 2 * b * hkv * g * d) * item
-        default_tile = tile_config(b, ctx + 1, kv_heads=hkv)
-        swept = configs() if args.sweep else [default_tile]
-        split_tiles = configs(parse_tiles(args.split_tiles))
-        swept += [t | {"SPLITS": int(n)} for n in args.splits.split(",") if n for t in split_tiles]
-        counts = torch.zeros(b, hkv, dtype=torch.int32, device=dev)  # the engine's: allocated once, kept zero
-        timed = [time_config(cache, pos, q, k, v, ctx, nbytes, cfg, counts=counts) for cfg in [None, *swept]]
+        swept = configs() if args.sweep else [tile_config(b, ctx + 1)]
+        timed = [time_config(cache, pos, q, k, v, ctx, nbytes, cfg) for cfg in [None, *swept]]
         ok = [t for t in timed if "us" in t]
         best = min((t for t in ok if t["config"] != "default"), key=lambda t: t["us"])
-        out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"], counts=counts).float()
+        out = attend(cache, 0, pos, q, k, v, ctx + 1, config=best["config"]).float()
         kk, vv = cache[0, 0, :b, :, : ctx + 1].float(), cache[0, 1, :b, :, : ctx + 1].float()
         ref = F.scaled_dot_product_attention(q.float(), kk, vv, enable_gqa=g > 1)
         default = next((t for t in ok if t["config"] == "default"), None)
         rows.append({"batch": b, "context": ctx, "bytes_mb": round(nbytes / 1e6, 2), "best": best,
-                     "default": default, "default_tile": default_tile,
+                     "default": default, "default_tile": tile_config(b, ctx + 1),
                      "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
                      "top5": sorted(ok, key=lambda t: t["us"])[:5]})
         n, plen = args.samples_per_prompt, min(args.prompt_len, ctx)

@@ -117,14 +117,10 @@ class DecodeAttention:
 
     def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa",
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None):
+                 prefix: tuple[torch.Tensor, ...] | None = None):
         self.cache, self.positions, self.mode = cache, positions, mode
         # shared-prompt tables (rollout/shared_prefix.py) and the kernel's counters, read by the triton kernel only
         self.prefix = prefix if mode == "triton" else None
-        if mode == "triton" and prefix is None and counts is None:  # the split runs' counters (the caller's:
-            # allocated once, left zero by every launch; else one zeroed tensor per forward)
-            counts = torch.zeros(positions.shape[0], cache.shape[3], dtype=torch.int32, device=positions.device)
-        self.counts = counts
         self.kv_len = kv_index.shape[0]
         self.mask = None
         # (cos, sin) [B, D] at each row's position: the Triton kernel rotates q and the new k itself, and
@@ -148,9 +144,7 @@ class DecodeAttention:
             from rollout.triton_attention import decode_attention, decode_attention_shared
 
             args = (self.cache, layer_idx, self.positions, q, k, v, self.kv_len, *(self.rope or (None, None)))
-            if self.prefix is None:
-                return decode_attention(*args, self.counts)
-            return decode_attention_shared(*args, *self.prefix)
+            return decode_attention(*args) if self.prefix is None else decode_attention_shared(*args, *self.prefix)
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

@@ -101,7 +101,7 @@ class EngineModelRunner:
             if config.share_prompt_kv else 0
         self._prefix_groups: list | None = None  # what the device tables hold now
         # the tables' members in use now (shared_prefix.members_for); 0 while no rows share a prompt: the decode
-        # then runs the unshared kernel (no idle prompt programs, its own tile and split runs)
+        # then runs the unshared kernel (no idle prompt programs, and its own tile)
         self._prefix_width = 0
         self._decode, self._prefill = self._decode_fn, self._prefill_fn
         if config.compile:
@@ -159,10 +159,6 @@ class EngineModelRunner:
             self.prefix_counts = torch.zeros(entries, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
                                              device=self.device)
             self._prefix_groups, self._prefix_width = [], 0
-        # the Triton decode kernel's arrival counters per (row, KV head) when it splits the rows' positions
-        # (triton_attention.kv_splits): zero, and left zero by every launch
-        self.split_counts = torch.zeros(slots, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
-                                        device=self.device)
         self.u_table = torch.full((slots + 1, slot_len + 1), 0.5, dtype=torch.float32, device=self.device)
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
@@ -183,7 +179,7 @@ class EngineModelRunner:
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = self.split_counts = None
+        self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
         self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
         self._prefix_groups = None
         if drop_weights:
@@ -345,21 +341,17 @@ class EngineModelRunner:
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
             prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries, :self._prefix_width],
                       self.prefix_len[:entries], self.prefix_counts[:entries])
-        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel,
-                                   counts=self.split_counts[: ids.shape[0]])
+        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel)
 
     def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
-                       prefix: tuple[torch.Tensor, ...] | None, mode: str,
-                       counts: torch.Tensor | None = None) -> torch.Tensor:
+                       prefix: tuple[torch.Tensor, ...] | None, mode: str) -> torch.Tensor:
         """Logits [B, V] of one token per row of `cache` (the engine's cache, or a view of some of its slots)
-        with decode kernel `mode`, the rows' shared-prompt tables `prefix` and the split runs' counters `counts`
-        (triton only; kv_cache.DecodeAttention)."""
+        with decode kernel `mode` and the rows' shared-prompt tables `prefix` (triton only)."""
         rope = None
         if mode == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
             cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
             rope = (cos[:, 0, 0], sin[:, 0, 0])
-        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix,
-                               counts=counts)
+        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:

@@ -17,9 +17,8 @@ Each leaves its online-softmax state in a workspace and takes a ticket from the 
 to arrive merges every member's prompt and own-position states and writes their outputs. A separate
 prompt kernel before the rows' kernel cost a launch gap and a second, mostly idle wave per layer.
 
-    counts = torch.zeros(B, Hkv, dtype=torch.int32, device=q.device)   # once: every launch leaves them zero
-    out = decode_attention(cache, layer, positions, q, k, v, kv_len, None, None, counts)  # q [B, Hq, 1, D]
-    out = decode_attention(cache, layer, positions, q, k, v, kv_len, cos, sin, counts)  # q/k before RoPE
+    out = decode_attention(cache, layer, positions, q, k, v, kv_len)   # q [B, Hq, 1, D], k/v [B, Hkv, 1, D]
+    out = decode_attention(cache, layer, positions, q, k, v, kv_len, cos, sin)  # q/k before RoPE
 
 `cache` is the engine's [layers, 2, slots, Hkv, slot_len, D] tensor; row b uses slot b. A torch custom
 op, so torch.compile treats it as opaque and CUDA graphs capture it. Under TRITON_INTERPRET=1 it runs
@@ -131,36 +130,6 @@ if triton is not None:
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _merge_splits(count_ptr, ws_acc_ptr, ws_ml_ptr, at, ok, s_split, out_at, D: tl.constexpr,
-                      SPLITS: tl.constexpr):
-        """One of a (row, KV head)'s SPLITS programs has left its softmax state at `at` of its split's workspace
-        (stride s_split between splits). The last to arrive merges them in split order, so the result does not
-        depend on which finished last, writes the output and re-arms the counter (no launch needs a zero-fill)."""
-        tl.debug_barrier()  # every thread's workspace stores precede the release below
-        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:
-            d = tl.arange(0, D)
-            # the last split always holds the new token: a finite max to weigh the (possibly empty) others by
-            last = (SPLITS - 1) * s_split + at
-            m = tl.load(ws_ml_ptr + 2 * last, mask=ok, other=0.0, cache_modifier=".cg")
-            l_sum = tl.load(ws_ml_ptr + 2 * last + 1, mask=ok, other=1.0, cache_modifier=".cg")
-            acc = tl.load(ws_acc_ptr + last[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                          cache_modifier=".cg")
-            for j in range(SPLITS - 1):
-                here = j * s_split + at
-                m_j = tl.load(ws_ml_ptr + 2 * here, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_j = tl.load(ws_ml_ptr + 2 * here + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                a_j = tl.load(ws_acc_ptr + here[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                m_new = tl.maximum(m, m_j)
-                w, w_j = tl.exp2(m - m_new), tl.exp2(m_j - m_new)
-                l_sum = l_sum * w + l_j * w_j
-                acc = acc * w[:, None] + a_j * w_j[:, None]
-                m = m_new
-            tl.store(out_at, (acc / l_sum[:, None]).to(out_at.dtype.element_ty), mask=ok[:, None])
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
     def _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr,
                         cos_ptr, sin_ptr, qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb, s_half,
                         s_ob, s_oh, e, h, G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -204,7 +173,7 @@ if triton is not None:
                        ws_acc_ptr, ws_ml_ptr, s_wb, s_half, s_mg, n_entries,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
                        ROPE: tl.constexpr, PREFIX: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                       BLOCK_N: tl.constexpr):
         # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
         # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200).
         # Programs (i, h), h a KV head: with shared prompts (PREFIX) i < n_entries is table entry i's prompt
@@ -256,20 +225,6 @@ if triton is not None:
                             s_wb, h, G, MEMBERS, BLOCK_M, D)
                 else:
                     tl.store(out_at, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-            elif SPLITS > 1:  # program (b, h, s) attends the s-th of SPLITS runs of whole tiles of [0, pos)
-                s = tl.program_id(2)
-                chunk = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_N) * BLOCK_N
-                lo = s * chunk
-                if s == SPLITS - 1:  # the last run ends at pos and takes the new token
-                    m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum,
-                                               acc, D, IEEE, BLOCK_N)
-                else:  # possibly empty (short rows): m = -inf, l = 0, which the merge weighs 0
-                    m, l_sum, acc = _attend_range(q, k_row, v_row, lo, tl.minimum(lo + chunk, pos), s_ct, qk_scale,
-                                                  m, l_sum, acc, D, IEEE, BLOCK_N)
-                at = b * s_wb + h * G + g
-                _store_state(ws_acc_ptr + s * s_half * D, ws_ml_ptr + s * s_half * 2, at, g_ok, m, l_sum, acc, D)
-                _merge_splits(count_ptr + b * tl.num_programs(1) + h, ws_acc_ptr, ws_ml_ptr, at, g_ok, s_half,
-                              out_at, D, SPLITS)
             else:
                 m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, 0, pos, s_ct, qk_scale, m, l_sum, acc, D,
                                            IEEE, BLOCK_N)
@@ -308,9 +263,8 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
         cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
 
 
-def tile_config(rows: int, kv_len: int, *, kv_heads: int, shared: bool = False) -> dict:
-    """The kernel's tile (BLOCK_N, warps, stages) and, without shared prompts, its split count (SPLITS, see
-    kv_splits) for a decode of `rows` rows of `kv_heads` KV heads over at most `kv_len` positions.
+def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
+    """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
 
     A fixed rule, from H200 sweeps of every config (bench/results/decode_attention_*.json; llama-1b heads,
     contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at >= 128
@@ -324,41 +278,30 @@ def tile_config(rows: int, kv_len: int, *, kv_heads: int, shared: bool = False) 
     itself, ptxas then gives every program 255 registers and spills, two programs per SM. Capped at 96
     registers and with 64-position tiles, 256 rows of llama-1b heads over prompts of 128 took 31.0 / 48.5 /
     80.7 us per layer at contexts 160 / 256 / 384 against 56.6 / 64.7 / 93.7 uncapped with 128-position tiles
-    (and 42.3 / 53.6 / 82.2 for the earlier separate prompt kernel; bench/results/decode_attention_fused_h200.json)."""
-    block, warps, stages = (128, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
-    if shared:
-        block = min(block, 64)
+    (and 42.3 / 53.6 / 82.2 for the earlier separate prompt kernel; bench/results/decode_attention_fused_h200.json).
+
+    Without shared prompts, timed over 16 layers of KV (no L2 reuse between calls, as in the engine; the sweeps
+    above timed one layer), 32-position tiles over 3 stages are best below 256 rows: 9.28 / 14.37 us at 32 rows
+    x 160 / 320 positions (64-position tiles 10.0 / 14.38), 27.18 / 45.99 at 128 rows (128-position tiles 33.12
+    / 48.42; bench/results/decode_attention_splits_h200.json). From 256 rows on they take the shared launch's
+    capped 64-position tile: at 256 rows over the first ~160 positions of a generate it took 50.8 us per layer
+    (idle prompt programs included) where 128-position tiles took 57.9 (bench.generate's kernel profile,
+    bench/results/generate_round12_h200.json), and one layer's sweep had them within 3% at 256-384 positions."""
+    if shared or rows >= 256:
+        block, warps, stages = (64, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
+    else:
+        block, warps, stages = 32, 4, 3
     tile = dict(BLOCK_N=min(block, max(32, triton.next_power_of_2(kv_len))), num_warps=warps, num_stages=stages)
-    if shared:
-        return tile | {"maxnreg": 96}
-    return tile | {"SPLITS": kv_splits(rows * kv_heads, kv_len, block=tile["BLOCK_N"])}
-
-
-SPLIT_PROGRAMS = 1024  # split a row's positions while the launch has at most this many programs (~8 per SM)
-MAX_SPLITS = 4
-
-
-def kv_splits(programs: int, kv_len: int, *, block: int) -> int:
-    """Into how many runs of whole tiles each (row, KV head) splits its positions (flash-decoding): one program
-    per (row, KV head) streams its ~kv_len positions one tile after another, so at 32 rows x 8 KV heads only
-    ~2 programs per SM keep loads in flight (62% of HBM bandwidth at context 256). Doubled while the launch
-    stays within SPLIT_PROGRAMS programs and each run keeps at least a tile on average; the runs' states merge
-    in the kernel (the last run of a (row, head) to finish merges them, in split order)."""
-    splits = 1
-    while splits < MAX_SPLITS and programs * splits * 2 <= SPLIT_PROGRAMS and kv_len >= splits * 2 * block:
-        splits *= 2
-    return splits
+    return tile | {"maxnreg": 96} if shared or rows >= 256 else tile
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None, *,
            config: dict | None = None) -> torch.Tensor:
-    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages and optionally SPLITS) overrides
-    tile_config's. prefix: shared_prefix_tables' (row_prefix, row_entry, members, group_len) on q's device;
-    counts: the launch's arrival counters, int32 zeros (left zero by every launch; None: a fresh zeroed tensor):
-    [N, Hkv] per table entry with `prefix`, [>= B, Hkv] per row when the rows' positions run in SPLITS > 1
-    parts."""
+    """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile.
+    prefix: shared_prefix_tables' (row_prefix, row_entry, members, group_len) on q's device; counts: their
+    arrival counters, int32 [N, Hkv] zeros (left zero by every launch; None: a fresh zeroed tensor)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -376,21 +319,10 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
     cache_strides = tuple(cache.stride()[1:5])
     ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
-    tile = dict(config or tile_config(b, kv_len, kv_heads=hkv, shared=prefix is not None))
-    splits = tile.pop("SPLITS", 1)
-    if splits > 1 and prefix is not None:
-        raise ValueError("split KV runs apply to rows without shared prompts")
-    # unread without shared prefixes or splits
+    tile = config or tile_config(b, kv_len, shared=prefix is not None)
+    # unread without shared prefixes
     row_prefix = row_entry = members = group_len = counts_ = ws_acc = ws_ml = positions
     n, m = 0, 1
-    if splits > 1:
-        counts_ = torch.zeros(b, hkv, dtype=torch.int32, device=q.device) if counts is None else counts
-        if counts_.dim() != 2 or counts_.shape[0] < b or counts_.shape[1] != hkv or counts_.dtype != torch.int32 \
-                or not counts_.is_contiguous():
-            raise ValueError(f"counts must be contiguous int32 [>= {b}, {hkv}], got {tuple(counts_.shape)}")
-        # per-(split, row, query head) softmax states, merged by each (row, KV head)'s last split to finish
-        ws_acc = torch.empty(splits, b, hq, d, dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty(splits, b, hq, 2, dtype=torch.float32, device=q.device)
     if prefix is not None:
         row_prefix, row_entry, members, group_len = prefix
         n, m = members.shape
@@ -403,30 +335,29 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
         # per-(row, query head) softmax states: half 0 the prompt's, half 1 the row's own positions
         ws_acc = torch.empty(2, b, hq, d, dtype=torch.float32, device=q.device)
         ws_ml = torch.empty(2, b, hq, 2, dtype=torch.float32, device=q.device)
-    _decode_kernel[(n + b, hkv, splits)](
+    _decode_kernel[(n + b, hkv)](
         qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
         ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
         *cache_strides, row_prefix, row_entry, members, group_len, counts_, ws_acc, ws_ml, hq, b * hq,
         members.stride(0) if prefix is not None else 0, n,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, PREFIX=prefix is not None,
-        MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), SPLITS=splits, **tile)
+        MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), **tile)
     return out
 
 
-@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache", "counts"))
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                     counts: torch.Tensor) -> torch.Tensor:
+                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
-    position) caps the tile length and sets the split count (tile_config). With cos/sin ([B, D], the model's
-    RoPE tables at each row's position) q and k arrive un-rotated and are rotated in the kernel (one small
-    kernel less per layer). counts: int32 [>= B, Hkv] zeros, the split runs' arrival counters, left zero."""
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, counts=counts)
+    position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
+    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer)."""
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos, sin, counts) -> torch.Tensor:
+def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 

@@ -51,59 +51,12 @@ def test_kernel_equals_sdpa_over_the_live_positions_and_writes_the_new_kv(block_
     """)
 
 
-def test_split_runs_equal_sdpa_merge_in_a_fixed_order_and_leave_the_counters_zero():
-    """Each (row, KV head)'s positions in SPLITS runs of whole tiles, one program each, merged by the last to
-    finish: equal to SDPA at every position (0: every run but the last empty; tile edges; runs longer than the
-    row), the new K/V written once, the counters left zero, the same bits launch after launch."""
-    run_interpreted("""
-        import torch, torch.nn.functional as F
-        from rollout.triton_attention import attend, kv_splits, tile_config
-        torch.manual_seed(0)
-        layers, slots, hkv, slot_len, d, g = 2, 7, 2, 150, 16, 2
-        b = 6
-        pos = torch.tensor([0, 1, 15, 16, 70, 149])
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-            cache = torch.randn(layers, 2, slots, hkv, slot_len, d).to(dtype)
-            q = torch.randn(b, hkv * g, 1, d).to(dtype)
-            k, v = (torch.randn(b, hkv, 1, d).to(dtype) for _ in range(2))
-            want = cache.clone()
-            for r in range(b):
-                want[1, 0, r, :, pos[r]], want[1, 1, r, :, pos[r]] = k[r, :, 0], v[r, :, 0]
-            counts = torch.zeros(slots, hkv, dtype=torch.int32)
-            for splits in (2, 4, 8):
-                config = dict(BLOCK_N=16, num_warps=4, num_stages=2, SPLITS=splits)
-                got = cache.clone()
-                out = attend(got, 1, pos, q, k, v, slot_len, config=config, counts=counts)
-                assert torch.equal(got, want), "only (layer 1, row r, position pos[r]) may change"
-                assert not counts.any(), "every launch re-arms its counters"
-                again = attend(got, 1, pos, q, k, v, slot_len, config=config, counts=counts)
-                assert torch.equal(out, again), "the merge order is fixed"
-                for r in range(b):
-                    kk, vv = (want[1, i, r, :, : pos[r] + 1].float()[None] for i in (0, 1))
-                    ref = F.scaled_dot_product_attention(q[r: r + 1].float(), kk, vv, enable_gqa=True)
-                    err = (out[r: r + 1].float() - ref).abs().max().item()
-                    assert err < tol, (dtype, splits, r, err)
-        # the rule: split while the launch stays small and each run keeps a tile; never with shared prompts
-        assert kv_splits(32 * 8, 512, block=64) == 4 and kv_splits(256 * 8, 512, block=128) == 1
-        assert kv_splits(32 * 8, 64, block=64) == 1
-        assert tile_config(32, 512, kv_heads=8)["SPLITS"] > 1
-        assert "SPLITS" not in tile_config(32, 512, kv_heads=8, shared=True)
-        print("ok")
-    """)
-
-
-@pytest.mark.parametrize("compiled,fused,splits", [(False, True, 1), (True, True, 1), (False, False, 1),
-                                                   (True, True, 4)],
-                         ids=["eager", "compiled", "unfused-projections", "compiled-split"])
-def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs(compiled, fused, splits):
-    # the engine passes q/k un-rotated and the kernel applies RoPE; compiled: through Dynamo/Inductor too;
-    # split: every decode launch runs each row's positions in 4 runs (the tiny shapes alone would not split)
+@pytest.mark.parametrize("compiled,fused", [(False, True), (True, True), (False, False)],
+                         ids=["eager", "compiled", "unfused-projections"])
+def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs(compiled, fused):
+    # the engine passes q/k un-rotated and the kernel applies RoPE; compiled: through Dynamo/Inductor too
     out = run_interpreted(f"""
         import torch
-        import rollout.triton_attention as ta
-        if {splits} > 1:
-            rule = ta.tile_config
-            ta.tile_config = lambda *a, **kw: rule(*a, **kw) | ({{}} if kw.get("shared") else {{"SPLITS": {splits}}})
         from rollout import NativeEngine, SamplingParams
         from tests.rollout.test_engine import PROMPTS, config, naive_greedy, peaked_model, trainer_logprobs
         model = peaked_model()
