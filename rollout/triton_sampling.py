@@ -43,8 +43,9 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _draw(base, t, u, V, BLOCK_V: tl.constexpr, TILES: tl.constexpr):
-        """(token, logprob) of the row of logits at `base` at temperature t (<= 0: greedy) for the uniform u."""
+    def _draw(base, t, u_at, V, BLOCK_V: tl.constexpr, TILES: tl.constexpr):
+        """(token, logprob) of the row of logits at `base` at temperature t (<= 0: greedy) for the uniform at
+        `u_at`, read only once the first pass over the logits is done (off the critical path of their loads)."""
         greedy = t <= 0
         t = tl.where(greedy, 1.0, t)
         offs = tl.arange(0, BLOCK_V)
@@ -70,7 +71,7 @@ if triton is not None:
         # short of every tile: then the last tile with mass)
         mass = tl.where(t_max > float("-inf"), t_sum * tl.exp(t_max - m), 0.0)
         total = tl.sum(mass, 0)
-        target = u * total
+        target = tl.load(u_at) * total
         cum = tl.cumsum(mass, 0)
         last_tile = tl.max(tl.where(mass > 0, tiles, 0), 0)
         k = tl.min(tl.where((cum >= target) & (mass > 0), tiles, last_tile), 0)
@@ -94,8 +95,8 @@ if triton is not None:
     def _sample_kernel(logits_ptr, temp_ptr, u_ptr, tok_ptr, lp_ptr, V, s_row,
                        BLOCK_V: tl.constexpr, TILES: tl.constexpr):
         row = tl.program_id(0)
-        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), tl.load(u_ptr + row), V,
-                        BLOCK_V, TILES)
+        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), u_ptr + row, V, BLOCK_V,
+                        TILES)
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, lp)
 
@@ -107,9 +108,9 @@ if triton is not None:
         ids_at = meta_i_ptr + row
         pos_at = meta_i_ptr + s_meta + row
         pos = tl.load(pos_at)
+        u_at = u_ptr + row.to(tl.int64) * s_u + pos + 1  # the uniform of the new token's position
+        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), u_at, V, BLOCK_V, TILES)
         active = tl.load(meta_i_ptr + 4 * s_meta + row)
-        u = tl.load(u_ptr + row.to(tl.int64) * s_u + pos + 1)  # the uniform of the new token's position
-        tok, lp = _draw(logits_ptr + row.to(tl.int64) * s_row, tl.load(temp_ptr + row), u, V, BLOCK_V, TILES)
         tl.store(out_ptr + row, tok.to(tl.float64))
         tl.store(out_ptr + b + row, lp.to(tl.float64))
         # every program reads and writes its own row only: the in-place advance has no hazard
