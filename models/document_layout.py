@@ -56,54 +56,91 @@ def host_layout(pos: np.ndarray) -> dict:
     out = {"cu": cu, "max_len": int(lens.max()), "continues": bool(cont.any())}
     if not out["continues"]:
         every = np.arange(b * t, dtype=np.int64)
-        return out | _dense_layout(lens, np.zeros_like(lens), every, every, *_prefix_copies(every[:0], every[:0]))
+        no_rows, (no_copies,) = _prefix_copies(every[:0], every[:0], every[:0])
+        return out | _dense_layout(lens, np.zeros_like(lens), every, no_rows, no_copies)
     s0 = pos.reshape(-1)[first]
     root = np.where(s0 == 0, first, -1)
     last_root = np.maximum.accumulate(root)  # the latest root segment at or before each segment...
     sees = (s0 > 0) & (last_root >= first - first % t)  # ...counts only inside the same row
-    pre = np.where(sees, s0, 0)
+    pre = np.where(sees, s0, 0).astype(np.int64)
     # per segment two runs of keys: the root's first s0 tokens (continuations only), then its own
     run_starts = np.stack([np.where(sees, last_root, 0), first], 1).reshape(-1)
     run_lens = np.stack([pre, lens], 1).reshape(-1)
     key_lens = pre + lens
     cu_k = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(key_lens, out=cu_k[1:])
-    rows, copies = _prefix_copies(_ranges(last_root[sees], pre[sees]), _ranges(cu_k[:-1][sees], pre[sees]))
+    # a continuation's prompt copies: key positions from its cu_k, dense positions from its row's start
+    c = np.flatnonzero(sees)
+    rows, (copies, dense_copies) = _prefix_copies(last_root[c], pre[c], cu_k[c].astype(np.int64),
+                                                  c * int(key_lens.max()))
     key_index, own_index = _ranges(run_starts, run_lens), _ranges(cu_k[:-1].astype(np.int64) + pre, lens)
     return out | {"key_index": key_index, "cu_k": cu_k, "max_k": int(key_lens.max()), "own_index": own_index,
-                  "prefix_rows": rows, "prefix_copies": copies} | _dense_layout(lens, pre, key_index, own_index,
-                                                                               rows, copies)
+                  "prefix_rows": rows, "prefix_copies": copies} | _dense_layout(lens, pre, key_index, rows,
+                                                                               dense_copies)
 
 
-def _dense_layout(lens: np.ndarray, pre: np.ndarray, key_index: np.ndarray, own_index: np.ndarray,
-                  prefix_rows: np.ndarray, prefix_copies: np.ndarray) -> dict:
-    """The dense view of segments with `lens` own tokens after `pre` prompt keys, from their keys'
-    layout (key_index segment after segment, each token's own key position, the prompt tokens' extra
-    copies): key position p of segment i moves to row i, column p - its segment's first key.
-    -> {"dense_waste", "dense_index" [rows, S] (the token at each position; 0 in the padding),
-    "dense_own" [B*T], "dense_prefix_rows" [U], "dense_prefix_copies" [U, C]}."""
+def _dense_layout(lens: np.ndarray, pre: np.ndarray, key_index: np.ndarray, prefix_rows: np.ndarray,
+                  dense_copies: np.ndarray) -> dict:
+    """The dense view of segments with `lens` own tokens after `pre` prompt keys, from their keys
+    (key_index, segment after segment) and the prompt tokens' extra copies at dense positions: key k of
+    segment i moves to row i, column k. -> {"dense_waste", "dense_index" [rows, S] (the token at each
+    position; 0 in the padding), "dense_own" [B*T], "dense_prefix_rows" [U], "dense_prefix_copies" [U, C]}."""
     n, key_lens = len(lens), pre + lens
     width = int(key_lens.max())
-    shift = np.repeat(np.arange(n, dtype=np.int64) * width - (np.cumsum(key_lens) - key_lens), key_lens)
+    row_start = np.arange(n, dtype=np.int64) * width
     index = np.zeros((n, width), dtype=np.int64)
-    index.reshape(-1)[np.arange(len(key_index)) + shift] = key_index
+    index.reshape(-1)[_ranges(row_start, key_lens)] = key_index
     useful = float((lens * pre + lens * (lens + 1) // 2).sum())
-    copies = np.where(prefix_copies >= 0, prefix_copies + shift[np.maximum(prefix_copies, 0)], -1)
     return {"dense_waste": n * width * (width + 1) / 2 / useful, "dense_index": index,
-            "dense_own": own_index + shift[own_index], "dense_prefix_rows": prefix_rows,
-            "dense_prefix_copies": copies}
+            "dense_own": _ranges(row_start + pre, lens), "dense_prefix_rows": prefix_rows,
+            "dense_prefix_copies": dense_copies}
 
 
-def _prefix_copies(src: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Key positions `at` holding extra copies of tokens `src` -> (the distinct tokens [U], their copies'
-    positions [U, C] padded with -1), C the most copies of one token."""
+def _prefix_copies(src: np.ndarray, lens: np.ndarray, *at: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Continuation c also sees tokens src[c] + [0, lens[c]) (lens >= 1); its copies of them sit at
+    at[v][c] + [0, lens[c]) in each key layout v. -> (the distinct tokens seen [U] ascending, per layout
+    their copies' positions [U, C] in continuation order, padded with -1), C the most copies of one token."""
     if src.size == 0:
-        return src, np.full((0, 1), -1, dtype=np.int64)
+        return src.astype(np.int64), [np.full((0, 1), -1, dtype=np.int64) for _ in at]
+    new = np.ones(len(src), dtype=bool)
+    new[1:] = src[1:] != src[:-1]
+    heads = np.flatnonzero(new)  # each root's first continuation (src never decreases: the latest root)
+    group = np.cumsum(new) - 1
+    seen = lens[heads]
+    if (lens == seen[group]).all() and (src[heads[1:]] >= src[heads[:-1]] + seen[:-1]).all():
+        return _group_copies(src[heads], seen, heads, group, at)
+    return _sorted_copies(src, lens, at)
+
+
+def _group_copies(root, seen, heads, group, at) -> tuple[np.ndarray, list[np.ndarray]]:
+    """_prefix_copies of well-formed rows (a GRPO pack): the continuations of one root all see its first
+    seen[g] tokens and the roots' ranges do not overlap, so the sorted answer is known without a sort:
+    row (g, k) is root[g] + k, and its copies are the group's continuations' at + k, in their order."""
+    u_start = np.cumsum(seen) - seen
+    k = np.arange(int(seen.sum()), dtype=np.int64) - np.repeat(u_start, seen)  # each row's offset in its root
+    counts = np.diff(np.append(heads, len(group)))
+    rank = np.arange(len(group)) - heads[group]  # each continuation's place in its group
+    row_group = np.repeat(np.arange(len(seen)), seen)
+    copies = []
+    for starts in at:
+        first_copy = np.full((len(seen), int(counts.max())), -1, dtype=np.int64)
+        first_copy[group, rank] = starts  # [G, C]: where each continuation's copy of token root[g] sits
+        per_row = first_copy[row_group]
+        copies.append(np.where(per_row >= 0, per_row + k[:, None], -1))
+    return k + np.repeat(root, seen), copies
+
+
+def _sorted_copies(src, lens, at) -> tuple[np.ndarray, list[np.ndarray]]:
+    """_prefix_copies of any rows: sort the seen tokens, keeping continuation order among equal ones."""
+    src = _ranges(src, lens)
     order = np.argsort(src, kind="stable")
-    src, at = src[order], at[order]
-    rows, first, counts = np.unique(src, return_index=True, return_counts=True)
-    copies = np.full((rows.size, int(counts.max())), -1, dtype=np.int64)
-    copies[np.repeat(np.arange(rows.size), counts), np.arange(src.size) - np.repeat(first, counts)] = at
+    rows, first, counts = np.unique(src[order], return_index=True, return_counts=True)
+    where = np.repeat(np.arange(rows.size), counts), np.arange(src.size) - np.repeat(first, counts)
+    copies = []
+    for starts in at:
+        c = np.full((rows.size, int(counts.max())), -1, dtype=np.int64)
+        c[where] = _ranges(starts, lens)[order]
+        copies.append(c)
     return rows, copies
 
 

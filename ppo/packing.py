@@ -199,19 +199,7 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
     labels[total:] = pad_id
     a["cu_seqlens"][:] = cu
     if responses is not None:
-        # response token j of sequence i sits at start[i] + j and is predicted at the position before,
-        # except j = 0: predicted by the last token of the (possibly shared) prompt, at its group's start
-        start = cu[:-1] + np.where(first, p, 0)
-        last_prompt = (cu[:-1] + p - 1)[np.flatnonzero(first)][np.cumsum(first) - 1]
-        rows = np.repeat(np.arange(b), r_lens)
-        cols = np.arange(n) - np.repeat(np.cumsum(r_lens) - r_lens, r_lens)
-        a["flat_response_index"][:] = np.where(cols == 0, last_prompt[rows], start[rows] + cols - 1)
-        a["flat_response_tokens"][:] = ids[start[rows] + cols]
-        a["flat_response_slot"][:] = slot = rows * r + cols
-        for name in ("response_index", "response_tokens"):
-            a[name][:] = 0
-            a[name][slot] = a["flat_" + name]
-        a["response_mask"][:] = (np.arange(r)[None] < r_lens[:, None]).reshape(-1)
+        _fill_responses(a, ids, cu, p, r_lens, first)
     out = buf.to_device()
     for name in ("input_ids", "position_ids", "labels"):
         out[name] = out[name][None]
@@ -222,6 +210,29 @@ def _assemble(row: np.ndarray, seg_lens: np.ndarray, pos_start: np.ndarray, resp
     doc |= copy_to_device({k: torch.from_numpy(doc[k]) for k in DEVICE_ARRAYS if k in doc}, device)
     return PackedBatch(**out, seq_lens=seg_lens.tolist(), max_seqlen=int(seg_lens.max()), num_pad=t - total,
                        layout=DocumentLayout.from_arrays(doc, device))
+
+
+def _fill_responses(a: dict[str, np.ndarray], ids: np.ndarray, cu: np.ndarray, p: np.ndarray, r_lens: np.ndarray,
+                    first: np.ndarray) -> None:
+    """Write the response fields into the host arrays `a`, as [B, R] grids first (one broadcast each, no
+    per-token index arithmetic), whose masked entries in row-major order are the flat_* lists."""
+    b, r = len(r_lens), len(a["response_mask"]) // len(r_lens)
+    mask, index, tokens = (a[k].reshape(b, r) for k in ("response_mask", "response_index", "response_tokens"))
+    np.less(np.arange(r), r_lens[:, None], out=mask)
+    # response token j of sequence i sits at start[i] + j and is predicted at the position before,
+    # except j = 0: predicted by the last token of the (possibly shared) prompt, at its group's start
+    start = cu[:-1] + np.where(first, p, 0)
+    np.add(start[:, None], np.arange(r), out=index)
+    np.take(ids, index, out=tokens, mode="clip")  # past a response's end: clipped, zeroed below
+    index -= 1
+    index[:, 0] = (cu[:-1] + p - 1)[np.flatnonzero(first)][np.cumsum(first) - 1]
+    if len(a["flat_response_slot"]) < mask.size:  # some responses end before R: zero past each end
+        index *= mask
+        tokens *= mask
+    flat_mask = mask.reshape(-1)  # boolean indexing: np.compress / take are several times slower here
+    a["flat_response_index"][:] = index.reshape(-1)[flat_mask]
+    a["flat_response_tokens"][:] = tokens.reshape(-1)[flat_mask]
+    a["flat_response_slot"][:] = np.flatnonzero(flat_mask)
 
 
 def copy_to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

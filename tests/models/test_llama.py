@@ -323,6 +323,46 @@ def _well_formed_prefix_rows(gen, b, t):
     return pos
 
 
+def _naive_copies(pos: torch.Tensor) -> dict[str, list]:
+    """The own positions and the prompt tokens' extra copies, in key and in dense positions, by walking
+    each segment's keys (_naive_prefix_keys): a segment's keys before its own tokens are copies."""
+    bounds, index, cu_k = _naive_prefix_keys(pos)
+    width = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    dense, own, dense_own, copies = [], [0] * pos.numel(), [0] * pos.numel(), {}
+    for i in range(len(bounds) - 1):
+        keys = index[cu_k[i]:cu_k[i + 1]]
+        pre = len(keys) - (bounds[i + 1] - bounds[i])
+        dense.append(keys + [0] * (width - len(keys)))
+        for col, tok in enumerate(keys):
+            if col < pre:  # in continuation order: segments are walked in order
+                copies.setdefault(tok, []).append((cu_k[i] + col, i * width + col))
+            else:
+                own[tok], dense_own[tok] = cu_k[i] + col, i * width + col
+    rows = sorted(copies)
+    c = max((len(v) for v in copies.values()), default=1)
+    pad = [copies[r] + [(-1, -1)] * (c - len(copies[r])) for r in rows]
+    return {"own_index": own, "prefix_rows": rows, "prefix_copies": [[k for k, _ in v] for v in pad],
+            "dense_index": dense, "dense_own": dense_own, "dense_prefix_rows": rows,
+            "dense_prefix_copies": [[d for _, d in v] for v in pad], "width": c}
+
+
+def test_host_layout_copies_and_dense_view_equal_walking_the_keys():
+    """own_index, the prompt copies (sorted tokens, copies in continuation order, -1 padded) and the dense
+    view equal the walk, on rows of well-formed GRPO groups (host_layout's sort-free path) and on any rows."""
+    gen = torch.Generator().manual_seed(5)
+    for rows_of in (_well_formed_prefix_rows, _random_prefix_rows) * 150:
+        b, t = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        pos = rows_of(gen, b, t)
+        lay, want = DocumentLayout.from_positions(pos), _naive_copies(pos)
+        names = ["dense_index", "dense_own", "dense_prefix_rows", "dense_prefix_copies"]
+        if lay.continues:
+            names += ["own_index", "prefix_rows", "prefix_copies"]
+        for name in names:
+            got = getattr(lay, name)
+            assert got.dtype == torch.int64 and got.tolist() == want[name], name
+        assert lay.dense_prefix_copies.shape[1] == want["width"]
+
+
 def test_dense_view_equals_mask_with_grads_on_random_rows():
     """The dense view (each segment a padded row of its keys, causal top-left, own positions picked):
     outputs and q/k/v gradients equal the mask path's on random rows of roots and continuations."""
