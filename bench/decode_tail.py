@@ -6,7 +6,7 @@ Each variant runs inside a CUDA graph (triton.testing.do_bench_cudagraph), as th
 - `unfused`: what rollout/model_runner.py ran before triton_sampling.decode_tail: the uniforms' gather,
   sample_unfiltered, two copies into the float64 result and the rows' advance as torch ops (~12 kernels);
 - `draw_only`: sample_unfiltered alone (the draw's own time, the floor of any fusion);
-- `fused`: triton_sampling.decode_tail (one kernel).
+- `fused`: triton_sampling.decode_tail (one kernel), and `fused_uncapped` without its register cap.
 Every row is active (its position advances, clamped at the end of its slot). Bytes = the logits read once;
 `hbm_fraction` is those bytes over the time at 4.3 TB/s. The last stdout line is one JSON object.
 """
@@ -50,7 +50,10 @@ def variants(b: int, vocab: int, slots: int, slot_len: int) -> dict:
     def fused():
         decode_tail(logits, meta_i, meta_f[0], u_table, out, max_position=slot_len - 1)
 
-    return {"unfused": unfused, "draw_only": draw_only, "fused": fused}
+    def fused_uncapped():
+        decode_tail(logits, meta_i, meta_f[0], u_table, out, max_position=slot_len - 1, maxnreg=None)
+
+    return {"unfused": unfused, "draw_only": draw_only, "fused": fused, "fused_uncapped": fused_uncapped}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["fused_saves_us"] = round(row["unfused"]["us"] - row["fused"]["us"], 2)
         rows.append(row)
         print(f"B={b:<4} unfused {row['unfused']['us']:7.2f} us  draw only {row['draw_only']['us']:7.2f}  "
-              f"fused {row['fused']['us']:7.2f}", flush=True)
+              f"fused {row['fused']['us']:7.2f}  uncapped {row['fused_uncapped']['us']:7.2f}", flush=True)
     result = {"bench": "decode_tail", "device_name": torch.cuda.get_device_name(), "vocab": args.vocab,
               "dtype": "bfloat16", "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows}
     print(json.dumps(result))

@@ -153,8 +153,15 @@ def _sample_unfiltered_fake(logits, temperature, uniforms) -> tuple[torch.Tensor
     return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
 
 
+# the tail kernel's register cap on CUDA: 256 threads a program, so at most 128 registers keep two programs per
+# SM and a 256-row step in one wave. Uncapped, the few registers the row's advance adds over the draw's took it
+# past 128 on an H200 (triton 3.6): 31.9 us a step against the draw's own 22.3 at 256 rows, 16.5 against 17.6 at
+# 32 rows (bench/results/decode_tail_h200.json)
+TAIL_MAXNREG = 128
+
+
 def decode_tail(logits: torch.Tensor, meta_i: torch.Tensor, temperature: torch.Tensor, u_table: torch.Tensor,
-                out: torch.Tensor, *, max_position: int) -> None:
+                out: torch.Tensor, *, max_position: int, maxnreg: int | None = TAIL_MAXNREG) -> None:
     """The engine's decode step after its forward, as ONE kernel (it was ~12 at decode sizes: the uniforms'
     gather, the draw, two copies into `out`, and the rows' advance as clamp / add / where / copies, each a
     launch gap in the step's CUDA graph). For rows b < B = logits.shape[0]:
@@ -166,7 +173,8 @@ def decode_tail(logits: torch.Tensor, meta_i: torch.Tensor, temperature: torch.T
 
     logits [B, V]; meta_i int64 [>= 5, slots] (rows: token, position, key, top_k, active), contiguous rows;
     temperature fp32 [>= B]; u_table fp32 [>= B, >= max position + 2]; out float64 [>= 2B]. Writes in place,
-    in stream order (graph-capturable); not a custom op: the engine runs it outside torch.compile."""
+    in stream order (graph-capturable); not a custom op: the engine runs it outside torch.compile. maxnreg: the
+    kernel's register cap on CUDA (None: ptxas's choice; see TAIL_MAXNREG)."""
     b, vocab = logits.shape
     if b == 0:
         return
@@ -176,5 +184,8 @@ def decode_tail(logits: torch.Tensor, meta_i: torch.Tensor, temperature: torch.T
             torch.float32 or u_table.dtype != torch.float32 or u_table.stride(1) != 1 or out.dtype != torch.float64:
         raise ValueError("decode_tail wants int64 meta_i [5, slots], fp32 temperature and u_table, float64 out, "
                          "each with contiguous rows")
+    config = _config(vocab, interpret=not logits.is_cuda)
+    if logits.is_cuda and maxnreg is not None:
+        config["maxnreg"] = maxnreg
     _decode_tail_kernel[(b,)](logits, meta_i, meta_i.stride(0), temperature, u_table, u_table.stride(0), out, b,
-                              max_position, vocab, logits.stride(0), **_config(vocab, interpret=not logits.is_cuda))
+                              max_position, vocab, logits.stride(0), **config)
