@@ -266,10 +266,10 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
 def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
     """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
 
-    A fixed rule, from H200 sweeps of every config (bench/results/decode_attention_*.json; llama-1b heads,
-    contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at >= 128
-    rows (best or within 2% of best in every shape); fewer rows hide latency with deeper pipelines over
-    smaller tiles (64 rows: 32-position tiles, 3 stages; 32 rows: 64, 3). Triton's autotuner, which this
+    A fixed rule, first from H200 sweeps of every config over one layer of KV (bench/results/decode_attention_*.json;
+    llama-1b heads, contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at
+    >= 128 rows; fewer rows hide latency with deeper pipelines over smaller tiles (64 rows: 32-position tiles,
+    3 stages; 32 rows: 64, 3); the unshared rows' rule was since re-swept (below). Triton's autotuner, which this
     replaces, timed configs on the first decode step of each KV-length bucket: its picks ran 5-15% slower
     than these (it saw one response token where the bucket later holds hundreds, and timing noise under
     the compile workers' load), and differed between runs.

@@ -155,8 +155,8 @@ def _sample_unfiltered_fake(logits, temperature, uniforms) -> tuple[torch.Tensor
 
 # the tail kernel's register cap on CUDA: 256 threads a program, so at most 128 registers keep two programs per
 # SM and a 256-row step in one wave. Uncapped, the few registers the row's advance adds over the draw's took it
-# past 128 on an H200 (triton 3.6): 31.9 us a step against the draw's own 22.3 at 256 rows, 16.5 against 17.6 at
-# 32 rows (bench/results/decode_tail_h200.json)
+# past 128 on an H200 (triton 3.6): 32.1 us a 256-row step against the draw's own 22.5; capped 21.1 (ptxas spills
+# ~100 bytes), and 16.6 us at 32 rows either way (bench.decode_tail, bench/results/decode_tail_h200.json)
 TAIL_MAXNREG = 128
 
 
