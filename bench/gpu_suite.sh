@@ -57,7 +57,8 @@ for p in "${parts[@]}"; do
             --nproc 1 --warmup 3 --modes "${GRPO_MODES:-colocated-sync}" "${prof_grpo[@]}" ${EXTRA:-} ;;
     grpo_long) run "grpo_long${GRPO_TAG:-}" "${T_GRPO_LONG:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \
                  --nproc 1 --warmup 2 --modes colocated-sync "${prof_grpo[@]}" data.task=random:256 \
-                 data.max_prompt_length=256 rollout.max_response_length=1024 trainer.total_steps=5 ${EXTRA:-} ;;
+                 data.max_prompt_length=256 rollout.max_response_length=1024 trainer.total_steps=5 \
+                 actor.max_tokens_per_micro_batch=36864 ref.max_tokens_per_micro_batch=36864 ${EXTRA:-} ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
