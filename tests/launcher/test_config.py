@@ -79,6 +79,21 @@ def test_all_shipped_configs_load():
         assert cfg.trainer.experiment_name == name
 
 
+def test_bench_grpo_1b_trains_its_batch_in_one_micro_batch():
+    """Workload (a)'s speed rests on one micro-batch per pass (bench/results/grpo_a_round13_h200.json): its
+    full-length batch, each prompt packed once with its responses, fits the actor's budget, and the reference
+    plans alike, so the two passes share one plan and one set of packs (PolicyWorker.plan / _pack)."""
+    from ppo.batching import plan_micro_batches
+
+    cfg = load_config("conf/bench_grpo_1b.yaml")
+    assert cfg.trainer.share_prompts and cfg.actor.mini_batch_size == 0
+    group = cfg.data.max_prompt_length + cfg.rollout.n * cfg.rollout.max_response_length
+    lengths = [group] * cfg.data.batch_size
+    for budget in (cfg.actor.max_tokens_per_micro_batch, cfg.ref.max_tokens_per_micro_batch):
+        assert plan_micro_batches(lengths, dp=1, rank=0, max_tokens=budget) == [[list(range(len(lengths)))]]
+    assert cfg.actor.max_tokens_per_micro_batch == cfg.ref.max_tokens_per_micro_batch
+
+
 def test_missing_file():
     with pytest.raises(UserError, match="not found"):
         load_config("conf/nope.yaml")
