@@ -145,12 +145,19 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def git_commit() -> str | None:
+def git_commit(root: str | None = None) -> str | None:
+    """The short commit of the tree a result was measured on, "+dirty" where tracked files differ from it
+    (uncommitted edits; or a copy of the tree whose git metadata is older than its files, as the device
+    machine's can be). None outside a git checkout."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10)
-        return out.stdout.strip() or None
+        commit = out.stdout.strip()
+        if out.returncode or not commit:
+            return None
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=30)
+        return commit + "+dirty" if diff.returncode == 1 else commit
     except (OSError, subprocess.SubprocessError):
         return None
 

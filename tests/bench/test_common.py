@@ -1,0 +1,23 @@
+import subprocess
+
+from bench.common import git_commit
+
+
+def _git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout above tmp_path answers
+    assert git_commit(str(tmp_path)) is None  # not a checkout
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                         text=True).stdout.strip()
+    assert git_commit(str(tmp_path)) == sha
+    (tmp_path / "untracked.txt").write_text("ignored by the mark\n")
+    assert git_commit(str(tmp_path)) == sha
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(str(tmp_path)) == sha + "+dirty"
