@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -162,10 +163,28 @@ def git_commit(root: str | None = None) -> str | None:
         return None
 
 
+def git_tree(root: str | None = None) -> str | None:
+    """The short git id of the tree as its files are (every file git does not ignore), staged into a scratch index:
+    equal to `git log --format=%t` of the commit it was measured at when the files are that commit's, whatever
+    the checkout's HEAD says. None outside a git checkout."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            add = subprocess.run(["git", "add", "-A", "."], cwd=root, env=env, capture_output=True, timeout=60)
+            out = subprocess.run(["git", "write-tree"], cwd=root, env=env, capture_output=True, text=True, timeout=30)
+        if add.returncode or out.returncode:
+            return None
+        return out.stdout.strip()[:7] or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_info(device: torch.device) -> dict:
     """Where and on what a result was measured (goes into every JSON line)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"device": name, "torch": torch.__version__, "git": git_commit(), "argv": " ".join(sys.argv[1:])}
+    return {"device": name, "torch": torch.__version__, "git": git_commit(), "git_tree": git_tree(),
+            "argv": " ".join(sys.argv[1:])}
 
 
 def emit_json(result: dict) -> None:

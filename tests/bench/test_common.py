@@ -1,6 +1,6 @@
 import subprocess
 
-from bench.common import git_commit
+from bench.common import git_commit, git_tree
 
 
 def _git(root, *args):
@@ -9,7 +9,7 @@ def _git(root, *args):
 
 def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout above tmp_path answers
-    assert git_commit(str(tmp_path)) is None  # not a checkout
+    assert git_commit(str(tmp_path)) is None and git_tree(str(tmp_path)) is None  # not a checkout
     _git(tmp_path, "init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")
     _git(tmp_path, "add", "a.py")
@@ -17,7 +17,10 @@ def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypa
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
                          text=True).stdout.strip()
     assert git_commit(str(tmp_path)) == sha
+    tree = subprocess.run(["git", "log", "-1", "--format=%t"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert git_tree(str(tmp_path)) == tree.strip()[:7]
     (tmp_path / "untracked.txt").write_text("ignored by the mark\n")
     assert git_commit(str(tmp_path)) == sha
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_commit(str(tmp_path)) == sha + "+dirty"
+    assert git_tree(str(tmp_path)) not in (None, tree.strip()[:7])  # the tree as its files are now
