@@ -25,8 +25,9 @@ COMMANDS = {
                "--device cuda",
     "grpo_a": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 3 --modes $GRPO_MODES "
               "$EXTRA",
-    "grpo_long": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 2 --modes colocated-sync "
-                 "data.task=random:256 data.max_prompt_length=256 rollout.max_response_length=1024 trainer.total_steps=5 "
+    "grpo_long": "python -m bench.placement --config conf/bench_grpo_1b.yaml --nproc 1 --warmup 2 "
+                 "--modes colocated-sync data.task=random:256 data.max_prompt_length=256 "
+                 "rollout.max_response_length=1024 trainer.total_steps=5 "
                  "actor.max_tokens_per_micro_batch=36864 ref.max_tokens_per_micro_batch=36864 $EXTRA",
     "ppo_1gpu": "python -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 $EXTRA",
     "placement_b": "python -m bench.placement --config conf/bench_ppo_1b.yaml --nproc 2 --warmup $PLACEMENT_WARMUP "

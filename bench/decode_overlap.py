@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from bench.common import git_commit
+from bench.common import git_commit, git_tree
 from bench.generate import random_model
 from rollout import NativeEngine, RolloutConfig
 from rollout.shared_prefix import shared_prefix_tables
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.append(row)
     result = {"bench": "decode_overlap", "model": args.model, "rows": args.rows, "share": args.share,
               "prompt_len": args.prompt_len, "device_name": torch.cuda.get_device_name(), "git": git_commit(),
-              "results": out}
+              "git_tree": git_tree(), "results": out}
     print(json.dumps(result))
     return result
 

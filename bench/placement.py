@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{_fmt(r['samples_per_s'], '.1f'):>9} {_fmt(r['tokens_per_s_per_gpu'], '.0f'):>10} "
               f"{_fmt(r['mfu_actor']):>6} {_fmt(r['peak_mem_gb'], '.1f'):>8} {_fmt(r['host_peak_gb'], '.1f'):>8} "
               f"{_fmt(r['speedup'], '.2f'):>7}")
-    from bench.common import git_commit
+    from bench.common import git_commit, git_tree
 
     print(json.dumps({"bench": "placement", "config": args.config, "nproc": args.nproc,
-                      "overrides": args.overrides, "git_commit": git_commit(), "rows": rows}))
+                      "overrides": args.overrides, "git_commit": git_commit(), "git_tree": git_tree(), "rows": rows}))
 
 
 if __name__ == "__main__":

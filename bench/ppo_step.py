@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds before the run is killed (its row says so)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
-    from bench.common import git_commit
+    from bench.common import git_commit, git_tree
 
     result = run_workload(args.config, nproc=args.nproc, overrides=args.overrides, warmup=args.warmup,
                           runs_dir=args.runs_dir, timeout=args.timeout)
     import torch
 
     result.update(bench="ppo_step", config=args.config, overrides=args.overrides, git_commit=git_commit(),
-                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  git_tree=git_tree(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   peak_flops_per_gpu=790e12)
     print(json.dumps(result))
 
