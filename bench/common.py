@@ -146,11 +146,13 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def git_commit(root: str | None = None) -> str | None:
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(root: str = REPO_ROOT) -> str | None:
     """The short commit of the tree a result was measured on, "+dirty" where tracked files differ from it
     (uncommitted edits; or a copy of the tree whose git metadata is older than its files, as the device
     machine's can be). None outside a git checkout."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10)
@@ -163,14 +165,19 @@ def git_commit(root: str | None = None) -> str | None:
         return None
 
 
-def git_tree(root: str | None = None) -> str | None:
-    """The short git id of the tree as its files are (every file git does not ignore), staged into a scratch index:
-    equal to `git log --format=%t` of the commit it was measured at when the files are that commit's, whatever
-    the checkout's HEAD says. None outside a git checkout."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def git_tree(root: str = REPO_ROOT) -> str | None:
+    """The short git id of the tree as its files are (every file git does not ignore): equal to `git log
+    --format=%t` of the commit it was measured at when the files are that commit's, whatever the checkout's
+    HEAD says. Staged into a scratch index and object store, so the checkout is left as it was. None outside a
+    git checkout."""
     try:
+        git_dir = subprocess.run(["git", "rev-parse", "--absolute-git-dir"], cwd=root, capture_output=True,
+                                 text=True, timeout=10)
+        if git_dir.returncode:
+            return None
         with tempfile.TemporaryDirectory() as scratch:
-            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index"), "GIT_OBJECT_DIRECTORY": scratch,
+                   "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(git_dir.stdout.strip(), "objects")}
             add = subprocess.run(["git", "add", "-A", "."], cwd=root, env=env, capture_output=True, timeout=60)
             out = subprocess.run(["git", "write-tree"], cwd=root, env=env, capture_output=True, text=True, timeout=30)
         if add.returncode or out.returncode:
