@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 if __package__ in (None, ""):  # `torchrun launcher/main.py`: make the repo root importable
@@ -26,6 +27,10 @@ if __package__ in (None, ""):  # `torchrun launcher/main.py`: make the repo root
 
 from launcher.config import Config, load_config, to_yaml  # noqa: E402
 from launcher.errors import UserError  # noqa: E402
+
+# On a user error every rank exits 2 but only rank 0 prints the message. torchrun tears down all
+# workers as soon as the first one exits, so the others wait this long for rank 0 to speak first.
+PEER_EXIT_GRACE_S = 5.0
 
 
 def _parse(argv: list[str]) -> tuple[str, list[str]]:
@@ -178,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         from ppo.checkpoint import CheckpointError
 
         if rank == 0 or isinstance(e, CheckpointError):  # the others: the same error on every rank
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        elif world_size > 1:
+            time.sleep(PEER_EXIT_GRACE_S)
         return UserError.exit_code
     except KeyboardInterrupt:  # before the preemption handler is installed (config loading)
         print(f"rank {rank}: interrupted", file=sys.stderr)

@@ -156,3 +156,18 @@ def test_empty_or_list_config_file(tmp_path, text, needle):
     with pytest.raises(UserError) as e:
         load_config(p)
     assert str(p) in str(e.value) and needle in str(e.value)
+
+
+def test_user_error_is_printed_by_rank_0_while_peers_wait(monkeypatch, capsys):
+    """torchrun kills every worker once one exits: a peer must not exit before rank 0 has printed."""
+    from launcher import main as entry
+
+    waits = []
+    monkeypatch.setattr(entry.time, "sleep", waits.append)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert entry.main(["conf/ppo_tiny.yaml", "actor.tpp=2"]) == 2
+        err = capsys.readouterr().err
+        assert ("did you mean" in err) == (rank == 0)
+    assert waits == [entry.PEER_EXIT_GRACE_S]  # only the peer waited
