@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # `torchrun launcher/main.py`: make the repo root
 from launcher.config import Config, load_config, to_yaml  # noqa: E402
 from launcher.errors import UserError  # noqa: E402
 
-# On a user error every rank exits 2 but only rank 0 prints the message. torchrun tears down all
-# workers as soon as the first one exits, so the others wait this long for rank 0 to speak first.
+# On a user error every rank exits 2. torchrun tears down all workers as soon as the first one exits:
+# the other ranks wait this long before they print and exit, so rank 0's message comes first (and alone).
 PEER_EXIT_GRACE_S = 5.0
 
 
@@ -182,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         from ppo.checkpoint import CheckpointError
 
-        if rank == 0 or isinstance(e, CheckpointError):  # the others: the same error on every rank
+        if rank == 0 or isinstance(e, CheckpointError):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        elif world_size > 1:
+        else:  # mostly the same error as rank 0's: torchrun ends this rank while it waits once rank 0 has exited
             time.sleep(PEER_EXIT_GRACE_S)
+            print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return UserError.exit_code
     except KeyboardInterrupt:  # before the preemption handler is installed (config loading)
         print(f"rank {rank}: interrupted", file=sys.stderr)
