@@ -139,15 +139,15 @@ def profile_decode(engine, prompts, *, new_tokens: int, top: int = 25) -> dict:
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
-    """One native-engine variant: '<kernel>[+compile][+eager][+lt][+noshare]' (eager = no CUDA graphs, lt =
-    cuBLASLt, noshare = every sample reads its own copy of the prompt's KV)."""
+    """One native-engine variant: '<kernel>[+compile][+eager][+lt][+noshare][+nofold]' (eager = no CUDA graphs,
+    lt = cuBLASLt, noshare = every sample reads its own copy of the prompt's KV, nofold = rollout.fold_norms off)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
     config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
                            max_num_batched_tokens=max(args.prefill_tokens, max_len), decode_attention=parts[0],
                            enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
                            compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,
-                           share_prompt_kv="noshare" not in parts,
+                           share_prompt_kv="noshare" not in parts, fold_norms="nofold" not in parts,
                            kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
     if "lt" in parts:  # every GEMM through cuBLASLt's heuristic instead of cuBLAS's (the A/B of a setting)
         torch.backends.cuda.preferred_blas_library("cublaslt")

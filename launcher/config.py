@@ -173,6 +173,7 @@ class RolloutRoleConfig:
     compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     share_prompt_kv: bool = True  # native triton decode: read each GRPO group's prompt KV once, not n times
+    fold_norms: bool = True  # native engine: RMSNorm weights folded into the next GEMMs, no norm kernels in decode
     free_memory_on_sleep: bool = True  # false: KV cache, weights and CUDA graphs stay resident while training
     bucket_mb: int = 256  # hybrid-engine reshard bucket
 
@@ -644,6 +645,9 @@ def _validate_vllm(cfg: Config) -> None:
     if not r.share_prompt_kv:
         raise UserError("rollout.share_prompt_kv=false turns off a native-engine kernel feature; vLLM shares prompt "
                         "KV through its own prefix cache: leave it at true with rollout.engine=vllm")
+    if not r.fold_norms:
+        raise UserError("rollout.fold_norms=false turns off a native-engine feature; vLLM runs its own fused norms: "
+                        "leave it at true with rollout.engine=vllm")
 
 
 def _validate_megatron_role(cfg: Config, role: str) -> None:

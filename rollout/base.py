@@ -68,6 +68,10 @@ class RolloutConfig:
     # (rollout/triton_attention.py; CUDA), "sdpa", "sdpa-efficient", "sdpa-cudnn" (SDPA forced to one
     # backend) or "bmm" (two batched matmuls)
     fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (weights copied, not aliased)
+    # with fuse_projections: the RMSNorm weights folded into the q/k/v and gate/up weights at load, the row
+    # scale applied by the kernels after them and the residual adds inside the o/down GEMMs: no norm kernels
+    # in a decode layer (rollout/folded_norms.py; layers with q/k/v biases or q/k norms keep theirs)
+    fold_norms: bool = True
     # the triton decode kernel reads the prompt KV of the n samples admitted in one prefill row once per
     # group, not once per sample (rollout/shared_prefix.py); False: every row reads its own slot
     share_prompt_kv: bool = True

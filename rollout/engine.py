@@ -106,7 +106,7 @@ class NativeEngine:
                  sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         if self.asleep:
             raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
-        self.runner.check_loaded()
+        self.runner.finish_loading()
         params = expand_sampling(sampling, len(prompts))
         results: dict[int, list[Completion]] = {}
         sched = Scheduler(num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,

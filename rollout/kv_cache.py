@@ -139,12 +139,22 @@ class DecodeAttention:
     def applies_rope(self) -> bool:
         return self.rope is not None
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def applies_norm(self) -> bool:
+        """Whether q/k/v may arrive unnormalised, with the rows `norm_x` whose RMS scales them (folded_norms)."""
+        return self.mode == "triton"
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 norm_x: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         if self.mode == "triton":
             from rollout.triton_attention import decode_attention, decode_attention_shared
 
             args = (self.cache, layer_idx, self.positions, q, k, v, self.kv_len, *(self.rope or (None, None)))
-            return decode_attention(*args) if self.prefix is None else decode_attention_shared(*args, *self.prefix)
+            if self.prefix is None:
+                return decode_attention(*args, norm_x, eps)
+            return decode_attention_shared(*args, *self.prefix, norm_x, eps)
+        if norm_x is not None:
+            raise ValueError(f"decode attention {self.mode!r} does not apply a norm")
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         write_kv(self.cache, layer_idx, self.positions, k, v)

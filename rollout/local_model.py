@@ -6,10 +6,11 @@ all-gathers the local-vocab logits so every rank samples the same token (no DTen
 graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
 q/k/v and gate/up run as one GEMM each (FusedQKVAttention / FusedGateUpMLP, the HF-named parameters
 being views of the fused weight), reusing llama.py's RoPE; Qwen3's per-head q/k norms (replicated
-under TP) run once over the fused q|k heads, before RoPE.
+under TP) run once over the fused q|k heads, before RoPE. With fold_norms the layers carry their RMSNorm
+weights inside those fused weights and run no norm kernel (rollout/folded_norms.py).
 
     model = build_local_model(cfg, tp=2, tp_rank=r, tp_group=g, device="cuda", dtype=torch.bfloat16)
-    groups = fuse_projections(model, device="cuda", dtype=torch.bfloat16)  # re-bind on reload
+    groups = fuse_projections(model, device="cuda", dtype=torch.bfloat16, fold_norms=True)  # re-bind on reload
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
+from rollout.folded_norms import FoldedDecoderLayer, fold_weight, foldable
 
 
 class RowParallelLinear(nn.Linear):
@@ -60,9 +62,13 @@ class FusedQKVAttention(Attention):
     `qkv_weight`, so HF-named loading fills it (bigger GEMMs run closer to peak at decode batch sizes)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        b, t, _ = x.shape
+        return self.o_proj(self.heads(F.linear(x, self.qkv_weight, self.qkv_bias), cos, sin, attn))
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, **norm) -> torch.Tensor:
+        """qkv [B, T, (Hq + 2 Hkv) D] (the fused GEMM's output) -> attention output [B, T, Hq D], before o_proj.
+        `norm` (norm_x, eps) goes to a backend that applies the input norm's row scale itself (folded_norms)."""
+        b, t, _ = qkv.shape
         nq, nk, _ = self.qkv_split
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused output: one RoPE over both heads (half the small kernels), or
         # none here when the attention kernel rotates them itself (the Triton decode kernel)
         qk = qkv[..., : nq + nk].view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -72,8 +78,8 @@ class FusedQKVAttention(Attention):
         if not getattr(attn, "applies_rope", False):
             qk = apply_rotary(qk, cos, sin)
         v = qkv[..., nq + nk:].view(b, t, -1, self.head_dim).transpose(1, 2)
-        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], v, **norm)
+        return out.transpose(1, 2).reshape(b, t, -1)
 
     def _qk_norm(self, qk: torch.Tensor, hq: int) -> torch.Tensor:
         """q_norm over the first hq heads of qk [B, Hq + Hkv, T, D], k_norm over the rest, as one normalise
@@ -106,6 +112,7 @@ class FusedGroup:
     attr: str  # the module attribute holding the fused tensor
     members: list[nn.Parameter]  # views of it, concatenated along dim 0
     shapes: list[tuple[int, ...]]
+    norm: nn.Parameter | None = None  # an RMSNorm weight folded into the members' columns (folded_norms)
 
     def bind(self, *, device, dtype) -> None:
         """(Re)allocate the fused tensor and point every member parameter at its slice."""
@@ -116,30 +123,40 @@ class FusedGroup:
             start += shape[0]
         setattr(self.module, self.attr, fused)
 
+    def fold(self, members: list[nn.Parameter]) -> None:
+        """Fold the norm weight into `members` (as loaded, unfolded) in place."""
+        for p in members:
+            fold_weight(p.data, self.norm.data)
+
     def drop(self, *, device, dtype) -> None:
         for p in self.members:
             p.data = torch.empty(0, device=device, dtype=dtype)
         setattr(self.module, self.attr, None)
 
 
-def fuse_projections(model: LlamaForCausalLM, *, device, dtype) -> list[FusedGroup]:
-    """Swap norms, attention and MLPs to the fused variants; returns the weight groups to (re)bind on load."""
+def fuse_projections(model: LlamaForCausalLM, *, device, dtype, fold_norms: bool = False) -> list[FusedGroup]:
+    """Swap norms, attention and MLPs to the fused variants; returns the weight groups to (re)bind on load.
+    fold_norms: layers that allow it (folded_norms.foldable) become FoldedDecoderLayers, their groups carrying
+    the norm weight the loader folds in (EngineModelRunner.finish_loading)."""
     groups = []
     for mod in model.modules():
         if type(mod) is RMSNorm:
             mod.__class__ = FusedRMSNorm
     for layer in model.model.layers.values():
         a, m = layer.self_attn, layer.mlp
+        fold = fold_norms and foldable(layer)
+        if fold:
+            layer.__class__ = FoldedDecoderLayer
         projs = (a.q_proj, a.k_proj, a.v_proj)
         a.__class__, m.__class__ = FusedQKVAttention, FusedGateUpMLP
         a.qkv_split = [lin.out_features for lin in projs]
         a.qkv_bias = None
-        members = [(a, "qkv_weight", [lin.weight for lin in projs]),
-                   (m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight])]
+        members = [(a, "qkv_weight", [lin.weight for lin in projs], layer.input_layernorm.weight),
+                   (m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight], layer.post_attention_layernorm.weight)]
         if projs[0].bias is not None:
-            members.append((a, "qkv_bias", [lin.bias for lin in projs]))
-        for mod, attr, params in members:
-            group = FusedGroup(mod, attr, params, [tuple(p.shape) for p in params])
+            members.append((a, "qkv_bias", [lin.bias for lin in projs], None))
+        for mod, attr, params, norm in members:
+            group = FusedGroup(mod, attr, params, [tuple(p.shape) for p in params], norm if fold else None)
             group.bind(device=device, dtype=dtype)
             groups.append(group)
     return groups

@@ -86,9 +86,16 @@ class EngineModelRunner:
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.model = build_local_model(cfg, tp=self.tp, tp_rank=self.tp_rank, tp_group=tp_group,
                                        device=self.device, dtype=dtype)
-        self.fused = fuse_projections(self.model, device=self.device, dtype=dtype) if config.fuse_projections else []
+        self.fused = fuse_projections(self.model, device=self.device, dtype=dtype, fold_norms=config.fold_norms) \
+            if config.fuse_projections else []
         self.fused_of = {id(p): g for g in self.fused for p in g.members}
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.name_of = {id(p): n for n, p in self.params.items()}
+        # rollout.fold_norms: norm weights folded into projections (rollout/folded_norms.py); what was loaded
+        # since the last fold: projections not yet scaled, and norm weights
+        self.folded_norms = {id(g.norm) for g in self.fused if g.norm is not None}
+        self.unfolded: set[int] = set()
+        self.norms_loaded: set[int] = set()
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
@@ -189,6 +196,8 @@ class EngineModelRunner:
                 g.drop(device=self.device, dtype=self.dtype)
             self.loaded.clear()
             self.shared.clear()
+            self.unfolded.clear()
+            self.norms_loaded.clear()
 
     def wake(self) -> None:
         """Re-allocate the KV cache and decode buffers; dropped weights come back with load_weights."""
@@ -227,14 +236,35 @@ class EngineModelRunner:
                 else:
                     p.data.copy_(t.detach())
             self.loaded.add(id(p))
+            if group is not None and group.norm is not None:
+                self.unfolded.add(id(p))
+            if id(p) in self.folded_norms:
+                self.norms_loaded.add(id(p))
         if changed:
             self.graphs.clear()
 
-    def check_loaded(self) -> None:
+    def finish_loading(self) -> None:
+        """Before a generate: every weight must have been loaded since wake_up/creation; the norm weights are
+        folded into the projections loaded since the last call (rollout.fold_norms), in place."""
         missing = [n for n, p in self.params.items() if id(p) not in self.loaded]
         if missing:
             raise RuntimeError(f"{len(missing)} weights not loaded since wake_up/creation (e.g. {missing[:3]}); "
                                f"call update_weights with every parameter before generate")
+        if not self.unfolded and not self.norms_loaded:
+            return
+        with torch.no_grad():
+            for g in self.fused:
+                if g.norm is None:
+                    continue
+                fresh = [p for p in g.members if id(p) in self.unfolded]
+                if id(g.norm) in self.norms_loaded and len(fresh) < len(g.members):
+                    stale = [self.name_of[id(p)] for p in g.members if id(p) not in self.unfolded]
+                    raise RuntimeError(f"{self.name_of[id(g.norm)]} was updated without {stale}, which hold it "
+                                       f"folded in (rollout.fold_norms): update them together, or set "
+                                       f"rollout.fold_norms=false")
+                g.fold(fresh)
+        self.unfolded.clear()
+        self.norms_loaded.clear()
 
     # ---- compute ----
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,17 @@ if triton is not None:
         return m_new, l_sum, acc
 
     @triton.jit
+    def _rms_scale(x_row, HID, eps, CHUNK: tl.constexpr):
+        """rsqrt(mean(x^2) + eps) of the HID values at x_row, in fp32 (folded_norms: the row's input-norm
+        scale, which q, the new k and the new v of a layer with its norm weight folded in still need)."""
+        sq = tl.zeros([CHUNK], tl.float32)
+        for start in range(0, HID, CHUNK):
+            c = start + tl.arange(0, CHUNK)
+            x = tl.load(x_row + c, mask=c < HID, other=0.0).to(tl.float32)
+            sq += x * x
+        return tl.rsqrt(tl.sum(sq, 0) / HID + eps)
+
+    @triton.jit
     def _store_state(ws_acc_ptr, ws_ml_ptr, at, ok, m, l_sum, acc, D: tl.constexpr):
         d = tl.arange(0, D)
         tl.store(ws_ml_ptr + 2 * at, m, mask=ok)
@@ -131,9 +142,10 @@ if triton is not None:
 
     @triton.jit
     def _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr,
-                        cos_ptr, sin_ptr, qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg, s_wb, s_half,
-                        s_ob, s_oh, e, h, G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
+                        cos_ptr, sin_ptr, x_ptr, qk_scale, eps, HID, s_qb, s_qh, s_rb, s_xb, s_cv, s_cb, s_ch, s_ct,
+                        s_mg, s_wb, s_half, s_ob, s_oh, e, h, G: tl.constexpr, MEMBERS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                        NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
         # table entry e, KV head h. The entry's rows (up to MEMBERS, the samples of one prompt admitted in one
         # prefill row) hold identical K/V at positions [0, plen) in their slots; read them once, from the
         # first member's slot, for the MEMBERS x G query rows together (tensor-core tiles of BLOCK_M rows), and
@@ -147,14 +159,21 @@ if triton is not None:
             row = tl.where(ok, row, 0)
             d = tl.arange(0, D)
             q_at = q_ptr + row[:, None] * s_qb + (h * G + g)[:, None] * s_qh
-            q = tl.load(q_at + d[None, :], mask=ok[:, None], other=0.0)
+            q = tl.load(q_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             if ROPE:  # as for a row, each member at its own position
                 half = (d + D // 2) % D
                 sign = tl.where(d < D // 2, -1.0, 1.0)
                 cos = tl.load(cos_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32)
                 sin = tl.load(sin_ptr + row[:, None] * s_rb + d[None, :]).to(tl.float32) * sign[None, :]
                 q_half = tl.load(q_at + half[None, :], mask=ok[:, None], other=0.0)
-                q = (q.to(tl.float32) * cos + q_half.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
+                q = q * cos + q_half.to(tl.float32) * sin
+            if NORM:  # each member row's own scale (an unused member's row 0 is computed and masked)
+                r = tl.full([BLOCK_M], 1.0, tl.float32)
+                for jj in tl.static_range(MEMBERS):
+                    member = tl.maximum(tl.load(members_ptr + e * s_mg + jj), 0)
+                    r = tl.where(j == jj, _rms_scale(x_ptr + member.to(tl.int64) * s_xb, HID, eps, CHUNK), r)
+                q = q * r[:, None]
+            q = q.to(q_ptr.dtype.element_ty)  # rounded once, as the compiled model's RoPE does
             src = tl.load(members_ptr + e * s_mg)
             k_row = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -167,13 +186,13 @@ if triton is not None:
                     G, MEMBERS, BLOCK_M, D)
 
     @triton.jit
-    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, qk_scale,
-                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb,
+    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, x_ptr, qk_scale, eps,
+                       HID, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb, s_xb,
                        s_cv, s_cb, s_ch, s_ct, row_prefix_ptr, row_entry_ptr, members_ptr, group_len_ptr, count_ptr,
                        ws_acc_ptr, ws_ml_ptr, s_wb, s_half, s_mg, n_entries,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                       ROPE: tl.constexpr, PREFIX: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       ROPE: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+                       MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
         # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200).
         # Programs (i, h), h a KV head: with shared prompts (PREFIX) i < n_entries is table entry i's prompt
@@ -183,17 +202,18 @@ if triton is not None:
         d = tl.arange(0, D)
         if PREFIX and i < n_entries:
             _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr,
-                            out_ptr, cos_ptr, sin_ptr, qk_scale, s_qb, s_qh, s_rb, s_cv, s_cb, s_ch, s_ct, s_mg,
-                            s_wb, s_half, s_ob, s_oh, i, h, G, MEMBERS, BLOCK_M, D, IEEE, ROPE, BLOCK_N)
+                            out_ptr, cos_ptr, sin_ptr, x_ptr, qk_scale, eps, HID, s_qb, s_qh, s_rb, s_xb, s_cv, s_cb,
+                            s_ch, s_ct, s_mg, s_wb, s_half, s_ob, s_oh, i, h, G, MEMBERS, BLOCK_M, D, IEEE, ROPE,
+                            NORM, CHUNK, BLOCK_N)
         else:
             b = i - n_entries if PREFIX else i
             pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
             g = tl.arange(0, BLOCK_G)
             g_ok = g < G
             q_at = q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh
-            q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0)
-            k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d)
-            v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d)
+            q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+            k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d).to(tl.float32)
+            v_new = tl.load(vn_ptr + b * s_vb + h * s_vh + d).to(tl.float32)
             if ROPE:  # q and the new k arrive un-rotated: x * cos + rotate_half(x) * sin with the row's cos/sin
                 # [D] (the model's own values), in fp32 and rounded once, as the compiled model's RoPE does
                 half = (d + D // 2) % D
@@ -201,9 +221,15 @@ if triton is not None:
                 cos = tl.load(cos_ptr + b * s_rb + d).to(tl.float32)
                 sin = tl.load(sin_ptr + b * s_rb + d).to(tl.float32) * sign
                 q_half = tl.load(q_at + half[None, :], mask=g_ok[:, None], other=0.0)
-                q = (q.to(tl.float32) * cos[None, :] + q_half.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
+                q = q * cos[None, :] + q_half.to(tl.float32) * sin[None, :]
                 k_half = tl.load(kn_ptr + b * s_kb + h * s_kh + half)
-                k_new = (k_new.to(tl.float32) * cos + k_half.to(tl.float32) * sin).to(kn_ptr.dtype.element_ty)
+                k_new = k_new * cos + k_half.to(tl.float32) * sin
+            if NORM:  # unnormalised q/k/v of a layer with its input norm's weight folded in: the row's scale
+                r = _rms_scale(x_ptr + b.to(tl.int64) * s_xb, HID, eps, CHUNK)
+                q, k_new, v_new = q * r, k_new * r, v_new * r
+            q = q.to(q_ptr.dtype.element_ty)
+            k_new = k_new.to(kn_ptr.dtype.element_ty)
+            v_new = v_new.to(vn_ptr.dtype.element_ty)
             k_row = cache_ptr + b.to(tl.int64) * s_cb + h * s_ch  # cache_ptr points at this layer's K; a
             # 7B layer's K over hundreds of slots passes 2**31 elements, so the slot offset is int64
             v_row = k_row + s_cv
@@ -297,11 +323,13 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-           prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None, *,
-           config: dict | None = None) -> torch.Tensor:
+           prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None,
+           norm_x: torch.Tensor | None = None, eps: float = 0.0, *, config: dict | None = None) -> torch.Tensor:
     """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile.
     prefix: shared_prefix_tables' (row_prefix, row_entry, members, group_len) on q's device; counts: their
-    arrival counters, int32 [N, Hkv] zeros (left zero by every launch; None: a fresh zeroed tensor)."""
+    arrival counters, int32 [N, Hkv] zeros (left zero by every launch; None: a fresh zeroed tensor).
+    norm_x [B, H]: q/k/v are row b's unnormalised projections and are scaled by rsqrt(mean(norm_x[b]^2) + eps)
+    (rollout/folded_norms.py)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -313,7 +341,11 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     rope = cos is not None
     if rope and (cos.shape != (b, d) or sin.shape != (b, d) or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         raise ValueError(f"cos/sin must be [B, D] = [{b}, {d}] rows of one layout, got {tuple(cos.shape)}")
+    if norm_x is not None and (norm_x.dim() != 2 or norm_x.shape[0] != b or norm_x.stride(-1) != 1):
+        raise ValueError(f"norm_x must be [B={b}, H] with unit-stride rows, got {tuple(norm_x.shape)}")
     qs, ks, vs = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    x_ = qs if norm_x is None else norm_x  # unread without norm_x
+    hid = x_.shape[-1] if norm_x is not None else 1
     layer_k = cache[layer, 0]
     cos_, sin_ = (cos, sin) if rope else (qs, qs)  # unread without RoPE
     scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
@@ -336,28 +368,31 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
         ws_acc = torch.empty(2, b, hq, d, dtype=torch.float32, device=q.device)
         ws_ml = torch.empty(2, b, hq, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(n + b, hkv)](
-        qs, ks, vs, layer_k, positions, out, cos_, sin_, scale, qs.stride(0), qs.stride(1), ks.stride(0),
-        ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1), cos_.stride(0) if rope else 0,
-        *cache_strides, row_prefix, row_entry, members, group_len, counts_, ws_acc, ws_ml, hq, b * hq,
-        members.stride(0) if prefix is not None else 0, n,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, PREFIX=prefix is not None,
-        MEMBERS=m, BLOCK_M=max(16, triton.next_power_of_2(m * g)), **tile)
+        qs, ks, vs, layer_k, positions, out, cos_, sin_, x_, scale, eps, hid, qs.stride(0), qs.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
+        cos_.stride(0) if rope else 0, x_.stride(0), *cache_strides, row_prefix, row_entry, members, group_len,
+        counts_, ws_acc, ws_ml, hq, b * hq, members.stride(0) if prefix is not None else 0, n,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, NORM=norm_x is not None,
+        CHUNK=min(1024, triton.next_power_of_2(hid)), PREFIX=prefix is not None, MEMBERS=m,
+        BLOCK_M=max(16, triton.next_power_of_2(m * g)), **tile)
     return out
 
 
 @torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
 def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None,
-                     sin: torch.Tensor | None = None) -> torch.Tensor:
+                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                     norm_x: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
     position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
-    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer)."""
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin)
+    position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer); with
+    norm_x [B, H] (the layer's input rows) q/k/v arrive unnormalised and are scaled by its RMS (folded_norms)."""
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, norm_x=norm_x, eps=eps)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None) -> torch.Tensor:
+def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None, norm_x=None,
+                           eps=0.0) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -367,7 +402,8 @@ def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, s
 def decode_attention_shared(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, kv_len: int, cos: torch.Tensor | None,
                             sin: torch.Tensor | None, row_prefix: torch.Tensor, row_entry: torch.Tensor,
-                            members: torch.Tensor, group_len: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+                            members: torch.Tensor, group_len: torch.Tensor, counts: torch.Tensor,
+                            norm_x: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """decode_attention with shared prompts (rollout.share_prompt_kv), given the tables of
     rollout/shared_prefix.py: row_prefix [B] int32 (row b's positions [0, row_prefix[b]) are a prompt its
     group shares; 0: none), row_entry [B] int32 (the table entry of row b's group; -1: none), members [N, M]
@@ -377,10 +413,10 @@ def decode_attention_shared(cache: torch.Tensor, layer: int, positions: torch.Te
     beside the rows' programs; the last of an entry's programs to finish merges the prompt's and each row's
     softmax states."""
     return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, (row_prefix, row_entry, members, group_len),
-                  counts)
+                  counts, norm_x, eps)
 
 
 @decode_attention_shared.register_fake
 def _decode_attention_shared_fake(cache, layer, positions, q, k, v, kv_len, cos, sin, row_prefix, row_entry,
-                                  members, group_len, counts) -> torch.Tensor:
+                                  members, group_len, counts, norm_x=None, eps=0.0) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -10,10 +10,15 @@ PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9], [
 
 
 def peaked_model(seed=0, scale=20.0):
-    """Random tiny model with a scaled lm_head: peaked distributions make sampling tests meaningful."""
+    """Random tiny model with a scaled lm_head (peaked distributions make sampling tests meaningful) and norm
+    weights away from 1 (the engine folds them into its projections: rollout/folded_norms.py)."""
     model = build_model(preset_config("tiny"), seed=seed)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -30,11 +35,11 @@ def model():
 
 def trainer_logprobs(model, prompt, tokens, temperature):
     """log_softmax(model(full_ids) / T) gathered at the generated tokens (T = 1 when greedy)."""
-    ids = torch.tensor([prompt + tokens])
+    ids = torch.tensor([prompt + tokens], device=model.lm_head.weight.device)
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1: -1].float()
     t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / t, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return torch.log_softmax(logits / t, dim=-1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu()
 
 
 def naive_greedy(model, prompt, steps):

@@ -48,6 +48,7 @@ def test_engine_vllm_without_vllm_is_a_user_error():
     (["rollout.temperature=0.7", "rollout.top_k=20"], "without renormalisation"),
     (["rollout.decode_attention=bmm"], "rollout.decode_attention"),
     (["rollout.share_prompt_kv=false"], "rollout.share_prompt_kv"),
+    (["rollout.fold_norms=false"], "rollout.fold_norms"),
 ])
 def test_engine_vllm_config_mismatches_exit_before_launch(monkeypatch, overrides, needle):
     import rollout.vllm_support as support
