@@ -61,23 +61,25 @@ def _residual_linear_fake(h, x, weight) -> None:
 if triton is not None:
 
     @triton.jit
-    def _scaled_silu_mul_kernel(gu_ptr, x_ptr, out_ptr, eps, HID, INTER, s_gu, s_x, s_o,
+    def _scaled_silu_mul_kernel(gu_ptr, x_ptr, out_ptr, eps, INTER, s_gu, s_x, s_o, HID: tl.constexpr,
                                 CHUNK: tl.constexpr, BLOCK_I: tl.constexpr):
-        # program (row, column block): the row's r from its x (4-8 KB, from L2 after the first block), then
-        # silu(g * r) * (u * r) over BLOCK_I columns in fp32, rounded once
+        # program (row, column block): gate and up loaded first, the row's r from its x (4-8 KB, from L2 after
+        # the row's first block) while they arrive, then silu(g * r) * (u * r) in fp32, rounded once
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        sq = tl.zeros([CHUNK], tl.float32)
-        for start in range(0, HID, CHUNK):
+        ok = cols < INTER
+        g = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        for start in tl.static_range(0, HID, CHUNK):  # unrolled: every x load in flight at once
             c = start + tl.arange(0, CHUNK)
             xv = tl.load(x_ptr + row * s_x + c, mask=c < HID, other=0.0).to(tl.float32)
-            sq += xv * xv
-        r = tl.rsqrt(tl.sum(sq, 0) / HID + eps)
-        ok = cols < INTER
-        g = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32) * r
-        u = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32) * r
-        act = g * tl.sigmoid(g) * u
-        tl.store(out_ptr + row * s_o + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
+            if start == 0:
+                sq = tl.sum(xv * xv, 0)
+            else:
+                sq += tl.sum(xv * xv, 0)
+        r = tl.rsqrt(sq / HID + eps)
+        g, u = g * r, u * r
+        tl.store(out_ptr + row * s_o + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @torch.library.custom_op("hybridrl_rollout::scaled_silu_mul", mutates_args=())
@@ -92,10 +94,10 @@ def scaled_silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch
     if gate_up.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("scaled_silu_mul needs unit-stride rows")
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    block = 2048  # columns per program: each one also reads its row's x (H values) for r
     _scaled_silu_mul_kernel[(n, triton.cdiv(inter, block))](
-        gate_up, x, out, eps, x.shape[1], inter, gate_up.stride(0), x.stride(0), out.stride(0),
-        CHUNK=min(1024, triton.next_power_of_2(x.shape[1])), BLOCK_I=block, num_warps=4)
+        gate_up, x, out, eps, inter, gate_up.stride(0), x.stride(0), out.stride(0), HID=x.shape[1],
+        CHUNK=min(2048, triton.next_power_of_2(x.shape[1])), BLOCK_I=block, num_warps=8)
     return out
 
 
