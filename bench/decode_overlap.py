@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = RolloutConfig(max_num_seqs=args.rows, max_model_len=max(contexts) + 2, decode_attention="triton",
                            share_prompt_kv=bool(args.share), compile=True)
     runner = NativeEngine.from_model(model, config=config).runner
+    runner.finish_loading()  # as generate() does before its first forward (folds the norm weights)
     fn = torch.compile(Slice.forward, dynamic=True)
     out = []
     for ctx in contexts:
