@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{_fmt(r['samples_per_s'], '.1f'):>9} {_fmt(r['tokens_per_s_per_gpu'], '.0f'):>10} "
               f"{_fmt(r['mfu_actor']):>6} {_fmt(r['peak_mem_gb'], '.1f'):>8} {_fmt(r['host_peak_gb'], '.1f'):>8} "
               f"{_fmt(r['speedup'], '.2f'):>7}")
+        late = [i for i in r["compiled_steps"] if i > args.warmup]
+        if late:  # a compile inside the measured window: its step time is the compiler's, not the workload's
+            print(f"{'':24} measured step(s) {late} compiled; samples/s without them: "
+                  f"{_fmt(r['samples_per_s_no_compile'], '.1f')}")
     from bench.common import git_commit, git_tree
 
     print(json.dumps({"bench": "placement", "config": args.config, "nproc": args.nproc,

@@ -68,14 +68,23 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
 
 
 def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dict:
-    """Means over the measured steps (all steps when there are no more than `warmup`)."""
-    measured = rows[warmup:] or rows
+    """Means over the measured steps (all steps when there are no more than `warmup`). `compiled_steps` lists the
+    steps (1-based) in which torch.compile compiled a graph: a measured one among them paid a recompile (e.g. the
+    training forward's second packed length arriving after the warm-up), and `samples_per_s_no_compile` is the
+    mean over the measured steps that did not."""
+    first = warmup if len(rows) > warmup else 0
+    measured = rows[first:]
+    graphs = [0] + [r.get("compile/graphs") or 0 for r in rows]  # cumulative per step, after a 0 before step 1
+    compiled = [i for i in range(1, len(graphs)) if graphs[i] > graphs[i - 1]]
+    clean = [r["perf/samples_per_s"] for i, r in enumerate(rows[first:], start=first + 1)
+             if i not in compiled and r.get("perf/samples_per_s") is not None]
     keys = sorted({k for r in measured for k in r})
     mean = {k: sum(r[k] for r in measured if r.get(k) is not None) / max(1, sum(r.get(k) is not None
                                                                                for r in measured))
             for k in keys}
     plan = json.loads((run_dir / "plan.json").read_text())
-    out = {"steps_measured": len(measured),
+    out = {"steps_measured": len(measured), "compiled_steps": compiled,
+           "samples_per_s_no_compile": sum(clean) / len(clean) if clean else None,
            "placement": plan["mode"], "groups": {r: g["ranks"] for r, g in plan["groups"].items()},
            "samples_per_s": mean.get("perf/samples_per_s"), "tokens_per_s": mean.get("perf/tokens_per_s"),
            "tokens_per_s_per_gpu": (mean.get("perf/tokens_per_s") or 0) / nproc,

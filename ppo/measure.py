@@ -80,3 +80,11 @@ def host_memory_gb() -> dict[str, float]:
         rss = int(f.read().split()[1]) * page
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     return {"host_rss_gb": rss / 2**30, "host_peak_gb": max(peak, rss) / 2**30}
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile (Dynamo) has compiled in this process so far: a step that raises the count paid
+    for a compile or recompile (e.g. the training forward's first packed length that differs from the first)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
-from ppo.measure import DeviceSpan, StageTimer, host_memory_gb
+from ppo.measure import DeviceSpan, StageTimer, compiled_graphs, host_memory_gb
 from ppo.placement import Placement
 from ppo.profiling import StepProfiler
 from ppo.roles import build_roles
@@ -335,7 +335,7 @@ class PPOTrainer:
                 "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
                             if self.device.type == "cuda" else None),
-                **host_memory_gb()}
+                "graphs": compiled_graphs(), **host_memory_gb()}
         parts = all_gather_objects(mine)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -376,6 +376,7 @@ class PPOTrainer:
         # host memory per rank (offloaded optimizer states live there): now, and the process's peak so far
         m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
         m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
+        m["compile/graphs"] = max(p["graphs"] for p in parts)  # cumulative: a step that raises it compiled
         return m
 
     def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:

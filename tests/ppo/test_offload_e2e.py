@@ -25,6 +25,7 @@ def test_grpo_with_offloaded_optimizer_trains_and_checkpoints(tmp_path):
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["actor/optimizer_step_s"] > 0
     assert rows[0]["mem/host_rss_gb"] > 0 and rows[0]["mem/host_peak_gb"] >= rows[0]["mem/host_rss_gb"]
+    assert rows[0]["compile/graphs"] == 0  # nothing compiled on CPU (bench.ppo_step's compiled_steps reads it)
     state = torch.load(run / "checkpoints" / "step_1" / "rank_0.pt", weights_only=False)
     saved = state["workers"]["actor"]["runner"]["optim"]["state"]  # AdamW's layout: a resume loads it like any AdamW's
     assert saved and all(s["exp_avg"].device.type == "cpu" and "exp_avg_sq" in s for s in saved.values())

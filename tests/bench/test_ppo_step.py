@@ -1,0 +1,20 @@
+"""bench.ppo_step's summary of a run's metrics rows: means over the measured steps, and which steps compiled."""
+
+import json
+
+from bench.ppo_step import _summary
+
+
+def test_summary_flags_a_measured_step_that_recompiled(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({"mode": "colocated", "groups": {"actor": {"ranks": [0]}}}))
+    # warm-up steps 1-2 compile; measured step 4 recompiles (a new packed length after the warm-up)
+    speeds, graphs = [5.0, 100.0, 150.0, 30.0, 154.0], [40, 44, 44, 46, 46]
+    rows = [{"step": i + 1, "perf/samples_per_s": s, "compile/graphs": g, "timing_s/step": 256 / s}
+            for i, (s, g) in enumerate(zip(speeds, graphs))]
+    out = _summary(rows, warmup=2, nproc=1, run_dir=tmp_path)
+    assert out["steps_measured"] == 3 and out["compiled_steps"] == [1, 2, 4]
+    assert out["samples_per_s"] == (150.0 + 30.0 + 154.0) / 3
+    assert out["samples_per_s_no_compile"] == (150.0 + 154.0) / 2
+    rows = [{k: v for k, v in r.items() if k != "compile/graphs"} for r in rows]  # runs from before the metric
+    out = _summary(rows, warmup=2, nproc=1, run_dir=tmp_path)
+    assert out["compiled_steps"] == [] and out["samples_per_s_no_compile"] == out["samples_per_s"]
