@@ -84,7 +84,7 @@ def host_memory_gb() -> dict[str, float]:
 
 def compiled_graphs() -> int:
     """Graphs torch.compile (Dynamo) has compiled in this process so far: a step that raises the count paid
-    for a compile or recompile (e.g. the training forward's first packed length that differs from the first)."""
+    for a compile or recompile (e.g. the training forward's first step with a new packed length)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

@@ -26,6 +26,8 @@ from models.triton_support import triton_runs
 try:
     import triton
     import triton.language as tl
+
+    from rollout.triton_attention import row_rms_scale  # the decode kernel's own row scale
 except ImportError:  # CPU-only installs: scaled_silu_mul keeps its torch formula
     triton = None
 
@@ -70,14 +72,7 @@ if triton is not None:
         ok = cols < INTER
         g = tl.load(gu_ptr + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * s_gu + INTER + cols, mask=ok, other=0.0).to(tl.float32)
-        for start in tl.static_range(0, HID, CHUNK):  # unrolled: every x load in flight at once
-            c = start + tl.arange(0, CHUNK)
-            xv = tl.load(x_ptr + row * s_x + c, mask=c < HID, other=0.0).to(tl.float32)
-            if start == 0:
-                sq = tl.sum(xv * xv, 0)
-            else:
-                sq += tl.sum(xv * xv, 0)
-        r = tl.rsqrt(sq / HID + eps)
+        r = row_rms_scale(x_ptr + row * s_x, eps, HID, CHUNK)
         g, u = g * r, u * r
         tl.store(out_ptr + row * s_o + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ok)
 

@@ -88,7 +88,7 @@ if triton is not None:
         return m_new, l_sum, acc
 
     @triton.jit
-    def _rms_scale(x_rows, eps, HID: tl.constexpr, CHUNK: tl.constexpr):
+    def row_rms_scale(x_rows, eps, HID: tl.constexpr, CHUNK: tl.constexpr):
         """rsqrt(mean(x^2) + eps) in fp32 of the HID values at each pointer of x_rows ([R] or scalar): the rows'
         input-norm scale, which q, the new k and the new v of a layer with its norm weight folded in still need
         (folded_norms). The chunk loop is unrolled: every load is in flight at once."""
@@ -176,7 +176,7 @@ if triton is not None:
                 q_half = tl.load(q_at + half[None, :], mask=ok[:, None], other=0.0)
                 q = q * cos + q_half.to(tl.float32) * sin
             if NORM:  # each query row's own member's scale (an unused member reads row 0, masked)
-                q = q * _rms_scale(x_ptr + row.to(tl.int64) * s_xb, eps, HID, CHUNK_M)[:, None]
+                q = q * row_rms_scale(x_ptr + row.to(tl.int64) * s_xb, eps, HID, CHUNK_M)[:, None]
             q = q.to(q_ptr.dtype.element_ty)  # rounded once, as the compiled model's RoPE does
             src = tl.load(members_ptr + e * s_mg)
             k_row = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
@@ -216,7 +216,7 @@ if triton is not None:
             g = tl.arange(0, BLOCK_G)
             g_ok = g < G
             if NORM:  # unnormalised q/k/v of a layer with its input norm's weight folded in: the row's scale
-                r = _rms_scale(x_ptr + b.to(tl.int64) * s_xb, eps, HID, CHUNK)
+                r = row_rms_scale(x_ptr + b.to(tl.int64) * s_xb, eps, HID, CHUNK)
             q_at = q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh
             q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
             k_new = tl.load(kn_ptr + b * s_kb + h * s_kh + d).to(tl.float32)
