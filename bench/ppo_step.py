@@ -97,6 +97,8 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "nvml_util_per_gpu": [v for k, v in sorted(mean.items(), key=lambda kv: _gpu_index(kv[0]))
                                  if _gpu_index(k) >= 0],
            "step_s": mean.get("timing_s/step"), "reward_mean": mean.get("reward/mean"),
+           # Python's garbage collector stalling the host inside the step (trainer.gc_freeze keeps them short)
+           "gc_s": mean.get("host/gc_s"), "gc_full": mean.get("host/gc_full"),
            "optimizer_step_s": mean.get("actor/optimizer_step_s"),  # clip + step, inside timing_s/update_actor
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
@@ -113,7 +115,7 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            # the timeline: every step's stages (warm-up included), GPU and host memory
            "per_step": [{"step_s": r.get("timing_s/step"), "peak_mem_gb": r.get("mem/peak_gb"),
                          "host_rss_gb": r.get("mem/host_rss_gb"), "optimizer_step_s": r.get("actor/optimizer_step_s"),
-                         "samples_per_s": r.get("perf/samples_per_s"),
+                         "samples_per_s": r.get("perf/samples_per_s"), "gc_s": r.get("host/gc_s"),
                          "timing_s": {k.split("/", 1)[1]: round(v, 3) for k, v in r.items()
                                       if k.startswith("timing_s/") and k != "timing_s/step"}} for r in rows]}
     return out

@@ -62,6 +62,10 @@ class TrainerConfig:
     # steps (1-based) run under torch.profiler: <run dir>/profile/step<N>_rank<r>.json (device time per stage:
     # kernels, gaps, categories, top kernels) and a chrome trace beside it; []: off
     profile_steps: list[int] = field(default_factory=list)
+    # after the first step and any step that compiled a graph: one full garbage collection, then gc.freeze() of
+    # the survivors, so that Python's later full collections stop rescanning what torch.compile left (each one a
+    # host stall of tenths of a second inside some step; ppo/host_gc.py). false: Python's collector untouched
+    gc_freeze: bool = True
 
 
 @dataclass

@@ -181,6 +181,7 @@ class LoopSettings:
     log_samples_every: int
     log_samples_count: int
     profile_steps: tuple[int, ...]  # 1-based steps run under torch.profiler (ppo.profiling)
+    gc_freeze: bool  # freeze the objects alive after warm-up out of Python's full collections (ppo.host_gc)
 
 
 @dataclass(frozen=True, slots=True)

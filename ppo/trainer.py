@@ -13,6 +13,7 @@ placement the groups work concurrently and meet at two exchanges):
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.generation import Generation
+from ppo.host_gc import GcPauses, freeze_survivors
 from ppo.measure import DeviceSpan, StageTimer, compiled_graphs, host_memory_gb
 from ppo.placement import Placement
 from ppo.profiling import StepProfiler
@@ -70,6 +72,8 @@ class PPOTrainer:
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
+        self.gc_pauses = GcPauses()  # the collector's stalls of this rank's host, per step (host/gc_s)
+        self.frozen_graphs = -1  # compiled graphs when the survivors were last frozen (trainer.gc_freeze)
         self.ref_beside_actor = ref_beside_actor(self.plan)
         if self.ref_beside_actor and self.roles.actor is not None:
             a, r = self.roles.actor, self.roles.ref
@@ -335,7 +339,7 @@ class PPOTrainer:
                 "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
                             if self.device.type == "cuda" else None),
-                "graphs": compiled_graphs(), **host_memory_gb()}
+                "graphs": compiled_graphs(), **self.gc_pauses.take(), **host_memory_gb()}
         parts = all_gather_objects(mine)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -377,6 +381,9 @@ class PPOTrainer:
         m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
         m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
         m["compile/graphs"] = max(p["graphs"] for p in parts)  # cumulative: a step that raises it compiled
+        # the garbage collector's stalls inside the step on the slowest rank (a full collection: tenths of a second)
+        m["host/gc_s"] = max(p["gc_s"] for p in parts)
+        m["host/gc_full"] = max(p["gc_full"] for p in parts)
         return m
 
     def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
@@ -469,12 +476,31 @@ class PPOTrainer:
                 if self.rank == 0:
                     self.log.warning("stopping after step %d (%s); resume with trainer.resume=auto", step + 1, stop)
                 break
+            if loop.gc_freeze and not last:
+                self.freeze_after_warmup(step)
         else:
             stop = None
         if bar is not None:
             bar.close()
         self.state.close()
+        if self.frozen_graphs >= 0:  # the frozen objects go back to the collector
+            gc.unfreeze()
+        self.gc_pauses.close()
         return stop
+
+    def freeze_after_warmup(self, step: int) -> None:
+        """After the first step and any step that compiled a graph: collect, then freeze the survivors
+        (ppo.host_gc). Rank-local, no collective. Its pause falls between steps and is logged, not counted
+        in the next step's host/gc_s."""
+        graphs = compiled_graphs()
+        if graphs == self.frozen_graphs:
+            return
+        frozen, seconds = freeze_survivors()
+        self.gc_pauses.take()
+        self.frozen_graphs = graphs
+        if self.rank == 0:
+            self.log.info("gc: after step %d, %d objects frozen out of full collections (%.3f s)",
+                          step + 1, frozen, seconds)
 
     def at_step_end(self) -> tuple[str | None, bool]:
         """Agreed by every rank (one tiny all-reduce): (why to stop, or None; whether the

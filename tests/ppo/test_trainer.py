@@ -57,8 +57,12 @@ def test_ppo_colocated_two_ranks(tmp_path):
                 "actor/clipfrac", "critic/vf_loss", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref",
                 "timing_s/reward", "timing_s/values", "timing_s/adv", "timing_s/update_actor",
                 "timing_s/update_critic", "timing_s/step", "perf/samples_per_s", "perf/tokens_per_s",
-                "perf/mfu/actor", "timing_s/reshard", "reshard/bytes_received", "mem/hybrid_peak_gb"):
+                "perf/mfu/actor", "timing_s/reshard", "reshard/bytes_received", "mem/hybrid_peak_gb",
+                "host/gc_s", "host/gc_full"):
         assert key in rows[0], key
+    # trainer.gc_freeze: the survivors of the first step frozen once (nothing compiles on CPU after it)
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert log.count("objects frozen out of full collections") == 1 and "gc: after step 1," in log
     # on-policy: the first mini-batch of the first epoch sees ratio exactly 1 before its step
     assert rows[0]["actor/clipfrac"] == 0.0
     ckpt = run / "checkpoints" / "step_2"
@@ -71,20 +75,23 @@ def test_resume_gives_identical_metrics(tmp_path, nproc, dtype):
     """fp32 on two ranks (FSDP over dp 2); bf16 on one: the dp = 1 master-weight layout, whose fp32 masters
     and moments must come back from the checkpoint (parallel/master_weights.py)."""
     common = ["algorithm.name=ppo", "trainer.save_every=2", f"model.dtype={dtype}"]
+    # the straight run leaves Python's collector alone (trainer.gc_freeze=false): freezing changes no number
     _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=straight",
-               *common))
+               "trainer.gc_freeze=false", *common))
     _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=split",
                *common))
     _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=4", "trainer.experiment_name=split",
                "trainer.resume=auto", *common))
+    log = (tmp_path / "split" / "logs" / "rank_0.log").read_text()
     if dtype == "bfloat16":
-        log = (tmp_path / "split" / "logs" / "rank_0.log").read_text()
         assert log.count("optimizer MasterWeightAdamW") == 4  # actor and critic, in both launches
+    assert "gc: after step 1," in log and "gc: after step 3," in log  # each launch's first step
+    assert "objects frozen" not in (tmp_path / "straight" / "logs" / "rank_0.log").read_text()
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "split")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for k in a:
-            if k.startswith(("timing_s/", "perf/", "mem/")) or k.endswith("_s"):  # wall times, memory
+            if k.startswith(("timing_s/", "perf/", "mem/", "host/")) or k.endswith("_s"):  # wall times, memory, GC
                 continue
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
 
