@@ -111,7 +111,7 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "actor_ratio_max": max((r["actor/ratio_max"] for r in rows if "actor/ratio_max" in r), default=None),
            "controller": {k: v for k, v in mean.items() if k.startswith("controller/")},
            "run_dir": str(run_dir), "warnings": _warnings(run_dir),
-           "generate_memory": _generate_memory(run_dir),
+           "generate_memory": _generate_memory(run_dir), "gc_freezes": _gc_freezes(run_dir),
            # the timeline: every step's stages (warm-up included), GPU and host memory
            "per_step": [{"step_s": r.get("timing_s/step"), "peak_mem_gb": r.get("mem/peak_gb"),
                          "host_rss_gb": r.get("mem/host_rss_gb"), "optimizer_step_s": r.get("actor/optimizer_step_s"),
@@ -136,6 +136,14 @@ def _generate_memory(run_dir: Path) -> list[str]:
              if " hybrid " in ln] if log.exists() else []
     starts = [i for i, ln in enumerate(lines) if ln.startswith("start ")]
     return lines[starts[-1]:] if starts else []
+
+
+def _gc_freezes(run_dir: Path) -> list[str]:
+    """Rank 0's trainer.gc_freeze records: after which step, how many objects, and how long the full collection
+    before the freeze took (what one of Python's automatic full collections costs at that point)."""
+    log = run_dir / "logs" / "rank_0.log"
+    return [ln.split("gc: ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
+            if "gc: after step" in ln] if log.exists() else []
 
 
 def _warnings(run_dir: Path, limit: int = 12) -> list[str]:
