@@ -31,6 +31,11 @@ from launcher.errors import UserError  # noqa: E402
 # On a user error every rank exits 2. torchrun tears down all workers as soon as the first one exits:
 # the other ranks wait this long before they print and exit, so rank 0's message comes first (and alone).
 PEER_EXIT_GRACE_S = 5.0
+# A failed rank of a multi-rank world waits this long before it exits. A rank whose peer died (kill -9, OOM killer)
+# fails at once in its next collective, and if it exited as fast, torchrun would find both gone in one poll and
+# name it, the survivor, as the root cause; waiting lets torchrun's monitor (every 0.1 s by default) see the rank
+# that died first, and end this one itself.
+FAILED_RANK_EXIT_GRACE_S = 2.0
 
 
 def _parse(argv: list[str]) -> tuple[str, list[str]]:
@@ -200,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
-              f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)", file=sys.stderr)
+              f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)",
+              file=sys.stderr, flush=True)
+        if world_size > 1:
+            time.sleep(FAILED_RANK_EXIT_GRACE_S)
         return 1
 
 

@@ -55,7 +55,7 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         for k in x:
-            if not k.startswith(("timing_s/", "perf/", "mem/")) and not k.endswith("_s"):  # wall times, memory
+            if not k.startswith(("timing_s/", "perf/", "mem/", "host/")) and not k.endswith("_s"):  # wall times, GC
                 assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
