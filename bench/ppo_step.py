@@ -128,12 +128,18 @@ def _gpu_index(key: str) -> int:
     return int(parts[1]) if per_gpu else -1
 
 
+def _rank0_records(run_dir: Path, marker: str) -> list[str]:
+    """The text after `marker` of every line of rank 0's log that holds it ([] without a log)."""
+    log = run_dir / "logs" / "rank_0.log"
+    if not log.exists():
+        return []
+    return [ln.split(marker, 1)[1].strip() for ln in log.read_text(errors="replace").splitlines() if marker in ln]
+
+
 def _generate_memory(run_dir: Path) -> list[str]:
     """Rank 0's last hybrid-engine cycle, phase by phase (release training state, gather, wake_up, ...,
     restore), from its log: GPU memory allocated / reserved / peak in GB and seconds into the cycle."""
-    log = run_dir / "logs" / "rank_0.log"
-    lines = [ln.split("hybrid ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
-             if " hybrid " in ln] if log.exists() else []
+    lines = _rank0_records(run_dir, " hybrid ")
     starts = [i for i, ln in enumerate(lines) if ln.startswith("start ")]
     return lines[starts[-1]:] if starts else []
 
@@ -141,9 +147,7 @@ def _generate_memory(run_dir: Path) -> list[str]:
 def _gc_freezes(run_dir: Path) -> list[str]:
     """Rank 0's trainer.gc_freeze records: after which step, how many objects, and how long the full collection
     before the freeze took (what one of Python's automatic full collections costs at that point)."""
-    log = run_dir / "logs" / "rank_0.log"
-    return [ln.split("gc: ", 1)[1].strip() for ln in log.read_text(errors="replace").splitlines()
-            if "gc: after step" in ln] if log.exists() else []
+    return [r for r in _rank0_records(run_dir, " gc: ") if r.startswith("after step")]
 
 
 def _warnings(run_dir: Path, limit: int = 12) -> list[str]:

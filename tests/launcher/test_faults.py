@@ -54,8 +54,8 @@ def _ok(res):
 def _same_run(a: list[dict], b: list[dict]) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
-        for k in x:
-            if not k.startswith(("timing_s/", "perf/", "mem/", "host/")) and not k.endswith("_s"):  # wall times, GC
+        for k in x:  # all but wall times, memory and the garbage collector's pauses
+            if not k.startswith(("timing_s/", "perf/", "mem/", "host/")) and not k.endswith("_s"):
                 assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
