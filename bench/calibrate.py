@@ -36,7 +36,7 @@ SPEC = {  # not measured by any micro-benchmark here: machine facts, each stated
     "pcie_bytes_per_s": (50e9, "PCIe Gen5 x16 host link; assumed"),
 }
 # bench/results/generate_h200.json's kernel profile at 256 rows: the decode GEMMs take 1.04 ms of a step
-# (README "Rollout"); the one number read from a profile rather than from the benchmark's JSON fields
+# (docs/history/measurements.md, "Rollout"); the one number read from a profile rather than from the JSON fields
 DECODE_GEMM_S_AT_256_ROWS = 1.04e-3
 HOST = {  # no micro-benchmark: per-unit host costs from the two end-to-end runs that time them (< 3% of a step)
     "host_gae_s_per_token": (0.0776 / (128 * 512), "timing_s/adv of placement_b_colocated-sync_h200x2 "

@@ -4,7 +4,7 @@
         --commit <git sha the batch ran> [--suffix h200x2] [--env "EXTRA=..."]
 
 Each record keeps the exact command (from gpu_suite.sh's part table), the device, the date, the
-commit and the benchmark's own JSON line, so every number in the README can be traced.
+commit and the benchmark's own JSON line, so every number in docs/results.md can be traced.
 """
 
 from __future__ import annotations

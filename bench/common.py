@@ -6,7 +6,8 @@
     ...
     emit_json({"bench": "x", "mfu": flops / s / H200_BF16_FLOPS, **run_info(device)})
 
-Ceilings are the measured H200 numbers of DESIGN.md ("Honest numbers"). Every bench
+Ceilings are the measured H200 numbers, and the benches' `mfu` fields are against H200_BF16_FLOPS;
+docs/results.md restates them against the 989 TFLOP/s spec peak (docs/design.md, "FLOPs and MFU"). Every bench
 prints exactly one JSON object as its last stdout line (`emit_json`).
 """
 

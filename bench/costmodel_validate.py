@@ -26,7 +26,7 @@ TARGET = 0.15  # step-time error the issue asks for
 GIB = 2**30 / 1e9  # the trainer's mem/peak_gb is in GiB
 
 
-# what each run's own record says about a miss (README "Measured results"); reported, never fitted
+# what each run's own record says about a miss (docs/history/measurements.md); reported, never fitted
 KNOWN = {
     "grpo_a_noshare_h200": "the reference forward recompiled for a new packed shape inside a measured step "
                            "(README: ref 1.71 s against ~0.33 s); compilation is not modelled",

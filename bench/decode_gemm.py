@@ -10,7 +10,7 @@ the slower of its FLOPs at the measured 790 TFLOP/s and its bytes (W, x and the 
 `ceiling_fraction` = ceiling time / measured time. "autotuned" is torch.compile with
 mode="max-autotune-no-cudagraphs" on that static shape (Inductor times Triton templates and cuBLAS
 itself and keeps the fastest); where it beats cuBLAS, the engine's 64x64-tile cuBLAS choices at
-decode sizes (docs/speed_round2_profile.md, item 4) have a better kernel to take. The last stdout
+decode sizes (docs/history/speed_round2_profile.md, item 4) have a better kernel to take. The last stdout
 line is one JSON object; after each shape a partial one ("partial": true) goes to stderr.
 """
 

@@ -31,7 +31,7 @@ from rollout import NativeEngine, RolloutConfig, SamplingParams
 from rollout.hf_engine import HFEngine
 from rollout.kv_cache import kv_bytes_per_token
 
-HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (DESIGN.md)
+HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (docs/design.md, "FLOPs and MFU")
 
 
 def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype,

@@ -15,7 +15,7 @@ B*T tokens: cu_seqlens [S+1] int32 (segment boundaries), and for continuations t
 has exactly one "own" copy among the keys (own_index), and only the shared prompt's tokens have more
 (prefix_copies, one row of key positions per such token, summed in fp32). The plain index_select's
 backward, an index_add of bf16 rows, took 58 ms of a 1.0 s GRPO update on an H200; the same sum as
-torch ops under Inductor 28 ms (docs/speed_round2_profile.md); on CUDA it is now one Triton kernel
+torch ops under Inductor 28 ms (docs/history/speed_round2_profile.md); on CUDA it is now one Triton kernel
 (models/triton_gather.py).
 
 The dense view (`dense_*`): every segment as one row of a [rows, S] batch holding its keys (a

@@ -4,7 +4,7 @@ Single-device definition; parallel/ applies TP/PP/FSDP to it. Every tensor-paral
 sensitive reshape uses -1 for the head count, so a DTensor-sharded q/k/v projection
 (local heads = heads / tp) runs through the same code.
 
-Attention is pluggable and explicit (STYLE.md #7): `forward(..., attn=backend)` where
+Attention is pluggable and explicit (docs/design.md, convention 7): `forward(..., attn=backend)` where
 `backend(layer_idx, q, k, v) -> out` with q [B, Hq, T, D], k/v [B, Hkv, T, D] after
 RoPE (Qwen3: after its per-head q/k RMSNorm, then RoPE) and out [B, Hq, T, D]. The default
 is causal SDPA; `DocumentAttention` handles packed rows; the rollout engine passes its
@@ -70,7 +70,7 @@ class DocumentAttention:
     forwards) when its waste is at most DENSE_MAX_WASTE, else varlen, each when the tensors allow it
     and a one-time probe on this GPU agrees with the mask path; else the mask. Training passes keep
     varlen: there cuDNN's backward is within 15% of FA2's, and the dense view's extra gathers and
-    scatters made GRPO's update slower (bench/results/grpo_a_round10_h200.json).
+    scatters made GRPO's update slower (measured in docs/history/measurements.md).
     """
 
     def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto", layout: DocumentLayout | None = None):

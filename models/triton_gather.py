@@ -7,7 +7,7 @@ tokens' extra copies summed in fp32 by one Triton kernel, written by distinct ro
 One program per prompt token u (and BLOCK_F-wide slice of the row's features) loads its C copies, sums
 them in fp32, adds the own copy and rounds once, as the torch expression it replaces does: Inductor
 compiled that gather-reduce + index_put into one kernel at ~7% of HBM bandwidth (24 ms of a GRPO
-update on an H200, bench/results/profiles/grpo_a_step3_round2b_h200.json). Under TRITON_INTERPRET=1
+update on an H200; now ~5 ms, docs/history/measurements.md). Under TRITON_INTERPRET=1
 it runs on CPU tensors (tests/models/test_triton_gather.py).
 """
 

@@ -10,7 +10,7 @@ global layer indices, so names stay Hugging Face names) and embed/norm/head set 
 where they do not belong. Every stage returns hidden states [mb, T, H]: the last stage
 returns the final-normed hidden states and keeps `lm_head`, but never applies it, so
 the loss can compute chunked log-probs without [mb, T, V] logits (the runner does not
-know what the loss does: STYLE.md #5).
+know what the loss does: docs/design.md, convention 5).
 
 Per-token loss inputs (old log-probs, advantages, masks, targets) travel as `extras`, a
 dict of [B, ...] tensors split along dim 0 exactly like the inputs; `loss_fn(hidden_mb,

@@ -165,7 +165,7 @@ class HybridEngine:
         self._offloaded.clear()
 
     def metrics(self) -> dict[str, float]:
-        """Flat metrics of the last generate() (DESIGN.md keys where they exist)."""
+        """Flat metrics of the last generate() (the metric keys of docs/design.md where they exist)."""
         out = {f"timing_s/{k}": v for k, v in self.timings.items()}
         if self.last_stats is not None:
             out["reshard/bytes_received"] = float(self.last_stats.bytes_received)

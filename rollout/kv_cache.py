@@ -9,7 +9,7 @@ half the roofline by construction) unless a custom paged-attention kernel is use
 that a slot reserves max_model_len tokens, so concurrency = cache tokens / max_model_len.
 
 Backends follow models/llama.py's protocol `attn(layer_idx, q, k, v) -> out` with q [B, Hq, T, D]
-and k/v [B, Hkv, T, D] after RoPE; metadata is set explicitly before the forward (STYLE.md #7).
+and k/v [B, Hkv, T, D] after RoPE; metadata is set explicitly before the forward (docs/design.md, convention 7).
 """
 
 from __future__ import annotations

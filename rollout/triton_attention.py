@@ -298,27 +298,21 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
 def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
     """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
 
-    A fixed rule, first from H200 sweeps of every config over one layer of KV (bench/results/decode_attention_*.json;
-    llama-1b heads, contexts 256-1280, with and without shared prompts): 128-position tiles, 4 warps, 2 stages at
-    >= 128 rows; fewer rows hide latency with deeper pipelines over smaller tiles (64 rows: 32-position tiles,
-    3 stages; 32 rows: 64, 3); the unshared rows' rule was since re-swept (below). Triton's autotuner, which this
-    replaces, timed configs on the first decode step of each KV-length bucket: its picks ran 5-15% slower
-    than these (it saw one response token where the bucket later holds hundreds, and timing noise under
-    the compile workers' load), and differed between runs.
+    A fixed rule from H200 sweeps of every config (llama-1b heads, contexts 160-1280, with and without
+    shared prompts), not Triton's run-time autotuner: that timed configs on the first decode step of each
+    KV-length bucket (one response token where the bucket later holds hundreds), ran 5-15% slower than these
+    picks and picked differently between runs.
 
-    With shared prompts (`shared`) the launch also holds the prompt programs (32 query rows each): left to
-    itself, ptxas then gives every program 255 registers and spills, two programs per SM. Capped at 96
-    registers and with 64-position tiles, 256 rows of llama-1b heads over prompts of 128 took 31.0 / 48.5 /
-    80.7 us per layer at contexts 160 / 256 / 384 against 56.6 / 64.7 / 93.7 uncapped with 128-position tiles
-    (and 42.3 / 53.6 / 82.2 for the earlier separate prompt kernel; bench/results/decode_attention_fused_h200.json).
+    - Shared prompts (`shared`), and every launch from 256 rows on: 64-position tiles, 4 warps, 2 stages at
+      >= 128 rows (32/4/3 at 64 rows, 64/4/3 below). The shared launch also holds the prompt programs, which
+      ptxas would give 255 registers with spills (two programs per SM): the launch is capped at 96 registers
+      (`maxnreg`). At 256 rows unshared rows take the same capped tile: in the engine's kernel profile it ran
+      50.8 us per layer where 128-position tiles ran 57.9.
+    - Unshared rows below 256: 32-position tiles over 3 stages, the best when timed over 16 layers of KV (no
+      L2 reuse between calls, as in the engine), e.g. 9.28 us per layer call at 32 rows x 160 positions
+      (bench/results/decode_attention_splits_h200.json, which also holds the split-KV runs that were dropped).
 
-    Without shared prompts, timed over 16 layers of KV (no L2 reuse between calls, as in the engine; the sweeps
-    above timed one layer), 32-position tiles over 3 stages are best below 256 rows: 9.28 / 14.37 us at 32 rows
-    x 160 / 320 positions (64-position tiles 10.0 / 14.38), 27.18 / 45.99 at 128 rows (128-position tiles 33.12
-    / 48.42; bench/results/decode_attention_splits_h200.json). From 256 rows on they take the shared launch's
-    capped 64-position tile: at 256 rows over the first ~160 positions of a generate it took 50.8 us per layer
-    (idle prompt programs included) where 128-position tiles took 57.9 (bench.generate's kernel profile,
-    bench/results/generate_round12_h200.json), and one layer's sweep had them within 3% at 256-384 positions."""
+    The sweeps and A/B runs behind the rule: docs/history/measurements.md."""
     if shared or rows >= 256:
         block, warps, stages = (64, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
     else:
