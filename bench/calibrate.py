@@ -146,7 +146,8 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
                                 f"per step at 256 rows (generate_h200.json, README 'Rollout')",
         "stated_not_measured": {k: why for k, (_, why) in SPEC.items()},
         "host_from_end_to_end_runs": {k: why for k, (_, why) in HOST.items()},
-        "flop_convention": "matmul N (ppo/flops.py) plus causal attention 4 L d ctx per token forward, x3 update",
+        "flop_convention": ("matmul N (ppo/metrics/flops.py) plus causal attention 4 L d ctx per token forward, "
+                            "x3 update"),
     }
     return cal
 

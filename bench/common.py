@@ -91,12 +91,12 @@ def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int
     and the `top` kernels by total time ({name, calls, ms, share}), plus the GEMM share of the total; on
     CUDA also the span from the first kernel's start to the last one's end, the busy time (union of the
     kernels' intervals) and the largest idle gaps with the host operators that launched the kernel after
-    each (ppo.profiling.largest_gaps)."""
+    each (ppo.metrics.profiling.largest_gaps)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ppo.profiling import DEVICE_CATEGORIES, LaunchIndex, busy_us, largest_gaps
+    from ppo.metrics.profiling import DEVICE_CATEGORIES, LaunchIndex, busy_us, largest_gaps
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)

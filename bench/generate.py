@@ -25,10 +25,10 @@ import traceback
 
 import torch
 
+from bench.hf_engine import HFEngine
 from models import build_model, preset_config
 from models.config import ModelConfig
 from rollout import NativeEngine, RolloutConfig, SamplingParams
-from rollout.hf_engine import HFEngine
 from rollout.kv_cache import kv_bytes_per_token
 
 HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (docs/design.md, "FLOPs and MFU")

@@ -1,4 +1,4 @@
-"""Host-side packing of one PPO micro-batch (ppo/packing.py): milliseconds per pack.
+"""Host-side packing of one PPO micro-batch (ppo/batch/packing.py): milliseconds per pack.
 
     python -m bench.pack                              # GRPO workload (a)'s shape: 8 groups x 8, on CPU
     python -m bench.pack --groups 14                  # a full 16384-token actor micro-batch (shared prompts)
@@ -9,7 +9,7 @@ Shape: `groups` prompts of `prompt_len` tokens, each with `group_size` responses
 length 1..max_response (seed 0), or all of max_response tokens with --full-length (a random policy
 rarely stops early, so the real workload's responses are mostly full). Timed, median of --steps
 after --warmup: the workers' path (`pack_prompt_responses` from token lists, as
-ppo.experience.Sample holds them) with shared prompts and without, and `pack()` over per-sequence
+ppo.batch.experience.Sample holds them) with shared prompts and without, and `pack()` over per-sequence
 tensors. Before the vectorised packer (commit 10a6d45) the same shape took 6.5 ms (shared) /
 1.6 ms (unshared) on the 2-core dev CPU.
 The last stdout line is one JSON object.
@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from bench.common import add_device_args, emit_json, resolve_device, run_info, time_steps
-from ppo.packing import pack, pack_prompt_responses
+from ppo.batch.packing import pack, pack_prompt_responses
 
 
 def workload(*, groups: int, group_size: int, prompt_len: int, max_response: int, full_length: bool = False,

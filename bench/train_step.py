@@ -15,7 +15,7 @@ through the chunked (vocab-parallel under TP) log-prob kernel of parallel/vocab_
 - lm: next-token NLL over every position, plain causal SDPA (flash, is_causal, no mask).
 - ppo: rows packed with several prompt+response sequences of uneven length (positions
   restart per sequence; models.llama.DocumentAttention: varlen flash attention on CUDA,
-  masked SDPA elsewhere), loss = clipped-ratio policy loss (ppo.core_algos.policy_loss)
+  masked SDPA elsewhere), loss = clipped-ratio policy loss (ppo.algos.core_algos.policy_loss)
   on response tokens, entropy as a metric. Also times the forward-only log-prob
   recompute (`logprob_tokens_per_s`), the PPO step's other trainer stage.
 
@@ -67,7 +67,7 @@ from models.llama import DocumentAttention
 from parallel.apply import forward_hidden, head_shard, parallelize_model
 from parallel.dims import ParallelDims, build_mesh
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
-from ppo.core_algos import policy_loss
+from ppo.algos.core_algos import policy_loss
 
 DEFAULT_SWEEP = ("lm:eager:none:bf16,lm:compile:none:bf16,lm:compile:none:fp32,"
                  "ppo:compile:none:bf16:auto,ppo:compile:none:bf16:mask")
@@ -263,7 +263,7 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
             loss = -(logp * m).sum() / m.sum()
         else:
             logp, ent = token_logprobs(True)
-            # as the trainer's update (ppo/roles.py): no host sync before backward, metrics read after the step
+            # as the trainer's update (ppo/roles/build.py): no host sync before backward, metrics read after the step
             loss, pm = policy_loss(logp, batch["old"], batch["adv"], batch["mask"], sync_metrics=False)
             metrics.update(pm)
         loss.backward()

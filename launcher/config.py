@@ -64,7 +64,7 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     # after the first step and any step that compiled a graph: one full garbage collection, then gc.freeze() of
     # the survivors, so that Python's later full collections stop rescanning what torch.compile left (each one a
-    # host stall of tenths of a second inside some step; ppo/host_gc.py). false: Python's collector untouched
+    # host stall of tenths of a second inside some step; ppo/metrics/host_gc.py). false: Python's collector untouched
     gc_freeze: bool = True
 
 
@@ -186,7 +186,7 @@ class RolloutRoleConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
     val_files: list[str] = field(default_factory=list)  # JSONL / Parquet validation prompts; empty: no validation
-    # built-in synthetic task (ppo/tasks.py: add|copy|reverse[:digits]) when train_files is empty;
+    # built-in synthetic task (ppo/data/tasks.py: add|copy|reverse[:digits]) when train_files is empty;
     # none: data.train_files is required
     task: str = "add:1"
     task_size: int = 4096  # rows of the synthetic task
@@ -625,7 +625,7 @@ def _validate_algorithm_variants(cfg: Config) -> None:
 
 def resolved_rollout_correction(cfg: Config) -> str:
     """algorithm.rollout_correction with `auto` resolved: tis on-policy, none with async rollout."""
-    from ppo.rollout_correction import resolve_mode
+    from ppo.algos.rollout_correction import resolve_mode
 
     return resolve_mode(cfg.algorithm.rollout_correction, async_rollout=cfg.trainer.async_rollout)
 

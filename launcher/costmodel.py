@@ -10,7 +10,7 @@ written by `python -m bench.calibrate`):
 - generation: per decode step, max(weight bytes / HBM, matmul FLOPs / matmul peak) + KV bytes / HBM
   + a per-layer launch overhead (fitted to bench.generate at three batch sizes), TP all-reduces;
   prefill at a prefill MFU; waves when the KV cache holds fewer sequences than a replica gets.
-- forwards (old log-probs, reference, values, reward model) and updates: ppo/flops.py's 2N / 6N per
+- forwards (old log-probs, reference, values, reward model) and updates: ppo/metrics/flops.py's 2N / 6N per
   token plus the causal attention term, at the forward / update MFU of the micro-benchmarks, a 1F1B
   pipeline bubble, TP all-reduces (not overlapped) and FSDP gathers (overlapped with compute).
 - reshard: the bytes each rank receives (parallel/reshard.py's lower bound) at the measured rate.
@@ -27,14 +27,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ppo.step_plan import old_logp_source
+from ppo.roles.step_plan import old_logp_source
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
 # mixed precision: fp32 master + fp32 grad + Adam m, v (fp32); the 2-byte weights the forward reads (FSDP2's
 # gathered copy, or the bf16 parameters of parallel/master_weights.py at dp = 1) are not counted
 TRAINED_BYTES_PER_PARAM = 16
 FROZEN_BYTES_PER_PARAM = 4  # reference / reward model with model.dtype=float32; a 16-bit model.dtype stores
-# them in it (2 bytes: ppo/workers.py, WorkerSpec.frozen)
+# them in it (2 bytes: ppo/roles/workers.py, WorkerSpec.frozen)
 # Adam's m and v (fp32): to host memory while generating (actor.offload), or for good (<role>.offload_optimizer)
 OFFLOADED_BYTES_PER_PARAM = 8
 BF16 = 2
@@ -93,7 +93,7 @@ def load_calibration(name_or_path: str) -> Calibration:
 class ModelShape:
     """What the cost model needs of a model: N (matmul params), bytes, attention width, KV per token."""
 
-    n_matmul: int  # the N of ppo/flops.py (no embedding lookup; the LM head counts)
+    n_matmul: int  # the N of ppo/metrics/flops.py (no embedding lookup; the LM head counts)
     n_params: int  # every parameter (memory)
     layers: int
     hidden: int
@@ -198,7 +198,7 @@ def synthetic_prompt_len(cfg) -> int | None:
     (real data: the config's maximum is assumed). Responses are assumed to run to the maximum length."""
     if cfg.data.train_files or cfg.model.tokenizer != "builtin:char":
         return None
-    from ppo.tasks import get_task
+    from ppo.data.tasks import get_task
 
     try:
         rows = get_task(cfg.data.task).generate(64, seed=0)

@@ -9,7 +9,7 @@ config.yaml: model.tokenizer, or model.path's tokenizer); a run on the built-in 
 tokenizer has none to copy, which export says, with the flag that supplies one.
 
 Checkpoints already store each role as an HF directory (config.json + safetensors, see
-ppo/checkpoint.py), so export is a verified copy: the checkpoint must be complete (manifest
+ppo/run/checkpoint.py), so export is a verified copy: the checkpoint must be complete (manifest
 present, every file its recorded size), the role's tensor names and shapes must match the
 model its config.json describes, and the copy is checked file by file. `--dtype` re-encodes the
 floating weights instead (e.g. fp32 master weights -> bf16). Errors exit with code 2.
@@ -32,7 +32,7 @@ from models.config import ModelConfig, ModelConfigError
 from models.heads import LlamaForSequenceClassification
 from models.hf_io import load_tensors, save_tensors, tensor_shapes
 from models.llama import LlamaForCausalLM
-from ppo.checkpoint import find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
+from ppo.run.checkpoint import find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -115,7 +115,7 @@ def run_tokenizer_dir(ckpt: Path) -> tuple[str | None, str]:
     """(the tokenizer directory the checkpoint's run trained with, or None; why) from the run's config.yaml."""
     from omegaconf import OmegaConf
 
-    from ppo.tokenizer import resolve_tokenizer
+    from ppo.data.tokenizer import resolve_tokenizer
 
     cfg_file = ckpt.parent.parent / "config.yaml"
     if not cfg_file.is_file():

@@ -136,7 +136,7 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
 
             monitor = GpuMonitor(run_dir / "util.jsonl", interval_s=cfg.monitor.interval_s, rank=env.rank).start()
         from launcher.handoff import build_ppo_settings
-        from ppo.placement import Placement
+        from ppo.roles.placement import Placement
         from ppo.trainer import run_training
 
         try:
@@ -166,11 +166,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Each layer's own bad-input errors: they exit with 2 and a message, never a traceback."""
     from models.config import ModelConfigError
     from parallel.dims import TopologyError
-    from ppo.checkpoint import CheckpointError
-    from ppo.data import DataError
-    from ppo.resume import ResumeError
-    from ppo.rewards import RewardFailureError, RewardFunctionError
-    from ppo.tokenizer import TokenizerError
+    from ppo.data.prompts import DataError
+    from ppo.data.rewards import RewardFailureError, RewardFunctionError
+    from ppo.data.tokenizer import TokenizerError
+    from ppo.run.checkpoint import CheckpointError
+    from ppo.run.resume import ResumeError
 
     return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError,
             CheckpointError, ResumeError, RewardFailureError)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides)
         return run(cfg, rank=rank, world_size=world_size)
     except _user_errors() as e:
-        from ppo.checkpoint import CheckpointError
+        from ppo.run.checkpoint import CheckpointError
 
         if rank == 0 or isinstance(e, CheckpointError):
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ utilization, memory used/total and power. Each sample becomes one JSON line of
 `sm_util` is NVML's utilization.gpu in percent: the share of the last sample period in which
 at least one kernel ran. It is a busy fraction, not SM occupancy (one tiny kernel reads as
 100%), so it exposes idle gaps (stalls between stages) but not under-filled kernels; the
-FLOP-based `ppo.flops.useful_utilization` is the number that does. Lines are buffered and flushed every
+FLOP-based `ppo.metrics.flops.useful_utilization` is the number that does. Lines are buffered and flushed every
 `flush_interval_s`, so the training threads never wait on the file system.
 
 Without NVML (CPU machines, no driver) the monitor logs one line
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ppo.flops import H200_PEAK_BF16_FLOPS
+from ppo.metrics.flops import H200_PEAK_BF16_FLOPS
 
 log = logging.getLogger(__name__)
 

@@ -198,8 +198,8 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
 
 
 def useful_flops(w: Workload) -> float:
-    """ppo/flops.py's count of the step, exactly as the trainer's perf/useful_util counts it."""
-    from ppo.flops import ppo_step_flops
+    """ppo/metrics/flops.py's count of the step, exactly as the trainer's perf/useful_util counts it."""
+    from ppo.metrics.flops import ppo_step_flops
 
     trained = w.samples * (w.prompt_len + w.response_len)
     return ppo_step_flops(

@@ -325,7 +325,7 @@ class MegatronRunner:
             for buf in self.ddp.buffers:
                 buf.reload_from_cpu(move_params=False, move_grads=True)  # re-allocated and zeroed
 
-    # ---- checkpoints (per rank; ppo/checkpoint.py writes them atomically)
+    # ---- checkpoints (per rank; ppo/run/checkpoint.py writes them atomically)
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's model shard (megatron names), and per distributed optimizer (megatron chains one per
         param kind) its fp32 master shards with their Adam state (step, moments) keyed by parameter name, all

@@ -43,7 +43,7 @@ The `ModelRunner` protocol, precisely:
   parallel/offload_optim.py), and a backend that cannot must raise rather than ignore it.
 - `model_config`: the models.config.ModelConfig; `load_hf_weights(path, *, strict)`: this rank's slices
   of an HF checkpoint; `checkpoint_state(optimizer) -> dict` / `load_checkpoint_state(optimizer, state)`:
-  this rank's model + optimizer state in the backend's own layout (ppo/state.py writes it atomically);
+  this rank's model + optimizer state in the backend's own layout (ppo/run/state.py writes it atomically);
   `release_gradients()` / `restore_gradients()`: gradient storage leaves the GPU around generation.
   megatron-core is one more implementation: parallel/megatron_runner.py (`<role>.backend: megatron`,
   built by parallel/backends.py).

@@ -1,7 +1,7 @@
 """The typed pieces of a run that the launcher hands to `ppo` (STYLE.md #2: OmegaConf at the edge,
 typed dataclasses inside): the roles' loss and update settings, the generation role's engine config
 and sampling, how each role's workers are built, and the step loop's own settings. launcher/handoff.py
-builds them from the config tree once; ppo/trainer.py, ppo/roles.py and ppo/generation.py read nothing
+builds them from the config tree once; ppo/trainer.py, ppo/roles/build.py and ppo/roles/generation.py read nothing
 else of the tree.
 
     settings = build_ppo_settings(cfg, device=env.device)     # launcher side
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo.core_algos import PolicyLossSettings
+from ppo.algos.core_algos import PolicyLossSettings
 from rollout.base import RolloutConfig
 
 
@@ -60,7 +60,7 @@ class GenerationSettings:
 
 @dataclass(frozen=True, slots=True)
 class OptimizerSettings:
-    """AdamW with a warm-up and a constant or cosine schedule (ppo.workers.build_optimizer)."""
+    """AdamW with a warm-up and a constant or cosine schedule (ppo.roles.workers.build_optimizer)."""
 
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -73,7 +73,7 @@ class OptimizerSettings:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLayout:
-    """How one role's model runs on its ranks (ppo.workers.WorkerSpec's settings beyond the mesh)."""
+    """How one role's model runs on its ranks (ppo.roles.workers.WorkerSpec's settings beyond the mesh)."""
 
     backend: str = "native"  # native | megatron
     activation_checkpointing: str = "none"  # none | full | selective
@@ -130,7 +130,7 @@ class AdvantageSettings:
     norm_adv_by_std: bool = True
     use_kl_penalty: bool = True
     kl_penalty: str = "k1"
-    rollout_correction: str = "auto"  # as configured (ppo.rollout_correction.resolve_mode)
+    rollout_correction: str = "auto"  # as configured (ppo.algos.rollout_correction.resolve_mode)
     use_kl_loss: bool = False  # actor.use_kl_loss: needs the reference's log-probs
     overlong_buffer: bool = False  # DAPO soft overlong punishment
     overlong_buffer_len: int = 0
@@ -142,7 +142,7 @@ class AdvantageSettings:
 
 @dataclass(frozen=True, slots=True)
 class ControllerSettings:
-    """controller.*: the batch controller (ppo.controller) and the OOM retries of each stage."""
+    """controller.*: the batch controller (ppo.control.controller) and the OOM retries of each stage."""
 
     enabled: bool = False
     low_util: float = 0.60
@@ -156,7 +156,7 @@ class ControllerSettings:
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
     """The step loop's own settings (ppo.trainer.PPOTrainer). The number of steps is not here: with
-    trainer.total_epochs it depends on the data, and ppo.state.TrainState resolves it."""
+    trainer.total_epochs it depends on the data, and ppo.run.state.TrainState resolves it."""
 
     seed: int
     batch_size: int  # prompts per step
@@ -180,8 +180,8 @@ class LoopSettings:
     save_every_minutes: float
     log_samples_every: int
     log_samples_count: int
-    profile_steps: tuple[int, ...]  # 1-based steps run under torch.profiler (ppo.profiling)
-    gc_freeze: bool  # freeze the objects alive after warm-up out of Python's full collections (ppo.host_gc)
+    profile_steps: tuple[int, ...]  # 1-based steps run under torch.profiler (ppo.metrics.profiling)
+    gc_freeze: bool  # freeze the objects alive after warm-up out of Python's full collections (ppo.metrics.host_gc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,18 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppo.experience import Experience, all_gather_objects, merge_results, share_samples
-from ppo.generation import Generation
-from ppo.host_gc import GcPauses, freeze_survivors
-from ppo.measure import DeviceSpan, StageTimer, compiled_graphs, host_memory_gb
-from ppo.placement import Placement
-from ppo.profiling import StepProfiler
-from ppo.roles import build_roles
-from ppo.samples import SampleLog
+from ppo.batch.experience import Experience, all_gather_objects, merge_results, share_samples
+from ppo.batch.step_batch import check_step_tensors, late_tensors, overlong_penalties, step_tensors
+from ppo.metrics.host_gc import GcPauses, freeze_survivors
+from ppo.metrics.profiling import StepProfiler
+from ppo.metrics.samples import SampleLog
+from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs, host_memory_gb
+from ppo.roles.build import build_roles
+from ppo.roles.generation import Generation
+from ppo.roles.placement import Placement
+from ppo.roles.step_plan import old_logp_source, ref_beside_actor
+from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
-from ppo.state import TrainState
-from ppo.step_plan import old_logp_source, ref_beside_actor
-from ppo.step_tensors import check_step_tensors, late_tensors, overlong_penalties, step_tensors
 
 STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
 
@@ -45,7 +45,7 @@ class PPOTrainer:
 
     def __init__(self, state_config, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
                  monitor=None, heartbeat=None, stop_requested=None):
-        """state_config: launcher.config.Config, read only by ppo.state.TrainState (data, tokenizer,
+        """state_config: launcher.config.Config, read only by ppo.run.state.TrainState (data, tokenizer,
         checkpoints, logs); settings: the typed pieces the loop, the roles and the generation read
         (launcher/handoff.py); placement: this rank's plan, role groups and environment."""
         self.settings, self.loop = settings, settings.loop
@@ -53,7 +53,7 @@ class PPOTrainer:
         self.device = placement.device
         self.log = logging.getLogger("hybridrl")
         self.rank = placement.rank
-        from ppo.resume import layout_of
+        from ppo.run.resume import layout_of
 
         self.state = TrainState.create(state_config, run_dir=self.run_dir, rank=self.rank,
                                        layout=layout_of(self.plan))
@@ -85,7 +85,7 @@ class PPOTrainer:
         self.controller = self.controller_base = None
         c = loop.controller
         if c.enabled:
-            from ppo.controller import BatchController
+            from ppo.control.controller import BatchController
 
             self.controller_base = self.base_budgets["actor"]
             self.controller = BatchController(
@@ -95,7 +95,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def old_logp_source(self) -> str:
-        """The step's old-log-prob source (ppo.step_plan.old_logp_source), decided once per step."""
+        """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step."""
         loop = self.loop
         return old_logp_source(async_rollout=loop.async_rollout, ppo_epochs=loop.actor_ppo_epochs,
                                mini_batch_size=loop.actor_mini_batch_size, samples=loop.batch_size * loop.n,
@@ -121,7 +121,7 @@ class PPOTrainer:
         algorithm.filter_groups.max_num_gen_batches rounds. -> (experience, the last round's generation
         report, the kept samples' reward results {"score": {uid: shaped score}, "reward_failed": ...},
         metrics)."""
-        from ppo.dapo import fill_informative_groups
+        from ppo.algos.dapo import fill_informative_groups
 
         rewards: dict[str, dict[int, torch.Tensor]] = {}  # every round's reward results, by key
         last = [Generation([])]
@@ -268,7 +268,7 @@ class PPOTrainer:
         """Run a stage with its role's micro-batch token budget; on CUDA OOM halve it and rerun
         (no sample is lost: fn re-reads the whole batch). Updates retry only before their first
         optimizer step, so no mini-batch is applied twice."""
-        from ppo.controller import is_cuda_oom, run_with_oom_backoff
+        from ppo.control.controller import is_cuda_oom, run_with_oom_backoff
 
         def safe_oom(err: BaseException) -> bool:
             return is_cuda_oom(err) and (retry_safe is None or retry_safe())
@@ -286,7 +286,7 @@ class PPOTrainer:
 
     def control(self, metrics: dict[str, float]) -> None:
         """Step boundary only: the batch controller resizes token budgets from utilization/memory."""
-        from ppo.controller import agree_feedback
+        from ppo.control.controller import agree_feedback
 
         util = metrics.get("gpu/util_mean")
         util = None if util is None else util / 100.0
@@ -308,7 +308,7 @@ class PPOTrainer:
                           d.action, d.reason, d.micro_batch_tokens, d.rollout_tokens)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
-        """ppo.step_tensors.step_tensors with this run's settings and KL controller."""
+        """ppo.batch.step_batch.step_tensors with this run's settings and KL controller."""
         a = self.loop.advantages
         return step_tensors(exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
                             kl_ctrl=self.state.kl_ctrl if a.use_kl_penalty else None, old_logp=old_logp)
@@ -318,7 +318,7 @@ class PPOTrainer:
         frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.loop.reward.stop_failed_fraction
         if frac < limit or frac == 0.0:
             return
-        from ppo.rewards import RewardFailureError
+        from ppo.data.rewards import RewardFailureError
 
         manager = getattr(self.roles.reward, "manager", None)
         errors = sorted({e for part in all_gather_objects(list(manager.errors.values()) if manager else [])
@@ -389,7 +389,7 @@ class PPOTrainer:
     def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
         """Useful utilization (counted model FLOPs of the whole step over time x peak x GPUs) and the
         actor update's MFU, per DESIGN.md "Honest numbers"; against the H200's measured peak."""
-        from ppo.flops import H200_PEAK_BF16_FLOPS, ppo_stage_flops
+        from ppo.metrics.flops import H200_PEAK_BF16_FLOPS, ppo_stage_flops
 
         n = self.model_params
         roles = self.plan.groups
@@ -421,7 +421,7 @@ class PPOTrainer:
 
     def validate(self, step: int) -> dict[str, float]:
         """val/* metrics on rank 0 ({} elsewhere); collective over the world."""
-        from ppo.validation import run_validation
+        from ppo.roles.validation import run_validation
 
         loop = self.loop
         hb = self.heartbeat  # the GPU monitor tags these samples "val"; a stalled rank is reported in it
@@ -490,7 +490,7 @@ class PPOTrainer:
 
     def freeze_after_warmup(self, step: int) -> None:
         """After the first step and any step that compiled a graph: collect, then freeze the survivors
-        (ppo.host_gc). Rank-local, no collective. Its pause falls between steps and is logged, not counted
+        (ppo.metrics.host_gc). Rank-local, no collective. Its pause falls between steps and is logged, not counted
         in the next step's host/gc_s."""
         graphs = compiled_graphs()
         if graphs == self.frozen_graphs:
@@ -517,7 +517,7 @@ class PPOTrainer:
 
 def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,
                  heartbeat=None, stop_requested=None) -> str | None:
-    """state_config: launcher.config.Config (ppo.state.TrainState's data, tokenizer, checkpoints and logs);
+    """state_config: launcher.config.Config (ppo.run.state.TrainState's data, tokenizer, checkpoints and logs);
     settings: launcher/handoff.py's typed pieces; placement: this rank's plan, groups and environment;
     monitor: an optional GPU monitor with set_stage/step_summary/stop. Returns None when the run's steps
     were trained, else why the run stopped early."""

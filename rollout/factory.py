@@ -18,7 +18,7 @@ from rollout.vllm_support import VLLMOptions
 
 ENGINES = ("native", "vllm")
 NOT_BUILT = {
-    "hf": "the Hugging Face engine (rollout/hf_engine.py) is a test reference that cannot take the actor's "
+    "hf": "the Hugging Face engine (bench/hf_engine.py) is a test reference that cannot take the actor's "
           "resharded weights; use rollout.engine=native",
 }
 

@@ -62,7 +62,7 @@ def _inject_and_run(argv: list[str]) -> int:
     import torch
 
     import launcher.main
-    from ppo.roles import Roles
+    from ppo.roles.build import Roles
 
     original = Roles.update_actor
     state = {"armed": os.environ.get("OOM_INJECT") == "1"}

@@ -14,8 +14,8 @@ def test_reference_logprobs_on_device_deferred_or_waited_train_identically(tmp_p
     """GRPO with a KL loss and fused old log-probs: the step whose update reads the reference's log-probs on the
     device (DeviceRows), the step that merges them on the host while the advantages are computed, and the step
     that waits for them first end with the same metrics and the same actor weights, bit for bit."""
+    from ppo.roles.workers import DeviceRows
     from ppo.trainer import PPOTrainer
-    from ppo.workers import DeviceRows
 
     def one_step(name: str, *, beside: bool = True):
         with world_of_one():

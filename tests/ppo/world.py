@@ -53,7 +53,7 @@ class Run:
 
     @property
     def placement(self):
-        from ppo.placement import Placement
+        from ppo.roles.placement import Placement
 
         return Placement(self.plan, self.groups, self.env)
 

@@ -1,0 +1,289 @@
+"""Build the roles this rank hosts (actor, rollout, ref, critic, reward) from the device plan,
+and the loss functions the updates use. The trainer composes these objects (STYLE.md #6)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from models.config import ModelConfig
+from models.heads import LlamaForSequenceClassification, LlamaForValue
+from models.llama import LlamaForCausalLM, init_weights
+from ppo.algos import core_algos as algos
+from ppo.algos.policy_losses import compute_policy_loss
+from ppo.batch.experience import Experience, Sample
+from ppo.data.rewards import RewardSample
+from ppo.roles.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
+from ppo.roles.placement import Placement
+from ppo.roles.workers import (
+    CriticWorker,
+    PolicyWorker,
+    ShardedWorker,
+    WorkerSpec,
+    export_hf,
+    model_dtype,
+    score_heads,
+    to_host,
+)
+from ppo.settings import PPOSettings, RolesSettings, WorkerLayout
+
+
+def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: int):
+    """Weights from a local HF directory, or a seeded random init identical on every rank."""
+    if path:
+        from models.hf_io import load_pretrained
+
+        return load_pretrained(path, dtype=torch.float32, device=device, model_cls=cls)
+    with torch.device(device):
+        model = cls(model_config)
+    init_weights(model, seed=seed)  # trunk draws come first, so actor/ref/critic trunks start equal
+    if isinstance(model, LlamaForValue):
+        with torch.no_grad():
+            model.score.weight.zero_()  # a zero value head: the critic starts unbiased
+    return model
+
+
+def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
+          frozen: bool = False, offload_optimizer: bool = False) -> WorkerSpec:
+    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
+                      fsdp_masters=offload_optimizer and layout.backend == "native",
+                      backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
+                      pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
+                      stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts)
+
+
+class RuleReward:
+    """Rule-based scores on the reward ranks, each over its DP share of the samples."""
+
+    def __init__(self, manager, *, tokenizer, rank_in_group: int, group_size: int):
+        self.manager, self.tokenizer = manager, tokenizer
+        self.rank_in_group, self.group_size = rank_in_group, group_size
+
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}, "reward_failed": {uid: 1.0 if the function failed else 0.0}} plus
+        {"reward/<key>": {uid: value}} for each numeric extra key a dict result carried (a sample without
+        that key contributes nothing to its mean)."""
+        mine = exp.samples[self.rank_in_group::self.group_size]
+        prompts: dict[int, str] = {}  # a group's samples share one prompt list: decoded once
+        for s in mine:
+            if id(s.prompt_ids) not in prompts:
+                prompts[id(s.prompt_ids)] = self.tokenizer.decode(s.prompt_ids)
+        items = [RewardSample(s.uid, prompts[id(s.prompt_ids)], self._text(s), s.ground_truth,
+                              {**(s.info or {}), "response_length": len(s.response_ids)}) for s in mine]
+        res = self.manager.score(items)
+        out = {"score": {s.uid: torch.tensor(float(v)) for s, v in zip(mine, res.scores)},
+               "reward_failed": {s.uid: torch.tensor(float(s.uid in res.failures)) for s in mine}}
+        for s, extra in zip(mine, res.extras):
+            for k, v in extra.items():
+                out.setdefault(f"reward/{k}", {})[s.uid] = torch.tensor(v)
+        return out
+
+    def _text(self, s: Sample) -> str:
+        ids = s.response_ids
+        eos = self.tokenizer.eos_token_id
+        if ids and eos is not None and ids[-1] == eos:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+
+class RewardModelWorker(ShardedWorker):
+    """A reward model (*ForSequenceClassification): the score at each sequence's last token."""
+
+    def __init__(self, model, spec: WorkerSpec, *, pad_id: int, max_tokens: int):
+        super().__init__(model, spec)
+        self.pad_id, self.max_tokens = pad_id, max_tokens
+
+    @torch.no_grad()
+    def score(self, exp: Experience) -> dict[str, dict[int, torch.Tensor]]:
+        """{"score": {uid: score}} (a model has no failures to count)."""
+        def last_scores(packed, hidden):
+            last = packed.cu_seqlens[1:].long() - 1  # each sequence's last token
+            return score_heads(self.runner, hidden[0, last])[:, 0]
+
+        outputs = self.reported(self._enqueue_forwards(
+            exp, self.plan(exp, mini_batch_size=0, max_tokens=self.max_tokens), self.pad_id, last_scores))
+        out: dict[int, torch.Tensor] = {}
+        for (mb, _), scores in zip(outputs, to_host([s for _, s in outputs]) if outputs else []):
+            for i, v in zip(mb, scores):
+                out[exp.samples[i].uid] = v
+        return {"score": out}
+
+
+@dataclass
+class Roles:
+    settings: RolesSettings
+    model_config: ModelConfig | None = None
+    actor: PolicyWorker | None = None
+    ref: PolicyWorker | None = None
+    critic: CriticWorker | None = None
+    reward: object | None = None
+    rollout: object | None = None
+    idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
+
+    # -- plans: the same partition for the old-log-prob recompute and the update
+    def actor_plan(self, exp, max_tokens: int):
+        return self.actor.plan(exp, mini_batch_size=self.settings.actor_update.mini_batch_size, max_tokens=max_tokens)
+
+    def ref_plan(self, exp, max_tokens: int):
+        return self.ref.plan(exp, mini_batch_size=0, max_tokens=max_tokens)
+
+    def critic_plan(self, exp, max_tokens: int):
+        return self.critic.plan(exp, mini_batch_size=self.settings.critic_update.mini_batch_size,
+                                max_tokens=max_tokens)
+
+    # -- updates
+    def rollout_token_budget(self) -> int:
+        """The generation engine's prefill token budget (what the batch controller scales)."""
+        if self.rollout is not None:
+            return self.rollout.engine.config.max_num_batched_tokens
+        from rollout.base import RolloutConfig
+
+        return RolloutConfig().max_num_batched_tokens
+
+    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
+                     fused_old_logp: bool, device_rows: dict | None = None) -> dict[str, float]:
+        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided).
+        device_rows: tensors the update reads from the device instead ({"ref_logp": DeviceRows}: the
+        reference's log-probs, computed on these ranks and never sent through the host)."""
+        device_rows = device_rows or {}
+        settings = self.settings.policy_loss
+        keys = (["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"])
+                + (["ref_logp"] if settings.needs_ref else [])
+                + (["rollout_logp"] if "rollout_logp" in tensors else []))  # the engine's, for the correction
+
+        def loss_fn(logp, entropy, t, denom):
+            return compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t["old_logp"],
+                                       advantages=t["advantages"], mask=t["mask"], settings=settings,
+                                       entropy=entropy, ref_logp=t.get("ref_logp"),
+                                       rollout_logp=t.get("rollout_logp"), denom=denom,
+                                       sync_metrics=False)  # the update converts them after its loop
+
+        mine = {k: tensors[k] for k in keys if k not in device_rows}
+        if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
+            mine["mask"] = tensors["actor_mask"]
+        # fused: no scoring forward measured the entropy, so the update reports it
+        return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine,
+                                 epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
+                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg,
+                                 device_rows={k: v for k, v in device_rows.items() if k in keys})
+
+    def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
+        v = self.settings.value_loss
+
+        def loss_fn(values, t, denom):
+            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=v.clip, agg=v.agg,
+                                       denom=denom, sync_metrics=False)
+            m["vf_loss"] = loss.detach()  # converted after the update's micro-batch loop
+            return loss, m
+
+        return self.critic.update(exp, self.critic_plan(exp, max_tokens),
+                                  {k: tensors[k] for k in ("values", "returns", "mask")},
+                                  epochs=self.settings.critic_update.epochs, loss_fn=loss_fn,
+                                  agg=self.settings.value_loss.agg)
+
+    # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
+    def sft_warmup(self, state, *, steps: int, run_dir) -> None:
+        """Train the actor on the task's answers, then make the warmed-up policy the reference and
+        the critic's trunk (RL starts from the SFT model, and the KL is measured against it)."""
+        if self.actor is not None:
+            self._sft_actor(state, steps=steps)
+        self.load_reference(self._export_actor(run_dir), critic_trunk=True)
+
+    def load_reference(self, path, *, critic_trunk: bool) -> None:
+        """Reference (and optionally the critic's trunk) from an HF directory, e.g. the SFT warm-up's;
+        on resume only the reference is reloaded (the critic comes back from the checkpoint)."""
+        if self.ref is not None:
+            self.ref.runner.load_hf_weights(path, strict=False)
+        if self.critic is not None and critic_trunk:  # trunk only: the value head keeps its init
+            self.critic.runner.load_hf_weights(path, strict=False)
+
+    def _sft_actor(self, state, *, steps: int) -> None:
+        log = logging.getLogger("hybridrl")
+        opt = self.actor.optimizer
+        saved = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = self.settings.sft_lr
+
+        def nll(logp, entropy, t, denom):
+            loss = -(logp * t["mask"]).sum() / denom
+            return loss, {"sft_loss": float(loss.detach())}
+
+        for i in range(steps):
+            pairs = state.sft_batch(i)
+            exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
+                                     finish_reason="stop") for j, (p, r) in enumerate(pairs)])
+            m = self.actor.update(exp, self.actor_plan(exp, self.settings.sft_max_tokens),
+                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, with_entropy=False,
+                                  step_scheduler=False)
+            if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
+                log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr
+
+    def _export_actor(self, run_dir):
+        """The actor's full weights as an HF directory `<run_dir>/sft_warmup` (collective on the world)."""
+        import torch.distributed as dist
+
+        path = run_dir / "sft_warmup"
+        if self.actor is not None:
+            export_hf(self.actor, path, architecture="ForCausalLM")
+        dist.barrier()
+        return path
+
+
+def build_roles(settings: PPOSettings, placement: Placement, *, model_config: ModelConfig, tokenizer,
+                total_steps: int) -> Roles:
+    """Construct the workers of every role this rank hosts. settings.build gives the models' sources,
+    layouts and optimizers; the updates, losses and generation read settings.roles and settings.generation.
+    total_steps: the run's steps (the learning-rate schedules' length)."""
+    from ppo.data.rewards import RewardManager, load_reward_function
+
+    b, plan, groups = settings.build, placement.plan, placement.groups
+    roles = Roles(settings.roles, model_config=model_config)
+    rank, seed, device = placement.rank, b.seed, placement.device
+    dtype = model_dtype(b.dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    temperature = settings.generation.temperature
+    here = set(plan.roles_of(rank))
+    if "actor" in here:
+        model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
+                     offload_optimizer=b.actor_offload_optimizer)
+        roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
+                                   optim=b.actor_optim, total_steps=total_steps,
+                                   offload_optimizer=b.actor_offload_optimizer)
+    if "ref" in here:
+        model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
+        roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
+    if "critic" in here:
+        model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)
+        spec = _spec(b.layouts["critic"], groups["critic"], placement, dtype,
+                     offload_optimizer=b.critic_offload_optimizer)
+        roles.critic = CriticWorker(model, spec,
+                                    pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps,
+                                    offload_optimizer=b.critic_offload_optimizer)
+    if "reward" in here:
+        w = b.reward
+        if w.is_model:
+            model = _build(LlamaForSequenceClassification, model_config, path=w.model_path, device=device,
+                           seed=seed + 1)
+            spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, frozen=True)
+            roles.reward = RewardModelWorker(model, spec, pad_id=pad_id, max_tokens=w.max_tokens_per_micro_batch)
+        else:
+            manager = RewardManager(load_reward_function(w.resolved_function), default_score=w.default_score,
+                                    logger=logging.getLogger("hybridrl"), timeout_s=w.timeout_s,
+                                    signature=w.signature)
+            ranks = plan.groups["reward"].ranks
+            roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
+                                      group_size=len(ranks))
+    layouts = build_rollout_groups(plan)  # collective: every rank builds the hybrid engine's groups
+    if "rollout" in here:
+        roles.rollout = RolloutRole(settings.generation, plan=plan, actor=roles.actor, env=placement.env,
+                                    model_config=model_config, tokenizer=tokenizer, layouts=layouts)
+    elif settings.generation.engine_kind == "vllm":  # vLLM's start-up is collective over the whole world
+        roles.idle_engine = idle_vllm_engine(settings.generation, plan=plan, env=placement.env,
+                                             model_config=model_config)
+    return roles

@@ -1,0 +1,120 @@
+"""The rollout role: the actor's ranks generate through the hybrid engine.
+
+Each generation replica (gen_tp ranks) takes its share of the step's prompts; every rank
+of a replica gets the same completions, and only the replica's gen-TP rank 0 reports them
+as `Sample`s, so each sample enters the step's experience exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field, replace
+
+from ppo.batch.experience import Sample
+from ppo.settings import GenerationSettings
+from rollout.base import SamplingParams
+
+
+def sample_info(row: dict) -> dict:
+    """What a sample carries from its data row to the reward function: data_source, extra_info and
+    the row's other columns."""
+    return {**row.get("columns", {}), "data_source": row.get("data_source", ""),
+            "extra_info": row.get("extra_info", {})}
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
+    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**62 - 1)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One generate call on this rank: its samples, and what it cost.
+
+    timings: {"reshard": s} seconds of the weight gather (a stage of its own in timing_s/, the
+    rest of the call is decoding); metrics: the hybrid engine's reshard/bytes_received,
+    reshard/peak_staging_bytes and mem/hybrid_peak_gb (this rank's)."""
+
+    samples: list[Sample]
+    timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_rollout_groups(plan):
+    """The hybrid engine's process groups (collective: every rank of the world calls this)."""
+    from parallel.reshard import GenLayout, TrainLayout
+    from parallel.reshard_exec import build_reshard_groups
+
+    actor = plan.groups["actor"]
+    train = TrainLayout(tp=actor.tp, pp=actor.pp, dp=actor.dp)
+    gen = GenLayout(tp=plan.gen_tp, dp=plan.gen_dp)
+    return train, gen, build_reshard_groups((train, gen), actor.ranks)
+
+
+def idle_vllm_engine(settings: GenerationSettings, *, plan, env, model_config):
+    """rollout.engine=vllm on a rank without the rollout role: vLLM's start-up is collective over the whole
+    world, so this rank starts a replica too (same KV size; never asked to generate)."""
+    from rollout.factory import build_rollout_engine
+
+    return build_rollout_engine("vllm", model_config, config=replace(settings.engine), device=env.device,
+                                dtype=settings.dtype, vllm=replace(settings.vllm, idle_tp=plan.gen_tp))
+
+
+class RolloutRole:
+    def __init__(self, settings: GenerationSettings, *, plan, actor, env, model_config, tokenizer, layouts):
+        from rollout.factory import build_rollout_engine
+        from rollout.hybrid import HybridEngine
+
+        self.settings, self.tokenizer = settings, tokenizer
+        train, gen, groups = layouts
+        self.groups = groups
+        self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+        # a copy: the batch controller moves this engine's token budget, never the launcher's settings
+        self.engine = build_rollout_engine(settings.engine_kind, model_config, config=replace(settings.engine),
+                                           tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
+                                           eos_token_ids=eos, vllm=settings.vllm)
+        self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
+                                   bucket_bytes=settings.bucket_bytes, offload_optimizer=settings.offload_optimizer,
+                                   optimizer=actor.optimizer, gen_dtype=settings.dtype,
+                                   logger=logging.getLogger("hybridrl"))
+
+    def my_prompts(self, batch: list[dict]) -> list[dict]:
+        """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
+        per = -(-len(batch) // self.gen_dp)
+        return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
+
+    def generate(self, batch: list[dict], *, step: int, seed: int, n: int | None = None,
+                 temperature: float | None = None) -> Generation:
+        """This replica's share of `batch`, n samples per prompt (collective over the actor ranks);
+        only gen-TP rank 0 reports samples, every rank reports its timings and metrics. n /
+        temperature override rollout.n / rollout.temperature (validation: rollout.val_n, val_temperature)."""
+        r = self.settings
+        n = r.n if n is None else n
+        temperature = r.temperature if temperature is None else temperature
+        rows = self.my_prompts(batch)
+        sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
+                                   max_tokens=r.max_response_length, n=n,
+                                   seed=request_seed(seed, step, row["index"])) for row in rows]
+        completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
+        hybrid = self.hybrid.metrics()
+        out = Generation([], timings={"reshard": hybrid.pop("timing_s/reshard")},
+                         metrics={k: v for k, v in hybrid.items() if not k.startswith("timing_s/")})
+        if self.gen_tp_rank != 0:
+            return out
+        for c in completions:
+            row = rows[c.prompt_index]
+            if c.finish_reason == "error":
+                raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
+            out.samples.append(Sample(uid=row["index"] * n + c.sample_index, prompt_index=row["index"],
+                                      prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
+                                      behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
+                                      ground_truth=row.get("ground_truth"), info=sample_info(row)))
+        return out
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Batch-controller hook, applied at a step boundary: the prefill token budget of the next
+        generate (the KV cache itself is sized at wake_up from rollout.gpu_memory_fraction)."""
+        self.engine.config.max_num_batched_tokens = max(int(tokens), self.engine.config.max_model_len)

@@ -1,0 +1,465 @@
+"""Role workers: a policy (actor or reference), a critic, and their shared parallel plumbing.
+
+Each worker lives on the ranks of its role group, owns a parallelized model behind the
+`parallel.runner.ModelRunner` interface (any TP x PP x DP layout, any backend: the workers
+never branch on either), and works on its DP shard of the step's `Experience`, packed into
+micro-batches by token budget. The same partition serves the old-log-prob recompute and
+the first update epoch, so the PPO ratio is exactly 1 on-policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama import DocumentAttention
+from models.logprobs import compute_token_logprobs
+from parallel.backends import build_runner
+from parallel.runner import MicroBatch, ModelRunner
+from parallel.vocab_parallel import vocab_parallel_token_logprobs
+from ppo.batch.experience import Experience
+from ppo.batch.micro_batches import plan_micro_batches
+from ppo.batch.packing import copy_to_device, gather_response_logprobs, pack_prompt_responses, unpack_responses
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker needs to know about its placement (from the launcher's role handle)."""
+
+    mesh: object  # DeviceMesh ("pp", "dp", "tp")
+    dims: object  # ParallelDims
+    device: torch.device
+    dtype: torch.dtype
+    ac: str = "none"
+    compile: bool = False
+    pp_microbatches: int = 0
+    pp_schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    share_prompts: bool = False  # pack a prompt once with its n responses (policy workers)
+    # never trained (reference, reward model): stored in the compute dtype, with no fp32 master copy.
+    # FSDP's mixed precision would cast the masters to that dtype for every forward anyway, so the
+    # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
+    frozen: bool = False
+    backend: str = "native"  # native | megatron (parallel/backends.py)
+    # FSDP2 even at dp = 1 (a host-offloaded optimizer streams FSDP's fp32 parameter shards); otherwise mixed
+    # precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
+    fsdp_masters: bool = False
+
+
+def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+    return f
+
+
+def build_optimizer(runner: ModelRunner, optim, *, total_steps: int, offload: bool = False):
+    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule.
+    offload: Adam's moments in pinned host memory between steps (`<role>.offload_optimizer`)."""
+    opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                 offload=offload)
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    logging.getLogger("hybridrl").info("optimizer %s over %.3g parameters%s", type(opt).__name__, n,
+                                       ": moments in host memory" if offload else "")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
+                                                              schedule=optim.lr_schedule,
+                                                              min_ratio=optim.min_lr_ratio))
+    return opt, sched
+
+
+class ShardedWorker:
+    """Common plumbing: coordinates in the group, DP sharding, micro-batching, packing, the update loop."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec):
+        self.spec = spec
+        mesh, dims = spec.mesh, spec.dims
+        self.pp_idx, self.dp_idx, self.tp_idx = mesh.get_coordinate()
+        self.dp, self.tp = dims.dp, dims.tp
+        self.dp_group = mesh.get_group("dp")
+        self.tp_group = mesh.get_group("tp")
+        self.device = spec.device
+        param_dtype = spec.dtype if spec.dtype != torch.float32 else None
+        self.runner: ModelRunner = build_runner(
+            # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
+            # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
+            # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
+            model, backend=spec.backend, mesh=mesh, dims=dims, ac=spec.ac, compile=spec.compile, dynamic=None,
+            param_dtype=param_dtype, frozen=spec.frozen,
+            n_microbatches=spec.pp_microbatches or 2 * dims.pp,
+            pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
+            stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention,
+            fsdp=True if spec.fsdp_masters else None)
+        self.share_prompts = spec.share_prompts
+        self.grad_clip = 1.0
+        self.optimizer = self.scheduler = None
+        self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
+
+    @property
+    def is_owner(self) -> bool:
+        """The rank that reports this DP shard's results: tp rank 0 of the last pipeline stage."""
+        return self.tp_idx == 0 and self.runner.has_last
+
+    def parameters(self):
+        return self.runner.parameters()
+
+    def plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
+        """This DP rank's mini-batches, each a list of micro-batches (indices into exp.samples).
+
+        ppo.batch.micro_batches.plan_micro_batches over the samples (or, sharing prompts, each prompt's run of
+        samples), with exactly the runner's micro-batch count when its schedule fixes one
+        (`runner.microbatches`, a pipeline's). The same plan serves the old-log-prob recompute and
+        the update (ratio == 1 on-policy).
+        """
+        key = ("plan", self.share_prompts, self.dp, self.dp_idx, mini_batch_size, max_tokens, self.runner.microbatches)
+        return exp.derive(key, lambda: self._plan(exp, mini_batch_size=mini_batch_size, max_tokens=max_tokens))
+
+    def _plan(self, exp: Experience, *, mini_batch_size: int, max_tokens: int) -> list[list[list[int]]]:
+        # the units planned: samples, or (shared prompts) each prompt's run of samples, costed at the
+        # tokens it packs to (prompt once + every response)
+        units, lengths = exp.prompt_units() if self.share_prompts else ([], [])
+        if len(units) % self.dp or not units:  # not sharing, or uneven groups: plan samples (share within)
+            units, lengths = [[i] for i in range(len(exp.samples))], [s.length for s in exp.samples]
+        per_unit = len(exp.samples) // len(units)
+        out = plan_micro_batches(lengths, dp=self.dp, rank=self.dp_idx, max_tokens=max_tokens,
+                                 mini_batch_size=mini_batch_size // per_unit if mini_batch_size else 0,
+                                 fixed_count=self.runner.microbatches)
+        # units -> sample indices (a unit's samples stay adjacent, so the packer can share their prompt)
+        return [[[i for u in mb for i in units[u]] for mb in mini] for mini in out]
+
+    def _pack(self, exp: Experience, mb: list[int], pad_id: int):
+        """One micro-batch packed, once per step for every pass that plans it alike (the reference's
+        forward and the update, when their token budgets match)."""
+        def make():
+            samples = [exp.samples[i] for i in mb]
+            return pack_prompt_responses([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                         pad_id=pad_id, device=self.device, share_prompts=self.share_prompts)
+
+        return exp.derive(("pack", tuple(mb), pad_id, self.share_prompts, str(self.device)), make)
+
+    def _packs(self, exp: Experience, mbs: list[list[int]], pad_id: int):
+        """Packed micro-batches of one mini-batch and their runner inputs, both packed on first access:
+        a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
+        needs every shape up front, like the pipeline schedule, simply packs them all first)."""
+        packs = LazyList(len(mbs), lambda k: self._pack(exp, mbs[k], pad_id))
+        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
+                                                                 packs[k].layout))
+
+    def _enqueue_forwards(self, exp: Experience, plan: list[list[list[int]]], pad_id: int,
+                          reduce) -> list[tuple[list[int], object]]:
+        """The no-grad forwards of every mini-batch in `plan`, enqueued: (micro-batch sample indices,
+        reduce(packed, hidden) on the device) of each micro-batch, on the ranks of the last pipeline stage
+        (every TP rank; empty elsewhere). Only owners report them (`reported`)."""
+        outputs = []
+        for mini in plan:
+            packs, batches = self._packs(exp, mini, pad_id)
+            results = self.runner.forward(batches, reduce=lambda h, k, packs=packs: reduce(packs[k], h))
+            if results is not None:
+                outputs.extend(zip(mini, results))
+        return outputs
+
+    def reported(self, outputs: list) -> list:
+        """What this rank reports of a pass's outputs: all of them on the DP shard's owner, none elsewhere
+        (so that each sample's result is merged exactly once)."""
+        return outputs if self.is_owner else []
+
+    def _global_denominator(self, mask: torch.Tensor, agg: str = "token-mean") -> float:
+        """Token (token-mean) or sequence (seq-mean-*) count of the mini-batch over all DP ranks,
+        divided by dp because FSDP averages gradients over dp: summed micro-batch losses then equal
+        the global loss."""
+        from ppo.algos.core_algos import agg_count
+
+        n = float(agg_count(mask, agg))  # the mask is on the host: no device round trip (two syncs) at dp = 1
+        if self.dp > 1:
+            total = torch.tensor([n], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(total, group=self.dp_group)
+            n = float(total)
+        return max(n / self.dp, 1.0)
+
+    def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean",
+               device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
+        """Epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
+
+        mb_loss(packed, hidden [1, T, H], mb_tensors {name: [B_k, R] on the device}, denom) ->
+        (loss, metrics); denom is the mini-batch's global count that `agg` normalises by (tokens or
+        sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
+        their max / min) and grad_norm (meaningful on owner ranks)."""
+        sums: dict[str, float] = {}
+        count = 0
+        self.optimizer_steps_in_update = 0
+        for _ in range(epochs):
+            for mbs in plan:
+                packs, batches = self._packs(exp, mbs, pad_id)
+                # every micro-batch's [B_k, R] tensors queued for the device now, one pinned copy each (no sync)
+                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device)
+                        | {k: rows.take(mb) for k, rows in (device_rows or {}).items() if rows is not None}
+                        for mb in mbs]
+                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
+                self.optimizer.zero_grad(set_to_none=True)
+
+                def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
+                    return mb_loss(packs[k], hidden, mbts[k], denom)
+
+                metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
+                for m in metrics_list:
+                    for k2, v in m.items():
+                        sums[k2] = _reduce_metric(k2, sums.get(k2), float(v))
+                    count += 1
+                t = time.perf_counter()
+                grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
+                    torch.cuda.synchronize(self.device)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm * len(metrics_list)
+                # clip + step, seconds per optimizer step (weighted like the other metrics)
+                sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
+                    metrics_list)
+                self.optimizer_steps_in_update += 1
+        return {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+
+
+def _reduce_metric(key: str, acc: float | None, v: float) -> float:
+    """Running reduction of one micro-batch metric: max / min for *_max / *_min, else a sum."""
+    if acc is None:
+        return v
+    if key.endswith("_max"):
+        return max(acc, v)
+    if key.endswith("_min"):
+        return min(acc, v)
+    return acc + v
+
+
+class PolicyWorker(ShardedWorker):
+    """Actor (trainable) or reference (frozen) policy: log-probs of responses, PPO updates."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, temperature: float, pad_id: int,
+                 trainable: bool, optim=None, total_steps: int = 1, offload_optimizer: bool = False):
+        super().__init__(model, spec)
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.pad_id = pad_id
+        self.trainable = trainable
+        if trainable:
+            self.grad_clip = optim.grad_clip
+            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
+                                                             offload=offload_optimizer)
+        else:
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+    def _token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool):
+        """hidden [N, H], labels [N] -> (log-probs [N], entropies [N] | None), chunked and vocab-parallel."""
+        w, vocab_start = self.runner.head("lm_head")
+        if self.tp > 1:
+            return vocab_parallel_token_logprobs(hidden, w, labels, tp_group=self.tp_group, vocab_start=vocab_start,
+                                                 temperature=self.temperature, with_entropy=with_entropy)
+        return compute_token_logprobs(hidden, w.to(hidden.dtype), labels, temperature=self.temperature,
+                                      with_entropy=with_entropy)
+
+    def _response_logprobs(self, packed, hidden: torch.Tensor, *, with_entropy: bool):
+        """[B, R] log-probs (and entropies) of one packed micro-batch from its hidden [1, T, H]; the LM
+        head runs on the response tokens' predicting positions only (never on prompt tokens)."""
+        return gather_response_logprobs(hidden[0], packed, lambda h, labels: self._token_logprobs(
+            h, labels, with_entropy=with_entropy))
+
+    @torch.no_grad()
+    def compute_logprobs(self, exp: Experience, plan: list[list[list[int]]], *,
+                         with_entropy: bool = False) -> dict[str, dict[int, torch.Tensor]]:
+        """{"logp": {uid: [R_i]}, "entropy": {uid: [R_i]}} for this rank's shard (owners only report).
+        Uses the same mini-batch -> micro-batch partition as `update`, so the ratio is 1 on-policy."""
+        return self.launch_logprobs(exp, plan, with_entropy=with_entropy).result()
+
+    @torch.no_grad()
+    def launch_logprobs(self, exp: Experience, plan: list[list[list[int]]], *,
+                        with_entropy: bool = False) -> PendingResults:
+        """compute_logprobs with the wait left to the caller: the forwards are enqueued, and result() makes
+        the one device -> host copy (the host can do other work while the kernels run)."""
+        computed = self._enqueue_forwards(exp, plan, self.pad_id, lambda packed, h: self._response_logprobs(
+            packed, h, with_entropy=with_entropy))
+        outputs = self.reported(computed)
+
+        def finish() -> dict[str, dict[int, torch.Tensor]]:
+            out: dict[str, dict[int, torch.Tensor]] = {"logp": {}, "entropy": {}}
+            if not outputs:
+                return out
+            # one device -> host copy for the whole batch (not a sync per micro-batch), then split on the host
+            logps = to_host([logp for _, (logp, _) in outputs])
+            ents = to_host([ent for _, (_, ent) in outputs]) if outputs[0][1][1] is not None else [None] * len(outputs)
+            for (mb, _), logp, ent in zip(outputs, logps, ents):
+                for j, i in enumerate(mb):
+                    s = exp.samples[i]
+                    n = len(s.response_ids)
+                    out["logp"][s.uid] = logp[j, :n]
+                    if ent is not None:
+                        out["entropy"][s.uid] = ent[j, :n]
+            return out
+
+        rows = DeviceRows(exp, [(mb, logp) for mb, (logp, _) in computed]) if computed else None
+        return PendingResults(finish, logp_rows=rows)
+
+    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
+               agg: str = "token-mean", device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
+        """PPO epochs over this rank's mini-batches.
+
+        tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
+        KL loss); device_rows: more of them still on the device (DeviceRows, e.g. the reference's log-probs
+        computed on these ranks). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
+        with_entropy else None; denom is the global count `agg` normalises by. Returns the metrics
+        averaged over micro-batches (keys ending in _max / _min: their max / min), grad_norm and lr
+        (meaningful on owner ranks)."""
+        def mb_loss(packed, hidden, t, denom):
+            logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
+            return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
+
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg,
+                          device_rows=device_rows)
+        if step_scheduler:
+            self.scheduler.step()
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+
+class LazyList(Sequence):
+    """n items, item k built by make(k) on first access and kept."""
+
+    def __init__(self, n: int, make):
+        self._items, self._make = [None] * n, make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, k: int):
+        if self._items[k] is None:
+            self._items[k] = self._make(k)
+        return self._items[k]
+
+
+class PendingResults:
+    """A scoring pass whose forwards are enqueued on the device: result() waits for them (once) and returns
+    their per-sample host tensors. logp_rows: a policy's log-probs as they are on the device, on the ranks
+    that computed them (DeviceRows), for an update on the same ranks to read without the wait."""
+
+    def __init__(self, finish, *, logp_rows: DeviceRows | None = None):
+        self._finish, self._value = finish, None
+        self.logp_rows = logp_rows
+
+    def result(self) -> dict[str, dict[int, torch.Tensor]]:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value
+
+
+class DeviceRows:
+    """Per-sample response rows of a scoring pass, left on the device: its micro-batches' [B_k, R_k] outputs
+    (0 past each response's end). take(mb) -> [len(mb), R] for any micro-batch of those samples, R its longest
+    response: the pass's own tensor when the micro-batch is one of its (an update planned like the pass),
+    else the rows gathered and padded (another token budget, e.g. after an OOM halving)."""
+
+    def __init__(self, exp: Experience, outputs: list[tuple[list[int], torch.Tensor]]):
+        self._lengths = {i: len(exp.samples[i].response_ids) for mb, _ in outputs for i in mb}
+        self._by_mb = {tuple(mb): t for mb, t in outputs}
+        self._where = {i: (t, j) for mb, t in outputs for j, i in enumerate(mb)}
+
+    def take(self, mb: list[int]) -> torch.Tensor:
+        missing = [i for i in mb if i not in self._where]
+        if missing:
+            raise RuntimeError(f"samples {missing[:5]} were scored on other ranks: their rows are not on this device")
+        width = max(1, max(self._lengths[i] for i in mb))
+        own = self._by_mb.get(tuple(mb))
+        if own is not None and own.shape[1] == width:
+            return own.float()
+        return torch.stack([F.pad(t[j, :width].float(), (0, max(0, width - t.shape[1])))
+                            for t, j in (self._where[i] for i in mb)])
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors -> fp32 CPU copies of the same shapes, through one concatenated copy (one sync)."""
+    flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
+    return [x.view(t.shape) for x, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
+
+
+def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
+    """Response-aligned [B, R_max] tensors (on the device already) -> [B, width] (width = longest response)."""
+    return {k: v[:, :width].to(device).contiguous() for k, v in tensors.items()}
+
+
+def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """Last stage's hidden [..., H] -> fp32 scores [..., L] of the value / reward head (`score`)."""
+    w, _ = runner.head("score")
+    return F.linear(hidden.float(), w.float())
+
+
+class CriticWorker(ShardedWorker):
+    """Value model: per-token values of responses and clipped value-loss updates."""
+
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int,
+                 offload_optimizer: bool = False):
+        super().__init__(model, spec)
+        self.pad_id = pad_id
+        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
+                                                         offload=offload_optimizer)
+        self.grad_clip = optim.grad_clip
+
+    def _response_values(self, packed, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [1, T, H] -> values [B, R] fp32 at the response tokens' predicting positions."""
+        return unpack_responses(score_heads(self.runner, hidden).squeeze(-1), packed)
+
+    @torch.no_grad()
+    def compute_values(self, exp: Experience, plan: list[list[list[int]]]) -> dict[str, dict[int, torch.Tensor]]:
+        return self.launch_values(exp, plan).result()
+
+    @torch.no_grad()
+    def launch_values(self, exp: Experience, plan: list[list[list[int]]]) -> PendingResults:
+        """{"values": {uid: [R_i]}} once result() is called (see PolicyWorker.launch_logprobs)."""
+        outputs = self.reported(self._enqueue_forwards(exp, plan, self.pad_id, self._response_values))
+
+        def finish() -> dict[str, dict[int, torch.Tensor]]:
+            out: dict[int, torch.Tensor] = {}
+            for (mb, _), values in zip(outputs, to_host([v for _, v in outputs]) if outputs else []):
+                for j, i in enumerate(mb):
+                    s = exp.samples[i]
+                    out[s.uid] = values[j, : len(s.response_ids)]
+            return {"values": out}
+
+        return PendingResults(finish)
+
+    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+               epochs: int, loss_fn, agg: str = "token-mean") -> dict[str, float]:
+        """loss_fn(values [B, R], mb_tensors, denom) -> (loss, metrics); denom as `agg` needs it."""
+        def mb_loss(packed, hidden, t, denom):
+            values = self._response_values(packed, hidden)
+            return loss_fn(values, _to(t, self.device, values.shape[1]), denom)
+
+        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
+        self.scheduler.step()
+        return out
+
+
+def model_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def export_hf(worker, path, *, architecture: str) -> bool:
+    """Write the worker's whole model as a Hugging Face directory at `path` (transformers loads it;
+    a critic saves as a 1-label *ForSequenceClassification: trunk + value head). Collective over the
+    worker's group, any layout; the group's exporter rank writes. Returns whether this rank wrote."""
+    from models.hf_io import save_tensors
+
+    sd = worker.runner.export_state_dict()
+    if sd is None:
+        return False
+    save_tensors(sd, worker.runner.model_config, path, architecture=architecture)
+    return True

@@ -1,0 +1,1 @@
+"""Run state: tokenizer, prompt stream, metrics sinks, checkpoints and resume."""

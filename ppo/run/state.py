@@ -1,0 +1,273 @@
+"""Everything of a run that is not a model: tokenizer, prompts and their sampler, the KL
+controller, metrics sinks (metrics.jsonl, TensorBoard, W&B, progress bar), checkpoint
+save/resume, and the FLOP accounting behind `perf/mfu/actor`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ppo.algos import core_algos as algos
+
+
+class TrainState:
+    def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl,
+                 layout: dict | None = None, val_dataset=None):
+        """layout: the device plan's layout (ppo.run.resume.layout_of), saved in checkpoints and checked on resume."""
+        self.cfg, self.run_dir, self.rank, self.layout = cfg, run_dir, rank, layout
+        self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
+        self.val_dataset = val_dataset  # data.val_files, or None
+        self.log = logging.getLogger("hybridrl")
+        self._tb = None
+        self.resumed_at = 0  # steps after it written by an earlier attempt are superseded (metrics, TensorBoard)
+        self._wandb = None
+
+    @classmethod
+    def create(cls, cfg, *, run_dir: Path, rank: int, layout: dict | None = None) -> TrainState:
+        from ppo.data.prompts import PromptDataset, PromptSampler, check_sft_answers
+        from ppo.data.tokenizer import load_tokenizer, resolve_tokenizer
+
+        tok_spec = resolve_tokenizer(cfg.model.tokenizer, cfg.model.path)
+        tok = load_tokenizer(tok_spec)
+        if rank == 0 and cfg.model.tokenizer == "auto":
+            why = "from model.path" if cfg.model.path and tok_spec == cfg.model.path else (
+                "model.path has no tokenizer.json" if cfg.model.path else "no model.path")
+            logging.getLogger("hybridrl").info("tokenizer: %s (%s; set model.tokenizer to choose another)",
+                                               tok_spec, why)
+        d = cfg.data
+        keys = dict(tokenizer=tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                    max_prompt_length=d.max_prompt_length)
+        val_dataset = PromptDataset.from_files(d.val_files, **keys) if d.val_files else None
+        if d.train_files:
+            dataset = PromptDataset.from_files(d.train_files, **keys)
+            if cfg.trainer.sft_warmup_steps:
+                check_sft_answers(dataset, answer_key=d.sft_answer_key)
+        else:
+            dataset = PromptDataset.from_task(d.task, d.task_size, seed=cfg.trainer.seed, tokenizer=tok,
+                                              max_prompt_length=d.max_prompt_length)
+        if len(dataset) < d.batch_size:
+            from ppo.data.prompts import DataError
+
+            raise DataError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
+                            f"({d.batch_size})")
+        sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        if cfg.reward.type == "rule":
+            check_reward_columns(cfg, [*dataset.columns, *(val_dataset.columns if val_dataset else [])])
+        cfg = with_epoch_steps(cfg, sampler.batches_per_epoch)
+        a = cfg.algorithm
+        kl_ctrl = (algos.AdaptiveKLController(init_kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon)
+                   if a.kl_ctrl == "adaptive" else algos.FixedKLController(kl_coef=a.kl_coef))
+        return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl,
+                   layout=layout, val_dataset=val_dataset)
+
+    @property
+    def total_steps(self) -> int:
+        """The run's steps: trainer.total_steps, or trainer.total_epochs resolved against the data."""
+        return self.cfg.trainer.total_steps
+
+    # ------------------------------------------------------------------ data
+    def next_prompts(self) -> list[dict]:
+        """The step's prompts, identical on every rank: [{index, prompt_ids, ground_truth}]."""
+        idx = self.sampler.next_batch()
+        return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
+
+    def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
+        """Warm-up batch i: (prompt ids, answer ids + eos) from data.train_files, else the synthetic task."""
+        d = self.cfg.data
+        if d.train_files:
+            from ppo.data.prompts import sft_pairs
+
+            return sft_pairs(self.dataset, d.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
+                             tokenizer=self.tokenizer, answer_key=d.sft_answer_key)
+        from ppo.data.tasks import sft_examples
+
+        return sft_examples(self.cfg.data.task, self.cfg.data.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
+                            tokenizer=self.tokenizer)
+
+    # ------------------------------------------------------------------ metrics
+    def log_metrics(self, m: dict[str, float]) -> None:
+        if self.rank != 0 or not m:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+                 for k, v in m.items()}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        step = int(m["step"])
+        if (tb := self.tensorboard()) is not None:
+            for k, v in clean.items():
+                if v is not None and k != "step":
+                    tb.add_scalar(k, v, step)
+        if self.cfg.trainer.wandb:
+            self._log_wandb(clean, step)
+        if self.cfg.trainer.progress_bar and step % 10 and step != self.cfg.trainer.total_steps:
+            return  # the bar shows progress; a metrics line every 10 steps keeps the console readable
+        keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
+                "timing_s/step", "perf/samples_per_s", "val/reward/mean", "val/pass@1")
+        self.log.info("step %d: %s", step, " ".join(f"{k}={clean[k]:.4g}" for k in keys
+                                                      if clean.get(k) is not None))
+
+    def tensorboard(self):
+        """Rank 0's SummaryWriter on <run dir>/tensorboard (created on first use), or None when off."""
+        if self.rank != 0 or not self.cfg.trainer.tensorboard:
+            return None
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the events an earlier attempt wrote for the steps this one re-runs
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.resumed_at + 1)
+        return self._tb
+
+    def _log_wandb(self, m: dict, step: int) -> None:
+        try:
+            import wandb
+        except ImportError:
+            if self._wandb is None:
+                self.log.warning("trainer.wandb=true but wandb is not installed (pip install wandb); skipping")
+                self._wandb = False
+            return
+        if self._wandb is None:
+            self._wandb = wandb.init(project=self.cfg.trainer.wandb_project, name=self.cfg.trainer.experiment_name,
+                                     config=dataclasses.asdict(self.cfg), dir=str(self.run_dir))
+        if self._wandb:
+            wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
+
+    def progress(self, start: int):
+        if self.rank != 0 or not self.cfg.trainer.progress_bar:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.trainer.total_steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int, roles, *, final: bool, pending=None, controller=None) -> Path:
+        """Checkpoint `step`: every rank's workers and RNG, the sampler, KL and batch controllers and the
+        async batch generated ahead (`pending`). Collective over the world."""
+        from ppo.run.checkpoint import capture_rng_state, save_checkpoint
+
+        per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
+        shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                  # plain dicts: checkpoints load with torch.load(weights_only=True)
+                  "pending": [dataclasses.asdict(s) for s in pending.samples] if pending is not None else None,
+                  "layout": self.layout,
+                  "controller": controller.state_dict() if controller is not None else None}
+        path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
+                               per_rank_state=per_rank, shared_state=shared,
+                               export=(lambda tmp: export_weights(roles, tmp))
+                               if final or self.cfg.trainer.export_hf == "every_save" else None,
+                               keep_last=self.cfg.trainer.keep_last)
+        if self.rank == 0:
+            self.log.info("checkpoint %s", path)
+        return path
+
+    def maybe_resume(self, roles, *, controller=None):
+        """Restore the newest complete checkpoint when trainer.resume asks (into roles, this state and
+        the batch controller). Returns (start step, the async batch generated ahead or None)."""
+        from ppo.batch.experience import Experience, Sample
+        from ppo.run.checkpoint import load_checkpoint, restore_rng_state
+        from ppo.run.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
+
+        mode = self.cfg.trainer.resume
+        if mode == "never":
+            return 0, None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if mode == "auto":
+            path = select_checkpoint(self.run_dir, policy=self.cfg.trainer.on_damaged_checkpoint, rank=self.rank,
+                                     world_size=world)
+        else:
+            path = Path(mode)
+        if path is None:
+            if self.rank == 0:
+                self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
+            supersede_metrics(self.run_dir, step=0, rank=self.rank)
+            return 0, None
+        check_world_size(path, world_size=world)
+        per_rank, shared = load_checkpoint(path, rank=self.rank)
+        check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
+        load_roles_state(roles, per_rank["workers"])
+        self.sampler.load_state_dict(shared["sampler"])
+        self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
+        restore_rng_state(per_rank["rng"])
+        if controller is not None and shared.get("controller"):
+            controller.load_state_dict(shared["controller"])
+        if self.rank == 0:
+            self.log.info("resumed from %s at step %d", path, shared["step"])
+        pending = Experience([Sample(**s) for s in shared["pending"]]) if shared.get("pending") else None
+        supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
+        self.resumed_at = int(shared["step"])
+        return self.resumed_at, pending
+
+
+def with_epoch_steps(cfg, batches_per_epoch: int):
+    """cfg with trainer.total_steps = total_epochs x batches per epoch when total_epochs > 0."""
+    t = cfg.trainer
+    if not t.total_epochs:
+        return cfg
+    steps = t.total_epochs * batches_per_epoch
+    logging.getLogger("hybridrl").info("trainer.total_epochs=%d: %d batches per epoch, %d steps",
+                                       t.total_epochs, batches_per_epoch, steps)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, total_steps=steps))
+
+
+def check_reward_columns(cfg, columns: list[str]) -> None:
+    """Load the rule reward function on every rank and check the data columns it names exist, so a
+    bad function or a missing column stops every rank before training (RewardFunctionError)."""
+    from ppo.data.reward_calls import plan_reward_call
+    from ppo.data.rewards import load_reward_function
+
+    spec = cfg.reward.function if cfg.reward.function != "builtin:task" else f"builtin:task:{cfg.data.task}"
+    plan_reward_call(load_reward_function(spec), signature=cfg.reward.signature, columns=columns)
+
+
+# ---------------------------------------------------------------------- worker state
+def worker_state(worker) -> dict:
+    """This rank's part of a worker: the runner's own checkpoint state (model shards, optimizer state, in
+    the backend's layout) and the LR schedule."""
+    state = {"runner": worker.runner.checkpoint_state(getattr(worker, "optimizer", None))}
+    if getattr(worker, "scheduler", None) is not None:
+        state["sched"] = worker.scheduler.state_dict()
+    return state
+
+
+def load_worker_state(worker, state: dict) -> None:
+    worker.runner.load_checkpoint_state(getattr(worker, "optimizer", None), state["runner"])
+    if "sched" in state:
+        worker.scheduler.load_state_dict(state["sched"])
+
+
+def roles_state(roles) -> dict:
+    return {name: worker_state(w) for name in ("actor", "critic")
+            if (w := getattr(roles, name)) is not None}
+
+
+def load_roles_state(roles, state: dict) -> None:
+    for name, st in state.items():
+        worker = getattr(roles, name)
+        if worker is None:
+            raise RuntimeError(f"checkpoint holds {name} state but this rank hosts no {name}: "
+                               "resume with the same placement and world size")
+        load_worker_state(worker, st)
+
+
+EXPORTED_ROLES = {"actor": "ForCausalLM", "critic": "ForSequenceClassification"}
+
+
+def export_weights(roles, out: Path) -> list[str]:
+    """HF directories `<out>/<role>` of actor and critic, any layout or placement (collective over
+    the world). Returns the roles exported anywhere in the world."""
+    from ppo.batch.experience import all_gather_objects
+    from ppo.roles.workers import export_hf
+
+    mine = [name for name, arch in EXPORTED_ROLES.items()
+            if (w := getattr(roles, name)) is not None and export_hf(w, out / name, architecture=arch)]
+    return sorted({r for part in all_gather_objects(mine) for r in part})

@@ -1,0 +1,100 @@
+"""ppo.metrics.profiling: kernels go to the stage whose window holds their start; busy time is an interval union."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import torch
+
+from ppo.metrics.profiling import LaunchIndex, StepProfiler, busy_us, kernel_kind, largest_gaps, summarise_trace
+from ppo.metrics.timing import StageTimer
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_busy_is_the_union_of_overlapping_intervals():
+    assert busy_us([]) == 0.0
+    assert busy_us([(0, 10), (5, 12), (20, 25)]) == 17.0
+    assert busy_us([(20, 25), (0, 10), (1, 2)]) == 15.0
+
+
+def test_kernel_kinds():
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kernel_kind("nvjet_tst_128x256_64x4") == "gemm"
+    assert kernel_kind("flash_fwd_splitkv_kernel") == "attention"
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_f32") == "nccl"
+    assert kernel_kind("Memcpy DtoH (Device -> Pinned)") == "memcpy"
+    assert kernel_kind("triton_poi_fused_add_mul_0") == "other"
+
+
+def test_summary_attributes_kernels_to_stages_and_measures_gaps():
+    events = [
+        _x("user_annotation", "stage:gen", 0, 100),
+        _x("user_annotation", "stage:update_actor", 200, 50),
+        _x("user_annotation", "not-a-stage", 0, 1000),
+        _x("kernel", "nvjet_gemm", 10, 30),
+        _x("kernel", "nvjet_gemm", 50, 30),
+        _x("kernel", "flash_attn", 60, 10),   # overlaps the second GEMM (another stream)
+        _x("kernel", "triton_fused", 210, 20),
+        _x("gpu_memcpy", "Memcpy HtoD", 150, 5),  # between stages
+    ]
+    s = summarise_trace(events)
+    gen = s["gen"]
+    assert gen["wall_ms"] == 0.1 and gen["kernels"] == 3
+    assert gen["kernel_ms"] == 0.07 and gen["busy_ms"] == 0.06 and gen["gaps_ms"] == 0.04
+    assert gen["kind_ms"] == {"gemm": 0.06, "attention": 0.01}
+    assert gen["top"][0] == {"name": "nvjet_gemm", "calls": 2, "ms": 0.06, "share": round(0.06 / 0.07, 4)}
+    upd = s["update_actor"]
+    assert upd["kernels"] == 1 and upd["gaps_ms"] == 0.03
+    assert s["(outside stages)"]["kernels"] == 1 and s["(outside stages)"]["wall_ms"] is None
+    assert "top_cpu_ops" not in gen  # device events exist: kernels, not CPU operators
+
+
+def test_largest_gaps_name_the_host_operators_that_launched_the_kernel_after_each():
+    def k(name, ts, dur, corr):
+        return {**_x("kernel", name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid=1):
+        return {**_x("cuda_runtime", "cudaLaunchKernel", ts, 2), "args": {"correlation": corr}, "tid": tid}
+
+    def op(name, ts, dur, tid=1):
+        return {**_x("cpu_op", name, ts, dur), "tid": tid}
+
+    events = [
+        op("step", 0, 1000), op("aten::mm", 5, 10), op("loss", 100, 300), op("aten::item", 150, 200),
+        op("aten::add", 380, 10), op("backward", 400, 500, tid=2), op("aten::mul", 600, 10, tid=2),
+        launch(6, 1), launch(385, 2), launch(605, 3, tid=2), launch(606, 4, tid=2),
+        k("gemm", 10, 100, 1),      # busy 10..110
+        k("add", 390, 10, 2),       # gap 280 us, launched inside loss > aten::add
+        k("mul", 610, 10, 3),       # gap 210 us, launched by backward > aten::mul (autograd thread)
+        k("mul2", 625, 10, 4),      # gap 5 us: below min_us
+    ]
+    device = [e for e in events if e["cat"] == "kernel"]
+    g = largest_gaps(device, LaunchIndex(events), min_us=20.0)
+    assert g["gaps"] == 2 and g["gap_ms"] == 0.49
+    assert g["top"][0] == {"us": 280.0, "before": "gemm", "after": "add", "launched_by": ["step", "loss", "aten::add"]}
+    assert g["top"][1]["launched_by"] == ["backward", "aten::mul"]
+    assert g["by_launcher"] == [{"op": "aten::add", "ms": 0.28, "gaps": 1}, {"op": "aten::mul", "ms": 0.21, "gaps": 1}]
+    # a kernel whose launch is not in the trace is still a gap, of an unknown launcher
+    assert largest_gaps([k("a", 0, 1, 9), k("b", 50, 1, 8)], LaunchIndex([]))["by_launcher"][0]["op"] == "(unknown)"
+
+
+def test_cpu_step_profile_writes_summary_and_trace(tmp_path):
+    prof = StepProfiler([2], out_dir=tmp_path, rank=0, device=torch.device("cpu"))
+    for step in range(3):
+        timer = StageTimer(torch.device("cpu"), annotate=prof.due(step))
+        with prof.around(step) as on:
+            assert on == (step == 1)
+            with timer("update_actor"):
+                a = torch.randn(64, 64, requires_grad=True)
+                (a @ a).sum().backward()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step2_rank0.json", "step2_rank0.trace.json.gz"]
+    summary = json.loads((tmp_path / "step2_rank0.json").read_text())
+    st = summary["stages"]["update_actor"]
+    assert summary["step"] == 2 and st["wall_ms"] > 0
+    assert any(op["name"] == "aten::mm" for op in st["top_cpu_ops"]), st["top_cpu_ops"]
+    with gzip.open(tmp_path / "step2_rank0.trace.json.gz") as f:
+        assert json.load(f)["traceEvents"]

@@ -1,0 +1,67 @@
+"""ppo/run/state.py and the step loop in one process: a step's metrics (by old-log-prob source), metrics.jsonl,
+and a checkpoint that restores workers, sampler, KL and batch controllers, and exports HF directories."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.ppo.world import tiny_run, world_of_one
+
+
+@pytest.fixture(scope="module")
+def world():
+    with world_of_one():
+        yield
+
+
+def _trainer(tmp_path, *overrides, config="conf/ppo_tiny.yaml"):
+    return tiny_run(tmp_path, *overrides, config=config).trainer(tmp_path)
+
+
+def test_step_metrics_follow_the_old_logp_source(world, tmp_path):
+    # ppo_tiny: KL penalty against the reference -> the old log-probs are recomputed before the update
+    ppo = _trainer(tmp_path / "ppo")
+    assert ppo.old_logp_source() == "recompute"
+    m = ppo.step(0)
+    for key in ("timing_s/old_log_prob", "timing_s/reshard", "timing_s/gen", "reshard/bytes_received",
+                "mem/hybrid_peak_gb", "actor/entropy", "actor/kl", "critic/vf_loss", "perf/mfu/actor"):
+        assert key in m, key
+    assert m["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on the same weights
+    # grpo, one epoch over one mini-batch: the update's forward is the old log-probs' (no extra pass)
+    grpo = _trainer(tmp_path / "grpo", config="conf/grpo_tiny.yaml")
+    assert grpo.old_logp_source() == "fused"
+    m = grpo.step(0)
+    assert "timing_s/old_log_prob" not in m and "rollout/logprob_diff_max" not in m
+    assert m["actor/clipfrac"] == 0.0 and "actor/entropy" in m and "reshard/bytes_received" in m
+    async_ = _trainer(tmp_path / "async", "trainer.async_rollout=true", config="conf/grpo_tiny.yaml")
+    assert async_.old_logp_source() == "behaviour"
+
+
+def test_log_metrics_writes_null_for_non_finite(world, tmp_path):
+    t = _trainer(tmp_path)
+    t.state.log_metrics({"step": 1, "a": 1.5, "b": math.nan, "c": math.inf})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1.0, "a": 1.5, "b": None, "c": None}
+
+
+def test_checkpoint_restores_workers_sampler_and_controllers(world, tmp_path):
+    t = _trainer(tmp_path, "controller.enabled=true", "trainer.export_hf=every_save")
+    t.step(0)
+    t.state.save(1, t.roles, final=False, controller=t.controller)
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    assert (ckpt / "actor" / "config.json").exists() and (ckpt / "critic" / "config.json").exists()
+    saved = {n: p.detach().clone() for n, p in t.roles.actor.runner.named_parameters()}
+    sampler, kl, ctl = t.state.sampler.state_dict(), t.state.kl_ctrl.state_dict(), t.controller.state_dict()
+    t.step(1)  # moves the weights, the sampler, the KL and batch controllers on
+    assert t.state.sampler.state_dict() != sampler
+    t.controller.micro_batch_tokens += 256
+    fresh = _trainer(tmp_path, "controller.enabled=true", "trainer.resume=auto")
+    start, pending = fresh.state.maybe_resume(fresh.roles, controller=fresh.controller)
+    assert start == 1 and pending is None
+    for n, p in fresh.roles.actor.runner.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0, msg=n)
+    assert fresh.state.sampler.state_dict() == sampler and fresh.state.kl_ctrl.state_dict() == kl
+    assert fresh.controller.state_dict() == ctl
