@@ -6,9 +6,9 @@
     ...
     emit_json({"bench": "x", "mfu": flops / s / H200_BF16_FLOPS, **run_info(device)})
 
-Ceilings are the measured H200 numbers, and the benches' `mfu` fields are against H200_BF16_FLOPS;
-docs/results.md restates them against the 989 TFLOP/s spec peak (docs/design.md, "FLOPs and MFU"). Every bench
-prints exactly one JSON object as its last stdout line (`emit_json`).
+The benches' `mfu` fields divide by H200_BF16_FLOPS, the 989 TFLOP/s spec peak (docs/design.md, "FLOPs and
+MFU"); rooflines use the measured ceilings (790 TFLOP/s matmul, 4.3 TB/s copy). Every bench prints exactly one
+JSON object as its last stdout line (`emit_json`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-H200_BF16_FLOPS = 790e12  # dense bf16 matmul, measured
+H200_BF16_FLOPS = 989e12  # dense bf16 spec peak (ppo.metrics.flops): every bench's `mfu` divides by it
+H200_MATMUL_CEILING_FLOPS = 790e12  # dense bf16 matmul, measured: a roofline's ceiling and a second column
 H200_HBM_BYTES_PER_S = 4.3e12  # copy bandwidth, measured
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,

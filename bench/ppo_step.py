@@ -7,8 +7,9 @@
 Runs `torchrun launcher/main.py` (so every number comes from the production step loop), drops the
 first `--warmup` steps (CUDA graph capture, allocator growth), and averages the rest of
 metrics.jsonl: stage timings, samples/s, tokens/s (total and per GPU), the actor update's MFU,
-useful utilization (counted model FLOPs of the whole step / time / (GPUs x 790 TFLOP/s)), NVML
-utilization and peak memory.
+useful utilization (counted model FLOPs of the whole step / time / (GPUs x the device's spec peak,
+ppo.metrics.flops.spec_peak_flops)), NVML utilization and peak memory. samples/s and tokens/s are samples
+(tokens) over the measured steps' wall time.
 """
 
 from __future__ import annotations
@@ -67,16 +68,24 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
     return out
 
 
+def over_wall_time(rows: list[dict], rate_key: str) -> float | None:
+    """Samples (or tokens) over the wall time of the steps, from each row's per-step rate and step time:
+    sum(rate_i * t_i) / sum(t_i), not the mean of the per-step rates (a slow step weighs by its time)."""
+    rows = [r for r in rows if r.get(rate_key) is not None and r.get("timing_s/step")]
+    seconds = sum(r["timing_s/step"] for r in rows)
+    return sum(r[rate_key] * r["timing_s/step"] for r in rows) / seconds if seconds > 0 else None
+
+
 def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dict:
     """Means over the measured steps (all steps when there are no more than `warmup`). `compiled_steps` lists the
     steps (1-based) in which torch.compile compiled a graph: a measured one among them paid a recompile (e.g. the
     training forward's second packed length arriving after the warm-up), and `samples_per_s_no_compile` is the
-    mean over the measured steps that did not."""
+    rate over the measured steps that did not. Rates are samples (tokens) over the steps' wall time."""
     first = warmup if len(rows) > warmup else 0
     measured = rows[first:]
     graphs = [0] + [r.get("compile/graphs") or 0 for r in rows]  # cumulative per step, after a 0 before step 1
     compiled = [i for i in range(1, len(graphs)) if graphs[i] > graphs[i - 1]]
-    clean = [r["perf/samples_per_s"] for i, r in enumerate(rows[first:], start=first + 1)
+    clean = [r for i, r in enumerate(rows[first:], start=first + 1)
              if i not in compiled and r.get("perf/samples_per_s") is not None]
     keys = sorted({k for r in measured for k in r})
     mean = {k: sum(r[k] for r in measured if r.get(k) is not None) / max(1, sum(r.get(k) is not None
@@ -84,10 +93,11 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
             for k in keys}
     plan = json.loads((run_dir / "plan.json").read_text())
     out = {"steps_measured": len(measured), "compiled_steps": compiled,
-           "samples_per_s_no_compile": sum(clean) / len(clean) if clean else None,
+           "samples_per_s_no_compile": over_wall_time(clean, "perf/samples_per_s"),
            "placement": plan["mode"], "groups": {r: g["ranks"] for r, g in plan["groups"].items()},
-           "samples_per_s": mean.get("perf/samples_per_s"), "tokens_per_s": mean.get("perf/tokens_per_s"),
-           "tokens_per_s_per_gpu": (mean.get("perf/tokens_per_s") or 0) / nproc,
+           "samples_per_s": over_wall_time(measured, "perf/samples_per_s"),
+           "tokens_per_s": over_wall_time(measured, "perf/tokens_per_s"),
+           "tokens_per_s_per_gpu": (over_wall_time(measured, "perf/tokens_per_s") or 0) / nproc,
            "mfu_actor": mean.get("perf/mfu/actor"), "useful_util": mean.get("perf/useful_util"),
            "nvml_util": mean.get("gpu/util_mean"), "peak_mem_gb": mean.get("mem/peak_gb"),
            "nvml_mem_peak_gb": mean.get("gpu/mem_peak_gb"),
@@ -172,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     from bench.common import git_commit, git_tree
+    from ppo.metrics.flops import spec_peak_flops
 
     result = run_workload(args.config, nproc=args.nproc, overrides=args.overrides, warmup=args.warmup,
                           runs_dir=args.runs_dir, timeout=args.timeout)
@@ -179,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
 
     result.update(bench="ppo_step", config=args.config, overrides=args.overrides, git_commit=git_commit(),
                   git_tree=git_tree(), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  peak_flops_per_gpu=790e12)
+                  peak_flops_per_gpu=spec_peak_flops(torch.cuda.get_device_name())
+                  if torch.cuda.is_available() else None)
     print(json.dumps(result))
 
 

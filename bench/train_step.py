@@ -25,11 +25,12 @@ the fp32 shards and all-gathers bf16 compute copies; with dp = 1 the model is bf
 grads and the optimizer keeps the fp32 masters (parallel/master_weights.py); `--fsdp` forces FSDP2's
 layout at dp = 1 too (how the trainer runs with an offloaded optimizer).
 
-MFU = FLOPs / (step time x GPUs x 790 TFLOP/s), FLOPs per token = 6 N + 12 L H C (PaLM),
+MFU = FLOPs / (step time x GPUs x the spec peak, 989 TFLOP/s bf16 dense on an H200; `mfu_measured_ceiling`
+divides by the measured 790 TFLOP/s instead), FLOPs per token = 6 N + 12 L W C (ppo.metrics.flops),
 N = parameters without the input embedding (the lookup does no matmul; the head counts;
 `mfu_all_params` counts every parameter, the other common convention),
-C = attention context per token: seq for lm, sum(len^2)/sum(len) over the packed
-sequences for ppo (a token attends only inside its own sequence). Last stdout line: one
+C = causal attention context per token, (len + 1) / 2 averaged over the packed sequences
+(a token attends only to the earlier tokens of its own sequence). Last stdout line: one
 JSON object with every config's result.
 
 `--backend megatron` (or `both`: each config on the native backend, then on megatron-core, in one process)
@@ -50,6 +51,7 @@ import torch
 
 from bench.common import (
     H200_BF16_FLOPS,
+    H200_MATMUL_CEILING_FLOPS,
     add_device_args,
     emit_json,
     init_distributed,
@@ -68,6 +70,8 @@ from parallel.apply import forward_hidden, head_shard, parallelize_model
 from parallel.dims import ParallelDims, build_mesh
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.algos.core_algos import policy_loss
+from ppo.metrics.flops import attention_context
+from ppo.metrics.flops import flops_per_token as model_flops_per_token
 
 DEFAULT_SWEEP = ("lm:eager:none:bf16,lm:compile:none:bf16,lm:compile:none:fp32,"
                  "ppo:compile:none:bf16:auto,ppo:compile:none:bf16:mask")
@@ -102,14 +106,13 @@ class RunSpec:
 
 
 def flops_per_token(cfg: ModelConfig, *, context: float, all_params: bool = False) -> float:
-    """6 N + 12 L H C (PaLM appendix B). N: the matmul parameters (decoder layers + the head, whose
-    matmul runs even when tied; not the embedding lookup), or every parameter with all_params. H is the
-    width of q.k and p.v, heads x head_dim: the hidden size in PaLM, twice it in Qwen3-0.6B."""
-    if all_params:
-        n = cfg.num_params(include_embedding=True)
-    else:
-        n = cfg.matmul_params()
-    return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+    """A trained token's FLOPs by the project's one formula (ppo.metrics.flops.flops_per_token: 6 N +
+    12 L W C, C causal). N: the matmul parameters (decoder layers + the head, whose matmul runs even when
+    tied; not the embedding lookup), or every parameter with all_params. W is the width of q.k and p.v,
+    heads x head_dim: the hidden size in PaLM, twice it in Qwen3-0.6B."""
+    n = cfg.num_params(include_embedding=True) if all_params else cfg.matmul_params()
+    return model_flops_per_token(n, layers=cfg.num_hidden_layers, attn_width=cfg.num_attention_heads * cfg.head_dim,
+                                 context=context, train=True)
 
 
 def pack_rows(batch: int, seq: int, *, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -168,9 +171,9 @@ def _make_batch(spec: RunSpec, args, *, cfg, device, dp_rank):
         mask = torch.ones(args.batch, args.seq, dtype=torch.bool)
         mask[:, -1] = False
         return dict(ids=ids.to(device), pos=None, targets=targets.to(device), mask=mask.to(device),
-                    context=float(args.seq))
+                    context=attention_context([args.seq] * args.batch))
     pos, resp, lengths = pack_rows(args.batch, args.seq, gen=gen)
-    context = sum(n * n for n in lengths) / sum(lengths)
+    context = attention_context(lengths)
     adv = torch.randn(args.batch, args.seq, generator=gen)
     return dict(ids=ids.to(device), pos=pos.to(device), targets=targets.to(device), mask=resp.to(device),
                 adv=adv.to(device), context=context, n_seqs=len(lengths))
@@ -280,6 +283,7 @@ def run_one(spec: RunSpec, args, *, device, dtype, mesh, dims, tp_group) -> dict
     fpt = flops_per_token(cfg, context=batch["context"])
     res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
                peak_mem_gb=peak, mfu=tokens * fpt / step_s / (world * H200_BF16_FLOPS),
+               mfu_measured_ceiling=tokens * fpt / step_s / (world * H200_MATMUL_CEILING_FLOPS),
                mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
                / (world * H200_BF16_FLOPS),
                flops_per_token=fpt, loss=float(metrics["loss"]))
@@ -319,6 +323,7 @@ def _run_pipeline(spec: RunSpec, args, *, cfg, runner, opt, batch, device, dims,
     loss, metrics["clipfrac"] = stats.tolist()
     res = dict(asdict(spec), tokens_per_s=tokens / step_s, step_s=step_s, step_s_min=min(times),
                peak_mem_gb=peak_memory_gb(device), mfu=tokens * fpt / step_s / (dims.world_size * H200_BF16_FLOPS),
+               mfu_measured_ceiling=tokens * fpt / step_s / (dims.world_size * H200_MATMUL_CEILING_FLOPS),
                mfu_all_params=tokens * flops_per_token(cfg, context=batch["context"], all_params=True) / step_s
                / (dims.world_size * H200_BF16_FLOPS),
                flops_per_token=fpt, pp=dims.pp, microbatches=args.microbatches, pp_schedule=runner.schedule,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ppo.metrics.flops import H200_PEAK_BF16_FLOPS
+from ppo.metrics.flops import spec_peak_flops
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                 on = _matmul_tflops(args.seconds)
         off = (off_before + _matmul_tflops(args.seconds)) / 2  # off-on-off: cancels a slow clock drift
         summary = busy.step_summary()
+        import torch
+
+        peak = spec_peak_flops(torch.cuda.get_device_name(0))
         out.update({"matmul_tflops_monitor_off": round(off, 1), "matmul_tflops_monitor_on": round(on, 1),
-                    "overhead_frac": round(1 - on / off, 4), "frac_of_peak": round(on * 1e12 / H200_PEAK_BF16_FLOPS, 4),
+                    "overhead_frac": round(1 - on / off, 4),
+                    "frac_of_spec_peak": None if peak is None else round(on * 1e12 / peak, 4),
                     "util_mean_under_load": summary.get("gpu/util_mean/matmul"),
                     "mem_peak_gb": summary.get("mem/peak_gb")})
     print(json.dumps(out))

@@ -97,10 +97,11 @@ class ModelConfig:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
 
-    def matmul_params(self) -> int:
+    def matmul_params(self, *, lm_head: bool = True) -> int:
         """Parameters that cost 2 FLOP per token in a forward: everything but the input embedding
-        lookup (the LM head is a matmul, tied or not). The N of the FLOP accounting."""
-        return self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
+        lookup. The N of the FLOP accounting. lm_head: the policy's vocabulary projection is a matmul,
+        tied or not; a critic or reward model has a scalar head instead (lm_head=False)."""
+        return self.num_params(include_embedding=False) + (self.vocab_size * self.hidden_size if lm_head else 0)
 
     # ---- Hugging Face config.json ----
     @classmethod

@@ -25,6 +25,9 @@ import torch.distributed as dist
 
 from ppo.batch.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.batch.step_batch import check_step_tensors, late_tensors, overlong_penalties, step_tensors
+from ppo.control.budgets import TokenBudgets
+from ppo.control.controller import BatchController, agree_feedback
+from ppo.metrics.flops import ppo_stage_flops, spec_peak_flops, useful_utilization
 from ppo.metrics.host_gc import GcPauses, freeze_survivors
 from ppo.metrics.profiling import StepProfiler
 from ppo.metrics.samples import SampleLog
@@ -68,7 +71,11 @@ class PPOTrainer:
         if self.rank == 0 and loop.log_samples_every:
             self.sample_log = SampleLog(self.run_dir, every=loop.log_samples_every, count=loop.log_samples_count,
                                         tokenizer=self.state.tokenizer)
-        self.model_params = model_config.matmul_params()  # FLOP accounting's N (no embedding lookup)
+        # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
+        self.model_params = model_config.matmul_params()
+        self.head_model_params = model_config.matmul_params(lm_head=False)
+        self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" \
+            else None
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
@@ -80,18 +87,17 @@ class PPOTrainer:
             if (a.pp_idx, a.dp_idx, a.tp_idx) != (r.pp_idx, r.dp_idx, r.tp_idx):
                 raise RuntimeError(f"rank {self.rank}: the actor's mesh coordinates {(a.pp_idx, a.dp_idx, a.tp_idx)} "
                                    f"differ from the reference's {(r.pp_idx, r.dp_idx, r.tp_idx)} on the same ranks")
-        self.base_budgets = dict(loop.micro_batch_tokens)  # role -> configured micro-batch token budget
-        self.budgets = dict(self.base_budgets)
-        self.controller = self.controller_base = None
+        self.controller = None
         c = loop.controller
         if c.enabled:
-            from ppo.control.controller import BatchController
-
-            self.controller_base = self.base_budgets["actor"]
             self.controller = BatchController(
-                rollout_tokens=self.roles.rollout_token_budget(), micro_batch_tokens=self.controller_base,
+                rollout_tokens=self.roles.rollout_token_budget(), micro_batch_tokens=loop.micro_batch_tokens["actor"],
                 low_util=c.low_util, high_mem=c.high_mem, grow=c.grow, shrink=c.shrink,
                 hysteresis_steps=c.hysteresis_steps)
+        rollout = self.roles.rollout
+        self.budgets = TokenBudgets(loop.micro_batch_tokens, controller=self.controller,
+                                    max_oom_retries=c.max_oom_retries, rank=self.rank,
+                                    set_rollout_tokens=None if rollout is None else rollout.set_token_budget)
 
     # ------------------------------------------------------------------ one step
     def old_logp_source(self) -> str:
@@ -162,17 +168,17 @@ class PPOTrainer:
         roles, results, pending = self.roles, {}, []
         if roles.actor is not None and old_logp:
             with timer("old_log_prob", sync=False):
-                pending.append(("old_log_prob", self.budgeted("old_log_prob", lambda b: roles.actor.launch_logprobs(
-                    exp, roles.actor_plan(exp, b), with_entropy=True), "actor"),
+                pending.append(("old_log_prob", self.budgets.run("old_log_prob", "actor", lambda b: (
+                    roles.actor.launch_logprobs(exp, roles.actor_plan(exp, b), with_entropy=True))),
                     lambda r: {"old_logp": r["logp"], "entropy": r["entropy"]}))
         if roles.ref is not None:
             with timer("ref", sync=False), ref_span or nullcontext():
-                pending.append(("ref", self.budgeted("ref", lambda b: roles.ref.launch_logprobs(
-                    exp, roles.ref_plan(exp, b)), "ref"), lambda r: {"ref_logp": r["logp"]}))
+                pending.append(("ref", self.budgets.run("ref", "ref", lambda b: roles.ref.launch_logprobs(
+                    exp, roles.ref_plan(exp, b))), lambda r: {"ref_logp": r["logp"]}))
         if roles.critic is not None:
             with timer("values", sync=False):
-                pending.append(("values", self.budgeted("values", lambda b: roles.critic.launch_values(
-                    exp, roles.critic_plan(exp, b)), "critic"), lambda r: r))
+                pending.append(("values", self.budgets.run("values", "critic", lambda b: (
+                    roles.critic.launch_values(exp, roles.critic_plan(exp, b)))), lambda r: r))
         if roles.reward is not None and reward:
             with timer("reward", sync=False):  # a reward model's forward waits for its own outputs
                 results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
@@ -248,64 +254,34 @@ class PPOTrainer:
         actor_m, critic_m = {}, {}
         if roles.actor is not None:
             with timer("update_actor"):
-                actor_m = self.budgeted("update_actor", lambda b: roles.update_actor(
+                actor_m = self.budgets.run("update_actor", "actor", lambda b: roles.update_actor(
                     exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused", device_rows=device_rows),
-                    "actor", retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
+                    retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
             if device_rows:  # the reference's kernels that ran on into the update's window count as the reference's
                 overlap = timer.starts["ref"] + ref_span.seconds() - timer.starts["update_actor"]
                 timer.carve("update_actor", "ref", min(max(0.0, overlap), timer.times["update_actor"]))
         if roles.critic is not None:
             with timer("update_critic"):
-                critic_m = self.budgeted("update_critic", lambda b: roles.update_critic(exp, tensors, max_tokens=b),
-                                         "critic", retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
+                critic_m = self.budgets.run("update_critic", "critic", lambda b: roles.update_critic(
+                    exp, tensors, max_tokens=b), retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
         timer.times["step"] = time.perf_counter() - t_step
         if self.sample_log is not None and self.sample_log.due(step):
             self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
         return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
                                     gen_metrics=gen.metrics, old_logp=old_logp)
 
-    def budgeted(self, stage: str, fn, role: str, *, retry_safe=None):
-        """Run a stage with its role's micro-batch token budget; on CUDA OOM halve it and rerun
-        (no sample is lost: fn re-reads the whole batch). Updates retry only before their first
-        optimizer step, so no mini-batch is applied twice."""
-        from ppo.control.controller import is_cuda_oom, run_with_oom_backoff
-
-        def safe_oom(err: BaseException) -> bool:
-            return is_cuda_oom(err) and (retry_safe is None or retry_safe())
-
-        def record(old: int, new: int) -> None:
-            self.log.warning("%s: CUDA out of memory at %d tokens per micro-batch; retrying with %d", stage, old, new)
-            self.budgets[role] = new
-            if self.controller is not None:
-                self.controller.record_oom(failed=old, new=new)
-
-        out, self.budgets[role] = run_with_oom_backoff(
-            fn, budget=self.budgets[role], min_budget=min(256, self.budgets[role]),
-            max_retries=self.loop.controller.max_oom_retries, on_oom=record, is_oom=safe_oom, name=stage)
-        return out
-
     def control(self, metrics: dict[str, float]) -> None:
-        """Step boundary only: the batch controller resizes token budgets from utilization/memory."""
-        from ppo.control.controller import agree_feedback
+        """Step boundary only: the batch controller resizes the token budgets from this step's GPU
+        utilization (the monitor's gpu/util_mean, a fraction in [0, 1]) and peak memory fraction."""
+        util, mem = agree_feedback(metrics.get("gpu/util_mean"), self.memory_fraction())
+        metrics.update(self.budgets.control(util_mean=util, mem_frac=mem))
 
-        util = metrics.get("gpu/util_mean")
-        util = None if util is None else util / 100.0
-        mem = None
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            mem = min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
-        util, mem = agree_feedback(util, mem)
-        d = self.controller.decide(util, mem)
-        scale = d.micro_batch_tokens / self.controller_base
-        for role, base in self.base_budgets.items():
-            self.budgets[role] = max(256, int(base * scale))
-        if self.roles.rollout is not None:
-            self.roles.rollout.set_token_budget(d.rollout_tokens)
-        metrics["controller/micro_batch_tokens"] = d.micro_batch_tokens
-        metrics["controller/rollout_tokens"] = d.rollout_tokens
-        if self.rank == 0 and d.action != "hold":
-            self.log.info("batch controller: %s (%s) -> micro-batch %d tokens, rollout %d tokens",
-                          d.action, d.reason, d.micro_batch_tokens, d.rollout_tokens)
+    def memory_fraction(self) -> float | None:
+        """This rank's peak reserved device memory over the device's total (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
         """ppo.batch.step_batch.step_tensors with this run's settings and KL controller."""
@@ -387,30 +363,32 @@ class PPOTrainer:
         return m
 
     def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
-        """Useful utilization (counted model FLOPs of the whole step over time x peak x GPUs) and the
-        actor update's MFU, per DESIGN.md "Honest numbers"; against the H200's measured peak."""
-        from ppo.metrics.flops import H200_PEAK_BF16_FLOPS, ppo_stage_flops
-
-        n = self.model_params
+        """The step's model FLOPs (perf/flops), and against the device's spec peak (ppo.metrics.flops): useful
+        utilization of the whole step and the actor update's MFU. No peak is known for the CPU or an
+        unlisted device, and then no utilization is reported rather than a guess."""
         roles = self.plan.groups
         trained = sum(s.length for s in exp.samples)
         # shared prompts: each prompt is packed once per group of samples
         policy = sum(exp.prompt_units()[1]) if self.loop.share_prompts else None
+        n, n_head = self.model_params, self.head_model_params
         flops = ppo_stage_flops(
-            n_params_actor=n, n_params_critic=n if "critic" in roles else None,
+            n_params_actor=n, n_params_critic=n_head if "critic" in roles else None,
             n_params_ref=n if "ref" in roles else None,
-            n_params_rm=n if self.loop.reward.is_model else None, trained_tokens=trained,
+            n_params_rm=n_head if self.loop.reward.is_model else None, trained_tokens=trained,
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.loop.n),
             ppo_epochs=self.loop.actor_ppo_epochs,
             old_logp_forward=old_logp_forward, policy_tokens=policy)
+        out = {"perf/flops": sum(flops.values())}
+        if self.peak_flops is None:
+            return out
+        out["perf/useful_util"] = useful_utilization(out["perf/flops"], m["timing_s/step"],
+                                                     n_gpus=self.plan.world_size, peak_flops=self.peak_flops)
         actor_s = m.get("timing_s/update_actor", 0.0)
-        n_actor = len(roles["actor"].ranks)
-        return {"perf/flops": sum(flops.values()),
-                "perf/useful_util": sum(flops.values()) / m["timing_s/step"] / (self.plan.world_size
-                                                                                * H200_PEAK_BF16_FLOPS),
-                "perf/mfu/actor": flops["update_actor"] / actor_s / (n_actor * H200_PEAK_BF16_FLOPS)
-                if actor_s > 0 else 0.0}
+        if actor_s > 0:
+            out["perf/mfu/actor"] = useful_utilization(flops["update_actor"], actor_s,
+                                                       n_gpus=len(roles["actor"].ranks), peak_flops=self.peak_flops)
+        return out
 
     # ------------------------------------------------------------------ validation
     def validation_due(self, step: int) -> bool:

@@ -32,6 +32,10 @@ import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# why a decision was taken, as the metric controller/cause reports it (the index into this tuple)
+CAUSES = ("no_reading", "util_ok", "low_util", "mem_unknown", "would_pass_high_mem", "grow", "at_max",
+          "mem_high", "at_min")
+ACTIONS = {"shrink": -1, "hold": 0, "grow": 1}  # controller/action
 
 
 @dataclass(slots=True)
@@ -40,7 +44,8 @@ class Decision:
 
     step: int
     action: str  # "grow" | "shrink" | "hold"
-    reason: str
+    reason: str  # for a person: the numbers behind the decision
+    cause: str  # for a metric: one of CAUSES
     rollout_tokens: int
     micro_batch_tokens: int
     util_mean: float | None
@@ -120,7 +125,7 @@ class BatchController:
             if v is not None and not 0.0 <= v <= 1.0 + 1e-6:
                 raise ValueError(f"{name}={v} is not a fraction in [0, 1]; pass percent / 100")
         self.step += 1
-        action, reason = "hold", "no utilization reading"
+        action, reason, cause = "hold", "no utilization reading", "no_reading"
         if mem_frac is not None and mem_frac >= self.high_mem:
             for key in self.ceiling:  # keep the lowest budget known to be too big (an OOM's may be lower)
                 cur = getattr(self, key)
@@ -129,31 +134,34 @@ class BatchController:
             new_m = self._clamp("micro_batch_tokens", self.micro_batch_tokens * self.shrink)
             self.low_streak = 0
             action = "shrink" if (new_r, new_m) != (self.rollout_tokens, self.micro_batch_tokens) else "hold"
+            cause = "mem_high" if action == "shrink" else "at_min"
             reason = f"mem {mem_frac:.2f} >= high_mem {self.high_mem:.2f}" + ("" if action == "shrink" else
                                                                                 " (at min bounds)")
             self.rollout_tokens, self.micro_batch_tokens = new_r, new_m
         elif util_mean is not None:
             if util_mean >= self.low_util:
                 self.low_streak = 0
-                reason = f"util {util_mean:.2f} >= low_util {self.low_util:.2f}"
+                reason, cause = f"util {util_mean:.2f} >= low_util {self.low_util:.2f}", "util_ok"
             else:
                 self.low_streak += 1
                 reason = f"util {util_mean:.2f} < low_util {self.low_util:.2f} for {self.low_streak} step(s)"
+                cause = "low_util"
                 if self.low_streak >= self.hysteresis_steps:
                     if mem_frac is None:
-                        reason += "; memory unknown, not growing"
+                        reason, cause = reason + "; memory unknown, not growing", "mem_unknown"
                     elif mem_frac * self.grow >= self.high_mem:
                         reason += f"; mem {mem_frac:.2f} x {self.grow} would pass high_mem"
+                        cause = "would_pass_high_mem"
                     else:
                         new_r = self._grown("rollout_tokens", self.rollout_tokens)
                         new_m = self._grown("micro_batch_tokens", self.micro_batch_tokens)
                         if (new_r, new_m) != (self.rollout_tokens, self.micro_batch_tokens):
-                            action = "grow"
+                            action, cause = "grow", "grow"
                             self.rollout_tokens, self.micro_batch_tokens = new_r, new_m
                         else:
-                            reason += "; at max bounds / memory ceiling"
+                            reason, cause = reason + "; at max bounds / memory ceiling", "at_max"
                         self.low_streak = 0
-        d = Decision(step=self.step, action=action, reason=reason, rollout_tokens=self.rollout_tokens,
+        d = Decision(step=self.step, action=action, reason=reason, cause=cause, rollout_tokens=self.rollout_tokens,
                      micro_batch_tokens=self.micro_batch_tokens, util_mean=util_mean, mem_frac=mem_frac)
         self.history.append(asdict(d))
         # every decision is logged; holds at DEBUG so a steady run's log is not one line per step
@@ -171,6 +179,7 @@ class BatchController:
         setattr(self, key, self._clamp(key, new))
         self.low_streak = 0
         self.history.append({"step": self.step, "action": "oom", "reason": f"CUDA OOM at {key}={failed}",
+                             "cause": "oom",
                              "rollout_tokens": self.rollout_tokens, "micro_batch_tokens": self.micro_batch_tokens,
                              "util_mean": None, "mem_frac": None})
         log.warning("batch controller: OOM back-off set %s=%d (was %d)", key, getattr(self, key), failed)

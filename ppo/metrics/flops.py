@@ -1,15 +1,44 @@
-"""FLOP accounting for PPO/GRPO steps (DESIGN.md "Honest numbers"): what `perf/useful_util` and
-`perf/mfu/actor` count. Pure functions; the launcher's monitor and the benchmarks use them too."""
+"""FLOP accounting for PPO/GRPO steps (docs/design.md, "FLOPs and MFU"): what `perf/useful_util` and
+`perf/mfu/actor` count, and the peak they divide by. Pure functions; the launcher's monitor, the cost
+model and the benchmarks use them too.
+
+The convention is the field's (torchtitan, Megatron, the papers): MFU = model FLOPs / (time x GPUs x
+the device's dense bf16 spec peak), 989 TFLOP/s on an H100/H200 SXM. A device missing from the table
+gets no MFU rather than a guess. The H200's measured matmul ceiling (~790 TFLOP/s) is a second column
+only (MEASURED_H200_MATMUL_FLOPS).
+"""
 
 from __future__ import annotations
 
-H200_PEAK_BF16_FLOPS = 790e12  # measured dense bf16 matmul ceiling (DESIGN.md "Honest numbers")
+# dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity), by a substring of
+# torch.cuda.get_device_name(); the first match wins, so more specific names come first
+SPEC_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),  # SXM and NVL report the same dense bf16 peak
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+)
+MEASURED_H200_MATMUL_FLOPS = 790e12  # bench.env_check's measured bf16 matmul ceiling: a second column
 
 
-def useful_utilization(flops: float, seconds: float, *, n_gpus: int, peak_flops: float = H200_PEAK_BF16_FLOPS) -> float:
-    """Fraction of the hardware FLOP ceiling spent on useful model FLOPs (MFU-style)."""
-    if seconds <= 0 or n_gpus <= 0:
-        raise ValueError(f"useful_utilization needs seconds > 0 and n_gpus > 0, got seconds={seconds}, n_gpus={n_gpus}")
+def spec_peak_flops(device_name: str | None) -> float | None:
+    """The device's dense bf16 spec peak in FLOP/s, or None for a device not in the table (CPU included)."""
+    if not device_name:
+        return None
+    for key, peak in SPEC_PEAK_BF16_FLOPS:
+        if key in device_name:
+            return peak
+    return None
+
+
+def useful_utilization(flops: float, seconds: float, *, n_gpus: int, peak_flops: float) -> float:
+    """Fraction of the devices' peak FLOP/s spent on useful model FLOPs (MFU-style)."""
+    if seconds <= 0 or n_gpus <= 0 or peak_flops <= 0:
+        raise ValueError(f"useful_utilization needs seconds, n_gpus and peak_flops > 0, got seconds={seconds}, "
+                         f"n_gpus={n_gpus}, peak_flops={peak_flops}")
     return flops / (seconds * n_gpus * peak_flops)
 
 
@@ -28,10 +57,11 @@ def ppo_stage_flops(
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
-    The dense-transformer rule of DESIGN.md "Honest numbers": a forward costs 2N FLOP per
-    token, forward+backward 6N. `trained_tokens` is prompt+response tokens of the batch as fed
-    to the trainer; `generated_tokens` the decoded tokens and `prefill_tokens` the prompt tokens
-    the engine prefilled (2N each; counted under "gen"). Attention's O(T^2) term is ignored, so
+    The dense-transformer rule of docs/design.md: a forward costs 2N FLOP per token, forward+backward
+    6N, N the matmul parameters (an LM head included for the policy, none for a critic or reward model:
+    their N comes from ModelConfig.matmul_params(lm_head=False)). `trained_tokens` is prompt+response
+    tokens of the batch as fed to the trainer; `generated_tokens` the decoded tokens and `prefill_tokens`
+    the prompt tokens the engine prefilled (2N each; counted under "gen"). Attention's O(T^2) term is ignored, so
     long sequences make these numbers a slight underestimate, never an overestimate.
     A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
     old_logp_forward=False: no separate old-log-prob forward ran (async rollout takes the behaviour
@@ -59,3 +89,22 @@ def ppo_step_flops(**kwargs) -> float:
     """Total model FLOPs of one PPO step: the sum of `ppo_stage_flops(**kwargs)` (about 20N per
     trained token for full PPO with one epoch, plus 2N per generated or prefilled token)."""
     return sum(ppo_stage_flops(**kwargs).values())
+
+
+def attention_context(lengths: list[int], *, causal: bool = True) -> float:
+    """The mean number of key positions a token attends to over documents of these lengths: (T + 1) / 2
+    for a document of T tokens under a causal mask, T without one. The attention term of
+    `flops_per_token` takes it as `context` (the convention here is causal, as the models are)."""
+    total = sum(lengths)
+    if total <= 0:
+        raise ValueError(f"attention_context needs at least one token, got lengths {lengths}")
+    per_doc = (lambda t: t * (t + 1) / 2) if causal else (lambda t: t * t)
+    return sum(per_doc(t) for t in lengths) / total
+
+
+def flops_per_token(n_matmul: int, *, layers: int, attn_width: int, context: float, train: bool) -> float:
+    """Model FLOPs of one token: 2N forward (6N with backward) for the matmuls, plus attention's q.k and
+    p.v, 4 L W C forward (12 L W C with backward), W = heads x head_dim, C = attention_context(...).
+    The step accounting (ppo_stage_flops) leaves the attention term out (C = 0), which undercounts."""
+    mult = 3 if train else 1
+    return mult * (2 * n_matmul + 4 * layers * attn_width * context)

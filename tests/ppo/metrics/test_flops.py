@@ -1,17 +1,18 @@
-"""ppo/metrics/flops.py: the FLOP accounting behind perf/useful_util and perf/mfu/actor (DESIGN.md "Honest numbers")."""
+"""ppo/metrics/flops.py: the FLOP accounting behind perf/useful_util and perf/mfu/actor (docs/design.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppo.metrics.flops import ppo_stage_flops, ppo_step_flops, useful_utilization
+from models.config import ModelConfig
+from ppo.metrics.flops import ppo_stage_flops, ppo_step_flops, spec_peak_flops, useful_utilization
 
 
 def test_flop_counts_follow_design_rule():
     n, t, g = 7_000_000_000, 1000, 400
     full = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=n,
                            trained_tokens=t, generated_tokens=g, ppo_epochs=1)
-    # DESIGN.md: 20N per trained token for full PPO (6+6 train, 4 x 2 forwards) + 2N per generated token
+    # docs/design.md: 20N per trained token for full PPO (6+6 train, 4 x 2 forwards) + 2N per generated token
     assert sum(full.values()) == pytest.approx(20 * n * t + 2 * n * g)
     assert full["update_actor"] == 6 * n * t and full["gen"] == 2 * n * g
     grpo = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
@@ -30,7 +31,23 @@ def test_flop_counts_follow_design_rule():
 
 
 def test_useful_utilization():
-    assert useful_utilization(790e12 * 8 * 0.5, 1.0, n_gpus=8) == pytest.approx(0.5)
+    assert useful_utilization(989e12 * 8 * 0.5, 1.0, n_gpus=8, peak_flops=989e12) == pytest.approx(0.5)
     assert useful_utilization(1e12, 2.0, n_gpus=1, peak_flops=1e12) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="seconds > 0"):
-        useful_utilization(1.0, 0.0, n_gpus=1)
+    with pytest.raises(ValueError, match="peak_flops > 0"):
+        useful_utilization(1.0, 0.0, n_gpus=1, peak_flops=1e12)
+
+
+def test_spec_peak_by_device_name():
+    """MFU divides by the data sheet's dense bf16 peak; an unknown device (or the CPU) has none."""
+    assert spec_peak_flops("NVIDIA H200") == 989e12
+    assert spec_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert spec_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert spec_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert spec_peak_flops("Some Future Accelerator") is None
+    assert spec_peak_flops(None) is None and spec_peak_flops("cpu") is None
+
+
+def test_critic_and_reward_model_have_no_lm_head():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    assert cfg.matmul_params() - cfg.matmul_params(lm_head=False) == 1000 * 64

@@ -28,7 +28,7 @@ def test_step_metrics_follow_the_old_logp_source(world, tmp_path):
     assert ppo.old_logp_source() == "recompute"
     m = ppo.step(0)
     for key in ("timing_s/old_log_prob", "timing_s/reshard", "timing_s/gen", "reshard/bytes_received",
-                "mem/hybrid_peak_gb", "actor/entropy", "actor/kl", "critic/vf_loss", "perf/mfu/actor"):
+                "mem/hybrid_peak_gb", "actor/entropy", "actor/kl", "critic/vf_loss", "perf/flops"):
         assert key in m, key
     assert m["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on the same weights
     # grpo, one epoch over one mini-batch: the update's forward is the old log-probs' (no extra pass)
