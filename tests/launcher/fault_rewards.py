@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from ppo.tasks import task_reward_fn
+from ppo.data.tasks import task_reward_fn
 
 _task = task_reward_fn("add:1")
 

@@ -83,7 +83,7 @@ def test_bench_grpo_1b_trains_its_batch_in_one_micro_batch():
     """Workload (a)'s speed rests on one micro-batch per pass (bench/results/grpo_a_round13_h200.json): its
     full-length batch, each prompt packed once with its responses, fits the actor's budget, and the reference
     plans alike, so the two passes share one plan and one set of packs (PolicyWorker.plan / _pack)."""
-    from ppo.batching import plan_micro_batches
+    from ppo.batch.micro_batches import plan_micro_batches
 
     cfg = load_config("conf/bench_grpo_1b.yaml")
     assert cfg.trainer.share_prompts and cfg.actor.mini_batch_size == 0

@@ -11,7 +11,7 @@ import torch
 from launcher.export import ExportError, export_checkpoint, main
 from models import build_model
 from models.heads import LlamaForValue
-from ppo.checkpoint import save_checkpoint
+from ppo.run.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

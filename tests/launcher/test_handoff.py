@@ -83,7 +83,7 @@ def test_role_build_settings_carry_sources_layouts_and_optimizers():
 def test_placement_exposes_the_plan_groups_and_environment():
     from launcher.dist import DistEnv
     from launcher.plan import compute_plan, resolve_model_config
-    from ppo.placement import Placement
+    from ppo.roles.placement import Placement
 
     cfg = load_config("conf/ppo_tiny.yaml")
     plan = compute_plan(cfg, world_size=1, model=resolve_model_config(cfg))

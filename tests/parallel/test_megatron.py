@@ -209,8 +209,8 @@ def _worker_case(native, rank, world):
     import copy
 
     from parallel.dims import ParallelDims, build_mesh
-    from ppo.experience import Experience, Sample
-    from ppo.workers import PolicyWorker, WorkerSpec
+    from ppo.batch.experience import Experience, Sample
+    from ppo.roles.workers import PolicyWorker, WorkerSpec
 
     g = torch.Generator().manual_seed(7)
     samples = []

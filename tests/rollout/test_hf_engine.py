@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from bench.hf_engine import HFEngine
 from models import build_model, preset_config
 from rollout import NativeEngine, RolloutConfig, SamplingParams
-from rollout.hf_engine import HFEngine
 
 PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7]]
 

@@ -51,7 +51,7 @@ def _max_logprob_error(model, completions, temperature):
 
 def _ppo_update(model, completions):
     """One clipped-surrogate step on the completions with +-1 advantages (a real, visible weight change)."""
-    from ppo.core_algos import policy_loss
+    from ppo.algos.core_algos import policy_loss
 
     opt = torch.optim.Adam(model.parameters(), lr=3e-2)
     for k, c in enumerate(completions):
