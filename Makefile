@@ -47,8 +47,8 @@ demo: install
 	$(PY) -m launcher.report runs/ppo_tiny
 
 test: install install-vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm" --timeout 900 $(PYTEST_ARGS)
-	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" --timeout 900 $(PYTEST_ARGS) tests/*/test_vllm_*.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
