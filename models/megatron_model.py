@@ -202,6 +202,3 @@ def head_weight(gpt: nn.Module) -> torch.Tensor:
     return gpt.shared_embedding_or_output_weight()
 
 
-def score_values(gpt: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """[..., H] final-normed hidden -> [..., width] fp32 scores (the head runs in fp32 as models/heads.py)."""
-    return F.linear(hidden.float(), gpt.score.weight.float())

@@ -116,10 +116,6 @@ def megatron_optimizers(opt) -> list:
     return [o for o in chained if not getattr(o, "is_stub_optimizer", False) and o.optimizer is not None]
 
 
-def torch_optimizers(opt) -> list[torch.optim.Optimizer]:
-    return [o.optimizer for o in megatron_optimizers(opt)]
-
-
 def grad_norm_one_sync(dist_opt) -> float:
     """L2 norm of the distributed optimizer's gradients over its grad-stats group, as megatron's
     get_grad_norm_fp32 computes it (the same gradients: no TP duplicates, no shared copies) but with one

@@ -63,11 +63,6 @@ class ReshardGroups:
         return self.assignment.gen_dp_rank[self.local_rank]
 
     @property
-    def gen_tp_ranks(self) -> list[int]:
-        """Global ranks of this rank's generation TP group, in gen TP order."""
-        return [self.ranks[r] for r in self.assignment.gen_tp_groups[self.gen_dp_rank]]
-
-    @property
     def transfer_group(self) -> dist.ProcessGroup | None:
         return self.gather_group if self.assignment.gather_is_closed else self.actor_group
 

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,11 +28,11 @@ from ppo.batch.experience import Experience, all_gather_objects, merge_results, 
 from ppo.batch.step_batch import check_step_tensors, late_tensors, overlong_penalties, step_tensors
 from ppo.control.budgets import TokenBudgets
 from ppo.control.controller import BatchController, agree_feedback
-from ppo.metrics.flops import ppo_stage_flops, spec_peak_flops, useful_utilization
 from ppo.metrics.host_gc import GcPauses, freeze_survivors
 from ppo.metrics.profiling import StepProfiler
 from ppo.metrics.samples import SampleLog
-from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs, host_memory_gb
+from ppo.metrics.step_metrics import StepMetrics
+from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs
 from ppo.roles.build import build_roles
 from ppo.roles.generation import Generation
 from ppo.roles.placement import Placement
@@ -39,7 +40,14 @@ from ppo.roles.step_plan import old_logp_source, ref_beside_actor
 from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
 
-STAGES = ("gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic")
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRoute:
+    """How a step's reference log-probs travel (PPOTrainer.reference_route)."""
+
+    defer: tuple[str, ...]  # ("ref",): waited for after the advantages, not before
+    on_device: bool  # the update reads them on the device (the reference placed exactly like the actor)
+    span: DeviceSpan | None  # the reference's kernels, for its timing, when they stay on the device
 
 
 class PPOTrainer:
@@ -72,14 +80,12 @@ class PPOTrainer:
             self.sample_log = SampleLog(self.run_dir, every=loop.log_samples_every, count=loop.log_samples_count,
                                         tokenizer=self.state.tokenizer)
         # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
-        self.model_params = model_config.matmul_params()
-        self.head_model_params = model_config.matmul_params(lm_head=False)
-        self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" \
-            else None
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         self.gc_pauses = GcPauses()  # the collector's stalls of this rank's host, per step (host/gc_s)
+        self.metrics = StepMetrics(loop, plan=self.plan, rank=self.rank, device=self.device,
+                                   model_config=model_config, gc_pauses=self.gc_pauses)
         self.frozen_graphs = -1  # compiled graphs when the survivors were last frozen (trainer.gc_freeze)
         self.ref_beside_actor = ref_beside_actor(self.plan)
         if self.ref_beside_actor and self.roles.actor is not None:
@@ -195,39 +201,69 @@ class PPOTrainer:
         return results
 
     def step(self, step: int) -> dict[str, float]:
-        roles = self.roles
-        hb = self.heartbeat
-        timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
-                           lambda name: hb.set_stage(name, step), annotate=self.profiler.due(step))
+        """One step, in the order of the data flow (docs/design.md): batch, scoring, advantages, updates."""
+        timer = self.stage_timer(step)
         t_step = time.perf_counter()
         old_logp = self.old_logp_source()
-
-        # 1. the batch: generated now (on-policy), or one step ago (async, one step off-policy); with
-        #    DAPO dynamic sampling, generated and scored in rounds until every group carries signal
-        gen = Generation([])
-        rewards, sampling_m = None, {}
-        if self.pending is not None:
-            exp = self.pending
-        elif self.loop.advantages.filter_groups:
-            exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
-        else:
-            exp, gen = self.generate(step, timer)
-        self.pending = None
-
-        # 2. scoring; only "recompute" runs the old-log-prob forward (see old_logp_source). The reference's
-        #    log-probs reach only the loss unless they shape the rewards (KL penalty) or a KL metric against
-        #    old log-probs: then the advantages are computed while its forward still runs
-        #    Placed on the actor's ranks alike, the reference's log-probs even stay on the device: the update reads
-        #    them there (DeviceRows) and is enqueued right behind the reference's forward, with no wait between
-        a = self.loop.advantages
-        defer = ("ref",) if "ref" in self.plan.groups and old_logp == "fused" and not a.use_kl_penalty else ()
-        on_device = bool(defer) and self.ref_beside_actor  # the same on every rank (a function of the plan)
-        ref_span = DeviceSpan(self.device) if on_device else None  # the reference's kernels, for its timing
+        # 1. the batch: generated now (on-policy), one step ago (async, one step off-policy), or, with DAPO's
+        #    dynamic sampling, generated and scored in rounds until every group carries signal
+        exp, gen, rewards, sampling_m = self.draw_batch(step, timer)
+        # 2. scoring: old log-probs (only "recompute", see old_logp_source), reference, values, rewards
+        ref = self.reference_route(old_logp)
         results, deferred = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
-                                       defer=defer, ref_span=ref_span)
+                                       defer=ref.defer, ref_span=ref.span)
         if old_logp == "behaviour" and step + 1 < self.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending, gen = self.generate(step + 1, timer)
+        merged = self.merge_scores(exp, results, rewards, old_logp=old_logp)
+        # 3. advantages: a pure function of the merged batch, computed identically on every rank; the
+        #    deferred reference forward may still run meanwhile (host work)
+        with timer("adv", sync=False):
+            tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
+        device_rows = self.reference_logprobs(exp, tensors, ref, deferred, timer)
+        check_step_tensors({**tensors, **device_rows}, self.loop.advantages)
+        adv_metrics.update(sampling_m)
+        self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
+        # 4. updates: actor and critic groups (concurrent when placed apart)
+        actor_m = self.update_actor(exp, tensors, device_rows, timer, old_logp=old_logp, ref=ref)
+        critic_m = self.update_critic(exp, tensors, timer)
+        timer.times["step"] = time.perf_counter() - t_step
+        if self.sample_log is not None and self.sample_log.due(step):
+            self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
+        return self.metrics.collect(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
+                                    gen_metrics=gen.metrics, old_logp=old_logp)
+
+    def stage_timer(self, step: int) -> StageTimer:
+        """The step's stage timer: the heartbeat hears each stage, the profiler marks them on profiled steps."""
+        hb = self.heartbeat
+        return StageTimer(self.device, self.monitor, on_stage=None if hb is None else
+                          lambda name: hb.set_stage(name, step), annotate=self.profiler.due(step))
+
+    def draw_batch(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict | None, dict]:
+        """-> (the step's batch, this rank's generation report, reward results when DAPO's rounds scored the
+        samples already (else None), sampling metrics)."""
+        exp, gen, rewards, sampling_m = self.pending, Generation([]), None, {}
+        if exp is None and self.loop.advantages.filter_groups:
+            exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
+        elif exp is None:
+            exp, gen = self.generate(step, timer)
+        self.pending = None
+        return exp, gen, rewards, sampling_m
+
+    def reference_route(self, old_logp: str) -> ReferenceRoute:
+        """How the reference's log-probs reach the update. They feed only the loss unless they shape the rewards
+        (KL penalty) or a KL metric against old log-probs: then the advantages are computed while the reference's
+        forward still runs (deferred). Placed on the actor's ranks alike, they even stay on the device: the update
+        reads them there and is enqueued right behind the reference's forward, with no wait between. The same
+        on every rank (a function of the plan and the settings)."""
+        deferred = "ref" in self.plan.groups and old_logp == "fused" and not self.loop.advantages.use_kl_penalty
+        on_device = deferred and self.ref_beside_actor
+        return ReferenceRoute(defer=("ref",) if deferred else (), on_device=on_device,
+                              span=DeviceSpan(self.device) if on_device else None)
+
+    def merge_scores(self, exp: Experience, results: dict, rewards: dict | None, *, old_logp: str) -> dict:
+        """Every sample's results on every rank (a collective): scores shaped (DAPO's overlong penalty) unless
+        the generation rounds scored them already; the engine's log-probs as old log-probs when async."""
         merged = merge_results(results)
         if rewards is not None:
             merged.update(rewards)
@@ -235,40 +271,44 @@ class PPOTrainer:
             merged["score"] = self.shape_scores(exp, merged["score"])
         if old_logp == "behaviour":
             merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
+        return merged
 
-        # 3. advantages: a pure function of the merged batch, computed identically on every rank
-        with timer("adv", sync=False):  # host work: the deferred reference forward may still run
-            tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
-        device_rows = {}
-        if on_device:
-            ref_pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
-            if ref_pending is not None:  # (None where the reference was waited for after all)
-                device_rows["ref_logp"] = ref_pending.logp_rows
-        elif defer:  # every rank merges (a collective), with or without the deferred role
+    def reference_logprobs(self, exp: Experience, tensors: dict, ref: ReferenceRoute, deferred: list,
+                           timer: StageTimer) -> dict:
+        """The deferred reference log-probs: into `tensors` from the host, or returned as the device rows the
+        update reads in place ({} when nothing is left on the device)."""
+        if ref.on_device:
+            pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
+            # (None where the reference was waited for after all)
+            return {} if pending is None else {"ref_logp": pending.logp_rows}
+        if ref.defer:  # every rank merges (a collective), with or without the deferred role
             tensors.update(late_tensors(exp, merge_results(self.finish_scoring(deferred, timer))))
-        check_step_tensors({**tensors, **device_rows}, a)
-        adv_metrics.update(sampling_m)
-        self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
+        return {}
 
-        # 4. updates: actor and critic groups (concurrent when placed apart)
-        actor_m, critic_m = {}, {}
-        if roles.actor is not None:
-            with timer("update_actor"):
-                actor_m = self.budgets.run("update_actor", "actor", lambda b: roles.update_actor(
-                    exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused", device_rows=device_rows),
-                    retry_safe=lambda: roles.actor.optimizer_steps_in_update == 0)
-            if device_rows:  # the reference's kernels that ran on into the update's window count as the reference's
-                overlap = timer.starts["ref"] + ref_span.seconds() - timer.starts["update_actor"]
-                timer.carve("update_actor", "ref", min(max(0.0, overlap), timer.times["update_actor"]))
-        if roles.critic is not None:
-            with timer("update_critic"):
-                critic_m = self.budgets.run("update_critic", "critic", lambda b: roles.update_critic(
-                    exp, tensors, max_tokens=b), retry_safe=lambda: roles.critic.optimizer_steps_in_update == 0)
-        timer.times["step"] = time.perf_counter() - t_step
-        if self.sample_log is not None and self.sample_log.due(step):
-            self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
-        return self.collect_metrics(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
-                                    gen_metrics=gen.metrics, old_logp=old_logp)
+    def update_actor(self, exp: Experience, tensors: dict, device_rows: dict, timer: StageTimer, *,
+                     old_logp: str, ref: ReferenceRoute) -> dict | None:
+        """The actor group's PPO epochs (None off the actor's metric owners)."""
+        actor = self.roles.actor
+        if actor is None:
+            return None
+        with timer("update_actor"):
+            m = self.budgets.run("update_actor", "actor", lambda b: self.roles.update_actor(
+                exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused", device_rows=device_rows),
+                retry_safe=lambda: actor.optimizer_steps_in_update == 0)
+        if device_rows:  # the reference's kernels that ran on into the update's window count as the reference's
+            overlap = timer.starts["ref"] + ref.span.seconds() - timer.starts["update_actor"]
+            timer.carve("update_actor", "ref", min(max(0.0, overlap), timer.times["update_actor"]))
+        return m if actor.is_owner else None
+
+    def update_critic(self, exp: Experience, tensors: dict, timer: StageTimer) -> dict | None:
+        """The critic group's value updates (None off the critic's metric owners)."""
+        critic = self.roles.critic
+        if critic is None:
+            return None
+        with timer("update_critic"):
+            m = self.budgets.run("update_critic", "critic", lambda b: self.roles.update_critic(
+                exp, tensors, max_tokens=b), retry_safe=lambda: critic.optimizer_steps_in_update == 0)
+        return m if critic.is_owner else None
 
     def control(self, metrics: dict[str, float]) -> None:
         """Step boundary only: the batch controller resizes the token budgets from this step's GPU
@@ -284,10 +324,15 @@ class PPOTrainer:
         return min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
-        """ppo.batch.step_batch.step_tensors with this run's settings and KL controller."""
-        a = self.loop.advantages
-        return step_tensors(exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
-                            kl_ctrl=self.state.kl_ctrl if a.use_kl_penalty else None, old_logp=old_logp)
+        """ppo.batch.step_batch.step_tensors with this run's settings; the KL the in-reward penalty observed
+        moves the run's KL controller here. -> (tensors, metrics)."""
+        a, kl_ctrl = self.loop.advantages, self.state.kl_ctrl
+        tensors, metrics, kl_seen = step_tensors(
+            exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
+            kl_coef=kl_ctrl.value if a.use_kl_penalty else None, old_logp=old_logp)
+        if kl_seen is not None:
+            kl_ctrl.update(kl_seen, n_steps=len(exp.samples))
+        return tensors, metrics
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""
@@ -305,90 +350,6 @@ class PPOTrainer:
             f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
             f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
             + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
-
-    # ------------------------------------------------------------------ metrics
-    def collect_metrics(self, step, exp, tensors, adv_metrics, actor_m, critic_m, times, *,
-                        gen_metrics: dict[str, float], old_logp: str) -> dict[str, float]:
-        roles = self.roles
-        mine = {"times": times, "gen": gen_metrics,
-                "actor": actor_m if roles.actor is not None and roles.actor.is_owner else None,
-                "critic": critic_m if roles.critic is not None and roles.critic.is_owner else None,
-                "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
-                            if self.device.type == "cuda" else None),
-                "graphs": compiled_graphs(), **self.gc_pauses.take(), **host_memory_gb()}
-        parts = all_gather_objects(mine)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if self.rank != 0:
-            return {}
-        mask = tensors["mask"]
-        resp_len = mask.sum(-1).float()
-        m: dict[str, float] = {"step": step + 1, "reward/mean": float(tensors["scores"].mean()),
-                               "reward/max": float(tensors["scores"].max()),
-                               "response_length/mean": float(resp_len.mean()),
-                               "response_length/max": float(resp_len.max()),
-                               "response_length/clip_frac": float(sum(s.finish_reason == "length"
-                                                                      for s in exp.samples) / len(exp.samples))}
-        m.update(adv_metrics)
-        for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
-            vals = [p[key] for p in parts if p[key]]
-            for k in (vals[0] if vals else {}):
-                # rollout_corr/... keep their own section; *_max / *_min reduce as such over DP ranks
-                name = k if "/" in k else prefix + k
-                red = max if k.endswith("_max") else min if k.endswith("_min") else None
-                m[name] = red(v[k] for v in vals) if red else sum(v[k] for v in vals) / len(vals)
-        if "actor/kl" not in m and "actor/kl_loss" in m:  # fused old log-probs: the KL loss term is the KL
-            m["actor/kl"] = m["actor/kl_loss"]
-        for stage in set().union(*(p["times"] for p in parts)):
-            m[f"timing_s/{stage}"] = max(p["times"].get(stage, 0.0) for p in parts)
-        step_s = m["timing_s/step"]
-        n_tokens = float(sum(s.length for s in exp.samples))
-        m["perf/samples_per_s"] = len(exp.samples) / step_s
-        m["perf/tokens_per_s"] = n_tokens / step_s
-        m.update(self.flop_metrics(exp, m, old_logp_forward=old_logp == "recompute"))
-        for key in set().union(*(p["gen"] for p in parts)):
-            vals = [p["gen"][key] for p in parts if key in p["gen"]]
-            # bytes received add up over the actor ranks; peaks are the worst rank's
-            m[key] = sum(vals) if key == "reshard/bytes_received" else max(vals)
-        peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
-        if peaks:
-            m["mem/peak_gb"] = max(peaks)
-        # host memory per rank (offloaded optimizer states live there): now, and the process's peak so far
-        m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
-        m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
-        m["compile/graphs"] = max(p["graphs"] for p in parts)  # cumulative: a step that raises it compiled
-        # the garbage collector's stalls inside the step on the slowest rank (a full collection: tenths of a second)
-        m["host/gc_s"] = max(p["gc_s"] for p in parts)
-        m["host/gc_full"] = max(p["gc_full"] for p in parts)
-        return m
-
-    def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
-        """The step's model FLOPs (perf/flops), and against the device's spec peak (ppo.metrics.flops): useful
-        utilization of the whole step and the actor update's MFU. No peak is known for the CPU or an
-        unlisted device, and then no utilization is reported rather than a guess."""
-        roles = self.plan.groups
-        trained = sum(s.length for s in exp.samples)
-        # shared prompts: each prompt is packed once per group of samples
-        policy = sum(exp.prompt_units()[1]) if self.loop.share_prompts else None
-        n, n_head = self.model_params, self.head_model_params
-        flops = ppo_stage_flops(
-            n_params_actor=n, n_params_critic=n_head if "critic" in roles else None,
-            n_params_ref=n if "ref" in roles else None,
-            n_params_rm=n_head if self.loop.reward.is_model else None, trained_tokens=trained,
-            generated_tokens=sum(len(s.response_ids) for s in exp.samples),
-            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.loop.n),
-            ppo_epochs=self.loop.actor_ppo_epochs,
-            old_logp_forward=old_logp_forward, policy_tokens=policy)
-        out = {"perf/flops": sum(flops.values())}
-        if self.peak_flops is None:
-            return out
-        out["perf/useful_util"] = useful_utilization(out["perf/flops"], m["timing_s/step"],
-                                                     n_gpus=self.plan.world_size, peak_flops=self.peak_flops)
-        actor_s = m.get("timing_s/update_actor", 0.0)
-        if actor_s > 0:
-            out["perf/mfu/actor"] = useful_utilization(flops["update_actor"], actor_s,
-                                                       n_gpus=len(roles["actor"].ranks), peak_flops=self.peak_flops)
-        return out
 
     # ------------------------------------------------------------------ validation
     def validation_due(self, step: int) -> bool:
@@ -510,4 +471,4 @@ def run_training(state_config, *, settings: PPOSettings, placement: Placement, r
     return stopped
 
 
-__all__ = ["PPOTrainer", "run_training", "STAGES"]
+__all__ = ["PPOTrainer", "run_training"]

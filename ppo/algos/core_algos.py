@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -358,15 +358,13 @@ class PolicyLossSettings:
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, *, kind: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
 
-    k1: logp - ref_logp (unbiased, can be negative); abs: |k1|; k2: 0.5 * k1^2;
+    k1: logp - ref_logp (unbiased, can be negative); k2: 0.5 * k1^2;
     k3: exp(-k1) - 1 + k1 (unbiased, always >= 0); low_var_kl: k3 with the log-ratio clamped to
     [-20, 20] and the estimate to [-10, 10] for numerical safety (verl's default for GRPO).
     """
     d = logp.float() - ref_logp.float()
     if kind == "k1":
         return d
-    if kind == "abs":
-        return d.abs()
     if kind == "k2":
         return 0.5 * d.square()
     if kind == "k3":

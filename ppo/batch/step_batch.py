@@ -1,8 +1,9 @@
 """The step's advantages and the tensors the updates read, a pure function of the merged batch
 (every rank computes the same), and DAPO's soft overlong penalty of the scores.
 
-    tensors, metrics = step_tensors(exp, merged, a=settings.loop.advantages, n=4, max_response_length=256,
-                                    kl_ctrl=state.kl_ctrl, old_logp="recompute")
+    tensors, metrics, kl_seen = step_tensors(exp, merged, a=settings.loop.advantages, n=4,
+                                             max_response_length=256, kl_coef=0.001, old_logp="recompute")
+    kl_ctrl.update(kl_seen, n_steps=len(exp.samples))   # the caller owns the KL controller
     tensors["advantages"]  # [B, R], zero past each response
 """
 
@@ -28,10 +29,13 @@ def overlong_penalties(exp: Experience, a: AdvantageSettings, *, max_len: int) -
 
 
 def step_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, a: AdvantageSettings, n: int,
-                 max_response_length: int, kl_ctrl, old_logp: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """[B, R] tensors for the updates: mask, advantages, (old_logp, returns, values, ref_logp), and the
-    step's advantage metrics. n: samples per prompt; kl_ctrl: the KL penalty's controller (updated here
-    when algorithm.use_kl_penalty); old_logp: the step's old_logp_source (fused: no old log-probs yet)."""
+                 max_response_length: int, kl_coef: float | None,
+                 old_logp: str) -> tuple[dict[str, torch.Tensor], dict[str, float], float | None]:
+    """[B, R] tensors for the updates: mask, advantages, (old_logp, returns, values, ref_logp), the
+    step's advantage metrics, and the KL the in-reward penalty observed (None without one), which the
+    caller feeds to its KL controller: this function changes nothing outside it. n: samples per prompt;
+    kl_coef: the KL penalty's coefficient this step (algorithm.use_kl_penalty); old_logp: the step's
+    old_logp_source (fused: no old log-probs yet)."""
     mask = exp.response_mask()
     scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
     token_rewards = algos.scores_to_token_rewards(scores, mask)
@@ -61,13 +65,14 @@ def step_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *,
     if merged.get("entropy"):
         metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
     t.update(late_tensors(exp, merged))
+    kl_seen = None
     if "ref_logp" in t and "old_logp" in t:
         kl = algos.kl_estimate(t["old_logp"], t["ref_logp"], kind=a.kl_penalty)
         metrics["actor/kl"] = float(algos.masked_mean(kl, mask.float()))
         if a.use_kl_penalty:
             token_rewards, kl_m = algos.apply_kl_penalty(token_rewards, t["old_logp"], t["ref_logp"], mask,
-                                                         kl_coef=kl_ctrl.value, kind=a.kl_penalty)
-            kl_ctrl.update(kl_m["kl"], n_steps=len(exp.samples))
+                                                         kl_coef=kl_coef, kind=a.kl_penalty)
+            kl_seen = kl_m["kl"]
             metrics["actor/kl_coef"] = kl_m["kl_coef"]
     group_ids = torch.tensor([s.prompt_index for s in exp.samples])
     if n > 1:
@@ -101,7 +106,7 @@ def step_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *,
         truncated = torch.tensor([s.finish_reason == "length" for s in exp.samples])
         metrics["dapo/overlong_filtered_frac"] = float(truncated.float().mean())
         t["actor_mask"] = overlong_filter_mask(mask, truncated)
-    return t, metrics
+    return t, metrics, kl_seen
 
 
 def late_tensors(exp: Experience, merged: dict[str, dict[int, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,108 @@
+"""A step's metrics row: every rank's measurements gathered to rank 0 and reduced, with the step's FLOP
+accounting against the device's spec peak (ppo.metrics.flops).
+
+    metrics = StepMetrics(loop, plan=plan, rank=rank, device=device, model_config=cfg, gc_pauses=pauses)
+    row = metrics.collect(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
+                          gen_metrics=gen.metrics, old_logp="recompute")   # collective; {} off rank 0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppo.batch.experience import Experience, all_gather_objects
+from ppo.metrics.flops import ppo_stage_flops, spec_peak_flops, useful_utilization
+from ppo.metrics.timing import compiled_graphs, host_memory_gb
+
+
+class StepMetrics:
+    """loop: ppo.settings.LoopSettings; plan: the device plan (groups, world_size); gc_pauses:
+    ppo.metrics.host_gc.GcPauses of this rank."""
+
+    def __init__(self, loop, *, plan, rank: int, device: torch.device, model_config, gc_pauses):
+        self.loop, self.plan, self.rank, self.device, self.gc_pauses = loop, plan, rank, device, gc_pauses
+        # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
+        self.n_policy = model_config.matmul_params()
+        self.n_head = model_config.matmul_params(lm_head=False)
+        # no spec peak for a CPU or an unlisted device: no utilization figure rather than a guess
+        self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def collect(self, step: int, exp: Experience, tensors: dict, adv_metrics: dict, actor_m: dict | None,
+                critic_m: dict | None, times: dict[str, float], *, gen_metrics: dict[str, float],
+                old_logp: str) -> dict[str, float]:
+        """actor_m / critic_m: this rank's update metrics when it owns a shard of that role's metrics
+        (None elsewhere). Collective over the world; the row on rank 0, {} on the others."""
+        mine = {"times": times, "gen": gen_metrics, "actor": actor_m, "critic": critic_m,
+                "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                            if self.device.type == "cuda" else None),
+                "graphs": compiled_graphs(), **self.gc_pauses.take(), **host_memory_gb()}
+        parts = all_gather_objects(mine)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.rank != 0:
+            return {}
+        mask = tensors["mask"]
+        resp_len = mask.sum(-1).float()
+        m: dict[str, float] = {"step": step + 1, "reward/mean": float(tensors["scores"].mean()),
+                               "reward/max": float(tensors["scores"].max()),
+                               "response_length/mean": float(resp_len.mean()),
+                               "response_length/max": float(resp_len.max()),
+                               "response_length/clip_frac": float(sum(s.finish_reason == "length"
+                                                                      for s in exp.samples) / len(exp.samples))}
+        m.update(adv_metrics)
+        for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
+            vals = [p[key] for p in parts if p[key]]
+            for k in (vals[0] if vals else {}):
+                # rollout_corr/... keep their own section; *_max / *_min reduce as such over DP ranks
+                name = k if "/" in k else prefix + k
+                red = max if k.endswith("_max") else min if k.endswith("_min") else None
+                m[name] = red(v[k] for v in vals) if red else sum(v[k] for v in vals) / len(vals)
+        if "actor/kl" not in m and "actor/kl_loss" in m:  # fused old log-probs: the KL loss term is the KL
+            m["actor/kl"] = m["actor/kl_loss"]
+        for stage in set().union(*(p["times"] for p in parts)):
+            m[f"timing_s/{stage}"] = max(p["times"].get(stage, 0.0) for p in parts)
+        step_s = m["timing_s/step"]
+        n_tokens = float(sum(s.length for s in exp.samples))
+        m["perf/samples_per_s"] = len(exp.samples) / step_s
+        m["perf/tokens_per_s"] = n_tokens / step_s
+        m.update(self.flop_metrics(exp, m, old_logp_forward=old_logp == "recompute"))
+        for key in set().union(*(p["gen"] for p in parts)):
+            vals = [p["gen"][key] for p in parts if key in p["gen"]]
+            # bytes received add up over the actor ranks; peaks are the worst rank's
+            m[key] = sum(vals) if key == "reshard/bytes_received" else max(vals)
+        peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
+        if peaks:
+            m["mem/peak_gb"] = max(peaks)
+        # host memory per rank (offloaded optimizer states live there): now, and the process's peak so far
+        m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
+        m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
+        m["compile/graphs"] = max(p["graphs"] for p in parts)  # cumulative: a step that raises it compiled
+        # the garbage collector's stalls inside the step on the slowest rank (a full collection: tenths of a second)
+        m["host/gc_s"] = max(p["gc_s"] for p in parts)
+        m["host/gc_full"] = max(p["gc_full"] for p in parts)
+        return m
+
+    def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
+        """The step's model FLOPs (perf/flops) and, where the device's spec peak is known, the useful
+        utilization of the whole step and the actor update's MFU."""
+        roles, loop = self.plan.groups, self.loop
+        # shared prompts: each prompt is packed once per group of samples
+        policy = sum(exp.prompt_units()[1]) if loop.share_prompts else None
+        flops = ppo_stage_flops(
+            n_params_actor=self.n_policy, n_params_critic=self.n_head if "critic" in roles else None,
+            n_params_ref=self.n_policy if "ref" in roles else None,
+            n_params_rm=self.n_head if loop.reward.is_model else None,
+            trained_tokens=sum(s.length for s in exp.samples),
+            generated_tokens=sum(len(s.response_ids) for s in exp.samples),
+            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, loop.n),
+            ppo_epochs=loop.actor_ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy)
+        out = {"perf/flops": sum(flops.values())}
+        if self.peak_flops is None:
+            return out
+        out["perf/useful_util"] = useful_utilization(out["perf/flops"], m["timing_s/step"],
+                                                     n_gpus=self.plan.world_size, peak_flops=self.peak_flops)
+        actor_s = m.get("timing_s/update_actor", 0.0)
+        if actor_s > 0:
+            out["perf/mfu/actor"] = useful_utilization(flops["update_actor"], actor_s,
+                                                       n_gpus=len(roles["actor"].ranks), peak_flops=self.peak_flops)
+        return out
