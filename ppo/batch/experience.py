@@ -37,11 +37,9 @@ class Sample:
 
 @dataclass(slots=True)
 class Experience:
-    """All samples of one step, ordered by uid, plus response-aligned tensors [B, R] (CPU)."""
+    """All samples of one step, ordered by uid (the step's tensors are step_batch.step_tensors' output)."""
 
     samples: list[Sample]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    scores: torch.Tensor | None = None  # [B] outcome reward per sample
     # what the workers derive from the token ids alone (micro-batch plans, packed micro-batches), by the
     # arguments that determine it: the reference's forward and the update plan and pack each once. Never
     # weights or results, so nothing here goes stale within the step (the batch dies with it)
