@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["launcher", "launcher.*", "parallel", "parallel.*", "models", "models.*",
                                     "rollout", "rollout.*", "ppo", "ppo.*", "bench", "bench.*"]),
-    package_data={"launcher": ["slurm/*.sbatch", "slurm/*.sh"]},
+    package_data={"launcher": ["slurm/*.sbatch", "slurm/*.sh", "planning/calibration/*.json"]},
     install_requires=[
         "torch>=2.6",
         "omegaconf>=2.3",

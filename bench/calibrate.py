@@ -1,7 +1,7 @@
-"""Calibrate the cost model (launcher/costmodel.py) for one machine type from micro-benchmarks.
+"""Calibrate the cost model (launcher/planning/costmodel.py) for one machine type from micro-benchmarks.
 
-    python -m bench.calibrate --out launcher/calibration/h200.json            # on the GPU: runs them (~3 min)
-    python -m bench.calibrate --from-results bench/results --out launcher/calibration/h200.json   # offline
+    python -m bench.calibrate --out launcher/planning/calibration/h200.json            # on the GPU: runs them (~3 min)
+    python -m bench.calibrate --from-results bench/results --out launcher/planning/calibration/h200.json   # offline
 
 On the GPU it runs bench.env_check (matmul and copy ceilings), bench.decode_attention (KV streaming),
 bench.generate (native engine at batches 32, 64, 256: prefill and decode-step times) and bench.train_step
@@ -56,7 +56,7 @@ def _load(path: Path) -> dict:
 
 
 def _shape(name: str):
-    from launcher.costmodel import ModelShape
+    from launcher.planning.costmodel import ModelShape
     from models.config import preset_config
 
     return ModelShape.of(preset_config(name))
@@ -143,7 +143,8 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
                           "not measured (needs 2 GPUs: python -m bench.calibrate on nvidia-h200-x2): 1.0, "
                           "i.e. FSDP costs only its overlapped gathers"),
         "decode_gemm_fraction": f"from the kernel profile: {DECODE_GEMM_S_AT_256_ROWS * 1e3} ms of decode GEMMs "
-                                f"per step at 256 rows (generate_h200.json, README 'Rollout')",
+                                f"per step at 256 rows "
+                                f"(generate_h200.json, docs/history/measurements.md 'Rollout')",
         "stated_not_measured": {k: why for k, (_, why) in SPEC.items()},
         "host_from_end_to_end_runs": {k: why for k, (_, why) in HOST.items()},
         "flop_convention": ("matmul N (ppo/metrics/flops.py) plus causal attention 4 L d ctx per token forward, "

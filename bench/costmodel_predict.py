@@ -31,16 +31,16 @@ LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, n
 
 
 def _load(conf: str, overrides: list[str]):
-    from launcher.config import load_config
-    from launcher.plan import resolve_model_config, resolve_reward_model_config
+    from launcher.config.load import load_config
+    from launcher.planning.plan import resolve_model_config, resolve_reward_model_config
 
     cfg = load_config(ROOT / conf, overrides)
     return cfg, resolve_model_config(cfg), resolve_reward_model_config(cfg)
 
 
 def predict_config(conf: str, world: int, overrides: list[str], cal) -> dict:
-    """The estimate of the plan a config fixes (launcher.plan attaches the same to plan.json)."""
-    from launcher.plan import compute_plan
+    """The estimate of the plan a config fixes (launcher.planning.plan attaches the same to plan.json)."""
+    from launcher.planning.plan import compute_plan
 
     cfg, model, rm = _load(conf, overrides)
     plan = compute_plan(cfg, world_size=world, model=model, reward_model=rm)
@@ -48,7 +48,7 @@ def predict_config(conf: str, world: int, overrides: list[str], cal) -> dict:
 
 
 def best_of(conf: str, world: int, overrides: list[str], cal, *, schedules=(False, True), model=None) -> dict:
-    from launcher.autoplan import overrides_of, search
+    from launcher.planning.autoplan import overrides_of, search
 
     cfg, m, rm = _load(conf, overrides)
     r = search(cfg, world_size=world, model=model or m, reward_model=rm, cal=cal, schedules=schedules, top=1)
@@ -80,8 +80,8 @@ def seed_check(colo: dict, split: dict, cal) -> dict:
 
 
 def issue_predictions(cal) -> dict:
-    from launcher.costmodel import ModelShape, reshard_s
-    from launcher.costmodel import Workload as W
+    from launcher.planning.costmodel import ModelShape, reshard_s
+    from launcher.planning.costmodel import Workload as W
     from models.config import preset_config
 
     colo = predict_config("conf/ppo_7b_colocated.yaml", 8, [], cal)
@@ -134,7 +134,7 @@ def paper(cal) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from bench.common import git_commit
-    from launcher.costmodel import load_calibration
+    from launcher.planning.costmodel import load_calibration
 
     ap = argparse.ArgumentParser(prog="python -m bench.costmodel_predict", description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default="h200")

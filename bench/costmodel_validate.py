@@ -1,10 +1,10 @@
-"""Predicted vs measured: the cost model (launcher/costmodel.py) against every committed PPO/GRPO run.
+"""Predicted vs measured: the cost model (launcher/planning/costmodel.py) against every committed PPO/GRPO run.
 
     python -m bench.costmodel_validate                      # writes bench/results/costmodel_validation.json
     python -m bench.costmodel_validate --calibration h200 --out /tmp/v.json
 
 For each run of bench.placement under bench/results/ it rebuilds the run's config (the committed YAML
-plus the mode's overrides and the run's own), plans it with launcher.plan, estimates it with the
+plus the mode's overrides and the run's own), plans it with launcher.planning.plan, estimates it with the
 calibration (derived from micro-benchmarks only: nothing here feeds back into it) and records
 predicted and measured step seconds, samples/s, useful utilization, peak memory and every stage,
 with the relative error of each. Runs are then grouped by workload (config, GPUs) to check that the
@@ -64,11 +64,11 @@ def _runs() -> tuple[list[tuple[Path, dict, dict]], list[dict]]:
 
 def predict_run(d: dict, row: dict, cal):
     """(Estimate, config) of one measured row: its config, mode overrides and extra overrides."""
-    from launcher.autoplan import candidate_from_plan
-    from launcher.config import load_config
-    from launcher.costmodel import build_workload
-    from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config
-    from launcher.stepmodel import estimate
+    from launcher.config.load import load_config
+    from launcher.planning.autoplan import candidate_from_plan
+    from launcher.planning.costmodel import build_workload
+    from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config
+    from launcher.planning.stepmodel import estimate
 
     res = d["result"]
     overrides = [*MODES[row["mode"]], *(res.get("overrides") or [])]
@@ -142,7 +142,7 @@ def _same_up_to_ties(measured: list[str], predicted: list[str], ties: list[tuple
 
 def main(argv: list[str] | None = None) -> dict:
     from bench.common import git_commit
-    from launcher.costmodel import load_calibration
+    from launcher.planning.costmodel import load_calibration
 
     ap = argparse.ArgumentParser(prog="python -m bench.costmodel_validate", description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default="h200")

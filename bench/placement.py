@@ -9,7 +9,7 @@ Modes (each a set of overrides on the same config):
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
     split-async+controller      ... with the NVML feedback batch controller
-    auto-sync, auto-async       placement.mode=auto: the cost model's best plan (launcher/autoplan.py)
+    auto-sync, auto-async       placement.mode=auto: the cost model's best plan (launcher/planning/autoplan.py)
 Each row: NVML utilization, useful utilization (counted FLOPs / time / peak), samples/s, tokens/s
 per GPU, actor MFU, peak memory, and the speed-up over the first mode.
 """

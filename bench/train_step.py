@@ -66,8 +66,9 @@ from bench.common import (
 from models import build_model, preset_config
 from models.config import ModelConfig
 from models.llama import DocumentAttention
-from parallel.apply import forward_hidden, head_shard, parallelize_model
+from parallel.apply import head_shard, parallelize_model
 from parallel.dims import ParallelDims, build_mesh
+from parallel.runner import forward_hidden
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.algos.core_algos import policy_loss
 from ppo.metrics.flops import attention_context

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from launcher.plan import DevicePlan, RoleGroup
+from launcher.planning.plan import DevicePlan, RoleGroup
 from parallel.dims import build_mesh
 
 

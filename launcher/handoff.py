@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.config import Config, resolved_rollout_correction
+from launcher.config.schema import Config, resolved_rollout_correction
 from ppo.algos.core_algos import PolicyLossSettings
 from ppo.settings import (
     AdvantageSettings,

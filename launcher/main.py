@@ -25,7 +25,8 @@ import traceback
 if __package__ in (None, ""):  # `torchrun launcher/main.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher.config import Config, load_config, to_yaml  # noqa: E402
+from launcher.config.load import load_config, to_yaml  # noqa: E402
+from launcher.config.schema import Config  # noqa: E402
 from launcher.errors import UserError  # noqa: E402
 
 # On a user error every rank exits 2. torchrun tears down all workers as soon as the first one exits:
@@ -78,7 +79,7 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
 
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
     from launcher.log import add_file_log, setup_logging
-    from launcher.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
+    from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.rundir import prepare_run_dir, write_atomic
     from launcher.watchdog import Watchdog, clear_alarm

@@ -2,7 +2,7 @@
 
     python -m launcher.report runs/<name> [--out DIR]
 
-Reads `metrics.jsonl` (one JSON object per step, DESIGN.md "Contracts") and `util.jsonl`
+Reads `metrics.jsonl` (one JSON object per step, docs/design.md "Contracts") and `util.jsonl`
 (GpuMonitor samples; also `util.<anything>.jsonl` files of per-rank/per-node monitors) and writes:
   utilization.png  SM utilization and memory per GPU over time, stage bands shaded; mean
                    utilization and time share of every stage
@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-# fixed stage order and colours so every report reads the same (DESIGN.md stage names)
+# fixed stage order and colours so every report reads the same (docs/design.md stage names)
 STAGES = ["gen", "reshard", "old_log_prob", "ref", "reward", "values", "adv", "update_actor", "update_critic"]
 _CMAP = plt.get_cmap("tab10")
 STAGE_COLORS = {s: _CMAP(i % 10) for i, s in enumerate(STAGES)}

@@ -16,7 +16,7 @@ sharded masters, bf16 compute copies) and megatron's layout when it does not (bf
 main grads, fp32 masters in the optimizer: parallel/master_weights.py).
 
 Loss code that wants hidden states instead of logits (chunked log-probs: no [N, V] fp32
-tensor) calls `forward_hidden(model, ids, pos)`, which goes through `nn.Module.__call__`
+tensor) calls `parallel.runner.forward_hidden(model, ids, pos)`, which goes through `nn.Module.__call__`
 so FSDP's root hooks gather the embedding/head, then `head_shard(model)` for the local
 vocab slice of the head to hand to parallel.vocab_parallel.vocab_parallel_token_logprobs.
 """
@@ -202,20 +202,6 @@ def parallelize_model(
     return PipelineRunner(stages, pp_group=mesh.get_group("pp"), num_stages=dims.pp * stages_per_rank,
                           n_microbatches=n_microbatches, schedule=pp_schedule, activation_dtype=act_dtype,
                           mesh=mesh)
-
-
-def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                   attn=None) -> torch.Tensor:
-    """[B, T] ids -> final-normed hidden [B, T, H], run through `model.__call__` (FSDP/compile hooks fire)."""
-    saved = model.__dict__.get("forward")
-    model.forward = model.hidden_states
-    try:
-        return model(input_ids, position_ids, attn=attn)
-    finally:
-        if saved is not None:
-            model.forward = saved
-        else:
-            del model.forward
 
 
 def head_shard(model: nn.Module) -> tuple[torch.Tensor, int]:

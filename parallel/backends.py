@@ -79,7 +79,7 @@ def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: s
                  pp_schedule: str = "1f1b", stages_per_rank: int = 1,
                  attn_factory: Callable | None = None, frozen: bool = False, fsdp: bool | None = None) -> ModelRunner:
     """The runner of `model` on `backend`. Settings a backend cannot honour are refused before launch
-    (launcher.config._validate_megatron_role), never ignored here. frozen: a model that is never trained
+    (launcher.config.validation._validate_megatron_role), never ignored here. frozen: a model that is never trained
     (native: stored in param_dtype with no fp32 master; megatron already keeps its 16-bit params and has no
     optimizer for it). fsdp: native only, parallelize_model's (None: FSDP2 when dp > 1)."""
     if backend == "native":

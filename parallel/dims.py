@@ -52,7 +52,7 @@ class ParallelDims:
                        vocab_size: int | None = None, intermediate_size: int | None = None,
                        stages_per_rank: int = 1, role: str = "model") -> None:
         """Check that this layout can shard a transformer of the given shape (the one place these
-        rules live: launcher/plan.py calls it for every role and the generation layout before launch).
+        rules live: launcher/planning/plan.py calls it for every role and the generation layout before launch).
         Tied embeddings need no rule: TP shares one DTensor, and a pipeline's first and last stages
         sum their copies' gradients (parallel/pipeline.py)."""
         if num_heads % self.tp:

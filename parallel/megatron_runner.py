@@ -288,7 +288,7 @@ class MegatronRunner:
         """Wrap the stage in megatron-core DDP and build its distributed optimizer (collective over the role
         group). Returns the torch optimizer megatron drives (its param_groups carry the LR a scheduler
         sets; its state is the fp32 master shards' Adam moments). offload (host-resident moments) is not
-        wired here: refused, never ignored (launcher.config refuses it before launch too)."""
+        wired here: refused, never ignored (launcher.config.validation refuses it before launch too)."""
         if offload:
             raise ValueError("megatron backend: offload_optimizer is not supported (native backend only)")
         settings = MegatronOptimSettings(lr=lr, grad_clip=grad_clip, weight_decay=weight_decay, betas=tuple(betas))

@@ -87,6 +87,20 @@ ReduceFn = Callable[[torch.Tensor, int], Any]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, dict]"]
 
 
+def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                   attn=None) -> torch.Tensor:
+    """[B, T] ids -> final-normed hidden [B, T, H], run through `model.__call__` (FSDP/compile hooks fire)."""
+    saved = model.__dict__.get("forward")
+    model.forward = model.hidden_states
+    try:
+        return model(input_ids, position_ids, attn=attn)
+    finally:
+        if saved is not None:
+            model.forward = saved
+        else:
+            del model.forward
+
+
 class ModelRunner(Protocol):
     modules: list[nn.Module]
 
@@ -398,8 +412,6 @@ class LocalRunner(NativeRunner):
         return self.modules[0]
 
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
-        from parallel.apply import forward_hidden
-
         return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attention_for(self.attn_factory, mb))
 
     @torch.no_grad()

@@ -4,7 +4,7 @@
     python -m launcher.config rollout data    # some sections (or dotted prefixes: actor.optim)
 
 The meanings are the comments written beside (or just above) each field of the dataclasses in
-launcher/config.py, so the listing cannot drift from the schema: a field without a comment shows
+launcher/config/schema.py, so the listing cannot drift from the schema: a field without a comment shows
 up in `undocumented_keys()`, which the tests keep empty.
 """
 
@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+from launcher.config.schema import CHOICES, Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +103,6 @@ def _show(v: Any) -> str:
 
 def describe(cls: type | None = None, prefix: str = "") -> list[KeyDoc]:
     """Every leaf key of the schema under `cls` (default: the whole Config), in declaration order."""
-    from launcher.config import CHOICES, Config
-
     cls = cls or Config
     hints = typing.get_type_hints(cls)
     out: list[KeyDoc] = []
@@ -164,6 +164,3 @@ def main(argv: list[str] | None = None) -> int:
     print(render(docs))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

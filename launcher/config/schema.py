@@ -1,26 +1,13 @@
-"""Config schema (typed dataclasses) and loading: YAML files + `key=value` overrides via OmegaConf.
+"""The config schema: typed dataclasses with their defaults, the allowed values of string keys
+(CHOICES), and the settings derived from them (which roles a run uses).
 
-    cfg = load_config("conf/ppo_tiny.yaml", ["actor.lr=1e-5", "placement.mode=split"])
-
-A YAML file may extend others: `extends: base.yaml` (or a list), paths relative to the
-file. Unknown keys fail with the dotted path and the closest valid names; wrong types
-name the source (file or command line), the key and the expected type. Everything here
-runs before any process group exists, so a bad config costs nothing and exits with 2.
+The comment beside (or just above) each field is its meaning in `python -m launcher.config`
+(launcher/config/doc.py reads them from this file).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import os
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-from launcher.errors import UserError
-
-# ---------------------------------------------------------------------------- schema
 
 
 @dataclass
@@ -246,9 +233,11 @@ class PoolConfig:
 
 @dataclass
 class PlacementConfig:
-    mode: str = "colocated"  # colocated | split | auto (the cost model picks pools and layouts: launcher/autoplan.py)
+    # colocated | split | auto (the cost model picks pools and layouts: launcher/planning/autoplan.py)
+    mode: str = "colocated"
     pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
-    calibration: str = "h200"  # cost model's machine (launcher/calibration/<name>.json or a path): auto, plan estimates
+    # cost model's machine (launcher/planning/calibration/<name>.json or a path): auto, plan estimates
+    calibration: str = "h200"
 
 
 @dataclass
@@ -312,421 +301,6 @@ for _role in ("actor", "critic", "ref", "reward"):
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 
-# ---------------------------------------------------------------------------- loading
-
-
-def _fields_at(path: list[str]) -> list[str]:
-    """Valid field names of the schema node at a dotted path (for "did you mean")."""
-    cls: Any = Config
-    for part in path:
-        hints = typing.get_type_hints(cls)
-        if part not in hints:
-            return []
-        t = hints[part]
-        if typing.get_origin(t) is list:
-            t = typing.get_args(t)[0]
-        if not dataclasses.is_dataclass(t):
-            return []
-        cls = t
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _explain(err: Exception, source: str) -> UserError:
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    full_key = getattr(err, "full_key", None) or ""
-    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
-        parts = [p for p in full_key.replace("[", ".").replace("]", "").split(".") if p and not p.isdigit()]
-        key = parts[-1] if parts else full_key
-        valid = _fields_at(parts[:-1])
-        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(repr('.'.join(parts[:-1] + [c])) for c in close)}?" if close else ""
-        choices = f" Valid keys here: {', '.join(valid)}." if valid and not close else ""
-        return UserError(f"{source}: unknown config key '{full_key}'{hint}{choices}")
-    if isinstance(err, ValidationError):
-        want = ""
-        parts = full_key.split(".")
-        cls: Any = Config
-        try:
-            for p in parts[:-1]:
-                cls = typing.get_type_hints(cls)[p]
-            t = typing.get_type_hints(cls)[parts[-1]]
-            want = f" (expected {getattr(t, '__name__', t)})"
-        except (KeyError, TypeError):
-            pass
-        msg = str(err).splitlines()[0]
-        return UserError(f"{source}: bad value for '{full_key}'{want}: {msg}")
-    return UserError(f"{source}: {err}")
-
-
-def _list_fields(cls: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: element type} of every list-typed field of the schema (list[str], list[float], ...)."""
-    out: dict[str, Any] = {}
-    for name, t in typing.get_type_hints(cls).items():
-        if typing.get_origin(t) is list:
-            out[prefix + name] = typing.get_args(t)[0]
-        elif dataclasses.is_dataclass(t):
-            out.update(_list_fields(t, f"{prefix}{name}."))
-    return out
-
-
-def _coerce_lists(node: Any, source: str) -> Any:
-    """A single value given for a list of strings becomes a one-element list (`data.train_files=a.jsonl`
-    means [a.jsonl]); for other lists a single value is an error that says what to write."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if not isinstance(node, DictConfig):
-        return node
-    tree = OmegaConf.to_container(node, resolve=False)
-    changed = False
-    for key, elem in _list_fields(Config).items():
-        cur: Any = tree
-        parts = key.split(".")
-        for p in parts[:-1]:
-            cur = cur.get(p) if isinstance(cur, dict) else None
-        if not isinstance(cur, dict) or parts[-1] not in cur:
-            continue
-        value = cur[parts[-1]]
-        if value is None or isinstance(value, list | tuple | dict):
-            continue
-        if elem is str:
-            cur[parts[-1]], changed = [value], True
-        else:
-            example = {float: "[0.9,0.95]", int: "[1,2]"}.get(elem, "[...]")
-            raise UserError(f"{source}: '{key}' is a list; write {key}={example} (got {value!r})")
-    return OmegaConf.create(tree) if changed else node
-
-
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
-    """YAML file -> list of (source, DictConfig) in merge order, bases first."""
-    from omegaconf import OmegaConf
-
-    path = path.resolve()
-    if path in seen:
-        raise UserError(f"{path}: 'extends' cycle: {' -> '.join(str(p) for p in seen + (path,))}")
-    if not path.is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        node = OmegaConf.load(path)
-    except Exception as e:  # noqa: BLE001 - yaml errors come in many types
-        raise UserError(f"{path}: cannot parse YAML: {e}") from None
-    if not hasattr(node, "keys"):  # a list, or a scalar: not a config
-        raise UserError(f"{path}: the top level of a config file must be a mapping of sections (trainer:, actor:, "
-                        f"...), not a {type(node).__name__.replace('ListConfig', 'list')}")
-    if len(node) == 0:
-        raise UserError(f"{path}: the config file is empty; it needs at least one section (e.g. trainer:) or an "
-                        f"'extends: ppo_tiny.yaml' line (every key left out takes its schema default)")
-    out = []
-    bases = node.pop("extends", None) if hasattr(node, "pop") else None
-    for base in [bases] if isinstance(bases, str) else list(bases or []):
-        out += _read_yaml(path.parent / base, seen + (path,))
-    out.append((str(path), node))
-    return out
-
-
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge YAML (with its bases) and `key=value` overrides onto the schema, validate, return a Config."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    cfg = OmegaConf.structured(Config)
-    sources = _read_yaml(Path(path)) if path else []
-    for bad in [o for o in overrides if "=" not in o]:
-        raise UserError(f"command line: override {bad!r} must look like key=value (e.g. actor.tp=2)")
-    for o in overrides:
-        try:
-            sources.append(("command line", OmegaConf.from_dotlist([o])))
-        except Exception as e:  # noqa: BLE001 - yaml scanner errors for malformed values
-            raise UserError(f"command line: cannot parse override {o!r} as YAML "
-                            f"(flow mappings need a space after ':', e.g. {{roles: [actor], size: 1}}): "
-                            f"{str(e).splitlines()[0]}") from None
-    for source, node in sources:
-        node = _coerce_lists(node, source)
-        try:
-            cfg = OmegaConf.merge(cfg, node)
-        except OmegaConfBaseException as e:
-            raise _explain(e, source) from None
-    obj: Config = OmegaConf.to_object(cfg)
-    validate_config(obj)
-    return obj
-
-
-def to_yaml(cfg: Config) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for p in dotted.split("."):
-        obj = getattr(obj, p)
-    return obj
-
-
-def validate_config(cfg: Config) -> None:
-    """Value checks that the types alone do not express. Topology is checked by launcher.plan."""
-    for key, choices in CHOICES.items():
-        v = _get(cfg, key)
-        if v not in choices:
-            close = difflib.get_close_matches(str(v), choices, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"{key}={v!r} is not one of {', '.join(choices)}{hint}")
-    t, r = cfg.trainer, cfg.rollout
-    checks = [
-        (t.total_steps >= 1, f"trainer.total_steps({t.total_steps}) must be >= 1"),
-        (cfg.data.batch_size >= 1, f"data.batch_size({cfg.data.batch_size}) must be >= 1"),
-        (r.n >= 1, f"rollout.n({r.n}) must be >= 1"),
-        (r.temperature >= 0, f"rollout.temperature({r.temperature}) must be >= 0"),
-        (0 < r.top_p <= 1, f"rollout.top_p({r.top_p}) must be in (0, 1]"),
-        (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
-        (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
-        (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
-        (t.total_epochs >= 0, f"trainer.total_epochs({t.total_epochs}) must be >= 0 (0: use trainer.total_steps)"),
-        (t.test_freq >= 0, f"trainer.test_freq({t.test_freq}) must be >= 0 (0: validate after the last step only)"),
-        (t.log_samples_every >= 0, f"trainer.log_samples_every({t.log_samples_every}) must be >= 0 (0: off)"),
-        (t.log_samples_count >= 1, f"trainer.log_samples_count({t.log_samples_count}) must be >= 1"),
-        (r.val_n >= 1, f"rollout.val_n({r.val_n}) must be >= 1"),
-        (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
-        (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
-        (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
-        (all(isinstance(x, int) and x >= 1 for x in t.profile_steps),
-         f"trainer.profile_steps({list(t.profile_steps)}) must list step numbers >= 1 (e.g. [3]; []: off)"),
-        (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
-                               f"long a collective waits for a missing rank"),
-        (t.preempt_grace_s >= 0, f"trainer.preempt_grace_s({t.preempt_grace_s}) must be >= 0 (0: no limit)"),
-        (t.watchdog_timeout_s >= 0, f"trainer.watchdog_timeout_s({t.watchdog_timeout_s}) must be >= 0 (0: off)"),
-        (cfg.reward.timeout_s >= 0, f"reward.timeout_s({cfg.reward.timeout_s}) must be >= 0 (0: no limit)"),
-        (0 < cfg.reward.stop_failed_fraction <= 1,
-         f"reward.stop_failed_fraction({cfg.reward.stop_failed_fraction}) must be in (0, 1] (1: stop only when "
-         f"every sample of a step failed)"),
-        (cfg.actor.mini_batch_size >= 0,
-         f"actor.mini_batch_size({cfg.actor.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
-         f"whole batch)"),
-        (cfg.critic.mini_batch_size >= 0,
-         f"critic.mini_batch_size({cfg.critic.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
-         f"whole batch)"),
-        (cfg.critic.ppo_epochs >= 1, f"critic.ppo_epochs({cfg.critic.ppo_epochs}) must be >= 1"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError(msg)
-    _validate_roles_keys(cfg)
-    d = cfg.data
-    # recipes for real models and data say preset/task "none": forgetting the path is an error, not a toy run
-    if cfg.model.path is None and cfg.model.preset == "none":
-        raise UserError("model.path is required (model.preset=none: no random initialisation); "
-                        "set model.path=<Hugging Face model directory>")
-    if not d.train_files and d.task == "none":
-        raise UserError("data.train_files is required (data.task=none: no synthetic task); "
-                        "set data.train_files=train.parquet (or [a.parquet,b.parquet])")
-    # validation and sample-log keys act only with their switch: set without it, they are refused
-    unused = [(key, value) for key, value, default, active in (
-        ("trainer.test_freq", t.test_freq, 0, d.val_files), ("rollout.val_n", r.val_n, 1, d.val_files),
-        ("rollout.val_temperature", r.val_temperature, 0.0, d.val_files),
-        ("reward.pass_threshold", cfg.reward.pass_threshold, 1.0, d.val_files),
-        ("trainer.log_samples_count", t.log_samples_count, 4, t.log_samples_every)) if value != default and not active]
-    for key, value in unused:
-        switch = "trainer.log_samples_every" if key == "trainer.log_samples_count" else "data.val_files"
-        example = "10" if switch == "trainer.log_samples_every" else "[val.parquet]"
-        raise UserError(f"{key}={value} acts only with {switch}, which is not set; set {switch}={example} "
-                        f"or remove {key}")
-    if r.val_n > 1 and r.val_temperature == 0:
-        raise UserError(f"rollout.val_n={r.val_n} with rollout.val_temperature=0 (greedy) draws {r.val_n} identical "
-                        f"samples; set rollout.val_temperature=1.0 (for pass@{r.val_n}) or rollout.val_n=1")
-    if d.sft_answer_key and not (t.sft_warmup_steps and d.train_files):
-        raise UserError(f"data.sft_answer_key={d.sft_answer_key!r} is read by the SFT warm-up on data.train_files "
-                        f"only; set trainer.sft_warmup_steps>0 and data.train_files, or remove data.sft_answer_key")
-    if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
-        raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
-                        f"set rollout.n >= 2 (got {r.n})")
-    _validate_algorithm_variants(cfg)
-    if t.share_prompts and (cfg.actor.pp > 1 or cfg.ref.pp > 1):
-        raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
-                        f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
-                        f"pp=1")
-    for role in ("actor", "critic"):
-        if getattr(cfg, role).offload_optimizer and getattr(cfg, role).offload:
-            raise UserError(f"{role}.offload_optimizer=true keeps the optimizer states in host memory all the time, "
-                            f"so {role}.offload=true (move them there while generating) has nothing to move; "
-                            f"set {role}.offload=false")
-    for role in ("actor", "critic", "ref", "reward"):
-        _validate_megatron_role(cfg, role)
-    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
-        raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors "
-                        f"(set model.path=<Hugging Face model directory>)")
-    if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
-        # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
-        raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
-    if r.engine == "vllm":
-        _validate_vllm(cfg)
-    for pool in cfg.placement.pools:
-        for role in pool.roles:
-            if role not in ROLES:
-                close = difflib.get_close_matches(role, ROLES, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
-        if pool.size < 1:
-            raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
-
-
-def _validate_algorithm_variants(cfg: Config) -> None:
-    """DAPO / GSPO / Dr. GRPO / rollout-correction keys: each acts in this setting, or is refused."""
-    a, r = cfg.algorithm, cfg.rollout
-    default = AlgorithmConfig()
-    if a.rollout_correction not in ("auto", "none") and cfg.trainer.async_rollout:
-        raise UserError(f"algorithm.rollout_correction={a.rollout_correction} needs the trainer's log-probs at the "
-                        f"weights that generated the batch, which trainer.async_rollout never computes (its PPO "
-                        f"ratio divides by the engine's log-probs directly); set algorithm.rollout_correction=auto "
-                        f"or none")
-    mode = resolved_rollout_correction(cfg)
-    if "tis" not in mode and a.rollout_is_cap != default.rollout_is_cap:
-        raise UserError(f"algorithm.rollout_is_cap={a.rollout_is_cap} acts only with algorithm.rollout_correction=tis "
-                        f"or tis+seq_mask (it is {a.rollout_correction} -> {mode})")
-    if "seq_mask" not in mode and a.rollout_mask_threshold != default.rollout_mask_threshold:
-        raise UserError(f"algorithm.rollout_mask_threshold={a.rollout_mask_threshold} acts only with "
-                        f"algorithm.rollout_correction=seq_mask or tis+seq_mask (it is {a.rollout_correction})")
-    if a.rollout_is_cap <= 1.0:
-        raise UserError(f"algorithm.rollout_is_cap({a.rollout_is_cap}) must be > 1 (a cap at or below 1 "
-                        f"down-weights every token)")
-    if a.rollout_mask_threshold <= 1.0:
-        raise UserError(f"algorithm.rollout_mask_threshold({a.rollout_mask_threshold}) must be > 1: it bounds "
-                        f"the geometric-mean ratio to [1/threshold, threshold]")
-    fg, ob = a.filter_groups, a.overlong_buffer
-    if fg.enable:
-        if r.n < 2:
-            raise UserError(f"algorithm.filter_groups.enable drops groups whose rollout.n samples scored the same: "
-                            f"set rollout.n >= 2 (got {r.n})")
-        if cfg.trainer.async_rollout:
-            raise UserError("algorithm.filter_groups.enable regenerates within the step, which "
-                            "trainer.async_rollout (generating the next batch ahead) cannot; turn one off")
-        if fg.max_num_gen_batches < 1:
-            raise UserError(f"algorithm.filter_groups.max_num_gen_batches({fg.max_num_gen_batches}) must be >= 1")
-    elif fg.max_num_gen_batches != FilterGroupsConfig().max_num_gen_batches:
-        raise UserError("algorithm.filter_groups.max_num_gen_batches acts only with "
-                        "algorithm.filter_groups.enable=true")
-    if ob.enable:
-        if not 0 < ob.len <= r.max_response_length:
-            raise UserError(f"algorithm.overlong_buffer.len({ob.len}) must be in (0, rollout.max_response_length="
-                            f"{r.max_response_length}]")
-    elif ob != OverlongBufferConfig():
-        raise UserError("algorithm.overlong_buffer.len / penalty_factor act only with "
-                        "algorithm.overlong_buffer.enable=true")
-    if not a.norm_adv_by_std and a.name != "grpo":
-        raise UserError(f"algorithm.norm_adv_by_std=false acts only with algorithm.name=grpo (Dr. GRPO); "
-                        f"{a.name} does not divide by a group std")
-
-
-def resolved_rollout_correction(cfg: Config) -> str:
-    """algorithm.rollout_correction with `auto` resolved: tis on-policy, none with async rollout."""
-    from ppo.algos.rollout_correction import resolve_mode
-
-    return resolve_mode(cfg.algorithm.rollout_correction, async_rollout=cfg.trainer.async_rollout)
-
-
-def _validate_vllm(cfg: Config) -> None:
-    """rollout.engine=vllm: vLLM installed in a supported version, a log-prob convention that matches ours,
-    and no key that only the native engine reads."""
-    from rollout.vllm_support import installed_vllm_version, logprobs_mode_for, vllm_install_problem
-
-    r = cfg.rollout
-    problem = vllm_install_problem(installed_vllm_version())
-    if problem is not None:
-        raise UserError(problem)
-    try:
-        logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if r.decode_attention != "auto":
-        raise UserError(f"rollout.decode_attention={r.decode_attention!r} selects a native-engine kernel; vLLM picks "
-                        "its own attention backend: leave it at auto with rollout.engine=vllm")
-    if not r.share_prompt_kv:
-        raise UserError("rollout.share_prompt_kv=false turns off a native-engine kernel feature; vLLM shares prompt "
-                        "KV through its own prefix cache: leave it at true with rollout.engine=vllm")
-    if not r.fold_norms:
-        raise UserError("rollout.fold_norms=false turns off a native-engine feature; vLLM runs its own fused norms: "
-                        "leave it at true with rollout.engine=vllm")
-
-
-def _validate_megatron_role(cfg: Config, role: str) -> None:
-    """`<role>.backend: megatron` settings megatron-core cannot run, refused before any process starts
-    (the layout checks that need the model's shape are in launcher.plan)."""
-    sec = getattr(cfg, role)
-    if sec.backend != "megatron" or (role == "reward" and cfg.reward.type == "rule"):
-        return
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        raise UserError(f"{role}.backend=megatron needs megatron-core: pip install -e .[megatron] "
-                        "(megatron-core==0.16.1)") from None
-    trains = role in ("actor", "critic")
-    import torch
-
-    on_cpu = cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and (trains or sec.pp > 1):
-        what = "training (its DDP buffers, distributed optimizer and schedules)" if trains else "pp > 1 (its schedules)"
-        device = "cpu" if cfg.trainer.device == "cpu" else "auto with no GPU visible"
-        raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
-                        f"{device}; use {role}.backend=native on CPU")
-    refused = [
-        (sec.compile and sec.activation_checkpointing == "full",
-         f"{role}.compile=true with activation_checkpointing=full",
-         "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
-        (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
-         "megatron's selective recompute targets its own core attention; use none or full"),
-        (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
-         "virtual pipeline stages are not wired for megatron; use 1"),
-        (sec.pp_schedule != "1F1B", f"{role}.pp_schedule={sec.pp_schedule}",
-         "megatron-core's schedule for pp > 1 is 1F1B; use 1F1B"),
-        (sec.pp_microbatches != 0, f"{role}.pp_microbatches={sec.pp_microbatches}",
-         "megatron's schedules run the token-budget micro-batches (any count, any lengths); leave it 0"),
-        (trains and cfg.model.dtype == "float16", "model.dtype=float16",
-         "megatron training here has no loss scaler; use bfloat16 or float32"),
-        (trains and getattr(sec, "offload_optimizer", False), f"{role}.offload_optimizer=true",
-         "host-resident Adam moments are the native backend's (parallel/offload_optim.py); set it to false"),
-    ]
-    for bad, key, fix in refused:
-        if bad:
-            raise UserError(f"{role}.backend=megatron: {key} is not supported: {fix}")
-
-
-# ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
-_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "activation_checkpointing",
-               "compile", "backend")
-
-
-def _validate_roles_keys(cfg: Config) -> None:
-    """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
-    optimizer to offload while generating, model layout keys of a rule reward."""
-    from rollout.base import RolloutConfig
-    from rollout.factory import ENGINES, NOT_BUILT
-
-    r = cfg.rollout
-    if r.engine not in ENGINES:
-        raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
-    try:  # the engine's own checks, once, before launch
-        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
-                     decode_attention=r.decode_attention).validate()
-    except ValueError as e:
-        raise UserError(f"rollout.{e}") from None
-    for role in ("critic", "ref", "reward"):
-        if getattr(cfg, role).offload:
-            raise UserError(f"{role}.offload=true: only the actor offloads (its optimizer states, while the rollout "
-                            f"generates on its GPUs); set {role}.offload=false")
-    if cfg.reward.type == "rule":
-        default = RewardConfig()
-        for key in (*_MODEL_KEYS, "model_path", "max_tokens_per_micro_batch"):
-            if getattr(cfg.reward, key) != getattr(default, key):
-                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=rule "
-                                f"(a rule function runs data parallel over its pool, no model); remove it or set "
-                                f"reward.type=model")
-
 
 def uses_critic(cfg: Config) -> bool:
     return cfg.algorithm.name == "ppo"
@@ -737,9 +311,19 @@ def uses_ref(cfg: Config) -> bool:
     return cfg.ref.enabled and ((a.use_kl_penalty and a.kl_coef > 0) or cfg.actor.use_kl_loss)
 
 
-if __name__ == "__main__":  # python -m launcher.config [section]: every key, its type, default and meaning
-    import sys
+def resolved_rollout_correction(cfg: Config) -> str:
+    """algorithm.rollout_correction with `auto` resolved: tis on-policy, none with async rollout."""
+    from ppo.algos.rollout_correction import resolve_mode
 
-    from launcher.config_doc import main
+    return resolve_mode(cfg.algorithm.rollout_correction, async_rollout=cfg.trainer.async_rollout)
 
-    sys.exit(main())
+
+def active_roles(cfg: Config) -> list[str]:
+    """Roles this config needs, in plan order."""
+    roles = ["actor", "rollout"]
+    if uses_ref(cfg):
+        roles.append("ref")
+    if uses_critic(cfg):
+        roles.append("critic")
+    roles.append("reward")  # rule rewards run on the reward ranks' CPUs; a reward model on their GPUs
+    return roles

@@ -1,4 +1,4 @@
-"""Search of placements and layouts by the cost model: `python -m launcher.plan X.yaml --world-size W --auto`.
+"""Search of placements and layouts by the cost model: `python -m launcher.planning.plan X.yaml --world-size W --auto`.
 
     result = search(cfg, world_size=64, model=model_cfg, cal=load_calibration("h200"))
     result.best[0].summary(cal), result.evaluated, result.rejected
@@ -17,9 +17,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from launcher.costmodel import Calibration, Candidate, Workload, model_pass_s
-from launcher.plan import validate_role_layout
-from launcher.stepmodel import Estimate, _activation_gb, _role_model, estimate
+from launcher.planning.costmodel import Calibration, Candidate, Workload, model_pass_s
+from launcher.planning.layout import validate_role_layout
+from launcher.planning.stepmodel import Estimate, _activation_gb, _role_model, estimate
 from parallel.dims import TopologyError
 
 TRAINED = ("actor", "critic")
@@ -38,7 +38,7 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _fits(role: str, model, *, tp: int, pp: int, stages_per_rank: int = 1) -> bool:
-    """The planner's own size rule (launcher.plan.validate_role_layout), so no proposal is refused later."""
+    """The planner's own size rule (launcher.planning.layout.validate_role_layout), so no proposal is refused later."""
     try:
         validate_role_layout(role, model, tp=tp, pp=pp, stages_per_rank=stages_per_rank)
     except TopologyError:
@@ -130,8 +130,8 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
            schedules: tuple[bool, ...] | None = None, top: int = 5, prompt_len: int | None = None,
            response_len: int | None = None) -> SearchResult:
     """The `top` fastest feasible candidates (sync/async per `schedules`; default the config's)."""
-    from launcher.costmodel import build_workload
-    from launcher.plan import active_roles
+    from launcher.config.schema import active_roles
+    from launcher.planning.costmodel import build_workload
 
     roles = active_roles(cfg)
     samples = cfg.data.batch_size * cfg.rollout.n
@@ -184,7 +184,7 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
 
 
 def candidate_from_plan(plan, *, is_async: bool) -> Candidate:
-    """The Candidate of a launcher.plan.DevicePlan (to predict a plan a config already fixes)."""
+    """The Candidate of a launcher.planning.plan.DevicePlan (to predict a plan a config already fixes)."""
     pools = tuple((tuple(p), len(plan.groups[p[0]].ranks)) for p in plan.pools)
     layouts = tuple(sorted((r, (g.tp, g.pp, g.dp)) for r, g in plan.groups.items() if r != "rollout"))
     return Candidate(mode=plan.mode, pools=pools, layouts=layouts, gen_tp=plan.gen_tp, is_async=is_async)

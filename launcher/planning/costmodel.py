@@ -5,7 +5,7 @@
     est = estimate(w, cal, Candidate.colocated(world_size=1, tp=1, pp=1, gen_tp=1, is_async=False))
     est.step_s, est.stages, est.peak_gb, est.reject   # reject: None, or why the plan cannot run
 
-Every stage time is counted work over a calibrated ceiling (launcher/calibration/<machine>.json,
+Every stage time is counted work over a calibrated ceiling (launcher/planning/calibration/<machine>.json,
 written by `python -m bench.calibrate`):
 - generation: per decode step, max(weight bytes / HBM, matmul FLOPs / matmul peak) + KV bytes / HBM
   + a per-layer launch overhead (fitted to bench.generate at three batch sizes), TP all-reduces;
@@ -42,7 +42,7 @@ BF16 = 2
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """Measured ceilings of one machine type (one GPU and its links); see launcher/calibration/*.json."""
+    """Measured ceilings of one machine type (one GPU and its links); see launcher/planning/calibration/*.json."""
 
     name: str
     peak_flops: float  # dense bf16 matmul, FLOP/s
@@ -78,7 +78,7 @@ class Calibration:
 
 
 def load_calibration(name_or_path: str) -> Calibration:
-    """`h200` -> launcher/calibration/h200.json; a path to a .json file is read as given."""
+    """`h200` -> launcher/planning/calibration/h200.json; a path to a .json file is read as given."""
     path = Path(name_or_path)
     if not path.suffix:
         path = CALIBRATION_DIR / f"{name_or_path}.json"
@@ -163,8 +163,8 @@ class Workload:
 
 def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = None,
                    response_len: int | None = None, is_async: bool | None = None) -> Workload:
-    """Workload of a launcher.config.Config; model/reward_model: models.config.ModelConfig."""
-    from launcher.config import uses_critic, uses_ref
+    """Workload of a launcher.config.schema.Config; model/reward_model: models.config.ModelConfig."""
+    from launcher.config.schema import uses_critic, uses_ref
 
     a = cfg.actor
     is_async = cfg.trainer.async_rollout if is_async is None else is_async

@@ -2,13 +2,13 @@
 
 Offline, for any world size, without starting a process:
 
-    python -m launcher.plan conf/ppo_7b.yaml --world-size 8
-    python -m launcher.plan conf/ppo_7b.yaml --world-size 1024 --json
-    python -m launcher.plan conf/ppo_7b.yaml --world-size 64 --auto [--json] [--schedules sync,async]
+    python -m launcher.planning.plan conf/ppo_7b.yaml --world-size 8
+    python -m launcher.planning.plan conf/ppo_7b.yaml --world-size 1024 --json
+    python -m launcher.planning.plan conf/ppo_7b.yaml --world-size 64 --auto [--json] [--schedules sync,async]
 
 `compute_plan` is a pure function of the config, the model shape and the world size;
 rank 0 calls it at start-up, broadcasts the result, and every rank builds the groups.
-`--auto` ranks placements and layouts by the calibrated cost model (launcher/autoplan.py);
+`--auto` ranks placements and layouts by the calibrated cost model (launcher/planning/autoplan.py);
 `placement.mode: auto` launches the best of them (same search, deterministic on every rank).
 """
 
@@ -19,8 +19,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from launcher.config import Config, PoolConfig, load_config, uses_critic, uses_ref
+from launcher.config.load import load_config
+from launcher.config.schema import Config, PoolConfig, active_roles
 from launcher.errors import UserError
+from launcher.planning.layout import validate_role_layout
 from models.config import ModelConfig
 from parallel.dims import ParallelDims, TopologyError
 
@@ -46,7 +48,7 @@ class DevicePlan:
     groups: dict[str, RoleGroup] = field(default_factory=dict)
     gen_tp: int = 1
     gen_dp: int = 1
-    predicted: dict = field(default_factory=dict)  # the cost model's estimate of this plan (launcher/stepmodel.py)
+    predicted: dict = field(default_factory=dict)  # the cost model's estimate (launcher/planning/stepmodel.py)
 
     def roles_of(self, rank: int) -> list[str]:
         return [r for r, g in self.groups.items() if rank in g.ranks]
@@ -83,17 +85,6 @@ class DevicePlan:
                          f"{p['samples_per_s']:.1f} samples/s, useful {p['useful_utilization']:.1%}, "
                          f"pools busy {busy}, peak {p['peak_gb']:.1f} GB per GPU{fit}")
         return "\n".join(lines)
-
-
-def active_roles(cfg: Config) -> list[str]:
-    """Roles this config needs, in plan order."""
-    roles = ["actor", "rollout"]
-    if uses_ref(cfg):
-        roles.append("ref")
-    if uses_critic(cfg):
-        roles.append("critic")
-    roles.append("reward")  # rule rewards run on the reward ranks' CPUs; a reward model on their GPUs
-    return roles
 
 
 def _pools(cfg: Config, roles: list[str]) -> list[PoolConfig]:
@@ -198,9 +189,9 @@ def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
                  reward_model: ModelConfig | None = None) -> dict:
     """The cost model's estimate of a plan on placement.calibration's machine (plan.json carries it, so a
     run's measured stage times can be set beside it)."""
-    from launcher.autoplan import candidate_from_plan
-    from launcher.costmodel import build_workload, load_calibration
-    from launcher.stepmodel import estimate
+    from launcher.planning.autoplan import candidate_from_plan
+    from launcher.planning.costmodel import build_workload, load_calibration
+    from launcher.planning.stepmodel import estimate
 
     try:
         cal = load_calibration(cfg.placement.calibration)
@@ -209,17 +200,6 @@ def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
     w = build_workload(cfg, model=model, reward_model=reward_model)
     est = estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout))
     return dict(est.summary(cal), calibration=cal.name, prompt_len=w.prompt_len, response_len=w.response_len)
-
-
-def validate_role_layout(role: str, shape: ModelConfig, *, tp: int, pp: int, stages_per_rank: int = 1) -> None:
-    """Whether `role` can shard a model of `shape` over tp x pp (parallel.dims.ParallelDims.validate_model:
-    heads, KV heads, intermediate size, vocabulary, layers). Raises TopologyError.
-    The one size rule of the planner and of the auto search, so the search never proposes a layout
-    the planner then refuses."""
-    ParallelDims(tp=tp, pp=pp, dp=1).validate_model(
-        num_heads=shape.num_attention_heads, num_kv_heads=shape.num_key_value_heads,
-        num_layers=shape.num_hidden_layers, vocab_size=shape.vocab_size, intermediate_size=shape.intermediate_size,
-        stages_per_rank=stages_per_rank, role=role)
 
 
 AUTO_CHOSEN = ("tp", "pp", "dp")
@@ -233,8 +213,8 @@ def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     (a key that would be silently overridden)."""
     import copy
 
-    from launcher.autoplan import search
-    from launcher.costmodel import load_calibration
+    from launcher.planning.autoplan import search
+    from launcher.planning.costmodel import load_calibration
 
     fixed = [f"{r}.{k}={getattr(getattr(cfg, r), k)}" for r in ("actor", "critic", "ref", "reward")
              for k in AUTO_CHOSEN if getattr(getattr(cfg, r), k) != (0 if k == "dp" else 1)]
@@ -302,7 +282,7 @@ def resolve_reward_model_config(cfg: Config) -> ModelConfig | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launcher.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m launcher.planning.plan", description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides")
     ap.add_argument("--world-size", type=int, required=True)
@@ -329,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_auto(cfg: Config, args, *, model: ModelConfig, reward_model: ModelConfig | None) -> int:
-    from launcher.autoplan import format_table, overrides_of, search
-    from launcher.costmodel import load_calibration
+    from launcher.planning.autoplan import format_table, overrides_of, search
+    from launcher.planning.costmodel import load_calibration
 
     if args.world_size < 1:
         raise UserError(f"world size must be >= 1, got {args.world_size}")

@@ -1,4 +1,4 @@
-"""Step time and memory of a placement, from the stage costs of launcher/costmodel.py.
+"""Step time and memory of a placement, from the stage costs of launcher/planning/costmodel.py.
 
     est = estimate(workload, calibration, candidate)
     est.step_s, est.samples_per_s, est.stages, est.pool_utilization(), est.peak_gb, est.reject
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.costmodel import (
+from launcher.planning.costmodel import (
     BF16,
     OFFLOADED_BYTES_PER_PARAM,
     TRAINED_BYTES_PER_PARAM,

@@ -114,7 +114,7 @@ def test_cli_subprocess(tmp_path):
 def test_export_writes_the_runs_tokenizer_by_default(tmp_path, capsys):
     """No --tokenizer: the run's own tokenizer (config.yaml: model.tokenizer / model.path) is copied in;
     a run on builtin:char gets a note naming the flag."""
-    from launcher.config import load_config, to_yaml
+    from launcher.config.load import load_config, to_yaml
 
     base = tmp_path / "base"
     base.mkdir()

@@ -9,9 +9,9 @@ def _body(rank, world_size, overrides):
     import torch
     import torch.distributed as dist
 
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from launcher.dist import broadcast_plan, build_role_groups
-    from launcher.plan import compute_plan
+    from launcher.planning.plan import compute_plan
     from models.config import preset_config
 
     cfg = load_config("conf/ppo_tiny.yaml", overrides)
@@ -41,7 +41,7 @@ def _body(rank, world_size, overrides):
 def _expected(plan_json, role, dim, rank):
     import json
 
-    from launcher.plan import DevicePlan
+    from launcher.planning.plan import DevicePlan
 
     g = DevicePlan.from_dict(json.loads(plan_json)).groups[role]
     grid = g.dims.mesh_tensor(g.ranks)

@@ -2,7 +2,7 @@
 
 import torch
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.handoff import build_ppo_settings
 
 
@@ -82,7 +82,7 @@ def test_role_build_settings_carry_sources_layouts_and_optimizers():
 
 def test_placement_exposes_the_plan_groups_and_environment():
     from launcher.dist import DistEnv
-    from launcher.plan import compute_plan, resolve_model_config
+    from launcher.planning.plan import compute_plan, resolve_model_config
     from ppo.roles.placement import Placement
 
     cfg = load_config("conf/ppo_tiny.yaml")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.errors import UserError
-from launcher.plan import compute_plan
+from launcher.planning.plan import compute_plan
 from models.config import preset_config
 
 pytest.importorskip("megatron.core")
@@ -47,7 +47,7 @@ def test_layouts_megatron_cannot_shard_are_refused(model, msg):
 
 
 def test_uneven_pipeline_split_is_refused():
-    from launcher.plan import _validate_megatron_layout
+    from launcher.planning.plan import _validate_megatron_layout
 
     with pytest.raises(UserError, match=r"ref.backend=megatron: ref.pp\(3\) must divide num_hidden_layers\(4\)"):
         _validate_megatron_layout("ref", tp=1, pp=3, shape=preset_config("tiny"))
@@ -59,7 +59,7 @@ def test_qwen3_on_megatron_is_planned_and_its_layout_still_checked():
     cfg = load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", "ref.tp=2"])
     plan = compute_plan(cfg, world_size=2, model=preset_config("tiny-qwen3"))
     assert plan.groups["ref"].tp == 2
-    from launcher.plan import _validate_megatron_layout
+    from launcher.planning.plan import _validate_megatron_layout
 
     with pytest.raises(UserError, match=r"ref.backend=megatron: ref.tp\(4\) must divide num_key_value_heads\(2\)"):
         _validate_megatron_layout("ref", tp=4, pp=1, shape=preset_config("tiny-qwen3"))

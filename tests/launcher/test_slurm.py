@@ -61,7 +61,7 @@ def _shims(tmp_path):
              "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
              "scontrol": (f'#!/bin/bash\nif [ "$1" = show ]; then echo node1; '
                           f'else echo "$*" >> {log}/scontrol.txt; fi\n'),
-             # the plan check before launch is the real one in test_usage_error / launcher.plan's tests
+             # the plan check before launch is the real one in test_usage_error / launcher.planning.plan's tests
              "python": f'#!/bin/bash\necho "$*" > {log}/python.txt\n'}
     for name, text in shims.items():
         (bin_dir / name).write_text(text)
@@ -95,7 +95,7 @@ def test_preemption_signal_stops_the_run_and_usr1_requeues(tmp_path, template, s
         time.sleep(0.1)
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     out, err = proc.communicate(timeout=30)
-    assert (log / "python.txt").read_text().startswith("-m launcher.plan conf/ppo_tiny.yaml")
+    assert (log / "python.txt").read_text().startswith("-m launcher.planning.plan conf/ppo_tiny.yaml")
     run = (log / "torchrun.txt").read_text()
     assert "saw-stop-file" in run and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run
     assert "--max-restarts 3" in run and "trainer.resume=auto" in run

@@ -36,9 +36,10 @@ def _full_grads(model):
 
 
 def _fsdp_body(rank, world, ckpt):
-    from parallel.apply import forward_hidden, head_shard, parallelize_model
+    from parallel.apply import head_shard, parallelize_model
     from parallel.dims import ParallelDims, build_mesh
     from parallel.loading import full_state_dict, load_sharded_weights
+    from parallel.runner import forward_hidden
     from parallel.vocab_parallel import vocab_parallel_token_logprobs
 
     dims = ParallelDims(tp=2, dp=2)

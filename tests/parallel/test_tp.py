@@ -37,9 +37,10 @@ def _grads(model):
 def _tp_body(rank, world, ckpt):
     from torch.distributed.tensor import DTensor, Shard
 
-    from parallel.apply import forward_hidden, head_shard, parallelize_model
+    from parallel.apply import head_shard, parallelize_model
     from parallel.dims import ParallelDims, build_mesh
     from parallel.loading import full_state_dict, load_sharded_weights
+    from parallel.runner import forward_hidden
     from parallel.tensor_parallel import apply_tp
     from parallel.vocab_parallel import vocab_parallel_token_logprobs
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.dist import DistEnv, build_role_groups
 from launcher.handoff import build_ppo_settings
-from launcher.plan import compute_plan, resolve_model_config
+from launcher.planning.plan import compute_plan, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["trainer.progress_bar=false", "trainer.tensorboard=false", "monitor.enabled=false",

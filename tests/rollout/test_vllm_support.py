@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.errors import UserError
 from rollout.vllm_support import logprobs_mode_for, request_matches_mode, vllm_install_problem
 from tests.dist_utils import run_world

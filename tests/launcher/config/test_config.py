@@ -2,7 +2,8 @@ import textwrap
 
 import pytest
 
-from launcher.config import Config, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import Config
 from launcher.errors import UserError
 
 
@@ -67,7 +68,7 @@ def test_value_errors(override, needle):
 
 
 def test_decode_attention_choices_are_the_engines():
-    from launcher.config import CHOICES
+    from launcher.config.schema import CHOICES
     from rollout.base import DECODE_ATTENTION
 
     assert CHOICES["rollout.decode_attention"] == DECODE_ATTENTION

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.config import load_config, resolved_rollout_correction
+from launcher.config.load import load_config
+from launcher.config.schema import resolved_rollout_correction
 from launcher.errors import UserError
 
 GRPO = ["algorithm.name=grpo", "rollout.n=4"]

@@ -4,7 +4,7 @@ and the committed 7B config turns on the memory choreography it documents."""
 
 import pytest
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.errors import UserError
 
 
@@ -38,10 +38,10 @@ def test_bench_grpo_7b_config():
 
 
 def test_cost_model_counts_the_choreography():
-    """launcher/costmodel.py sees what the 7B config changes: the actor keeps 8 of its 16 bytes/param on
+    """launcher/planning/costmodel.py sees what the 7B config changes: the actor keeps 8 of its 16 bytes/param on
     the GPU, the frozen reference 2 (bf16), and each update pays N x 8 bytes over PCIe."""
-    from launcher.costmodel import Candidate, build_workload, load_calibration, model_pass_s
-    from launcher.stepmodel import pool_memory
+    from launcher.planning.costmodel import Candidate, build_workload, load_calibration, model_pass_s
+    from launcher.planning.stepmodel import pool_memory
     from models.config import preset_config
 
     cfg = load_config("conf/bench_grpo_7b.yaml")

@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from launcher.autoplan import candidate_from_plan, overrides_of, pool_sizes, search
-from launcher.config import load_config
-from launcher.costmodel import build_workload, load_calibration
+from launcher.config.load import load_config
 from launcher.errors import UserError
-from launcher.plan import DevicePlan, compute_plan, validate_batch
-from launcher.stepmodel import estimate
+from launcher.planning.autoplan import candidate_from_plan, overrides_of, pool_sizes, search
+from launcher.planning.costmodel import build_workload, load_calibration
+from launcher.planning.plan import DevicePlan, compute_plan, validate_batch
+from launcher.planning.stepmodel import estimate
 from models.config import ModelConfig, preset_config
 from tests.dist_utils import run_world
 
@@ -75,7 +75,7 @@ def test_estimate_of_a_fixed_plan_is_in_plan_json():
 
 
 def test_cli_auto_json(capsys):
-    from launcher.plan import main
+    from launcher.planning.plan import main
 
     rc = main(["conf/bench_ppo_1b.yaml", "--world-size", "2", "--auto", "--json", "--schedules", "sync,async",
                "--top", "3"])
@@ -87,9 +87,9 @@ def test_cli_auto_json(capsys):
 
 
 def _auto_body(rank, world_size):
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from launcher.dist import build_role_groups
-    from launcher.plan import compute_plan, validate_batch
+    from launcher.planning.plan import compute_plan, validate_batch
     from models.config import preset_config
 
     # as launcher/main.py does: every rank plans on its own (rank 0's plan is then broadcast)
@@ -112,7 +112,7 @@ def test_auto_plan_builds_the_same_groups_on_every_rank():
 
 def test_search_proposes_only_layouts_the_planner_accepts():
     # tp=2 divides the heads but not the (odd) intermediate size: the search must use the planner's own
-    # size rule (launcher.plan.validate_role_layout), not a looser one of its own
+    # size rule (launcher.planning.plan.validate_role_layout), not a looser one of its own
     odd = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2753, num_hidden_layers=16,
                       num_attention_heads=16, num_key_value_heads=8)
     cfg = load_config("conf/plan_ppo_hybridflow.yaml")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.costmodel import (
+from launcher.planning.costmodel import (
     Calibration,
     Candidate,
     ModelShape,
@@ -18,9 +18,9 @@ from launcher.costmodel import (
     model_pass_s,
     reshard_s,
 )
-from launcher.stepmodel import estimate, useful_flops
+from launcher.planning.stepmodel import estimate, useful_flops
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # round numbers so that every expected value below is a short hand computation
 CAL = Calibration(
@@ -141,7 +141,7 @@ def test_memory_rejects_what_cannot_fit():
 def test_calibration_file_is_derived_from_the_committed_micro_benchmarks():
     from bench.calibrate import derive
 
-    committed = json.loads((ROOT / "launcher/calibration/h200.json").read_text())
+    committed = json.loads((ROOT / "launcher/planning/calibration/h200.json").read_text())
     # the file names the committed micro-benchmark results it was fitted from; they must reproduce it
     files = committed["source"]["files"]
     assert all((ROOT / f).is_file() for f in files.values()), files

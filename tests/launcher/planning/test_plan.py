@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from launcher.errors import UserError
-from launcher.plan import DevicePlan, compute_plan, validate_batch
+from launcher.planning.plan import DevicePlan, compute_plan, validate_batch
 from models.config import preset_config
 
 TINY = preset_config("tiny")
@@ -98,10 +98,10 @@ def test_batch_must_split_over_dp():
 
 
 def test_cli_prints_table_and_exit_codes():
-    out = subprocess.run([sys.executable, "-m", "launcher.plan", "conf/ppo_7b.yaml", "--world-size", "8"],
+    out = subprocess.run([sys.executable, "-m", "launcher.planning.plan", "conf/ppo_7b.yaml", "--world-size", "8"],
                          capture_output=True, text=True, check=True).stdout
     assert "actor    0-3" in out and "ref      6-7" in out and "critic   4-5" in out
-    bad = subprocess.run([sys.executable, "-m", "launcher.plan", "conf/ppo_tiny.yaml", "--world-size", "4",
+    bad = subprocess.run([sys.executable, "-m", "launcher.planning.plan", "conf/ppo_tiny.yaml", "--world-size", "4",
                           "actor.tpp=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "did you mean" in bad.stderr
 

@@ -113,7 +113,7 @@ def test_dynamic_sampling_skips_a_prompt_drawn_twice():
 
 
 def test_trainer_adds_the_overlong_penalty_to_the_scores():
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from launcher.handoff import build_loop_settings
     from ppo.batch.experience import Experience
     from ppo.trainer import PPOTrainer
@@ -132,7 +132,7 @@ def test_trainer_adds_the_overlong_penalty_to_the_scores():
 
 
 def _trainer(*overrides):
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from launcher.handoff import build_loop_settings
     from ppo.trainer import PPOTrainer
 

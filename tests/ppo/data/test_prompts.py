@@ -159,7 +159,7 @@ def test_sampler_validation():
 
 def test_sft_warmup_trains_on_the_data_answers(tmp_path):
     """trainer.sft_warmup_steps with data.train_files: pairs from the data's rows, not the synthetic task."""
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from ppo.data.prompts import check_sft_answers, sft_pairs
     from ppo.run.state import TrainState
 
@@ -195,7 +195,7 @@ def test_sft_warmup_trains_on_the_data_answers(tmp_path):
 
 
 def test_total_epochs_sets_the_step_count(tmp_path):
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from ppo.run.state import TrainState
 
     path = tmp_path / "train.jsonl"

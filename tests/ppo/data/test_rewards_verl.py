@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.config import load_config
+from launcher.config.load import load_config
 from ppo.batch.experience import Experience, Sample
 from ppo.batch.step_batch import reward_extra_metrics
 from ppo.data.reward_calls import RewardFunctionError, detect_signature, plan_reward_call

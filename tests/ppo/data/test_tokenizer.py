@@ -176,7 +176,7 @@ def test_chat_template_rendering_matches_transformers(tmp_path, template):
 
 def test_tokenizer_comes_from_model_path(tmp_path):
     """model.tokenizer=auto (the default): model.path's tokenizer when the folder has one."""
-    from launcher.config import load_config
+    from launcher.config.load import load_config
     from ppo.data.tokenizer import resolve_tokenizer
     from ppo.run.state import TrainState
 

@@ -1,0 +1,281 @@
+"""The checks that refuse a bad config before launch (UserError: the launcher exits with 2), beyond
+what the schema's types express. Topology is checked by launcher.planning.plan.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+from launcher.config.schema import (
+    CHOICES,
+    ROLES,
+    AlgorithmConfig,
+    Config,
+    FilterGroupsConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+    resolved_rollout_correction,
+)
+from launcher.errors import UserError
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def validate_config(cfg: Config) -> None:
+    """Value checks that the types alone do not express. Topology is checked by launcher.planning.plan."""
+    for key, choices in CHOICES.items():
+        v = _get(cfg, key)
+        if v not in choices:
+            close = difflib.get_close_matches(str(v), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{key}={v!r} is not one of {', '.join(choices)}{hint}")
+    t, r = cfg.trainer, cfg.rollout
+    checks = [
+        (t.total_steps >= 1, f"trainer.total_steps({t.total_steps}) must be >= 1"),
+        (cfg.data.batch_size >= 1, f"data.batch_size({cfg.data.batch_size}) must be >= 1"),
+        (r.n >= 1, f"rollout.n({r.n}) must be >= 1"),
+        (r.temperature >= 0, f"rollout.temperature({r.temperature}) must be >= 0"),
+        (0 < r.top_p <= 1, f"rollout.top_p({r.top_p}) must be in (0, 1]"),
+        (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
+        (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
+        (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
+        (t.total_epochs >= 0, f"trainer.total_epochs({t.total_epochs}) must be >= 0 (0: use trainer.total_steps)"),
+        (t.test_freq >= 0, f"trainer.test_freq({t.test_freq}) must be >= 0 (0: validate after the last step only)"),
+        (t.log_samples_every >= 0, f"trainer.log_samples_every({t.log_samples_every}) must be >= 0 (0: off)"),
+        (t.log_samples_count >= 1, f"trainer.log_samples_count({t.log_samples_count}) must be >= 1"),
+        (r.val_n >= 1, f"rollout.val_n({r.val_n}) must be >= 1"),
+        (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
+        (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
+        (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
+        (all(isinstance(x, int) and x >= 1 for x in t.profile_steps),
+         f"trainer.profile_steps({list(t.profile_steps)}) must list step numbers >= 1 (e.g. [3]; []: off)"),
+        (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
+                               f"long a collective waits for a missing rank"),
+        (t.preempt_grace_s >= 0, f"trainer.preempt_grace_s({t.preempt_grace_s}) must be >= 0 (0: no limit)"),
+        (t.watchdog_timeout_s >= 0, f"trainer.watchdog_timeout_s({t.watchdog_timeout_s}) must be >= 0 (0: off)"),
+        (cfg.reward.timeout_s >= 0, f"reward.timeout_s({cfg.reward.timeout_s}) must be >= 0 (0: no limit)"),
+        (0 < cfg.reward.stop_failed_fraction <= 1,
+         f"reward.stop_failed_fraction({cfg.reward.stop_failed_fraction}) must be in (0, 1] (1: stop only when "
+         f"every sample of a step failed)"),
+        (cfg.actor.mini_batch_size >= 0,
+         f"actor.mini_batch_size({cfg.actor.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.mini_batch_size >= 0,
+         f"critic.mini_batch_size({cfg.critic.mini_batch_size}) must be >= 0 (samples per optimizer step; 0: the "
+         f"whole batch)"),
+        (cfg.critic.ppo_epochs >= 1, f"critic.ppo_epochs({cfg.critic.ppo_epochs}) must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    _validate_roles_keys(cfg)
+    d = cfg.data
+    # recipes for real models and data say preset/task "none": forgetting the path is an error, not a toy run
+    if cfg.model.path is None and cfg.model.preset == "none":
+        raise UserError("model.path is required (model.preset=none: no random initialisation); "
+                        "set model.path=<Hugging Face model directory>")
+    if not d.train_files and d.task == "none":
+        raise UserError("data.train_files is required (data.task=none: no synthetic task); "
+                        "set data.train_files=train.parquet (or [a.parquet,b.parquet])")
+    # validation and sample-log keys act only with their switch: set without it, they are refused
+    unused = [(key, value) for key, value, default, active in (
+        ("trainer.test_freq", t.test_freq, 0, d.val_files), ("rollout.val_n", r.val_n, 1, d.val_files),
+        ("rollout.val_temperature", r.val_temperature, 0.0, d.val_files),
+        ("reward.pass_threshold", cfg.reward.pass_threshold, 1.0, d.val_files),
+        ("trainer.log_samples_count", t.log_samples_count, 4, t.log_samples_every)) if value != default and not active]
+    for key, value in unused:
+        switch = "trainer.log_samples_every" if key == "trainer.log_samples_count" else "data.val_files"
+        example = "10" if switch == "trainer.log_samples_every" else "[val.parquet]"
+        raise UserError(f"{key}={value} acts only with {switch}, which is not set; set {switch}={example} "
+                        f"or remove {key}")
+    if r.val_n > 1 and r.val_temperature == 0:
+        raise UserError(f"rollout.val_n={r.val_n} with rollout.val_temperature=0 (greedy) draws {r.val_n} identical "
+                        f"samples; set rollout.val_temperature=1.0 (for pass@{r.val_n}) or rollout.val_n=1")
+    if d.sft_answer_key and not (t.sft_warmup_steps and d.train_files):
+        raise UserError(f"data.sft_answer_key={d.sft_answer_key!r} is read by the SFT warm-up on data.train_files "
+                        f"only; set trainer.sft_warmup_steps>0 and data.train_files, or remove data.sft_answer_key")
+    if cfg.algorithm.name in ("grpo", "rloo") and r.n < 2:
+        raise UserError(f"algorithm.name={cfg.algorithm.name} compares samples of one prompt: "
+                        f"set rollout.n >= 2 (got {r.n})")
+    _validate_algorithm_variants(cfg)
+    if t.share_prompts and (cfg.actor.pp > 1 or cfg.ref.pp > 1):
+        raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
+                        f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
+                        f"pp=1")
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).offload_optimizer and getattr(cfg, role).offload:
+            raise UserError(f"{role}.offload_optimizer=true keeps the optimizer states in host memory all the time, "
+                            f"so {role}.offload=true (move them there while generating) has nothing to move; "
+                            f"set {role}.offload=false")
+    for role in ("actor", "critic", "ref", "reward"):
+        _validate_megatron_role(cfg, role)
+    if t.resume not in ("never", "auto") and not Path(t.resume).exists():
+        raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors "
+                        f"(set model.path=<Hugging Face model directory>)")
+    if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
+        # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
+        raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
+    if r.engine == "vllm":
+        _validate_vllm(cfg)
+    for pool in cfg.placement.pools:
+        for role in pool.roles:
+            if role not in ROLES:
+                close = difflib.get_close_matches(role, ROLES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
+        if pool.size < 1:
+            raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def _validate_algorithm_variants(cfg: Config) -> None:
+    """DAPO / GSPO / Dr. GRPO / rollout-correction keys: each acts in this setting, or is refused."""
+    a, r = cfg.algorithm, cfg.rollout
+    default = AlgorithmConfig()
+    if a.rollout_correction not in ("auto", "none") and cfg.trainer.async_rollout:
+        raise UserError(f"algorithm.rollout_correction={a.rollout_correction} needs the trainer's log-probs at the "
+                        f"weights that generated the batch, which trainer.async_rollout never computes (its PPO "
+                        f"ratio divides by the engine's log-probs directly); set algorithm.rollout_correction=auto "
+                        f"or none")
+    mode = resolved_rollout_correction(cfg)
+    if "tis" not in mode and a.rollout_is_cap != default.rollout_is_cap:
+        raise UserError(f"algorithm.rollout_is_cap={a.rollout_is_cap} acts only with algorithm.rollout_correction=tis "
+                        f"or tis+seq_mask (it is {a.rollout_correction} -> {mode})")
+    if "seq_mask" not in mode and a.rollout_mask_threshold != default.rollout_mask_threshold:
+        raise UserError(f"algorithm.rollout_mask_threshold={a.rollout_mask_threshold} acts only with "
+                        f"algorithm.rollout_correction=seq_mask or tis+seq_mask (it is {a.rollout_correction})")
+    if a.rollout_is_cap <= 1.0:
+        raise UserError(f"algorithm.rollout_is_cap({a.rollout_is_cap}) must be > 1 (a cap at or below 1 "
+                        f"down-weights every token)")
+    if a.rollout_mask_threshold <= 1.0:
+        raise UserError(f"algorithm.rollout_mask_threshold({a.rollout_mask_threshold}) must be > 1: it bounds "
+                        f"the geometric-mean ratio to [1/threshold, threshold]")
+    fg, ob = a.filter_groups, a.overlong_buffer
+    if fg.enable:
+        if r.n < 2:
+            raise UserError(f"algorithm.filter_groups.enable drops groups whose rollout.n samples scored the same: "
+                            f"set rollout.n >= 2 (got {r.n})")
+        if cfg.trainer.async_rollout:
+            raise UserError("algorithm.filter_groups.enable regenerates within the step, which "
+                            "trainer.async_rollout (generating the next batch ahead) cannot; turn one off")
+        if fg.max_num_gen_batches < 1:
+            raise UserError(f"algorithm.filter_groups.max_num_gen_batches({fg.max_num_gen_batches}) must be >= 1")
+    elif fg.max_num_gen_batches != FilterGroupsConfig().max_num_gen_batches:
+        raise UserError("algorithm.filter_groups.max_num_gen_batches acts only with "
+                        "algorithm.filter_groups.enable=true")
+    if ob.enable:
+        if not 0 < ob.len <= r.max_response_length:
+            raise UserError(f"algorithm.overlong_buffer.len({ob.len}) must be in (0, rollout.max_response_length="
+                            f"{r.max_response_length}]")
+    elif ob != OverlongBufferConfig():
+        raise UserError("algorithm.overlong_buffer.len / penalty_factor act only with "
+                        "algorithm.overlong_buffer.enable=true")
+    if not a.norm_adv_by_std and a.name != "grpo":
+        raise UserError(f"algorithm.norm_adv_by_std=false acts only with algorithm.name=grpo (Dr. GRPO); "
+                        f"{a.name} does not divide by a group std")
+
+
+def _validate_vllm(cfg: Config) -> None:
+    """rollout.engine=vllm: vLLM installed in a supported version, a log-prob convention that matches ours,
+    and no key that only the native engine reads."""
+    from rollout.vllm_support import installed_vllm_version, logprobs_mode_for, vllm_install_problem
+
+    r = cfg.rollout
+    problem = vllm_install_problem(installed_vllm_version())
+    if problem is not None:
+        raise UserError(problem)
+    try:
+        logprobs_mode_for(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if r.decode_attention != "auto":
+        raise UserError(f"rollout.decode_attention={r.decode_attention!r} selects a native-engine kernel; vLLM picks "
+                        "its own attention backend: leave it at auto with rollout.engine=vllm")
+    if not r.share_prompt_kv:
+        raise UserError("rollout.share_prompt_kv=false turns off a native-engine kernel feature; vLLM shares prompt "
+                        "KV through its own prefix cache: leave it at true with rollout.engine=vllm")
+    if not r.fold_norms:
+        raise UserError("rollout.fold_norms=false turns off a native-engine feature; vLLM runs its own fused norms: "
+                        "leave it at true with rollout.engine=vllm")
+
+
+def _validate_megatron_role(cfg: Config, role: str) -> None:
+    """`<role>.backend: megatron` settings megatron-core cannot run, refused before any process starts
+    (the layout checks that need the model's shape are in launcher.planning.plan)."""
+    sec = getattr(cfg, role)
+    if sec.backend != "megatron" or (role == "reward" and cfg.reward.type == "rule"):
+        return
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        raise UserError(f"{role}.backend=megatron needs megatron-core: pip install -e .[megatron] "
+                        "(megatron-core==0.16.1)") from None
+    trains = role in ("actor", "critic")
+    import torch
+
+    on_cpu = cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and (trains or sec.pp > 1):
+        what = "training (its DDP buffers, distributed optimizer and schedules)" if trains else "pp > 1 (its schedules)"
+        device = "cpu" if cfg.trainer.device == "cpu" else "auto with no GPU visible"
+        raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
+                        f"{device}; use {role}.backend=native on CPU")
+    refused = [
+        (sec.compile and sec.activation_checkpointing == "full",
+         f"{role}.compile=true with activation_checkpointing=full",
+         "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
+        (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
+         "megatron's selective recompute targets its own core attention; use none or full"),
+        (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
+         "virtual pipeline stages are not wired for megatron; use 1"),
+        (sec.pp_schedule != "1F1B", f"{role}.pp_schedule={sec.pp_schedule}",
+         "megatron-core's schedule for pp > 1 is 1F1B; use 1F1B"),
+        (sec.pp_microbatches != 0, f"{role}.pp_microbatches={sec.pp_microbatches}",
+         "megatron's schedules run the token-budget micro-batches (any count, any lengths); leave it 0"),
+        (trains and cfg.model.dtype == "float16", "model.dtype=float16",
+         "megatron training here has no loss scaler; use bfloat16 or float32"),
+        (trains and getattr(sec, "offload_optimizer", False), f"{role}.offload_optimizer=true",
+         "host-resident Adam moments are the native backend's (parallel/offload_optim.py); set it to false"),
+    ]
+    for bad, key, fix in refused:
+        if bad:
+            raise UserError(f"{role}.backend=megatron: {key} is not supported: {fix}")
+
+
+# ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
+_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "activation_checkpointing",
+               "compile", "backend")
+
+
+def _validate_roles_keys(cfg: Config) -> None:
+    """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
+    optimizer to offload while generating, model layout keys of a rule reward."""
+    from rollout.base import RolloutConfig
+    from rollout.factory import ENGINES, NOT_BUILT
+
+    r = cfg.rollout
+    if r.engine not in ENGINES:
+        raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
+    try:  # the engine's own checks, once, before launch
+        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                     decode_attention=r.decode_attention).validate()
+    except ValueError as e:
+        raise UserError(f"rollout.{e}") from None
+    for role in ("critic", "ref", "reward"):
+        if getattr(cfg, role).offload:
+            raise UserError(f"{role}.offload=true: only the actor offloads (its optimizer states, while the rollout "
+                            f"generates on its GPUs); set {role}.offload=false")
+    if cfg.reward.type == "rule":
+        default = RewardConfig()
+        for key in (*_MODEL_KEYS, "model_path", "max_tokens_per_micro_batch"):
+            if getattr(cfg.reward, key) != getattr(default, key):
+                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=rule "
+                                f"(a rule function runs data parallel over its pool, no model); remove it or set "
+                                f"reward.type=model")
