@@ -56,7 +56,7 @@ class PPOTrainer:
 
     def __init__(self, state_config, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
                  monitor=None, heartbeat=None, stop_requested=None):
-        """state_config: launcher.config.Config, read only by ppo.run.state.TrainState (data, tokenizer,
+        """state_config: launcher.config.schema.Config, read only by ppo.run.state.TrainState (data, tokenizer,
         checkpoints, logs); settings: the typed pieces the loop, the roles and the generation read
         (launcher/handoff.py); placement: this rank's plan, role groups and environment."""
         self.settings, self.loop = settings, settings.loop
@@ -456,7 +456,7 @@ class PPOTrainer:
 
 def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,
                  heartbeat=None, stop_requested=None) -> str | None:
-    """state_config: launcher.config.Config (ppo.run.state.TrainState's data, tokenizer, checkpoints and logs);
+    """state_config: launcher.config.schema.Config (ppo.run.state.TrainState's data, tokenizer, checkpoints and logs);
     settings: launcher/handoff.py's typed pieces; placement: this rank's plan, groups and environment;
     monitor: an optional GPU monitor with set_stage/step_summary/stop. Returns None when the run's steps
     were trained, else why the run stopped early."""

@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    plan: object  # launcher.plan.DevicePlan (duck-typed: ppo does not import the launcher)
+    plan: object  # launcher.planning.plan.DevicePlan (duck-typed: ppo does not import the launcher)
     groups: dict  # role -> its group handle (mesh, dims, ranks) for the roles this rank hosts
     env: object  # launcher.dist.DistEnv: rank, world_size, local_rank, device, backend
 
