@@ -74,7 +74,8 @@ def _rank0_then_broadcast(fn, *, rank: int):
     return value
 
 
-def run(cfg: Config, *, rank: int, world_size: int) -> int:
+def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()) -> int:
+    """auto_choices: the settings load_config chose (launcher.config.auto), logged by rank 0."""
     import torch.distributed as dist
 
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
@@ -127,6 +128,8 @@ def run(cfg: Config, *, rank: int, world_size: int) -> int:
             write_atomic(run_dir / "plan.json", plan.to_json())
             logger.info("run directory %s, backend %s on %s", run_dir, env.backend, env.device)
             logger.info("\n%s", plan.table())
+            for line in auto_choices:
+                logger.info("auto: %s", line)
         _seed_everything(cfg.trainer.seed)
         groups = build_role_groups(plan, rank=env.rank, device_type=env.device.type)
         logger.info("rank %d: roles %s, groups built", env.rank, ",".join(plan.roles_of(env.rank)))
@@ -183,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
         path, overrides = _parse(argv)
-        cfg = load_config(path, overrides)
-        return run(cfg, rank=rank, world_size=world_size)
+        auto_choices: list[str] = []
+        cfg = load_config(path, overrides, auto_choices=auto_choices)
+        return run(cfg, rank=rank, world_size=world_size, auto_choices=auto_choices)
     except _user_errors() as e:
         from ppo.run.checkpoint import CheckpointError
 

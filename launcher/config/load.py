@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from launcher.config.auto import resolve_auto
 from launcher.config.schema import Config
 from launcher.config.validation import validate_config
 from launcher.errors import UserError
@@ -131,8 +132,10 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()):
     return out
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge YAML (with its bases) and `key=value` overrides onto the schema, validate, return a Config."""
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
+                auto_choices: list[str] | None = None) -> Config:
+    """Merge YAML (with its bases) and `key=value` overrides onto the schema, validate, resolve the unset
+    settings (launcher.config.auto; their lines appended to `auto_choices`), return a Config."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -155,6 +158,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             raise _explain(e, source) from None
     obj: Config = OmegaConf.to_object(cfg)
     validate_config(obj)
+    choices = resolve_auto(obj)
+    if auto_choices is not None:
+        auto_choices.extend(choices)
     return obj
 
 

@@ -74,7 +74,7 @@ class ParallelConfig:
     pp_schedule: str = "1F1B"  # 1F1B | interleaved
     pp_stages_per_rank: int = 1  # virtual pipeline stages per rank (interleaved schedule)
     activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False  # torch.compile each transformer layer
+    compile: bool | None = None  # torch.compile each transformer layer; unset: on with CUDA (config/auto.py)
     offload: bool = False  # optimizer states to pinned CPU memory while generating
     backend: str = "native"  # native (PyTorch DTensor/FSDP2/pipelining) | megatron (megatron-core GPTModel)
 
@@ -161,7 +161,7 @@ class RolloutRoleConfig:
     gpu_memory_fraction: float = 0.5  # share of GPU memory for weights + KV cache while generating
     max_num_seqs: int = 256  # sequences decoded at once
     enable_cuda_graph: bool = True  # capture the decode step in CUDA graphs
-    compile: bool = False  # torch.compile the native engine's decode forward (fuses norms/RoPE/SiLU)
+    compile: bool | None = None  # torch.compile the native engine's decode forward; unset: on with CUDA
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     share_prompt_kv: bool = True  # native triton decode: read each GRPO group's prompt KV once, not n times
     fold_norms: bool = True  # native engine: RMSNorm weights folded into the next GEMMs, no norm kernels in decode
