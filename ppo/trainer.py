@@ -326,10 +326,11 @@ class PPOTrainer:
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
         """ppo.batch.step_batch.step_tensors with this run's settings; the KL the in-reward penalty observed
         moves the run's KL controller here. -> (tensors, metrics)."""
-        a, kl_ctrl = self.loop.advantages, self.state.kl_ctrl
+        a = self.loop.advantages
+        kl_ctrl = self.state.kl_ctrl if a.use_kl_penalty else None
         tensors, metrics, kl_seen = step_tensors(
             exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
-            kl_coef=kl_ctrl.value if a.use_kl_penalty else None, old_logp=old_logp)
+            kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp)
         if kl_seen is not None:
             kl_ctrl.update(kl_seen, n_steps=len(exp.samples))
         return tensors, metrics
