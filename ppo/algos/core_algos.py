@@ -259,6 +259,17 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float
     return pg, (loss2 > loss1).float(), lower
 
 
+def weighted_surrogate_loss(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, clip_low: float,
+                            clip_high: float, dual_clip_c: float | None, token_weights: torch.Tensor | None,
+                            agg: str, denom: float | None, max_len: int | None):
+    """The clipped surrogate of `ratio` [B, T] (token or sequence ratios alike), times the rollout-correction
+    weights, aggregated by `agg`. -> (loss, clipped, lower) as clipped_surrogate gives them."""
+    pg, clipped, lower = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip_c=dual_clip_c)
+    if token_weights is not None:
+        pg = pg * token_weights.detach().float()
+    return agg_loss(pg, mask, agg, denom=denom, max_len=max_len), clipped, lower
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip_c: float | None = 3.0,
                 agg: str = "token-mean", denom: float | None = None, max_len: int | None = None,
@@ -279,11 +290,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     adv = advantages.float()
     log_ratio = (logp.float() - old_logp.float()).clamp(-20.0, 20.0)  # exp overflow guard
     ratio = log_ratio.exp()
-    pg, clipped, lower = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high,
-                                           dual_clip_c=dual_clip_c)
-    if token_weights is not None:
-        pg = pg * token_weights.detach().float()
-    loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
+    loss, clipped, lower = weighted_surrogate_loss(ratio, adv, m, clip_low=clip_low, clip_high=clip_high,
+                                                   dual_clip_c=dual_clip_c, token_weights=token_weights, agg=agg,
+                                                   denom=denom, max_len=max_len)
     with torch.no_grad():
         big = torch.finfo(ratio.dtype).max
         lo = torch.where(m > 0, ratio, torch.full_like(ratio, big)).min()

@@ -23,10 +23,10 @@ from ppo.algos.core_algos import (
     _metrics,
     agg_loss,
     check_dual_clip,
-    clipped_surrogate,
     kl_estimate,
     masked_mean,
     policy_loss,
+    weighted_surrogate_loss,
 )
 from ppo.algos.rollout_correction import compute_rollout_correction
 
@@ -58,11 +58,9 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     # value s_i, gradient through this token's own log-prob only; clamp as exp overflow guard
     log_s = lp - lp.detach() + seq_log_ratio.detach().clamp(max=10.0)[:, None]
     ratio = log_s.exp()
-    pg, clipped, lower = clipped_surrogate(ratio, adv, clip_low=clip_low, clip_high=clip_high,
-                                           dual_clip_c=dual_clip_c)
-    if token_weights is not None:
-        pg = pg * token_weights.detach().float()
-    loss = agg_loss(pg, m, agg, denom=denom, max_len=max_len)
+    loss, clipped, lower = weighted_surrogate_loss(ratio, adv, m, clip_low=clip_low, clip_high=clip_high,
+                                                   dual_clip_c=dual_clip_c, token_weights=token_weights, agg=agg,
+                                                   denom=denom, max_len=max_len)
     with torch.no_grad():
         seq_ratio = seq_log_ratio.clamp(max=10.0).exp()
         has = m.sum(-1) > 0
