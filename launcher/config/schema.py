@@ -59,7 +59,7 @@ class TrainerConfig:
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face directory; None: random init from `preset`
     preset: str = "tiny"  # model shape when path is None (models/config.py PRESETS); none: model.path is required
-    dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16 | float16
+    dtype: str = "float32"  # parameter/compute dtype: float32 | bfloat16
     # auto: model.path's tokenizer when that folder has tokenizer.json, else builtin:char;
     # or builtin:char, or a local tokenizer directory
     tokenizer: str = "auto"
@@ -278,7 +278,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.dist_backend": ("auto", "nccl", "gloo"),
     "trainer.on_damaged_checkpoint": ("stop", "fallback"),
     "trainer.export_hf": ("final", "every_save"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("float32", "bfloat16"),
     "rollout.engine": ("native", "hf", "vllm"),
     "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),

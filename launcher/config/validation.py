@@ -30,6 +30,9 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 def validate_config(cfg: Config) -> None:
     """Value checks that the types alone do not express. Topology is checked by launcher.planning.plan."""
+    if cfg.model.dtype == "float16":
+        raise UserError("model.dtype=float16: fp16 training needs a loss scaler, which hybridrl does not have (its "
+                        "updates would underflow or overflow silently); use bfloat16 (the same memory) or float32")
     for key, choices in CHOICES.items():
         v = _get(cfg, key)
         if v not in choices:
@@ -239,8 +242,6 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
          "megatron-core's schedule for pp > 1 is 1F1B; use 1F1B"),
         (sec.pp_microbatches != 0, f"{role}.pp_microbatches={sec.pp_microbatches}",
          "megatron's schedules run the token-budget micro-batches (any count, any lengths); leave it 0"),
-        (trains and cfg.model.dtype == "float16", "model.dtype=float16",
-         "megatron training here has no loss scaler; use bfloat16 or float32"),
         (trains and getattr(sec, "offload_optimizer", False), f"{role}.offload_optimizer=true",
          "host-resident Adam moments are the native backend's (parallel/offload_optim.py); set it to false"),
     ]

@@ -35,3 +35,4 @@ def test_an_explicit_setting_wins():
     assert not any(c.startswith(("actor.", "rollout.")) for c in choices)
     cfg, choices = _load("trainer.device=cpu", "ref.compile=true")
     assert cfg.ref.compile is True and not any(c.startswith("ref.") for c in choices)
+

@@ -173,3 +173,8 @@ def test_user_error_is_printed_by_rank_0_while_peers_wait(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert "did you mean" in err and err.startswith("error:" if rank == 0 else "rank 1: error:")
     assert waits == [entry.PEER_EXIT_GRACE_S]  # only the peer waited (under torchrun it is ended meanwhile)
+
+
+def test_float16_is_refused_before_launch():
+    with pytest.raises(UserError, match="model.dtype=float16: fp16 training needs a loss scaler"):
+        load_config(None, ["model.dtype=float16"])
