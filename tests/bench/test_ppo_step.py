@@ -1,6 +1,9 @@
-"""bench.ppo_step's summary of a run's metrics rows: means over the measured steps, and which steps compiled."""
+"""bench.ppo_step's summary of a run's metrics rows: rates over the measured steps' wall time (not means of
+per-step rates), and which steps compiled."""
 
 import json
+
+import pytest
 
 from bench.ppo_step import _summary
 
@@ -13,8 +16,10 @@ def test_summary_flags_a_measured_step_that_recompiled(tmp_path):
             for i, (s, g) in enumerate(zip(speeds, graphs))]
     out = _summary(rows, warmup=2, nproc=1, run_dir=tmp_path)
     assert out["steps_measured"] == 3 and out["compiled_steps"] == [1, 2, 4]
-    assert out["samples_per_s"] == (150.0 + 30.0 + 154.0) / 3
-    assert out["samples_per_s_no_compile"] == (150.0 + 154.0) / 2
+    # 256 samples a step: samples over the steps' wall time, so the slow recompiling step weighs by its time
+    assert out["samples_per_s"] == pytest.approx(3 * 256 / (256 / 150.0 + 256 / 30.0 + 256 / 154.0))
+    assert out["samples_per_s"] < (150.0 + 30.0 + 154.0) / 3  # the mean of the rates overstates it
+    assert out["samples_per_s_no_compile"] == pytest.approx(2 * 256 / (256 / 150.0 + 256 / 154.0))
     rows = [{k: v for k, v in r.items() if k != "compile/graphs"} for r in rows]  # runs from before the metric
     out = _summary(rows, warmup=2, nproc=1, run_dir=tmp_path)
     assert out["compiled_steps"] == [] and out["samples_per_s_no_compile"] == out["samples_per_s"]
