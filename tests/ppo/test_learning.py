@@ -1,0 +1,61 @@
+"""Learning, asserted: the CPU demo's PPO (critic, KL penalty) and GRPO raise the reward on the tiny addition
+task by a margin that a run at actor learning rate 0 does not reach (the control proves the check can fail).
+
+Measured on a 2-core machine (2026-12-04; first 10 / last 10 steps' mean reward): PPO 80 steps 0.20 -> 0.42,
+GRPO (32 prompts x 4) 60 steps 0.07 -> 0.22; a mean of 10 steps has a standard deviation of about 0.02 here.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.ppo.test_trainer import _ok, launch, metrics
+
+WINDOW = 10  # steps averaged at each end
+MARGIN = 0.08  # the rise the last window's mean reward must show over the first's
+QUIET = ["trainer.save_every=0", "trainer.save_final=false"]
+
+
+def reward_rise(rows: list[dict]) -> float:
+    """Mean reward of the last WINDOW steps minus that of the first WINDOW steps."""
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert len(rewards) >= 2 * WINDOW, f"{len(rewards)} steps: too few for two windows of {WINDOW}"
+    return statistics.mean(rewards[-WINDOW:]) - statistics.mean(rewards[:WINDOW])
+
+
+def learns(rows: list[dict]) -> bool:
+    return reward_rise(rows) >= MARGIN
+
+
+def _run(tmp_path, config: str, *overrides: str) -> list[dict]:
+    # the demo's own settings (no TINY shrinking): its SFT warm-up, batch and response length
+    res = launch(tmp_path, 2, config, *QUIET, "data.batch_size=64", "rollout.max_response_length=4",
+                 "trainer.sft_warmup_steps=35", "actor.mini_batch_size=32",
+                 "data.task_size=4096", "actor.ppo_epochs=2", "critic.mini_batch_size=32", *overrides, timeout=600)
+    _ok(res)
+    name = "grpo_tiny" if "grpo" in config else "ppo_tiny"
+    return metrics(tmp_path / name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ppo_with_a_critic_learns(tmp_path):
+    rows = _run(tmp_path, "conf/ppo_tiny.yaml", "trainer.total_steps=80")
+    assert learns(rows), f"reward rose by {reward_rise(rows):.3f} < {MARGIN}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_grpo_learns(tmp_path):
+    rows = _run(tmp_path, "conf/grpo_tiny.yaml", "trainer.total_steps=60", "data.batch_size=32")
+    assert learns(rows), f"reward rose by {reward_rise(rows):.3f} < {MARGIN}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_run_at_learning_rate_0_does_not_pass_the_check(tmp_path):
+    """The control: the same warm-up, then PPO whose actor cannot move; the check above must fail on it."""
+    rows = _run(tmp_path, "conf/ppo_tiny.yaml", "trainer.total_steps=40", "actor.optim.lr=0")
+    assert not learns(rows), f"reward rose by {reward_rise(rows):.3f} with the actor frozen"
