@@ -41,7 +41,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
     engine = RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                            max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
                            decode_attention=r.decode_attention, share_prompt_kv=r.share_prompt_kv,
-                           fold_norms=r.fold_norms, free_memory_on_sleep=r.free_memory_on_sleep,
+                           fold_norms=r.fold_norms, free_memory_on_sleep=r.free_memory_on_sleep is not False,
                            # CPU has no memory fraction to size the KV cache from: room for every sequence
                            kv_cache_tokens=None if device.type == "cuda" else max_len * r.max_num_seqs,
                            seed=cfg.trainer.seed)
@@ -55,7 +55,8 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
     generation = GenerationSettings(
         engine_kind=r.engine, engine=engine, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
-        offload_optimizer=a.offload, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        offload_optimizer=a.offload, settle_residency=r.free_memory_on_sleep is None,
+        dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         vllm=vllm)
     return PPOSettings(roles=roles, generation=generation, build=build_role_settings(cfg),
                        loop=build_loop_settings(cfg))

@@ -56,6 +56,9 @@ class GenerationSettings:
     offload_optimizer: bool = False  # the actor's optimizer states to pinned CPU while generating
     dtype: torch.dtype = torch.float32  # of the generation weights
     vllm: object | None = None  # rollout.vllm_support.VLLMOptions when engine_kind == "vllm"
+    # rollout.free_memory_on_sleep unset: the engine frees its memory on sleep until the first step's peaks show
+    # whether it fits beside training (ppo.roles.generation.RolloutRole.settle_memory)
+    settle_residency: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from ppo.metrics.samples import SampleLog
 from ppo.metrics.step_metrics import StepMetrics
 from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs
 from ppo.roles.build import build_roles
-from ppo.roles.generation import Generation
+from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
 from ppo.roles.placement import Placement
 from ppo.roles.step_plan import old_logp_source, ref_beside_actor
 from ppo.run.state import TrainState
@@ -71,6 +71,8 @@ class PPOTrainer:
         self.total_steps = self.state.total_steps  # trainer.total_epochs resolved from the data
         self.heartbeat, self.stop_requested = heartbeat, stop_requested
         self.last_save = time.monotonic()
+        longest = max(ds.longest_prompt for ds in (self.state.dataset, self.state.val_dataset) if ds is not None)
+        self.settings = settings = replace(settings, generation=sized_for_prompts(settings.generation, longest))
         self.roles = build_roles(settings, placement, model_config=model_config, tokenizer=self.state.tokenizer,
                                  total_steps=self.total_steps)
         self.monitor = monitor  # launcher.monitor.GpuMonitor on each node's first rank, or None
@@ -390,6 +392,10 @@ class PPOTrainer:
         for step in range(start, self.total_steps):
             with self.profiler.around(step):
                 metrics = self.step(step)
+            if step == start and self.settings.generation.settle_residency and self.device.type == "cuda":
+                decision = settle_residency(self.roles.rollout, train_peak=self.metrics.train_peak)
+                if self.rank == 0:
+                    self.log.info("auto: %s", decision)
             if self.validation_due(step):
                 metrics.update(self.validate(step + 1))
             if self.monitor is not None:

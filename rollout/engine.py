@@ -89,7 +89,7 @@ class NativeEngine:
     def wake_up(self) -> None:
         if not self.asleep:
             return
-        if not self.config.free_memory_on_sleep:
+        if self.runner.cache is not None:  # slept without freeing (free_memory_on_sleep=false): nothing to redo
             self.asleep = False
             return
         before = self._mem()

@@ -54,4 +54,38 @@ def resolve_auto(cfg: Config) -> list[str]:
             choose("rollout.compile", False, f"rollout.engine={r.engine} compiles with its own settings")
         else:
             choose("rollout.compile", True, "CUDA: the native engine's decode forward compiled into its CUDA graphs")
+    _resolve_engine_memory(cfg, cuda, choose, choices)
+    if cfg.trainer.share_prompts is None:
+        a, ref = cfg.actor, cfg.ref
+        if cfg.rollout.n == 1:
+            cfg.trainer.share_prompts = False  # nothing to share (no line: nothing to choose)
+        elif a.pp > 1 or ref.pp > 1:
+            choose("trainer.share_prompts", False, "pipeline micro-batches cannot pack a prompt with its responses")
+        elif "megatron" in (a.backend, ref.backend):
+            choose("trainer.share_prompts", False, "the megatron backend packs every sample apart")
+        else:
+            choose("trainer.share_prompts", True, f"rollout.n={cfg.rollout.n}: each prompt packed once with its "
+                                                  f"responses in the actor and reference forwards")
     return choices
+
+
+def _resolve_engine_memory(cfg: Config, cuda: bool, choose, choices: list[str]) -> None:
+    """The engine's concurrency and KV-cache share. rollout.free_memory_on_sleep stays unset on CUDA with the
+    native engine: ppo.roles.generation.RolloutRole.settle_memory decides it from the first step's measured peaks."""
+    r = cfg.rollout
+    if r.max_num_seqs is None:
+        rows = cfg.data.batch_size * r.n
+        choose("rollout.max_num_seqs", rows, f"the step's rows (data.batch_size {cfg.data.batch_size} x n {r.n}) "
+                                             f"decode in one wave when the KV cache holds them")
+    if r.free_memory_on_sleep is None and not (cuda and r.engine == "native"):
+        why = "no CUDA device" if not cuda else f"rollout.engine={r.engine} sleeps with its own levels"
+        choose("rollout.free_memory_on_sleep", True, why)
+    if r.gpu_memory_fraction is None:
+        if r.free_memory_on_sleep is False:
+            choose("rollout.gpu_memory_fraction", 0.5, "the engine stays resident: training needs the other half")
+        else:
+            choose("rollout.gpu_memory_fraction", 0.9, "the KV cache is allocated while training's activations "
+                                                       "are freed (rollout.max_num_seqs caps it)")
+    if r.free_memory_on_sleep is None:
+        choices.append("rollout.free_memory_on_sleep=auto (decided after the first step: the engine stays resident "
+                       "when the training peak plus its memory fits in 90% of the GPU)")

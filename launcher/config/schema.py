@@ -40,8 +40,8 @@ class TrainerConfig:
     sft_lr: float = 3e-3  # learning rate of the supervised warm-up
     overwrite: bool = False  # allow reusing a run directory that holds a finished run
     # actor/reference forwards pack each prompt once with its rollout.n responses (GRPO: n x fewer prompt
-    # tokens trained; needs actor.pp = ref.pp = 1)
-    share_prompts: bool = False
+    # tokens trained; needs actor.pp = ref.pp = 1); unset: on when n > 1 with pp = 1 and native backends
+    share_prompts: bool | None = None
     test_freq: int = 0  # validate on data.val_files every N steps (and after the last); 0: only after the last
     val_before_train: bool = True  # validate once before the first RL step (needs data.val_files)
     log_samples_every: int = 0  # every N steps write a few prompts/responses/rewards to samples.jsonl; 0: off
@@ -158,14 +158,18 @@ class RolloutRoleConfig:
     max_response_length: int = 16  # tokens generated per response at most
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
-    gpu_memory_fraction: float = 0.5  # share of GPU memory for weights + KV cache while generating
-    max_num_seqs: int = 256  # sequences decoded at once
+    # share of the free GPU memory the KV cache may take when the engine wakes; unset: 0.9 while the engine's memory
+    # is freed for training, 0.5 with rollout.free_memory_on_sleep=false (training needs the rest)
+    gpu_memory_fraction: float | None = None
+    max_num_seqs: int | None = None  # sequences decoded at once; unset: the step's rows (data.batch_size x n)
     enable_cuda_graph: bool = True  # capture the decode step in CUDA graphs
     compile: bool | None = None  # torch.compile the native engine's decode forward; unset: on with CUDA
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     share_prompt_kv: bool = True  # native triton decode: read each GRPO group's prompt KV once, not n times
     fold_norms: bool = True  # native engine: RMSNorm weights folded into the next GEMMs, no norm kernels in decode
-    free_memory_on_sleep: bool = True  # false: KV cache, weights and CUDA graphs stay resident while training
+    # false: KV cache, weights and CUDA graphs stay resident while training; unset: decided after the first step
+    # (resident when the training peak plus the engine's memory fits in 90% of the GPU; native engine on CUDA)
+    free_memory_on_sleep: bool | None = None
     bucket_mb: int = 256  # hybrid-engine reshard bucket
 
 

@@ -265,8 +265,8 @@ def _validate_roles_keys(cfg: Config) -> None:
     if r.engine not in ENGINES:
         raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
     try:  # the engine's own checks, once, before launch
-        RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
-                     decode_attention=r.decode_attention).validate()
+        sizing = {k: getattr(r, k) for k in ("gpu_memory_fraction", "max_num_seqs") if getattr(r, k) is not None}
+        RolloutConfig(decode_attention=r.decode_attention, **sizing).validate()  # unset: resolved later (auto)
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None
     for role in ("critic", "ref", "reward"):

@@ -22,6 +22,7 @@ generation of batch k+1 with scoring of batch k and drops the old-log-prob forwa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ class Calibration:
     """Measured ceilings of one machine type (one GPU and its links); see launcher/planning/calibration/*.json."""
 
     name: str
-    peak_flops: float  # dense bf16 matmul, FLOP/s
+    peak_flops: float  # the device's dense bf16 spec peak, FLOP/s (989e12 on H100/H200 SXM); fractions below are of it
     hbm_bytes_per_s: float
     hbm_gb: float  # usable device memory per GPU (GB, 1e9)
     gpus_per_node: int
@@ -136,7 +137,8 @@ class Workload:
     micro_batch_tokens: dict = field(default_factory=dict)  # role -> max tokens per micro-batch
     max_num_seqs: int = 256
     kv_memory_fraction: float = 0.5
-    free_memory_on_sleep: bool = True
+    free_memory_on_sleep: bool | None = True  # None: resident when it fits (ppo.roles.generation.settle_residency)
+    longest_prompt: int | None = None  # the engine's slot is this + response_len (default: prompt_len)
     offload: bool = False
     frozen_bytes_per_param: int = FROZEN_BYTES_PER_PARAM
     offload_optimizer: tuple[str, ...] = ()  # roles whose Adam moments live in host memory (<role>.offload_optimizer)
@@ -144,6 +146,11 @@ class Workload:
     @property
     def samples(self) -> int:
         return self.prompts * self.n
+
+    @property
+    def slot_len(self) -> int:
+        """Tokens of one KV-cache slot: the engine's max_model_len (ppo.roles.generation.sized_for_prompts)."""
+        return (self.longest_prompt or self.prompt_len) + self.response_len
 
     def tokens(self, role: str) -> int:
         """Tokens a role's forward processes per step (shared prompts: each prompt once per group)."""
@@ -172,6 +179,7 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     ref = uses_ref(cfg)
     fused = old_logp_source(async_rollout=is_async, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
                             samples=samples, kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref) == "fused"
+    data = data_prompt_lengths(cfg) if prompt_len is None else None
     rm = None
     if cfg.reward.type == "model":
         rm = ModelShape.of(reward_model or model, value_head=True)
@@ -179,7 +187,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         actor=ModelShape.of(model), critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
         ref=ModelShape.of(model) if ref else None, reward_model=rm,
         prompts=cfg.data.batch_size, n=cfg.rollout.n,
-        prompt_len=prompt_len or synthetic_prompt_len(cfg) or cfg.data.max_prompt_length,
+        prompt_len=prompt_len or (data and data[0]) or synthetic_prompt_len(cfg) or cfg.data.max_prompt_length,
+        longest_prompt=data and data[1],
         response_len=response_len or cfg.rollout.max_response_length,
         ppo_epochs=a.ppo_epochs, critic_epochs=cfg.critic.ppo_epochs,
         share_prompts=cfg.trainer.share_prompts and a.pp == 1 and cfg.ref.pp == 1, fused_old_logp=fused,
@@ -191,6 +200,34 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         free_memory_on_sleep=cfg.rollout.free_memory_on_sleep, offload=a.offload,
         frozen_bytes_per_param=FROZEN_BYTES_PER_PARAM if cfg.model.dtype == "float32" else BF16,
         offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer))
+
+
+def data_prompt_lengths(cfg) -> tuple[int, int] | None:
+    """(mean, longest) prompt tokens of data.train_files and val_files under the run's tokenizer (prompts over
+    data.max_prompt_length dropped, as the trainer drops them), or None without data files or when they cannot be
+    read yet (the data loader reports that)."""
+    d = cfg.data
+    if not d.train_files:
+        return None
+    return _data_prompt_lengths(tuple(d.train_files), tuple(d.val_files), cfg.model.tokenizer, cfg.model.path,
+                                d.prompt_key, d.answer_key, d.max_prompt_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _data_prompt_lengths(train, val, tokenizer, model_path, prompt_key, answer_key, max_len):
+    from ppo.data.prompts import DataError, PromptDataset
+    from ppo.data.tokenizer import load_tokenizer, resolve_tokenizer
+
+    try:
+        tok = load_tokenizer(resolve_tokenizer(tokenizer, model_path))
+        keys = dict(tokenizer=tok, prompt_key=prompt_key, answer_key=answer_key, max_prompt_length=max_len)
+        sets = [PromptDataset.from_files(list(files), **keys) for files in (train, val) if files]
+    except (DataError, OSError, ValueError):
+        return None
+    lengths = [len(r.prompt_ids) for r in sets[0].records]
+    if not lengths:
+        return None
+    return round(sum(lengths) / len(lengths)), max(ds.longest_prompt for ds in sets)
 
 
 def synthetic_prompt_len(cfg) -> int | None:
@@ -266,7 +303,7 @@ def decode_step_s(cal: Calibration, m: ModelShape, *, rows: int, ctx: float, tp:
 
 def kv_slots(w: Workload, cal: Calibration, *, tp: int, static_gb: float) -> int:
     """Sequences one generation replica holds at once (rollout/model_runner.py's sizing)."""
-    slot_len = w.prompt_len + w.response_len
+    slot_len = w.slot_len
     free = max(0.0, cal.hbm_gb - static_gb) * 1e9
     tokens = int(free * w.kv_memory_fraction) // max(1, w.actor.kv_bytes_per_token // tp)
     return max(0, min(w.max_num_seqs, tokens // slot_len))

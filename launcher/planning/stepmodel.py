@@ -31,6 +31,7 @@ from launcher.planning.costmodel import (
     reshard_s,
     transfer_s,
 )
+from ppo.roles.generation import RESIDENT_FRACTION
 
 SCORE_STAGES = ("old_log_prob", "ref", "values", "reward")
 UPDATE_STAGES = ("update_actor", "update_critic")
@@ -116,10 +117,13 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
         static = sum(items.values()) - act
         items["engine_weights"] = w.actor.n_params * BF16 / c.gen_tp / 1e9
         slots = kv_slots(w, cal, tp=c.gen_tp, static_gb=static + items["engine_weights"])
-        items["kv_cache"] = slots * (w.prompt_len + w.response_len) * w.actor.kv_bytes_per_token / c.gen_tp / 1e9
+        items["kv_cache"] = slots * w.slot_len * w.actor.kv_bytes_per_token / c.gen_tp / 1e9
     engine = items.get("engine_weights", 0.0) + items.get("kv_cache", 0.0)
     static = sum(items.values()) - act - engine
-    if w.free_memory_on_sleep:
+    free = w.free_memory_on_sleep
+    if free is None:  # auto: resident when the training peak and the engine fit (ppo.roles.generation.fits_resident)
+        free = static + engine + act > RESIDENT_FRACTION * cal.hbm_gb
+    if free:
         offloaded = items.get("actor_states", 0.0) * OFFLOADED_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM \
             if w.offload else 0.0
         peak = max(static + act, static - offloaded + engine)

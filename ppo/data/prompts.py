@@ -132,6 +132,11 @@ class PromptDataset:
                 "extra_info": r.extra_info, "columns": r.columns}
 
     @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt (0 when empty): what the engine's sequences must hold beyond the response."""
+        return max((len(r.prompt_ids) for r in self.records), default=0)
+
+    @property
     def columns(self) -> list[str]:
         """Top-level column names of the rows (what a reward function's parameters may name)."""
         return sorted({k for r in self.records for k in r.columns} | {"data_source", "extra_info"})

@@ -25,6 +25,7 @@ class StepMetrics:
         self.n_policy = model_config.matmul_params()
         self.n_head = model_config.matmul_params(lm_head=False)
         # no spec peak for a CPU or an unlisted device: no utilization figure rather than a guess
+        self.train_peak = 0  # bytes allocated at most since the last generate, at the last collect (CUDA)
         self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def collect(self, step: int, exp: Experience, tensors: dict, adv_metrics: dict, actor_m: dict | None,
@@ -38,6 +39,8 @@ class StepMetrics:
                 "graphs": compiled_graphs(), **self.gc_pauses.take(), **host_memory_gb()}
         parts = all_gather_objects(mine)
         if self.device.type == "cuda":
+            # colocated: the hybrid engine's last record reset the peak, so this is the training stages' peak
+            self.train_peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank != 0:
             return {}

@@ -11,7 +11,9 @@ import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 
-from ppo.batch.experience import Sample
+import torch
+
+from ppo.batch.experience import Sample, all_gather_objects
 from ppo.settings import GenerationSettings
 from rollout.base import SamplingParams
 
@@ -60,6 +62,37 @@ def idle_vllm_engine(settings: GenerationSettings, *, plan, env, model_config):
 
     return build_rollout_engine("vllm", model_config, config=replace(settings.engine), device=env.device,
                                 dtype=settings.dtype, vllm=replace(settings.vllm, idle_tp=plan.gen_tp))
+
+
+def sized_for_prompts(settings: GenerationSettings, longest_prompt: int) -> GenerationSettings:
+    """The engine's sequence length cut to the data's longest prompt plus rollout.max_response_length (at most the
+    configured data.max_prompt_length + max_response_length): the KV cache is one slot of max_model_len tokens per
+    sequence, so slack in the prompt length is KV memory no sequence uses."""
+    if longest_prompt <= 0:
+        return settings
+    length = min(settings.engine.max_model_len, longest_prompt + settings.max_response_length)
+    return replace(settings, engine=replace(settings.engine, max_model_len=length))
+
+
+RESIDENT_FRACTION = 0.9  # of the device's memory: training's peak plus the resident engine at most
+
+
+def fits_resident(*, train_peak: int, engine_bytes: int, total: int) -> bool:
+    """Whether the engine's memory (what its sleep frees: KV cache, weights, CUDA graphs) fits beside the training
+    peak in RESIDENT_FRACTION of the device (the rest: the allocator's fragmentation, the CUDA context)."""
+    return train_peak + engine_bytes <= RESIDENT_FRACTION * total
+
+
+def settle_residency(rollout: RolloutRole | None, *, train_peak: int) -> str:
+    """After the first step of a run whose rollout.free_memory_on_sleep is unset: every rank votes (ranks without a
+    rollout role agree), and the engines stay resident only if every rank's fits. Collective over the world.
+    -> the decision as a log line (the figures are this rank's)."""
+    fits, why = (True, "no engine on this rank") if rollout is None else rollout.settle_memory(train_peak)
+    resident = all(all_gather_objects(fits))
+    if resident and rollout is not None:
+        rollout.keep_resident()
+    other = "; another rank's does not fit" if fits and not resident else ""
+    return f"rollout.free_memory_on_sleep={str(not resident).lower()} (auto, after the first step: {why}{other})"
 
 
 class RolloutRole:
@@ -113,6 +146,24 @@ class RolloutRole:
                                       behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
                                       ground_truth=row.get("ground_truth"), info=sample_info(row)))
         return out
+
+    def settle_memory(self, train_peak: int) -> tuple[bool, str]:
+        """rollout.free_memory_on_sleep unset, after the first step: this rank's vote on keeping the engine resident
+        (no KV re-allocation and no CUDA-graph re-capture per step) from the last generate's measured engine memory
+        and `train_peak` (bytes allocated at most while training), with the figures. No measurement: no."""
+        log = {r.step: r for r in self.hybrid.memory_log}
+        if self.hybrid.device.type != "cuda" or "generate" not in log or "sleep" not in log:
+            return False, "no measured generate on CUDA"
+        engine_bytes = log["generate"].allocated - log["sleep"].allocated
+        total = torch.cuda.get_device_properties(self.hybrid.device).total_memory
+        fits = fits_resident(train_peak=train_peak, engine_bytes=engine_bytes, total=total)
+        return fits, (f"training peak {train_peak / 2**30:.1f} GiB + engine {engine_bytes / 2**30:.1f} GiB "
+                      f"{'<=' if fits else '>'} {RESIDENT_FRACTION:.0%} of {total / 2**30:.1f} GiB")
+
+    def keep_resident(self) -> None:
+        """From the next generate on, sleep() keeps the KV cache, weights and CUDA graphs (wake_up re-allocates
+        once if they were freed)."""
+        self.engine.config.free_memory_on_sleep = False
 
     def set_token_budget(self, tokens: int) -> None:
         """Batch-controller hook, applied at a step boundary: the prefill token budget of the next

@@ -208,6 +208,27 @@ def test_sleep_without_freeing_keeps_buffers_and_takes_new_weights_in_place(mode
     assert engine.runner.params["lm_head.weight"].data_ptr() == weight
 
 
+def test_an_engine_made_resident_while_asleep_reallocates_once_then_keeps_its_buffers(model):
+    """rollout.free_memory_on_sleep unset: the first step frees on sleep, then the run may keep the engine resident
+    (ppo.roles.generation.settle_residency): the next wake_up allocates again, later sleeps free nothing."""
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = NativeEngine(model.config, config=config())
+    engine.update_weights(model.state_dict().items())
+    before = engine.generate(PROMPTS, p)
+    engine.sleep()
+    assert engine.runner.cache is None
+    engine.config.free_memory_on_sleep = False
+    engine.wake_up()
+    assert engine.runner.cache is not None
+    engine.update_weights(model.state_dict().items())
+    assert [c.token_ids for c in engine.generate(PROMPTS, p)] == [c.token_ids for c in before]
+    cache = engine.runner.cache.data.data_ptr()
+    engine.sleep()
+    engine.wake_up()
+    assert engine.runner.cache.data.data_ptr() == cache
+    assert [c.token_ids for c in engine.generate(PROMPTS, p)] == [c.token_ids for c in before]
+
+
 def test_from_model_sleep_wake_realiases(model):
     engine = NativeEngine.from_model(model, config=config())
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppo.roles.generation import Generation, request_seed
+from ppo.roles.generation import Generation, fits_resident, request_seed, settle_residency, sized_for_prompts
 from tests.ppo.world import tiny_run, world_of_one
 
 
@@ -44,6 +44,27 @@ def test_generate_reports_samples_timings_and_metrics(trainer):
     assert [s.response_ids for s in again.samples] == [s.response_ids for s in gen.samples]
     other = rollout.generate(batch, step=1, seed=1)
     assert [s.response_ids for s in other.samples] != [s.response_ids for s in gen.samples]
+
+
+def test_engine_length_is_cut_to_the_longest_prompt_plus_the_response(trainer):
+    g = trainer.settings.generation
+    longest = max(trainer.state.dataset.longest_prompt, 0)
+    assert g.engine.max_model_len == longest + g.max_response_length  # the trainer sized it from its data
+    assert sized_for_prompts(g, 10**6).engine.max_model_len == g.engine.max_model_len  # never above the config's
+    assert sized_for_prompts(g, 0) is g
+
+
+def test_residency_fits_in_ninety_percent_of_the_device_and_needs_a_measurement(trainer):
+    gib = 2**30
+    assert fits_resident(train_peak=36 * gib, engine_bytes=86 * gib, total=140 * gib)
+    assert not fits_resident(train_peak=36 * gib, engine_bytes=96 * gib, total=140 * gib)
+    # on CPU there is no device memory to measure: the engine keeps freeing on sleep
+    rollout = trainer.roles.rollout
+    assert rollout.settle_memory(0) == (False, "no measured generate on CUDA")
+    line = settle_residency(rollout, train_peak=0)
+    assert line.startswith("rollout.free_memory_on_sleep=true (auto, after the first step: no measured")
+    assert rollout.engine.config.free_memory_on_sleep is True
+    assert settle_residency(None, train_peak=0).startswith("rollout.free_memory_on_sleep=false")
 
 
 def test_replicas_take_contiguous_prompt_shares(trainer):
