@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail adamw train gen reshard grpo grpo_long ppo placement
-# Env: EXTRA (overrides for the PPO parts), GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
+#   parts: env tests megatron attn tail adamw train gen reshard grpo grpo_long recipe ppo placement
+# Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
 #      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), T_<PART> (time limits, s; T_PLACEMENT is per mode).
@@ -59,6 +59,15 @@ for p in "${parts[@]}"; do
                  --nproc 1 --warmup 2 --modes colocated-sync "${prof_grpo[@]}" data.task=random:256 \
                  data.max_prompt_length=256 rollout.max_response_length=1024 trainer.total_steps=5 \
                  actor.max_tokens_per_micro_batch=36864 ref.max_tokens_per_micro_batch=36864 ${EXTRA:-} ;;
+    recipe)  # conf/grpo_gsm8k_qwen3.yaml at its defaults on a random model of the preset's shape (bench.recipe_fixture)
+      fx=/tmp/recipe_${RECIPE_PRESET:-qwen3-0.6b}
+      [ -d "$fx/model" ] || python3 -m bench.recipe_fixture --preset "${RECIPE_PRESET:-qwen3-0.6b}" --out "$fx" \
+        > "$OUT/logs/recipe_fixture.json"
+      run "recipe_${RECIPE_PRESET:-qwen3-0.6b}${RECIPE_TAG:-}" "${T_RECIPE:-560}" python3 -m bench.placement \
+        --config conf/grpo_gsm8k_qwen3.yaml --nproc 1 --warmup 2 --modes colocated-sync "${prof_grpo[@]}" \
+        model.path="$fx/model" "data.train_files=[$fx/data/train.parquet]" "data.val_files=[]" \
+        trainer.val_before_train=false trainer.test_freq=0 trainer.total_epochs=0 \
+        trainer.total_steps="${RECIPE_STEPS:-5}" ${EXTRA:-} ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
