@@ -77,7 +77,8 @@ def _optimizer(o) -> OptimizerSettings:
 
 def build_role_settings(cfg: Config) -> RoleBuildSettings:
     def layout(sec) -> WorkerLayout:
-        return WorkerLayout(backend=sec.backend, activation_checkpointing=sec.activation_checkpointing,
+        # unset memory keys that nothing fitted (launcher.planning.fit runs at launch): the plain default
+        return WorkerLayout(backend=sec.backend, activation_checkpointing=sec.activation_checkpointing or "none",
                             compile=sec.compile, pp_microbatches=sec.pp_microbatches, pp_schedule=sec.pp_schedule,
                             pp_stages_per_rank=sec.pp_stages_per_rank)
 
@@ -86,7 +87,8 @@ def build_role_settings(cfg: Config) -> RoleBuildSettings:
         share_prompts=cfg.trainer.share_prompts,
         layouts={role: layout(getattr(cfg, role)) for role in ("actor", "ref", "critic", "reward")},
         actor_optim=_optimizer(cfg.actor.optim), critic_optim=_optimizer(cfg.critic.optim),
-        actor_offload_optimizer=cfg.actor.offload_optimizer, critic_offload_optimizer=cfg.critic.offload_optimizer,
+        actor_offload_optimizer=bool(cfg.actor.offload_optimizer),
+        critic_offload_optimizer=bool(cfg.critic.offload_optimizer),
         reward=_reward_settings(cfg))
 
 

@@ -80,6 +80,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
 
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
     from launcher.log import add_file_log, setup_logging
+    from launcher.planning.fit import fit_memory
     from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.rundir import prepare_run_dir, write_atomic
@@ -94,8 +95,9 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     stop = StopRequest(grace_s=t.preempt_grace_s, stop_file=stop_file).install()
 
     # --- everything checkable is checked before a process group exists
-    model_cfg = resolve_model_config(cfg)
-    plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=resolve_reward_model_config(cfg))
+    model_cfg, rm_cfg = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+    auto_choices = [*auto_choices, *fit_memory(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)]
+    plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)
     validate_batch(cfg, plan)
     device = resolve_device(cfg.trainer.device)
 

@@ -73,7 +73,8 @@ class ParallelConfig:
     pp_microbatches: int = 0  # pipeline micro-batches per mini-batch; 0: 2 * pp
     pp_schedule: str = "1F1B"  # 1F1B | interleaved
     pp_stages_per_rank: int = 1  # virtual pipeline stages per rank (interleaved schedule)
-    activation_checkpointing: str = "none"  # none | full | selective
+    # none | full | selective; unset: the trained roles' cheapest setting that fits the GPU (launcher.planning.fit)
+    activation_checkpointing: str | None = None
     compile: bool | None = None  # torch.compile each transformer layer; unset: on with CUDA (config/auto.py)
     offload: bool = False  # optimizer states to pinned CPU memory while generating
     backend: str = "native"  # native (PyTorch DTensor/FSDP2/pipelining) | megatron (megatron-core GPTModel)
@@ -109,8 +110,8 @@ class ActorConfig(ParallelConfig):
     policy_loss: str = "vanilla"  # vanilla (token-ratio PPO clip) | gspo (sequence ratio; use clip ~3e-4/4e-4)
     # Adam's moments live in pinned host memory and visit the GPU chunk by chunk during the optimizer
     # step (parallel/offload_optim.py): 8 bytes/parameter less device memory, ~8 bytes/parameter each way
-    # over PCIe per step
-    offload_optimizer: bool = False
+    # over PCIe per step; unset: on only when the step does not fit the GPU without it (launcher.planning.fit)
+    offload_optimizer: bool | None = None
 
 
 @dataclass
@@ -122,7 +123,7 @@ class CriticConfig(ParallelConfig):
     max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
     value_clip: float = 0.2  # clip of the value update around the old values
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    offload_optimizer: bool = False  # as actor.offload_optimizer
+    offload_optimizer: bool | None = None  # as actor.offload_optimizer
 
 
 @dataclass

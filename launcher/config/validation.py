@@ -35,6 +35,8 @@ def validate_config(cfg: Config) -> None:
                         "updates would underflow or overflow silently); use bfloat16 (the same memory) or float32")
     for key, choices in CHOICES.items():
         v = _get(cfg, key)
+        if v is None and key.endswith(".activation_checkpointing"):
+            continue  # unset: chosen at launch (launcher.planning.fit)
         if v not in choices:
             close = difflib.get_close_matches(str(v), choices, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -300,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
         if args.auto:
             return _print_auto(cfg, args, model=model, reward_model=rm)
+        from launcher.planning.fit import fit_memory
+
+        for line in fit_memory(cfg, world_size=args.world_size, model=model, reward_model=rm):
+            print(f"auto: {line}", file=sys.stderr)
         plan = compute_plan(cfg, world_size=args.world_size, model=model, reward_model=rm)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
