@@ -9,7 +9,7 @@ each choice as one line (launcher/main.py).
 
 from __future__ import annotations
 
-from launcher.config.schema import Config
+from launcher.config.schema import Config, active_roles
 
 
 def on_cuda(cfg: Config) -> bool:
@@ -28,10 +28,13 @@ def resolve_auto(cfg: Config) -> list[str]:
     cuda = on_cuda(cfg)
     choices = []
 
+    used = set(active_roles(cfg))
+
     def choose(key: str, value, why: str) -> None:
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
-        choices.append(f"{key}={str(value).lower()} (auto: {why})")
+        if section not in ("actor", "critic", "ref", "reward") or section in used:  # an unused role: no line
+            choices.append(f"{key}={str(value).lower()} (auto: {why})")
 
     for role in ("actor", "critic", "ref", "reward"):
         sec = getattr(cfg, role)
