@@ -14,12 +14,13 @@ and prints one JSON line (paths, vocab, parameters, mean prompt tokens, seconds)
     torchrun --nproc_per_node 1 launcher/main.py conf/grpo_gsm8k_qwen3.yaml model.path=DIR/model \
         data.train_files=DIR/data/train.parquet data.val_files=DIR/data/test.parquet trainer.total_steps=4
 
-The tokenizer is character-level (a WordLevel model over single characters): every printable ASCII
-character plus tab and newline has one id, so any ASCII text round-trips; Qwen's special tokens
-(<|endoftext|>, <|im_start|>, <|im_end|>, <tool_call>, <think>, ...) sit at Qwen's ids when the
-vocabulary is Qwen's (151,936: <|endoftext|> 151643, <|im_end|> 151645), otherwise right after the
-characters; the rest of the vocabulary is filler tokens that no text encodes to. The model config's
-bos/eos/pad ids are set to the tokenizer's (for the qwen3 presets these are the preset's own).
+The tokenizer is a byte-level BPE trained at build time on the fixture's own problems (deterministic per
+--seed), with a merge budget that puts the chat-formatted prompts at ~77 tokens, as real Qwen3 tokenizes
+GSM8K; any text round-trips. Qwen's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, <tool_call>,
+<think>, ...) sit at Qwen's ids when the vocabulary is Qwen's (151,936: <|endoftext|> 151643, <|im_end|>
+151645), otherwise right after the BPE's tokens; the rest of the vocabulary is filler tokens that no text
+encodes to. The model config's bos/eos/pad ids are set to the tokenizer's (for the qwen3 presets these are
+the preset's own).
 The answers are integers, graded by verl's gsm8k.compute_score or `reward.function=builtin:math`; a
 random model earns no reward -- the fixture measures throughput and memory, not learning.
 """
@@ -40,8 +41,6 @@ import torch
 from models import PRESETS, build_model, preset_config, save_pretrained
 from models.llama import init_weights
 
-CHARS = "".join(chr(c) for c in range(32, 127)) + "\t\n"
-# Qwen2/Qwen3's added tokens, in Qwen's order from <|endoftext|> = 151643
 QWEN_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
     "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
@@ -50,7 +49,6 @@ QWEN_SPECIALS = (
     "<think>", "</think>",
 )
 QWEN_VOCAB, QWEN_ENDOFTEXT = 151936, 151643
-UNK = "<|unk|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -63,18 +61,42 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 
 
 # ---------------------------------------------------------------- tokenizer
-def vocab_layout(vocab_size: int) -> dict[str, int]:
-    """token -> id for the whole vocabulary: characters from 0, <|unk|>, the specials, filler tokens."""
-    n_chars = len(CHARS) + 1  # + <|unk|>
-    if vocab_size < n_chars + len(QWEN_SPECIALS):
-        raise ValueError(f"vocab_size {vocab_size} is too small for a character tokenizer "
-                         f"({n_chars + len(QWEN_SPECIALS)} ids needed)")
-    # Qwen's ids when the vocabulary is Qwen's size; else right after the characters
-    base = vocab_size - (QWEN_VOCAB - QWEN_ENDOFTEXT)
-    if base < n_chars:
-        base = n_chars
-    vocab = {c: i for i, c in enumerate(CHARS)}
-    vocab[UNK] = len(CHARS)
+# the byte-level BPE's own vocabulary (256 bytes + merges): GSM8K-style prompts come out at ~77 tokens, as real
+# Qwen3 tokenizes GSM8K (the synthetic questions are shorter than real ones, so fewer merges make up for it)
+BPE_VOCAB = 420
+CORPUS_ROWS = 2000
+
+
+def _corpus(seed: int) -> list[str]:
+    """The fixture's own prompts (chat-formatted) and worked solutions: what the BPE is trained on."""
+    texts = []
+    for r in gsm8k_rows(CORPUS_ROWS, "corpus", seed):
+        texts.append(f"<|im_start|>user\n{r['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n")
+        texts.append(r["extra_info"]["answer"])
+    return texts
+
+
+def trained_bpe(seed: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab, merges) of a byte-level BPE of BPE_VOCAB tokens trained on the fixture's corpus (deterministic)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(_corpus(seed), trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+def vocab_layout(vocab_size: int, bpe: dict[str, int]) -> dict[str, int]:
+    """token -> id for the whole vocabulary: the BPE's tokens from 0, Qwen's specials, filler tokens."""
+    if vocab_size < len(bpe) + len(QWEN_SPECIALS):
+        raise ValueError(f"vocab_size {vocab_size} is too small for the fixture's tokenizer "
+                         f"({len(bpe) + len(QWEN_SPECIALS)} ids needed)")
+    # Qwen's ids when the vocabulary is Qwen's size; else right after the BPE's tokens
+    base = max(vocab_size - (QWEN_VOCAB - QWEN_ENDOFTEXT), len(bpe))
+    vocab = dict(bpe)
     for i, tok in enumerate(QWEN_SPECIALS):
         vocab[tok] = base + i
     used = set(vocab.values())
@@ -85,22 +107,23 @@ def vocab_layout(vocab_size: int) -> dict[str, int]:
     return vocab
 
 
-def build_tokenizer(vocab_size: int):
-    """A `tokenizers.Tokenizer`: WordLevel over single characters, specials recognised in text."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(vocab_size: int, *, seed: int = 0):
+    """A `tokenizers.Tokenizer`: byte-level BPE (any text round-trips), specials recognised in text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel(vocab=vocab_layout(vocab_size), unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (UNK, *QWEN_SPECIALS)])
+    bpe, merges = trained_bpe(seed)
+    tok = Tokenizer(models.BPE(vocab=vocab_layout(vocab_size, bpe), merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise AssertionError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, not {vocab_size}")
     return tok
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> dict[str, int]:
+def write_tokenizer(path: Path, vocab_size: int, *, seed: int = 0) -> dict[str, int]:
     """tokenizer.json + tokenizer_config.json in `path`; returns the special tokens' ids."""
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, seed=seed)
     tok.save(str(path / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab_size = PRESETS[args.preset]["vocab_size"]
     # save_pretrained writes the model directory whole (replacing one that was there), tokenizer files included
     with tempfile.TemporaryDirectory(dir=args.out) as staging:
-        special_ids = write_tokenizer(Path(staging), vocab_size)
+        special_ids = write_tokenizer(Path(staging), vocab_size, seed=args.seed)
         n_params = write_model(args.preset, model_dir, dtype=DTYPES[args.dtype], seed=args.seed,
                                special_ids=special_ids,
                                extra_files=[Path(staging) / "tokenizer.json", Path(staging) / "tokenizer_config.json"])
