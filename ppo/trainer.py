@@ -126,7 +126,7 @@ class PPOTrainer:
         if self.roles.rollout is not None:
             with timer("gen"):
                 gen = self.roles.rollout.generate(batch, step=step, seed=self.loop.seed)
-            timer.carve("gen", "reshard", gen.timings["reshard"])  # gen is decoding; reshard its own stage
+            timer.carve("gen", "reshard", gen.reshard_s)  # gen is decoding; reshard its own stage
         return Experience(share_samples(gen.samples)), gen
 
     def generate_informative(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict, dict]:

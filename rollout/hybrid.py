@@ -5,7 +5,8 @@
     hybrid = HybridEngine(actor, engine, train_layout=train, gen_layout=gen, groups=groups,
                           bucket_bytes=256 << 20, offload_optimizer=True, optimizer=opt,
                           gen_dtype=torch.bfloat16)
-    completions = hybrid.generate(prompts, SamplingParams(max_tokens=256))  # every actor rank calls it
+    out = hybrid.generate(prompts, SamplingParams(max_tokens=256))  # every actor rank calls it
+    out.completions, out.reshard_s, out.reshard.bytes_received, out.metrics()   # what the cycle cost
 
 One `generate` is the HybridFlow cycle, each step logged with its memory in `memory_log`:
 release training-only state (grads to None; optimizer states to pinned CPU when
@@ -36,6 +37,23 @@ class MemoryRecord:
     reserved: int  # CUDA: torch.cuda.memory_reserved; CPU: same as allocated
     peak: int  # CUDA: max allocated since the previous record; CPU: same as allocated
     seconds: float  # since generate() began
+
+
+@dataclass(slots=True)
+class HybridResult:
+    """One generate cycle on this rank: the completions and what the cycle cost."""
+
+    completions: list  # rollout.base.Completion, one per (prompt, sample)
+    reshard_s: float  # the gather of the generation shard (the weight transfer), synchronized
+    generate_s: float  # the engine's generate (decoding)
+    reshard: ReshardStats  # bytes this rank received, its peak staging bytes
+    peak_bytes: int  # the cycle's memory peak: the largest MemoryRecord.peak of memory_log
+
+    def metrics(self) -> dict[str, float]:
+        """The cycle's metrics under docs/design.md's keys (this rank's)."""
+        return {"reshard/bytes_received": float(self.reshard.bytes_received),
+                "reshard/peak_staging_bytes": float(self.reshard.peak_staging_bytes),
+                "mem/hybrid_peak_gb": self.peak_bytes / 1e9}
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -75,9 +93,7 @@ class HybridEngine:
         if specs is None:
             specs = param_specs(actor.model_config, itemsize=torch.empty(0, dtype=dtype).element_size())
         self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
-        self.memory_log: list[MemoryRecord] = []
-        self.timings: dict[str, float] = {}
-        self.last_stats: ReshardStats | None = None
+        self.memory_log: list[MemoryRecord] = []  # the last generate's (RolloutRole.settle_memory reads it)
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._host: dict[int, torch.Tensor] = {}  # pinned buffers, reused: cudaHostAlloc is slow
         self._gen: dict[str, torch.Tensor] | None = None
@@ -164,19 +180,10 @@ class HybridEngine:
                 local.data = host.to(self.device, non_blocking=True)
         self._offloaded.clear()
 
-    def metrics(self) -> dict[str, float]:
-        """Flat metrics of the last generate() (the metric keys of docs/design.md where they exist)."""
-        out = {f"timing_s/{k}": v for k, v in self.timings.items()}
-        if self.last_stats is not None:
-            out["reshard/bytes_received"] = float(self.last_stats.bytes_received)
-            out["reshard/peak_staging_bytes"] = float(self.last_stats.peak_staging_bytes)
-        if self.memory_log:
-            out["mem/hybrid_peak_gb"] = max(r.peak for r in self.memory_log) / 1e9
-        return out
-
     # ---- the cycle ----
-    def generate(self, prompts: list[list[int]], sampling):
-        """Completions of `prompts` (rollout.base.Completion list); collective over the actor ranks.
+    def generate(self, prompts: list[list[int]], sampling) -> HybridResult:
+        """Completions of `prompts` with the cycle's timings, reshard statistics and memory peak; collective
+        over the actor ranks.
 
         prompts: this rank's generation replica's share of the batch (split by groups.gen_dp_rank),
         the same on every rank of groups.gen_tp_group, which decode together.
@@ -196,8 +203,7 @@ class HybridEngine:
                                     dtype=self.gen_dtype, method=self.method, stats=stats)
         if cuda:
             torch.cuda.synchronize(self.device)
-        self.timings["reshard"] = time.perf_counter() - t
-        self.last_stats = stats
+        reshard_s = time.perf_counter() - t
         self._record("gather")
         self.engine.wake_up()
         self._record("wake_up")
@@ -205,7 +211,7 @@ class HybridEngine:
         self._record("update_weights")
         t = time.perf_counter()
         completions = self.engine.generate(prompts, sampling)
-        self.timings["gen"] = time.perf_counter() - t
+        generate_s = time.perf_counter() - t
         self._record("generate")
         self.engine.sleep()
         self._record("sleep")
@@ -215,4 +221,5 @@ class HybridEngine:
         self._record("drop_gen")
         self._restore_training_state()
         self._record("restore_training")
-        return completions
+        return HybridResult(completions, reshard_s=reshard_s, generate_s=generate_s, reshard=stats,
+                            peak_bytes=max(r.peak for r in self.memory_log))

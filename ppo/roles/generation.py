@@ -35,12 +35,12 @@ def request_seed(seed: int, step: int, prompt_index: int) -> int:
 class Generation:
     """One generate call on this rank: its samples, and what it cost.
 
-    timings: {"reshard": s} seconds of the weight gather (a stage of its own in timing_s/, the
-    rest of the call is decoding); metrics: the hybrid engine's reshard/bytes_received,
-    reshard/peak_staging_bytes and mem/hybrid_peak_gb (this rank's)."""
+    reshard_s: seconds of the weight gather (a stage of its own in timing_s/, the rest of the call is
+    decoding); metrics: the hybrid engine's reshard/bytes_received, reshard/peak_staging_bytes and
+    mem/hybrid_peak_gb (this rank's; rollout.hybrid.HybridResult.metrics)."""
 
     samples: list[Sample]
-    timings: dict[str, float] = field(default_factory=dict)
+    reshard_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -131,13 +131,11 @@ class RolloutRole:
         sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
                                    max_tokens=r.max_response_length, n=n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
-        completions = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
-        hybrid = self.hybrid.metrics()
-        out = Generation([], timings={"reshard": hybrid.pop("timing_s/reshard")},
-                         metrics={k: v for k, v in hybrid.items() if not k.startswith("timing_s/")})
+        cycle = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
+        out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
         if self.gen_tp_rank != 0:
             return out
-        for c in completions:
+        for c in cycle.completions:
             row = rows[c.prompt_index]
             if c.finish_reason == "error":
                 raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
