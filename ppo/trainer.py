@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ppo.batch.experience import Experience, all_gather_objects, merge_results, share_samples
-from ppo.batch.step_batch import check_step_tensors, late_tensors, overlong_penalties, step_tensors
+from ppo.batch.step_batch import ReferenceLogprobs, StepBatch, compute_step_batch, overlong_penalties
 from ppo.control.budgets import TokenBudgets
 from ppo.control.controller import BatchController, agree_feedback
 from ppo.metrics.host_gc import GcPauses, freeze_survivors
@@ -37,17 +37,19 @@ from ppo.roles.build import build_roles
 from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
 from ppo.roles.placement import Placement
 from ppo.roles.step_plan import old_logp_source, ref_beside_actor
+from ppo.roles.workers import PendingResults
 from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
 
 
 @dataclass(frozen=True, slots=True)
 class ReferenceRoute:
-    """How a step's reference log-probs travel (PPOTrainer.reference_route)."""
+    """How a step's reference log-probs travel (PPOTrainer.reference_route); the default: waited for with the
+    other scores."""
 
-    defer: tuple[str, ...]  # ("ref",): waited for after the advantages, not before
-    on_device: bool  # the update reads them on the device (the reference placed exactly like the actor)
-    span: DeviceSpan | None  # the reference's kernels, for its timing, when they stay on the device
+    defer: bool = False  # waited for after the advantages, not before
+    on_device: bool = False  # the update reads them on the device (the reference placed exactly like the actor)
+    span: DeviceSpan | None = None  # the reference's kernels, for its timing, when they stay on the device
 
 
 class PPOTrainer:
@@ -60,7 +62,7 @@ class PPOTrainer:
         checkpoints, logs); settings: the typed pieces the loop, the roles and the generation read
         (launcher/handoff.py); placement: this rank's plan, role groups and environment."""
         self.settings, self.loop = settings, settings.loop
-        self.placement, self.plan, self.run_dir = placement, placement.plan, Path(run_dir)
+        self.plan, self.run_dir = placement.plan, Path(run_dir)
         self.device = placement.device
         self.log = logging.getLogger("hybridrl")
         self.rank = placement.rank
@@ -81,7 +83,6 @@ class PPOTrainer:
         if self.rank == 0 and loop.log_samples_every:
             self.sample_log = SampleLog(self.run_dir, every=loop.log_samples_every, count=loop.log_samples_count,
                                         tokenizer=self.state.tokenizer)
-        # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
@@ -167,40 +168,34 @@ class PPOTrainer:
         return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
     def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True,
-              defer: tuple[str, ...] = (), ref_span: DeviceSpan | None = None) -> tuple[dict, list]:
+              route: ReferenceRoute = ReferenceRoute()) -> tuple[dict, PendingResults | None]:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
         dynamic sampling scored the samples already. The forwards (old log-probs, reference, values) are
         enqueued first and waited for last: rule rewards are scored on the host while their kernels run.
-        The forwards of the stages in `defer` are not waited for: they come back for finish_scoring().
-        ref_span: marks the device time of the reference's forward. -> (results, deferred)."""
-        roles, results, pending = self.roles, {}, []
+        route.defer: the reference's forward is not waited for but returned, still running (for
+        reference_logprobs); route.span marks its device time. -> (results by key, the deferred reference pass
+        on this rank's reference ranks, else None)."""
+        roles, results, launched = self.roles, {}, {}
         if roles.actor is not None and old_logp:
             with timer("old_log_prob", sync=False):
-                pending.append(("old_log_prob", self.budgets.run("old_log_prob", "actor", lambda b: (
-                    roles.actor.launch_logprobs(exp, roles.actor_plan(exp, b), with_entropy=True))),
-                    lambda r: {"old_logp": r["logp"], "entropy": r["entropy"]}))
+                launched["old_log_prob"] = self.budgets.run("old_log_prob", "actor", lambda b: (
+                    roles.actor.launch_logprobs(exp, roles.actor_plan(exp, b), with_entropy=True)))
         if roles.ref is not None:
-            with timer("ref", sync=False), ref_span or nullcontext():
-                pending.append(("ref", self.budgets.run("ref", "ref", lambda b: roles.ref.launch_logprobs(
-                    exp, roles.ref_plan(exp, b))), lambda r: {"ref_logp": r["logp"]}))
+            with timer("ref", sync=False), route.span or nullcontext():
+                launched["ref"] = self.budgets.run("ref", "ref", lambda b: roles.ref.launch_logprobs(
+                    exp, roles.ref_plan(exp, b)))
         if roles.critic is not None:
             with timer("values", sync=False):
-                pending.append(("values", self.budgets.run("values", "critic", lambda b: (
-                    roles.critic.launch_values(exp, roles.critic_plan(exp, b)))), lambda r: r))
+                launched["values"] = self.budgets.run("values", "critic", lambda b: (
+                    roles.critic.launch_values(exp, roles.critic_plan(exp, b))))
         if roles.reward is not None and reward:
             with timer("reward", sync=False):  # a reward model's forward waits for its own outputs
                 results.update(roles.reward.score(exp))  # score, reward_failed (rule functions), reward/<key>
-        results.update(self.finish_scoring([p for p in pending if p[0] not in defer], timer))
-        return results, [p for p in pending if p[0] in defer]
-
-    @staticmethod
-    def finish_scoring(deferred: list, timer: StageTimer) -> dict:
-        """Wait for the forwards score() left running; their results by key."""
-        results = {}
-        for stage, launched, named in deferred:
+        deferred = launched.pop("ref", None) if route.defer else None
+        for stage, pending in launched.items():  # each stage's wait: its one device -> host copy
             with timer(stage):
-                results.update(named(launched.result()))
-        return results
+                results.update(_step_keys(stage, pending.result()))
+        return results, deferred
 
     def step(self, step: int) -> dict[str, float]:
         """One step, in the order of the data flow (docs/design.md): batch, scoring, advantages, updates."""
@@ -211,9 +206,9 @@ class PPOTrainer:
         #    dynamic sampling, generated and scored in rounds until every group carries signal
         exp, gen, rewards, sampling_m = self.draw_batch(step, timer)
         # 2. scoring: old log-probs (only "recompute", see old_logp_source), reference, values, rewards
-        ref = self.reference_route(old_logp)
-        results, deferred = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
-                                       defer=ref.defer, ref_span=ref.span)
+        route = self.reference_route(old_logp)
+        results, ref_pass = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
+                                       route=route)
         if old_logp == "behaviour" and step + 1 < self.total_steps:
             # the actor ranks generate batch k+1 while the other groups score batch k
             self.pending, gen = self.generate(step + 1, timer)
@@ -221,18 +216,18 @@ class PPOTrainer:
         # 3. advantages: a pure function of the merged batch, computed identically on every rank; the
         #    deferred reference forward may still run meanwhile (host work)
         with timer("adv", sync=False):
-            tensors, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp)
-        device_rows = self.reference_logprobs(exp, tensors, ref, deferred, timer)
-        check_step_tensors({**tensors, **device_rows}, self.loop.advantages)
+            ref = self.reference_logprobs(exp, merged, ref_pass, route=route, timer=timer)
+            batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host)
+        batch.ref_logp = ref.get()  # deferred: waited for (and merged) now, or left on the device for the update
         adv_metrics.update(sampling_m)
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
         # 4. updates: actor and critic groups (concurrent when placed apart)
-        actor_m = self.update_actor(exp, tensors, device_rows, timer, old_logp=old_logp, ref=ref)
-        critic_m = self.update_critic(exp, tensors, timer)
+        actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
+        critic_m = self.update_critic(exp, batch, timer)
         timer.times["step"] = time.perf_counter() - t_step
         if self.sample_log is not None and self.sample_log.due(step):
-            self.sample_log.write(step, exp.samples, tensors["scores"], tensorboard=self.state.tensorboard())
-        return self.metrics.collect(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
+            self.sample_log.write(step, exp.samples, batch.scores, tensorboard=self.state.tensorboard())
+        return self.metrics.collect(step, exp, batch, adv_metrics, actor_m, critic_m, timer.times,
                                     gen_metrics=gen.metrics, old_logp=old_logp)
 
     def stage_timer(self, step: int) -> StageTimer:
@@ -260,8 +255,7 @@ class PPOTrainer:
         on every rank (a function of the plan and the settings)."""
         deferred = "ref" in self.plan.groups and old_logp == "fused" and not self.loop.advantages.use_kl_penalty
         on_device = deferred and self.ref_beside_actor
-        return ReferenceRoute(defer=("ref",) if deferred else (), on_device=on_device,
-                              span=DeviceSpan(self.device) if on_device else None)
+        return ReferenceRoute(defer=deferred, on_device=on_device, span=DeviceSpan(self.device) if on_device else None)
 
     def merge_scores(self, exp: Experience, results: dict, rewards: dict | None, *, old_logp: str) -> dict:
         """Every sample's results on every rank (a collective): scores shaped (DAPO's overlong penalty) unless
@@ -275,41 +269,52 @@ class PPOTrainer:
             merged["old_logp"] = {s.uid: torch.tensor(s.behaviour_logprobs) for s in exp.samples}
         return merged
 
-    def reference_logprobs(self, exp: Experience, tensors: dict, ref: ReferenceRoute, deferred: list,
-                           timer: StageTimer) -> dict:
-        """The deferred reference log-probs: into `tensors` from the host, or returned as the device rows the
-        update reads in place ({} when nothing is left on the device)."""
-        if ref.on_device:
-            pending = next((launched for stage, launched, _ in deferred if stage == "ref"), None)
-            # (None where the reference was waited for after all)
-            return {} if pending is None else {"ref_logp": pending.logp_rows}
-        if ref.defer:  # every rank merges (a collective), with or without the deferred role
-            tensors.update(late_tensors(exp, merge_results(self.finish_scoring(deferred, timer))))
-        return {}
+    def reference_logprobs(self, exp: Experience, merged: dict, ref_pass: PendingResults | None, *,
+                           route: ReferenceRoute, timer: StageTimer) -> ReferenceLogprobs:
+        """The step's reference log-probs as one handle (ppo.batch.step_batch.ReferenceLogprobs): the host rows
+        merged with the other scores, the rows the deferred pass leaves on the device (route.on_device; none on
+        the ranks that computed none), or that pass still running: the handle's get() waits for it and merges
+        every rank's rows, a collective every rank makes, with or without the reference role."""
+        if "ref" not in self.plan.groups:
+            if self.loop.advantages.use_kl_loss:
+                raise RuntimeError("actor.use_kl_loss needs the reference role (ref.enabled=true)")
+            return ReferenceLogprobs()
+        if "ref_logp" in merged:
+            return ReferenceLogprobs(exp.stack(merged["ref_logp"]))
+        if route.on_device:
+            return ReferenceLogprobs(None if ref_pass is None else ref_pass.logp_rows)
 
-    def update_actor(self, exp: Experience, tensors: dict, device_rows: dict, timer: StageTimer, *,
-                     old_logp: str, ref: ReferenceRoute) -> dict | None:
-        """The actor group's PPO epochs (None off the actor's metric owners)."""
+        def wait() -> torch.Tensor:
+            with timer("ref"):
+                mine = {} if ref_pass is None else {"ref_logp": ref_pass.result()["logp"]}
+            return exp.stack(merge_results(mine)["ref_logp"])
+
+        return ReferenceLogprobs(wait=wait)
+
+    def update_actor(self, exp: Experience, batch: StepBatch, timer: StageTimer, *, old_logp: str,
+                     ref_span: DeviceSpan | None) -> dict | None:
+        """The actor group's PPO epochs (None off the actor's metric owners). ref_span: the reference's kernels,
+        when the update reads its log-probs on the device right behind them."""
         actor = self.roles.actor
         if actor is None:
             return None
         with timer("update_actor"):
             m = self.budgets.run("update_actor", "actor", lambda b: self.roles.update_actor(
-                exp, tensors, max_tokens=b, fused_old_logp=old_logp == "fused", device_rows=device_rows),
+                exp, batch, max_tokens=b, fused_old_logp=old_logp == "fused"),
                 retry_safe=lambda: actor.optimizer_steps_in_update == 0)
-        if device_rows:  # the reference's kernels that ran on into the update's window count as the reference's
-            overlap = timer.starts["ref"] + ref.span.seconds() - timer.starts["update_actor"]
+        if ref_span is not None:  # the reference's kernels that ran on into the update's window count as its own
+            overlap = timer.starts["ref"] + ref_span.seconds() - timer.starts["update_actor"]
             timer.carve("update_actor", "ref", min(max(0.0, overlap), timer.times["update_actor"]))
         return m if actor.is_owner else None
 
-    def update_critic(self, exp: Experience, tensors: dict, timer: StageTimer) -> dict | None:
+    def update_critic(self, exp: Experience, batch: StepBatch, timer: StageTimer) -> dict | None:
         """The critic group's value updates (None off the critic's metric owners)."""
         critic = self.roles.critic
         if critic is None:
             return None
         with timer("update_critic"):
             m = self.budgets.run("update_critic", "critic", lambda b: self.roles.update_critic(
-                exp, tensors, max_tokens=b), retry_safe=lambda: critic.optimizer_steps_in_update == 0)
+                exp, batch, max_tokens=b), retry_safe=lambda: critic.optimizer_steps_in_update == 0)
         return m if critic.is_owner else None
 
     def control(self, metrics: dict[str, float]) -> None:
@@ -325,17 +330,19 @@ class PPOTrainer:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
 
-    def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str):
-        """ppo.batch.step_batch.step_tensors with this run's settings; the KL the in-reward penalty observed
-        moves the run's KL controller here. -> (tensors, metrics)."""
+    def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str,
+                           ref_logp: torch.Tensor | None = None) -> tuple[StepBatch, dict[str, float]]:
+        """ppo.batch.step_batch.compute_step_batch with this run's settings; the KL the in-reward penalty observed
+        moves the run's KL controller here. ref_logp: [B, R] the reference's log-probs when they are here
+        already. -> (the step's batch, metrics)."""
         a = self.loop.advantages
         kl_ctrl = self.state.kl_ctrl if a.use_kl_penalty else None
-        tensors, metrics, kl_seen = step_tensors(
+        batch, metrics, kl_seen = compute_step_batch(
             exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
-            kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp)
+            kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp, ref_logp=ref_logp)
         if kl_seen is not None:
             kl_ctrl.update(kl_seen, n_steps=len(exp.samples))
-        return tensors, metrics
+        return batch, metrics
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""
@@ -459,6 +466,13 @@ class PPOTrainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
         return stop, bool(flags[1] > 0)
+
+
+def _step_keys(stage: str, results: dict) -> dict:
+    """A scoring pass's results under the keys of the step's merged results."""
+    if stage == "old_log_prob":
+        return {"old_logp": results["logp"], "entropy": results["entropy"]}
+    return {"ref_logp": results["logp"]} if stage == "ref" else results
 
 
 def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,

@@ -37,7 +37,7 @@ class Sample:
 
 @dataclass(slots=True)
 class Experience:
-    """All samples of one step, ordered by uid (the step's tensors are step_batch.step_tensors' output)."""
+    """All samples of one step, ordered by uid (the step's rows for the updates: step_batch.StepBatch)."""
 
     samples: list[Sample]
     # what the workers derive from the token ids alone (micro-batch plans, packed micro-batches), by the

@@ -2,7 +2,7 @@
 accounting against the device's spec peak (ppo.metrics.flops).
 
     metrics = StepMetrics(loop, plan=plan, rank=rank, device=device, model_config=cfg, gc_pauses=pauses)
-    row = metrics.collect(step, exp, tensors, adv_metrics, actor_m, critic_m, timer.times,
+    row = metrics.collect(step, exp, batch, adv_metrics, actor_m, critic_m, timer.times,
                           gen_metrics=gen.metrics, old_logp="recompute")   # collective; {} off rank 0
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ppo.batch.experience import Experience, all_gather_objects
+from ppo.batch.step_batch import StepBatch
 from ppo.metrics.flops import ppo_stage_flops, spec_peak_flops, useful_utilization
 from ppo.metrics.timing import compiled_graphs, host_memory_gb
 
@@ -28,11 +29,12 @@ class StepMetrics:
         self.train_peak = 0  # bytes allocated at most since the last generate, at the last collect (CUDA)
         self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
-    def collect(self, step: int, exp: Experience, tensors: dict, adv_metrics: dict, actor_m: dict | None,
+    def collect(self, step: int, exp: Experience, batch: StepBatch, adv_metrics: dict, actor_m: dict | None,
                 critic_m: dict | None, times: dict[str, float], *, gen_metrics: dict[str, float],
                 old_logp: str) -> dict[str, float]:
-        """actor_m / critic_m: this rank's update metrics when it owns a shard of that role's metrics
-        (None elsewhere). Collective over the world; the row on rank 0, {} on the others."""
+        """batch: the step's (its mask and scores); actor_m / critic_m: this rank's update metrics when it owns
+        a shard of that role's metrics (None elsewhere). Collective over the world; the row on rank 0, {} on the
+        others."""
         mine = {"times": times, "gen": gen_metrics, "actor": actor_m, "critic": critic_m,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
                             if self.device.type == "cuda" else None),
@@ -44,10 +46,9 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank != 0:
             return {}
-        mask = tensors["mask"]
-        resp_len = mask.sum(-1).float()
-        m: dict[str, float] = {"step": step + 1, "reward/mean": float(tensors["scores"].mean()),
-                               "reward/max": float(tensors["scores"].max()),
+        resp_len = batch.mask.sum(-1).float()
+        m: dict[str, float] = {"step": step + 1, "reward/mean": float(batch.scores.mean()),
+                               "reward/max": float(batch.scores.max()),
                                "response_length/mean": float(resp_len.mean()),
                                "response_length/max": float(resp_len.max()),
                                "response_length/clip_frac": float(sum(s.finish_reason == "length"

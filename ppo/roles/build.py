@@ -14,6 +14,7 @@ from models.llama import LlamaForCausalLM, init_weights
 from ppo.algos import core_algos as algos
 from ppo.algos.policy_losses import compute_policy_loss
 from ppo.batch.experience import Experience, Sample
+from ppo.batch.step_batch import StepBatch
 from ppo.data.rewards import RewardSample
 from ppo.roles.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 from ppo.roles.placement import Placement
@@ -142,44 +143,40 @@ class Roles:
 
         return RolloutConfig().max_num_batched_tokens
 
-    def update_actor(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int,
-                     fused_old_logp: bool, device_rows: dict | None = None) -> dict[str, float]:
+    def update_actor(self, exp: Experience, batch: StepBatch, *, max_tokens: int,
+                     fused_old_logp: bool) -> dict[str, float]:
         """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided).
-        device_rows: tensors the update reads from the device instead ({"ref_logp": DeviceRows}: the
-        reference's log-probs, computed on these ranks and never sent through the host)."""
-        device_rows = device_rows or {}
+        batch.ref_logp may be DeviceRows: the reference's log-probs, computed on these ranks and read on the
+        device, never sent through the host."""
         settings = self.settings.policy_loss
-        keys = (["advantages", "mask"] + ([] if fused_old_logp else ["old_logp"])
-                + (["ref_logp"] if settings.needs_ref else [])
-                + (["rollout_logp"] if "rollout_logp" in tensors else []))  # the engine's, for the correction
 
-        def loss_fn(logp, entropy, t, denom):
-            return compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t["old_logp"],
-                                       advantages=t["advantages"], mask=t["mask"], settings=settings,
-                                       entropy=entropy, ref_logp=t.get("ref_logp"),
-                                       rollout_logp=t.get("rollout_logp"), denom=denom,
-                                       sync_metrics=False)  # the update converts them after its loop
+        def loss_fn(logp, entropy, t: StepBatch, denom):
+            return compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t.old_logp,
+                                       advantages=t.advantages, mask=t.mask, settings=settings,
+                                       entropy=entropy, ref_logp=t.ref_logp, rollout_logp=t.rollout_logp,
+                                       denom=denom, sync_metrics=False)  # the update converts them after its loop
 
-        mine = {k: tensors[k] for k in keys if k not in device_rows}
-        if "actor_mask" in tensors:  # DAPO overlong filter: truncated responses carry no policy gradient
-            mine["mask"] = tensors["actor_mask"]
+        # only what the loss reads goes to the device; DAPO's overlong filter: truncated responses carry no policy
+        # gradient (nor count in the denominator); the engine's log-probs for the rollout correction
+        mine = StepBatch(mask=batch.mask if batch.actor_mask is None else batch.actor_mask,
+                         advantages=batch.advantages, old_logp=None if fused_old_logp else batch.old_logp,
+                         ref_logp=batch.ref_logp if settings.needs_ref else None, rollout_logp=batch.rollout_logp)
         # fused: no scoring forward measured the entropy, so the update reports it
         return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine,
                                  epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
-                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg,
-                                 device_rows={k: v for k, v in device_rows.items() if k in keys})
+                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg)
 
-    def update_critic(self, exp: Experience, tensors: dict[str, torch.Tensor], *, max_tokens: int) -> dict[str, float]:
+    def update_critic(self, exp: Experience, batch: StepBatch, *, max_tokens: int) -> dict[str, float]:
         v = self.settings.value_loss
 
-        def loss_fn(values, t, denom):
-            loss, m = algos.value_loss(values, t["values"], t["returns"], t["mask"], clip=v.clip, agg=v.agg,
+        def loss_fn(values, t: StepBatch, denom):
+            loss, m = algos.value_loss(values, t.values, t.returns, t.mask, clip=v.clip, agg=v.agg,
                                        denom=denom, sync_metrics=False)
             m["vf_loss"] = loss.detach()  # converted after the update's micro-batch loop
             return loss, m
 
         return self.critic.update(exp, self.critic_plan(exp, max_tokens),
-                                  {k: tensors[k] for k in ("values", "returns", "mask")},
+                                  StepBatch(mask=batch.mask, values=batch.values, returns=batch.returns),
                                   epochs=self.settings.critic_update.epochs, loss_fn=loss_fn,
                                   agg=self.settings.value_loss.agg)
 
@@ -206,8 +203,8 @@ class Roles:
         for g in opt.param_groups:
             g["lr"] = self.settings.sft_lr
 
-        def nll(logp, entropy, t, denom):
-            loss = -(logp * t["mask"]).sum() / denom
+        def nll(logp, entropy, t: StepBatch, denom):
+            loss = -(logp * t.mask).sum() / denom
             return loss, {"sft_loss": float(loss.detach())}
 
         for i in range(steps):
@@ -215,7 +212,7 @@ class Roles:
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
             m = self.actor.update(exp, self.actor_plan(exp, self.settings.sft_max_tokens),
-                                  {"mask": exp.response_mask()}, epochs=1, loss_fn=nll, with_entropy=False,
+                                  StepBatch(mask=exp.response_mask()), epochs=1, loss_fn=nll, with_entropy=False,
                                   step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
                 log.info("sft warm-up %d/%d: loss %.4f", i + 1, steps, m.get("sft_loss", float("nan")))

@@ -27,7 +27,8 @@ from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batch.experience import Experience
 from ppo.batch.micro_batches import plan_micro_batches
-from ppo.batch.packing import copy_to_device, gather_response_logprobs, pack_prompt_responses, unpack_responses
+from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, unpack_responses
+from ppo.batch.step_batch import DeviceRows, StepBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -189,14 +190,13 @@ class ShardedWorker:
             n = float(total)
         return max(n / self.dp, 1.0)
 
-    def _train(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
-               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean",
-               device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
+    def _train(self, exp: Experience, plan: list[list[list[int]]], batch: StepBatch, *,
+               epochs: int, pad_id: int, mb_loss, agg: str = "token-mean") -> dict[str, float]:
         """Epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
 
-        mb_loss(packed, hidden [1, T, H], mb_tensors {name: [B_k, R] on the device}, denom) ->
-        (loss, metrics); denom is the mini-batch's global count that `agg` normalises by (tokens or
-        sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
+        mb_loss(packed, hidden [1, T, H], mb_batch (the micro-batch's rows of `batch`, [B_k, R] on the device),
+        denom) -> (loss, metrics); denom is the mini-batch's global count of batch.mask that `agg` normalises by
+        (tokens or sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
         their max / min) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
         count = 0
@@ -204,11 +204,9 @@ class ShardedWorker:
         for _ in range(epochs):
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
-                # every micro-batch's [B_k, R] tensors queued for the device now, one pinned copy each (no sync)
-                mbts = [copy_to_device({k: v[mb] for k, v in tensors.items()}, self.device)
-                        | {k: rows.take(mb) for k, rows in (device_rows or {}).items() if rows is not None}
-                        for mb in mbs]
-                denom = self._global_denominator(tensors["mask"][[i for mb in mbs for i in mb]], agg)
+                # every micro-batch's [B_k, R] rows queued for the device now, one pinned copy each (no sync)
+                mbts = [batch.rows(mb, self.device) for mb in mbs]
+                denom = self._global_denominator(batch.mask[[i for mb in mbs for i in mb]], agg)
                 self.optimizer.zero_grad(set_to_none=True)
 
                 def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
@@ -309,23 +307,23 @@ class PolicyWorker(ShardedWorker):
         rows = DeviceRows(exp, [(mb, logp) for mb, (logp, _) in computed]) if computed else None
         return PendingResults(finish, logp_rows=rows)
 
-    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+    def update(self, exp: Experience, plan: list[list[list[int]]], batch: StepBatch, *,
                epochs: int, loss_fn, with_entropy: bool, step_scheduler: bool = True,
-               agg: str = "token-mean", device_rows: dict[str, DeviceRows | None] | None = None) -> dict[str, float]:
+               agg: str = "token-mean") -> dict[str, float]:
         """PPO epochs over this rank's mini-batches.
 
-        tensors: response-aligned [B, R] CPU tensors (old_logp, advantages, mask, + ref_logp for a
-        KL loss); device_rows: more of them still on the device (DeviceRows, e.g. the reference's log-probs
-        computed on these ranks). loss_fn(logp, entropy, mb_tensors, denom) -> (loss, metrics), entropy [B, R] when
-        with_entropy else None; denom is the global count `agg` normalises by. Returns the metrics
+        batch: what the loss reads of the step's batch, response-aligned [B, R] rows on the host (old_logp,
+        advantages, mask, + ref_logp for a KL loss) or left on the device (DeviceRows: the reference's log-probs
+        computed on these ranks). loss_fn(logp, entropy, mb_batch, denom) -> (loss, metrics), mb_batch the
+        micro-batch's rows [B_k, R_k] on the device, entropy [B, R] when with_entropy else None; denom is the
+        global count `agg` normalises by. Returns the metrics
         averaged over micro-batches (keys ending in _max / _min: their max / min), grad_norm and lr
         (meaningful on owner ranks)."""
         def mb_loss(packed, hidden, t, denom):
             logp, ent = self._response_logprobs(packed, hidden, with_entropy=with_entropy)
-            return loss_fn(logp, ent, _to(t, self.device, logp.shape[1]), denom)
+            return loss_fn(logp, ent, t.narrow(logp.shape[1], self.device), denom)
 
-        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg,
-                          device_rows=device_rows)
+        out = self._train(exp, plan, batch, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
         if step_scheduler:
             self.scheduler.step()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -362,38 +360,10 @@ class PendingResults:
         return self._value
 
 
-class DeviceRows:
-    """Per-sample response rows of a scoring pass, left on the device: its micro-batches' [B_k, R_k] outputs
-    (0 past each response's end). take(mb) -> [len(mb), R] for any micro-batch of those samples, R its longest
-    response: the pass's own tensor when the micro-batch is one of its (an update planned like the pass),
-    else the rows gathered and padded (another token budget, e.g. after an OOM halving)."""
-
-    def __init__(self, exp: Experience, outputs: list[tuple[list[int], torch.Tensor]]):
-        self._lengths = {i: len(exp.samples[i].response_ids) for mb, _ in outputs for i in mb}
-        self._by_mb = {tuple(mb): t for mb, t in outputs}
-        self._where = {i: (t, j) for mb, t in outputs for j, i in enumerate(mb)}
-
-    def take(self, mb: list[int]) -> torch.Tensor:
-        missing = [i for i in mb if i not in self._where]
-        if missing:
-            raise RuntimeError(f"samples {missing[:5]} were scored on other ranks: their rows are not on this device")
-        width = max(1, max(self._lengths[i] for i in mb))
-        own = self._by_mb.get(tuple(mb))
-        if own is not None and own.shape[1] == width:
-            return own.float()
-        return torch.stack([F.pad(t[j, :width].float(), (0, max(0, width - t.shape[1])))
-                            for t, j in (self._where[i] for i in mb)])
-
-
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Device tensors -> fp32 CPU copies of the same shapes, through one concatenated copy (one sync)."""
     flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
     return [x.view(t.shape) for x, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
-
-
-def _to(tensors: dict[str, torch.Tensor], device: torch.device, width: int) -> dict[str, torch.Tensor]:
-    """Response-aligned [B, R_max] tensors (on the device already) -> [B, width] (width = longest response)."""
-    return {k: v[:, :width].to(device).contiguous() for k, v in tensors.items()}
 
 
 def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
@@ -436,14 +406,15 @@ class CriticWorker(ShardedWorker):
 
         return PendingResults(finish)
 
-    def update(self, exp: Experience, plan: list[list[list[int]]], tensors: dict[str, torch.Tensor], *,
+    def update(self, exp: Experience, plan: list[list[list[int]]], batch: StepBatch, *,
                epochs: int, loss_fn, agg: str = "token-mean") -> dict[str, float]:
-        """loss_fn(values [B, R], mb_tensors, denom) -> (loss, metrics); denom as `agg` needs it."""
+        """batch: the values, returns and mask rows [B, R] on the host. loss_fn(values [B, R], mb_batch, denom) ->
+        (loss, metrics), mb_batch the micro-batch's rows on the device; denom as `agg` needs it."""
         def mb_loss(packed, hidden, t, denom):
             values = self._response_values(packed, hidden)
-            return loss_fn(values, _to(t, self.device, values.shape[1]), denom)
+            return loss_fn(values, t.narrow(values.shape[1], self.device), denom)
 
-        out = self._train(exp, plan, tensors, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
+        out = self._train(exp, plan, batch, epochs=epochs, pad_id=self.pad_id, mb_loss=mb_loss, agg=agg)
         self.scheduler.step()
         return out
 

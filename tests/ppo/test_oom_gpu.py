@@ -67,7 +67,7 @@ def _inject_and_run(argv: list[str]) -> int:
     original = Roles.update_actor
     state = {"armed": os.environ.get("OOM_INJECT") == "1"}
 
-    def update_actor(self, exp, tensors, *, max_tokens, **kw):
+    def update_actor(self, exp, batch, *, max_tokens, **kw):
         ids = [(s.uid, s.prompt_ids, s.response_ids) for s in exp.samples]
         rec = {"max_tokens": max_tokens, "samples": hashlib.sha256(repr(ids).encode()).hexdigest(),
                "step_tokens": sum(len(p) + len(r) for _, p, r in ids), "oom": state["armed"]}
@@ -78,7 +78,7 @@ def _inject_and_run(argv: list[str]) -> int:
             if os.environ.get("OOM_SIMULATE") == "1":  # checking this harness on a machine without a GPU
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: a real allocator OOM
-        return original(self, exp, tensors, max_tokens=max_tokens, **kw)
+        return original(self, exp, batch, max_tokens=max_tokens, **kw)
 
     Roles.update_actor = update_actor
     return launcher.main.main(argv)

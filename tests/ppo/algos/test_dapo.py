@@ -151,17 +151,17 @@ def _exp(lengths, reasons, logprobs=True):
                        for i, (n, r) in enumerate(zip(lengths, reasons))])
 
 
-def test_step_tensors_carry_the_filter_mask_and_the_engine_logprobs():
+def test_step_batch_carries_the_filter_mask_and_the_engine_logprobs():
     exp = _exp([3, 1, 2, 3], ["length", "stop", "stop", "length"])
     scores = {"score": {i: torch.tensor(v) for i, v in enumerate([1.0, 0.0, 1.0, 1.0])}}
-    t, m = _trainer("algorithm.overlong_filter=true").compute_advantages(exp, scores, old_logp="fused")
-    torch.testing.assert_close(t["rollout_logp"], -0.5 * t["mask"].float())
-    torch.testing.assert_close(t["actor_mask"].float(), torch.tensor([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]],
-                                                                     dtype=torch.float32))
-    assert (t["advantages"][0] != 0).all()  # the truncated sample keeps its advantage (group baseline)
+    b, m = _trainer("algorithm.overlong_filter=true").compute_advantages(exp, scores, old_logp="fused")
+    torch.testing.assert_close(b.rollout_logp, -0.5 * b.mask.float())
+    torch.testing.assert_close(b.actor_mask.float(), torch.tensor([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]],
+                                                                  dtype=torch.float32))
+    assert (b.advantages[0] != 0).all()  # the truncated sample keeps its advantage (group baseline)
     assert m["dapo/overlong_filtered_frac"] == 0.5 and m["reward/zero_var_group_frac"] == 0.5
-    t, m = _trainer().compute_advantages(exp, scores, old_logp="fused")
-    assert "actor_mask" not in t and "dapo/overlong_filtered_frac" not in m
+    b, m = _trainer().compute_advantages(exp, scores, old_logp="fused")
+    assert b.actor_mask is None and "dapo/overlong_filtered_frac" not in m
 
 
 def test_an_engine_without_logprobs_stops_a_rollout_correction():
@@ -169,5 +169,5 @@ def test_an_engine_without_logprobs_stops_a_rollout_correction():
     scores = {"score": {0: torch.tensor(1.0), 1: torch.tensor(0.0)}}
     with pytest.raises(RuntimeError, match="algorithm.rollout_correction=none"):
         _trainer().compute_advantages(exp, scores, old_logp="fused")
-    t, _ = _trainer("algorithm.rollout_correction=none").compute_advantages(exp, scores, old_logp="fused")
-    assert "rollout_logp" not in t  # metrics only, and nothing to measure them on
+    b, _ = _trainer("algorithm.rollout_correction=none").compute_advantages(exp, scores, old_logp="fused")
+    assert b.rollout_logp is None  # metrics only, and nothing to measure them on

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from models.heads import LlamaForValue
 from models.llama import LlamaForCausalLM
+from ppo.batch.step_batch import DeviceRows, StepBatch
 from ppo.metrics.timing import StageTimer
 from ppo.roles.build import _build
 from ppo.run.state import load_worker_state, worker_state
@@ -76,12 +77,12 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
     before = copy.deepcopy(worker_state(actor))  # model shards, optimizer and LR schedule
     start = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
-    fused_m = roles.update_actor(exp, {"advantages": adv, "mask": mask}, max_tokens=40, fused_old_logp=True)
+    fused_m = roles.update_actor(exp, StepBatch(mask=mask, advantages=adv), max_tokens=40, fused_old_logp=True)
     fused = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
     load_worker_state(actor, before)
     old = actor.compute_logprobs(exp, roles.actor_plan(exp, 40))["logp"]
-    tensors = {"advantages": adv, "mask": mask, "old_logp": exp.stack(old)}
-    recomputed_m = roles.update_actor(exp, tensors, max_tokens=40, fused_old_logp=False)
+    batch = StepBatch(mask=mask, advantages=adv, old_logp=exp.stack(old))
+    recomputed_m = roles.update_actor(exp, batch, max_tokens=40, fused_old_logp=False)
     for n, p in actor.runner.named_parameters():
         torch.testing.assert_close(p.detach(), fused[n], rtol=0, atol=1e-6, msg=n)
         assert not torch.equal(p.detach(), start[n]), f"{n} did not move"
@@ -111,8 +112,10 @@ def test_to_host_is_one_copy_of_every_shape():
 
 
 def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monkeypatch):
-    """Trainer.score launches every forward, scores rule rewards while their kernels run, then waits."""
+    """Trainer.score launches every forward, scores rule rewards while their kernels run, then waits; a deferred
+    reference comes back as a handle whose get() waits for it, or hands over its rows on the device."""
     from ppo.roles.workers import PendingResults
+    from ppo.trainer import ReferenceRoute
 
     t, exp = trainer
     roles, calls = t.roles, []
@@ -128,21 +131,34 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     result = PendingResults.result
     monkeypatch.setattr(PendingResults, "result", lambda self: calls.append("wait") or result(self))
     timer = StageTimer(t.device)
-    got, deferred = t.score(exp, timer, old_logp=True)
+    got, ref_pass = t.score(exp, timer, old_logp=True)
     assert calls == ["launch actor", "launch ref", "launch critic", "reward", "wait", "wait", "wait"]
-    assert deferred == []
+    assert ref_pass is None
     want = roles.ref.compute_logprobs(exp, roles.ref_plan(exp, t.budgets["ref"]))["logp"]
     assert sorted(got) == sorted(["old_logp", "entropy", "ref_logp", "values", "score", "reward_failed"])
     for uid, logp in want.items():
         torch.testing.assert_close(got["ref_logp"][uid], logp)
-    # a deferred stage is launched but not waited for: finish_scoring() does that
+    # a deferred reference is launched but not waited for: the step's ReferenceLogprobs handle does that, once
     calls.clear()
-    got, deferred = t.score(exp, timer, old_logp=False, defer=("ref",))
+    route = ReferenceRoute(defer=True)
+    got, ref_pass = t.score(exp, timer, old_logp=False, route=route)
     assert calls == ["launch ref", "launch critic", "reward", "wait"] and "ref_logp" not in got
-    late = t.finish_scoring(deferred, timer)
-    assert calls[-1] == "wait" and sorted(late) == ["ref_logp"]
-    for uid, logp in want.items():
-        torch.testing.assert_close(late["ref_logp"][uid], logp)
+    ref = t.reference_logprobs(exp, got, ref_pass, route=route, timer=timer)
+    assert ref.host is None and calls[-1] == "wait" and len(calls) == 4
+    late = ref.get()
+    assert calls[-1] == "wait" and len(calls) == 5 and ref.get() is late and len(calls) == 5
+    torch.testing.assert_close(late, exp.stack(want), rtol=0, atol=0)
+    # waited for with the other scores: the handle holds the host rows, for the advantages' KL
+    got, ref_pass = t.score(exp, timer, old_logp=False)
+    ref = t.reference_logprobs(exp, got, ref_pass, route=ReferenceRoute(), timer=timer)
+    assert ref_pass is None and ref.host is ref.get() and torch.equal(ref.get(), late)
+    # on the device: the deferred pass's rows, the same values, and no wait
+    route = ReferenceRoute(defer=True, on_device=True)
+    got, ref_pass = t.score(exp, timer, old_logp=False, route=route)
+    calls.clear()
+    rows = t.reference_logprobs(exp, got, ref_pass, route=route, timer=timer).get()
+    assert isinstance(rows, DeviceRows) and calls == []
+    torch.testing.assert_close(rows.take(list(range(len(exp.samples)))), late, rtol=0, atol=0)
 
 
 
@@ -162,7 +178,7 @@ def test_device_rows_equal_the_host_rows_for_any_partition(trainer):
         assert got.shape == (len(mb), width)
         torch.testing.assert_close(got, host[mb, :width], rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="other ranks"):
-        type(rows)(exp, [(own, rows.take(own))]).take([i for i in range(len(exp.samples)) if i not in own][:1])
+        DeviceRows(exp, [(own, rows.take(own))]).take([i for i in range(len(exp.samples)) if i not in own][:1])
 
 
 def test_plans_and_packs_are_derived_once_per_batch(trainer):
