@@ -12,6 +12,7 @@ one async D2H copy.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -131,6 +132,9 @@ class EngineModelRunner:
             # blocks this process's caching allocator holds unused (e.g. the last update's activations) are
             # free for the cache too: on a failed cudaMalloc the allocator releases them and retries
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            # weights dropped at sleep come back with the next load_weights, after this allocation: keep their room
+            # (a conservative count: a weight later aliased with share=True takes none)
+            free = max(0, free - self.absent_weight_bytes())
             tokens = int(free * self.config.gpu_memory_fraction) // per_tok
             if self.tp > 1:  # every rank must agree on the slot count (same schedule, same collectives)
                 t = torch.tensor([tokens], device=self.device)
@@ -144,6 +148,11 @@ class EngineModelRunner:
                                f"max_model_len={self.config.max_model_len}; raise gpu_memory_fraction / "
                                f"kv_cache_tokens or lower max_model_len")
         return slots
+
+    def absent_weight_bytes(self) -> int:
+        """Bytes of the engine's weights that are not on the device now (dropped by sleep, or never loaded)."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(math.prod(self.shapes[n]) * item for n, p in self.params.items() if p.numel() == 0)
 
     def _allocate_runtime(self) -> None:
         slot_len = self.config.max_model_len

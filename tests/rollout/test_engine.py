@@ -215,8 +215,12 @@ def test_an_engine_made_resident_while_asleep_reallocates_once_then_keeps_its_bu
     engine = NativeEngine(model.config, config=config())
     engine.update_weights(model.state_dict().items())
     before = engine.generate(PROMPTS, p)
+    assert engine.runner.absent_weight_bytes() == 0
     engine.sleep()
     assert engine.runner.cache is None
+    # what the KV sizing at the next wake keeps free for the weights that come back after it (CUDA)
+    item = next(iter(engine.runner.params.values())).element_size()
+    assert engine.runner.absent_weight_bytes() == sum(p.numel() * item for p in model.parameters())
     engine.config.free_memory_on_sleep = False
     engine.wake_up()
     assert engine.runner.cache is not None
