@@ -1,6 +1,12 @@
-"""The config tree -> the typed pieces `ppo` reads (ppo/settings.py), built once per launch."""
+"""The config tree -> the typed pieces `ppo` reads (ppo/settings.py), built once per launch: `ppo` never sees
+the config tree itself.
+
+    settings = build_ppo_settings(cfg, device=env.device)
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -9,13 +15,16 @@ from ppo.algos.core_algos import PolicyLossSettings
 from ppo.settings import (
     AdvantageSettings,
     ControllerSettings,
+    DataSettings,
     GenerationSettings,
+    KLControlSettings,
     LoopSettings,
     OptimizerSettings,
     PPOSettings,
     RewardSettings,
     RoleBuildSettings,
     RolesSettings,
+    RunSettings,
     UpdateSettings,
     ValueLossSettings,
     WorkerLayout,
@@ -36,7 +45,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         actor_update=UpdateSettings(epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size),
         critic_update=UpdateSettings(epochs=c.ppo_epochs, mini_batch_size=c.mini_batch_size),
         value_loss=ValueLossSettings(clip=c.value_clip, agg=c.loss_agg),
-        sft_lr=cfg.trainer.sft_lr, sft_max_tokens=a.max_tokens_per_micro_batch)
+        sft_lr=cfg.trainer.sft_lr)
     max_len = cfg.data.max_prompt_length + r.max_response_length
     engine = RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
                            max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
@@ -55,41 +64,62 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
     generation = GenerationSettings(
         engine_kind=r.engine, engine=engine, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
-        offload_optimizer=a.offload, settle_residency=r.free_memory_on_sleep is None,
+        offload_optimizer_while_generating=a.offload_optimizer_while_generating,
+        settle_residency=r.free_memory_on_sleep is None,
         dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         vllm=vllm)
-    return PPOSettings(roles=roles, generation=generation, build=build_role_settings(cfg),
+    return PPOSettings(run=build_run_settings(cfg), data=build_data_settings(cfg), reward=build_reward_settings(cfg),
+                       roles=roles, generation=generation, build=build_role_settings(cfg),
                        loop=build_loop_settings(cfg))
 
 
-def _reward_settings(cfg: Config) -> RewardSettings:
+def build_run_settings(cfg: Config) -> RunSettings:
+    t = cfg.trainer
+    return RunSettings(seed=t.seed, total_steps=t.total_steps, total_epochs=t.total_epochs,
+                       experiment_name=t.experiment_name, progress_bar=t.progress_bar, tensorboard=t.tensorboard,
+                       wandb=t.wandb, wandb_project=t.wandb_project, resume=t.resume,
+                       on_damaged_checkpoint=t.on_damaged_checkpoint, keep_last=t.keep_last, export_hf=t.export_hf,
+                       config_record=dataclasses.asdict(cfg) if t.wandb else None)
+
+
+def build_data_settings(cfg: Config) -> DataSettings:
+    d = cfg.data
+    return DataSettings(tokenizer=cfg.model.tokenizer, train_files=tuple(d.train_files), val_files=tuple(d.val_files),
+                        task=d.task, task_size=d.task_size, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                        sft_answer_key=d.sft_answer_key, max_prompt_length=d.max_prompt_length,
+                        batch_size=d.batch_size, shuffle=d.shuffle)
+
+
+def build_reward_settings(cfg: Config) -> RewardSettings:
     w = cfg.reward
-    return RewardSettings(is_model=w.type == "model", function=w.function, task=cfg.data.task,
-                          signature=w.signature, model_path=w.model_path, default_score=w.default_score,
+    function = f"builtin:task:{cfg.data.task}" if w.function == "builtin:task" else w.function
+    return RewardSettings(is_model=w.type == "model", function=function, signature=w.signature,
+                          model_path=w.model_path, default_score=w.default_score,
                           timeout_s=w.timeout_s or None, max_tokens_per_micro_batch=w.max_tokens_per_micro_batch,
                           pass_threshold=w.pass_threshold, stop_failed_fraction=w.stop_failed_fraction)
 
 
-def _optimizer(o) -> OptimizerSettings:
+def _optimizer(sec) -> OptimizerSettings:
+    o = sec.optim
     return OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), warmup_steps=o.warmup_steps,
-                             lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip)
+                             lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip,
+                             stream_from_host=bool(sec.offload_optimizer))
 
 
 def build_role_settings(cfg: Config) -> RoleBuildSettings:
     def layout(sec) -> WorkerLayout:
-        # unset memory keys that nothing fitted (launcher.planning.fit runs at launch): the plain default
-        return WorkerLayout(backend=sec.backend, activation_checkpointing=sec.activation_checkpointing or "none",
+        # unset memory keys that nothing fitted (launcher.planning.fit runs at launch): the plain default; a
+        # forward-only role (reference, reward model) has no backward to recompute for
+        ac = getattr(sec, "activation_checkpointing", None) or "none"
+        return WorkerLayout(backend=sec.backend, activation_checkpointing=ac,
                             compile=sec.compile, pp_microbatches=sec.pp_microbatches, pp_schedule=sec.pp_schedule,
                             pp_stages_per_rank=sec.pp_stages_per_rank)
 
     return RoleBuildSettings(
-        seed=cfg.trainer.seed, dtype=cfg.model.dtype, model_path=cfg.model.path, critic_path=cfg.critic.path,
+        dtype=cfg.model.dtype, model_path=cfg.model.path, critic_path=cfg.critic.path,
         share_prompts=cfg.trainer.share_prompts,
         layouts={role: layout(getattr(cfg, role)) for role in ("actor", "ref", "critic", "reward")},
-        actor_optim=_optimizer(cfg.actor.optim), critic_optim=_optimizer(cfg.critic.optim),
-        actor_offload_optimizer=bool(cfg.actor.offload_optimizer),
-        critic_offload_optimizer=bool(cfg.critic.offload_optimizer),
-        reward=_reward_settings(cfg))
+        actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic))
 
 
 def build_loop_settings(cfg: Config) -> LoopSettings:
@@ -97,6 +127,7 @@ def build_loop_settings(cfg: Config) -> LoopSettings:
     advantages = AdvantageSettings(
         name=a.name, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std, use_kl_penalty=a.use_kl_penalty,
         kl_penalty=a.kl_penalty, rollout_correction=a.rollout_correction, use_kl_loss=cfg.actor.use_kl_loss,
+        kl_control=KLControlSettings(kind=a.kl_ctrl, coef=a.kl_coef, target=a.target_kl, horizon=a.kl_horizon),
         overlong_buffer=a.overlong_buffer.enable, overlong_buffer_len=a.overlong_buffer.len,
         overlong_penalty_factor=a.overlong_buffer.penalty_factor, overlong_filter=a.overlong_filter,
         filter_groups=a.filter_groups.enable, max_gen_rounds=a.filter_groups.max_num_gen_batches)
@@ -104,12 +135,10 @@ def build_loop_settings(cfg: Config) -> LoopSettings:
                                     shrink=c.shrink, hysteresis_steps=c.hysteresis_steps,
                                     max_oom_retries=c.max_oom_retries)
     return LoopSettings(
-        seed=t.seed, batch_size=cfg.data.batch_size, n=r.n, max_response_length=r.max_response_length,
-        async_rollout=t.async_rollout, share_prompts=t.share_prompts, actor_ppo_epochs=cfg.actor.ppo_epochs,
-        actor_mini_batch_size=cfg.actor.mini_batch_size,
+        async_rollout=t.async_rollout,
         micro_batch_tokens={role: getattr(cfg, role).max_tokens_per_micro_batch for role in ("actor", "ref", "critic")},
-        advantages=advantages, controller=controller, reward=_reward_settings(cfg),
-        sft_warmup_steps=t.sft_warmup_steps, val_before_train=t.val_before_train, test_freq=t.test_freq,
-        val_n=r.val_n, val_temperature=r.val_temperature, save_every=t.save_every, save_final=t.save_final,
+        advantages=advantages, controller=controller, sft_warmup_steps=t.sft_warmup_steps,
+        val_before_train=t.val_before_train, test_freq=t.test_freq, val_n=r.val_n, val_temperature=r.val_temperature,
+        save_every=t.save_every, save_final=t.save_final,
         save_every_minutes=t.save_every_minutes, log_samples_every=t.log_samples_every,
         log_samples_count=t.log_samples_count, profile_steps=tuple(t.profile_steps), gc_freeze=t.gc_freeze)

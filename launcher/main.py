@@ -146,7 +146,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         from ppo.trainer import run_training
 
         try:
-            stopped = run_training(cfg, settings=build_ppo_settings(cfg, device=env.device),
+            stopped = run_training(settings=build_ppo_settings(cfg, device=env.device),
                                    placement=Placement(plan, groups, env), run_dir=run_dir, model_config=model_cfg,
                                    monitor=monitor, heartbeat=watchdog, stop_requested=lambda: stop.requested)
         finally:

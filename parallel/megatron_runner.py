@@ -284,13 +284,14 @@ class MegatronRunner:
 
     # ---- optimizer (the backend's: DDP + distributed optimizer)
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                        grad_clip: float = 1.0, offload: bool = False):
+                        grad_clip: float = 1.0, stream_from_host: bool = False):
         """Wrap the stage in megatron-core DDP and build its distributed optimizer (collective over the role
         group). Returns the torch optimizer megatron drives (its param_groups carry the LR a scheduler
-        sets; its state is the fp32 master shards' Adam moments). offload (host-resident moments) is not
-        wired here: refused, never ignored (launcher.config.validation refuses it before launch too)."""
-        if offload:
-            raise ValueError("megatron backend: offload_optimizer is not supported (native backend only)")
+        sets; its state is the fp32 master shards' Adam moments). stream_from_host (host-resident moments) is
+        not wired here: refused, never ignored (launcher.config.validation refuses it before launch too)."""
+        if stream_from_host:
+            raise ValueError("megatron backend: an optimizer streamed from host memory (<role>.offload_optimizer) "
+                             "is not supported (native backend only)")
         settings = MegatronOptimSettings(lr=lr, grad_clip=grad_clip, weight_decay=weight_decay, betas=tuple(betas))
         self.ddp, self.optimizer = build_megatron_training(self.gpt, self.pgc, settings)
         self.ddp.zero_grad_buffer()

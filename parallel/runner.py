@@ -37,10 +37,10 @@ The `ModelRunner` protocol, precisely:
 - `training_shards() -> {HF name: local shard}`: what the reshard executor sends (tied: both names).
 - `export_state_dict() -> {HF name: full tensor} | None`: collective over the runner's group;
   the whole model on the rank where `is_exporter` (group coordinate 0, 0, 0), None elsewhere.
-- `build_optimizer(*, lr, betas, weight_decay, offload=False)` and `optimizer_step(optimizer, *, max_norm)
-  -> grad norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard);
-  `offload` keeps Adam's moments in pinned host memory between steps (native:
-  parallel/offload_optim.py), and a backend that cannot must raise rather than ignore it.
+- `build_optimizer(*, lr, betas, weight_decay, stream_from_host=False)` and `optimizer_step(optimizer, *,
+  max_norm) -> grad norm`: the optimizer is the backend's (native: AdamW; clipping over every dp/tp/pp shard);
+  `stream_from_host` keeps Adam's moments in pinned host memory and streams them through the device in each
+  step (native: parallel/offload_optim.py), and a backend that cannot must raise rather than ignore it.
 - `model_config`: the models.config.ModelConfig; `load_hf_weights(path, *, strict)`: this rank's slices
   of an HF checkpoint; `checkpoint_state(optimizer) -> dict` / `load_checkpoint_state(optimizer, state)`:
   this rank's model + optimizer state in the backend's own layout (ppo/run/state.py writes it atomically);
@@ -120,7 +120,7 @@ class ModelRunner(Protocol):
     def training_shards(self) -> dict[str, torch.Tensor]: ...
     def export_state_dict(self) -> dict[str, torch.Tensor] | None: ...
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                        offload: bool = False): ...
+                        stream_from_host: bool = False): ...
     def optimizer_step(self, optimizer, *, max_norm: float) -> float: ...
     @property
     def model_config(self): ...
@@ -323,17 +323,19 @@ class NativeRunner:
             return None
         return {k: v for part in parts for k, v in part.items()}
 
-    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float, offload: bool = False):
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                        stream_from_host: bool = False):
         """AdamW over this rank's trainable parameters: fp32 masters in its state when they are 16-bit with main
-        grads (parallel/master_weights.py), Adam's moments in host memory with `offload` (FSDP layout only)."""
+        grads (parallel/master_weights.py); with `stream_from_host`, Adam's moments in pinned host memory,
+        streamed through the device in each step (FSDP layout only)."""
         for m in self.modules:  # after a forward FSDP2 may have the gathered parameters registered
             register_sharded_parameters(m)
         params, kw = self.parameters(), dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         main_grads = any(hasattr(p, "main_grad") for p in params)
-        if offload:
+        if stream_from_host:
             if main_grads:
-                raise ValueError("optimizer offload streams FSDP's fp32 parameter shards: build the runner with "
-                                 "fsdp=True (16-bit parameters with fp32 main grads have no offloaded optimizer)")
+                raise ValueError("an optimizer streamed from host memory streams FSDP's fp32 parameter shards: build "
+                                 "the runner with fsdp=True (16-bit parameters with fp32 main grads have none)")
             from parallel.offload_optim import HostOffloadAdamW
 
             return HostOffloadAdamW(params, **kw)

@@ -1,8 +1,8 @@
 """The typed pieces of a run that the launcher hands to `ppo` (STYLE.md #2: OmegaConf at the edge,
-typed dataclasses inside): the roles' loss and update settings, the generation role's engine config
-and sampling, how each role's workers are built, and the step loop's own settings. launcher/handoff.py
-builds them from the config tree once; ppo/trainer.py, ppo/roles/build.py and ppo/roles/generation.py read nothing
-else of the tree.
+typed dataclasses inside): the run's seed, length, logs and checkpoints, its prompts, the reward, the
+roles' loss and update settings, the generation role's engine config and sampling, how each role's workers
+are built, and the step loop's own settings. launcher/handoff.py builds them from the config tree once;
+nothing in `ppo` reads the tree. Each fact has one field, and its readers read it there.
 
     settings = build_ppo_settings(cfg, device=env.device)     # launcher side
     roles.update_actor(...)    # reads settings.roles.policy_loss, settings.roles.actor_update
@@ -40,7 +40,6 @@ class RolesSettings:
     critic_update: UpdateSettings
     value_loss: ValueLossSettings
     sft_lr: float = 0.0  # the supervised warm-up's learning rate
-    sft_max_tokens: int = 8192  # its micro-batch token budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,9 @@ class GenerationSettings:
     max_response_length: int = 256
     n: int = 1  # samples per prompt
     bucket_bytes: int = 256 << 20  # reshard bucket size
-    offload_optimizer: bool = False  # the actor's optimizer states to pinned CPU while generating
+    # the actor's optimizer states to pinned host memory while the engine generates, back before the update
+    # (rollout.hybrid.HybridEngine); not the host-streamed optimizer (OptimizerSettings.stream_from_host)
+    offload_optimizer_while_generating: bool = False
     dtype: torch.dtype = torch.float32  # of the generation weights
     vllm: object | None = None  # rollout.vllm_support.VLLMOptions when engine_kind == "vllm"
     # rollout.free_memory_on_sleep unset: the engine frees its memory on sleep until the first step's peaks show
@@ -72,6 +73,9 @@ class OptimizerSettings:
     lr_schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+    # Adam's moments live in pinned host memory and stream through the GPU during each optimizer step
+    # (parallel/offload_optim.py); not the engine's offload while generating
+    stream_from_host: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +92,10 @@ class WorkerLayout:
 
 @dataclass(frozen=True, slots=True)
 class RewardSettings:
-    """The reward role: a rule function (function, resolved against the data task) or a reward model."""
+    """The reward role: a rule function or a reward model, and what the loop does with failed scores."""
 
     is_model: bool = False  # reward.type == "model"
-    function: str = "builtin:task"  # as configured (named in error messages)
-    task: str = ""  # data.task: what builtin:task checks
+    function: str = "builtin:task:add:1"  # the rule function's spec (builtin:task resolved against data.task)
     signature: str = "auto"
     model_path: str | None = None
     default_score: float = 0.0
@@ -101,26 +104,30 @@ class RewardSettings:
     pass_threshold: float = 1.0  # validation: a sample counts as solved when its score >= this
     stop_failed_fraction: float = 1.0  # stop the run when this fraction of a step's samples failed
 
-    @property
-    def resolved_function(self) -> str:
-        return f"builtin:task:{self.task}" if self.function == "builtin:task" else self.function
-
 
 @dataclass(frozen=True, slots=True)
 class RoleBuildSettings:
-    """What ppo.roles.build_roles needs beyond the placement: models' sources, layouts, optimizers."""
+    """What ppo.roles.build_roles needs beyond the placement, the run's seed and the reward: models' sources,
+    layouts, optimizers."""
 
-    seed: int
-    dtype: str  # float32 | bfloat16 | float16
-    model_path: str | None
+    dtype: str  # float32 | bfloat16
+    model_path: str | None  # None: random init (also where the tokenizer comes from with model.tokenizer=auto)
     critic_path: str | None  # None: model_path
-    share_prompts: bool
+    share_prompts: bool  # actor and reference forwards pack each prompt once with its n responses
     layouts: dict[str, WorkerLayout]  # role -> layout, for actor, ref, critic, reward
     actor_optim: OptimizerSettings
     critic_optim: OptimizerSettings
-    actor_offload_optimizer: bool = False
-    critic_offload_optimizer: bool = False
-    reward: RewardSettings = RewardSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class KLControlSettings:
+    """algorithm.kl_ctrl / kl_coef / target_kl / kl_horizon: the in-reward KL penalty's coefficient
+    (ppo.algos.core_algos.FixedKLController / AdaptiveKLController)."""
+
+    kind: str = "fixed"  # fixed | adaptive
+    coef: float = 0.01  # the coefficient (the initial one when adaptive)
+    target: float = 0.1  # adaptive: the KL it steers to
+    horizon: int = 10000  # adaptive: samples over which it moves
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +140,7 @@ class AdvantageSettings:
     norm_adv_by_std: bool = True
     use_kl_penalty: bool = True
     kl_penalty: str = "k1"
+    kl_control: KLControlSettings = KLControlSettings()
     rollout_correction: str = "auto"  # as configured (ppo.algos.rollout_correction.resolve_mode)
     use_kl_loss: bool = False  # actor.use_kl_loss: needs the reference's log-probs
     overlong_buffer: bool = False  # DAPO soft overlong punishment
@@ -158,22 +166,17 @@ class ControllerSettings:
 
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
-    """The step loop's own settings (ppo.trainer.PPOTrainer). The number of steps is not here: with
-    trainer.total_epochs it depends on the data, and ppo.run.state.TrainState resolves it."""
+    """The step loop's own settings (ppo.trainer.PPOTrainer). What the loop reads from other settings is
+    read there: the seed (RunSettings), prompts per step (DataSettings.batch_size), samples per prompt and the
+    response length (GenerationSettings), the actor's epochs and mini-batches (RolesSettings.actor_update),
+    the reward (RewardSettings). The number of steps is not here: with trainer.total_epochs it depends on the
+    data, and ppo.run.state.TrainState resolves it."""
 
-    seed: int
-    batch_size: int  # prompts per step
-    n: int  # samples per prompt
-    max_response_length: int
     async_rollout: bool
-    share_prompts: bool
-    actor_ppo_epochs: int
-    actor_mini_batch_size: int
     micro_batch_tokens: dict[str, int]  # role -> its configured micro-batch token budget (actor, ref, critic)
     advantages: AdvantageSettings
     controller: ControllerSettings
-    reward: RewardSettings
-    sft_warmup_steps: int
+    sft_warmup_steps: int  # the supervised warm-up's steps (its micro-batches: micro_batch_tokens["actor"])
     val_before_train: bool
     test_freq: int
     val_n: int
@@ -188,7 +191,46 @@ class LoopSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RunSettings:
+    """trainer.*: the run's seed and length, its logs and its checkpoints (ppo.run.state.TrainState)."""
+
+    seed: int  # model init, data order and sampling
+    total_steps: int  # ignored when total_epochs > 0
+    total_epochs: int  # > 0: total_steps = epochs x the data's batches per epoch (TrainState resolves it)
+    experiment_name: str  # the W&B run's name
+    progress_bar: bool
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+    resume: str  # never | auto | <checkpoint dir>
+    on_damaged_checkpoint: str  # stop | fallback
+    keep_last: int  # checkpoints kept on disk
+    export_hf: str  # final | every_save
+    config_record: dict | None = None  # the resolved config as plain data: the W&B run's config
+
+
+@dataclass(frozen=True, slots=True)
+class DataSettings:
+    """data.* and model.tokenizer: the prompts, their tokenizer and order, the supervised warm-up's answers."""
+
+    tokenizer: str  # as configured; auto: RoleBuildSettings.model_path's tokenizer.json, else builtin:char
+    train_files: tuple[str, ...]  # empty: the synthetic task
+    val_files: tuple[str, ...]  # empty: no validation
+    task: str  # the synthetic task (ppo/data/tasks.py)
+    task_size: int
+    prompt_key: str
+    answer_key: str | None
+    sft_answer_key: str | None
+    max_prompt_length: int
+    batch_size: int  # prompts per step
+    shuffle: bool
+
+
+@dataclass(frozen=True, slots=True)
 class PPOSettings:
+    run: RunSettings
+    data: DataSettings
+    reward: RewardSettings
     roles: RolesSettings
     generation: GenerationSettings
     build: RoleBuildSettings

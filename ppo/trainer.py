@@ -56,10 +56,9 @@ class PPOTrainer:
     """`heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
     `stop_requested() -> reason | None` (launcher.preempt.StopRequest) is asked at each step end."""
 
-    def __init__(self, state_config, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
+    def __init__(self, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
                  monitor=None, heartbeat=None, stop_requested=None):
-        """state_config: launcher.config.schema.Config, read only by ppo.run.state.TrainState (data, tokenizer,
-        checkpoints, logs); settings: the typed pieces the loop, the roles and the generation read
+        """settings: the typed pieces the run state, the loop, the roles and the generation read
         (launcher/handoff.py); placement: this rank's plan, role groups and environment."""
         self.settings, self.loop = settings, settings.loop
         self.plan, self.run_dir = placement.plan, Path(run_dir)
@@ -68,8 +67,11 @@ class PPOTrainer:
         self.rank = placement.rank
         from ppo.run.resume import layout_of
 
-        self.state = TrainState.create(state_config, run_dir=self.run_dir, rank=self.rank,
-                                       layout=layout_of(self.plan))
+        self.state = TrainState.create(settings.run, settings.data, reward=settings.reward,
+                                       kl_control=settings.loop.advantages.kl_control,
+                                       model_path=settings.build.model_path,
+                                       sft_warmup=settings.loop.sft_warmup_steps > 0, run_dir=self.run_dir,
+                                       rank=self.rank, layout=layout_of(self.plan))
         self.total_steps = self.state.total_steps  # trainer.total_epochs resolved from the data
         self.heartbeat, self.stop_requested = heartbeat, stop_requested
         self.last_save = time.monotonic()
@@ -87,8 +89,10 @@ class PPOTrainer:
                                      device=self.device)
         self.pending: Experience | None = None  # async: the batch generated one step ahead
         self.gc_pauses = GcPauses()  # the collector's stalls of this rank's host, per step (host/gc_s)
-        self.metrics = StepMetrics(loop, plan=self.plan, rank=self.rank, device=self.device,
-                                   model_config=model_config, gc_pauses=self.gc_pauses)
+        self.metrics = StepMetrics(plan=self.plan, rank=self.rank, device=self.device, model_config=model_config,
+                                   gc_pauses=self.gc_pauses, n=settings.generation.n,
+                                   ppo_epochs=settings.roles.actor_update.epochs,
+                                   share_prompts=settings.build.share_prompts, reward_model=settings.reward.is_model)
         self.frozen_graphs = -1  # compiled graphs when the survivors were last frozen (trainer.gc_freeze)
         self.ref_beside_actor = ref_beside_actor(self.plan)
         if self.ref_beside_actor and self.roles.actor is not None:
@@ -111,10 +115,10 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
     def old_logp_source(self) -> str:
         """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step."""
-        loop = self.loop
-        return old_logp_source(async_rollout=loop.async_rollout, ppo_epochs=loop.actor_ppo_epochs,
-                               mini_batch_size=loop.actor_mini_batch_size, samples=loop.batch_size * loop.n,
-                               kl_penalty_with_ref=loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
+        s, update = self.settings, self.settings.roles.actor_update
+        return old_logp_source(async_rollout=s.loop.async_rollout, ppo_epochs=update.epochs,
+                               mini_batch_size=update.mini_batch_size, samples=s.data.batch_size * s.generation.n,
+                               kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 
     def generate(self, step: int, timer: StageTimer, *, index_offset: int = 0) -> tuple[Experience, Generation]:
         """Draw the step's prompts, generate on the actor ranks, share the samples with every rank.
@@ -126,7 +130,7 @@ class PPOTrainer:
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
-                gen = self.roles.rollout.generate(batch, step=step, seed=self.loop.seed)
+                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed)
             timer.carve("gen", "reshard", gen.reshard_s)  # gen is decoding; reshard its own stage
         return Experience(share_samples(gen.samples)), gen
 
@@ -142,7 +146,7 @@ class PPOTrainer:
         last = [Generation([])]
 
         def draw(round_index: int):
-            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.loop.batch_size)
+            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.settings.data.batch_size)
             mine = {}
             if self.roles.reward is not None:
                 with timer("reward"):
@@ -153,14 +157,14 @@ class PPOTrainer:
                 rewards.setdefault(key, {}).update(per_uid)
             return exp.samples, {uid: float(v) for uid, v in merged["score"].items()}
 
-        filled = fill_informative_groups(draw, target_groups=self.loop.batch_size,
+        filled = fill_informative_groups(draw, target_groups=self.settings.data.batch_size,
                                          max_rounds=self.loop.advantages.max_gen_rounds)
         kept = {key: {s.uid: per_uid[s.uid] for s in filled.samples} for key, per_uid in rewards.items()}
         return Experience(filled.samples), last[0], kept, filled.metrics
 
     def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
         """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
-        return overlong_penalties(exp, self.loop.advantages, max_len=self.loop.max_response_length)
+        return overlong_penalties(exp, self.loop.advantages, max_len=self.settings.generation.max_response_length)
 
     def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
@@ -338,7 +342,8 @@ class PPOTrainer:
         a = self.loop.advantages
         kl_ctrl = self.state.kl_ctrl if a.use_kl_penalty else None
         batch, metrics, kl_seen = compute_step_batch(
-            exp, merged, a=a, n=self.loop.n, max_response_length=self.loop.max_response_length,
+            exp, merged, a=a, n=self.settings.generation.n,
+            max_response_length=self.settings.generation.max_response_length,
             kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp, ref_logp=ref_logp)
         if kl_seen is not None:
             kl_ctrl.update(kl_seen, n_steps=len(exp.samples))
@@ -346,7 +351,7 @@ class PPOTrainer:
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
         """Every rank sees the same merged failure count, so every rank stops here together."""
-        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.loop.reward.stop_failed_fraction
+        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.settings.reward.stop_failed_fraction
         if frac < limit or frac == 0.0:
             return
         from ppo.data.rewards import RewardFailureError
@@ -355,7 +360,7 @@ class PPOTrainer:
         errors = sorted({e for part in all_gather_objects(list(manager.errors.values()) if manager else [])
                          for e in part})
         raise RewardFailureError(
-            f"step {step + 1}: the reward function ({self.loop.reward.function}) failed on "
+            f"step {step + 1}: the reward function ({self.settings.reward.function}) failed on "
             f"{int(adv_metrics['reward/failed'])} of {num_samples} samples "
             f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
             f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
@@ -377,9 +382,9 @@ class PPOTrainer:
         timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
                            lambda name: hb.set_stage(name, step))
         with timer("val"):
-            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=loop.seed,
+            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.settings.run.seed,
                                val_n=loop.val_n, temperature=loop.val_temperature,
-                               threshold=loop.reward.pass_threshold, rank=self.rank)
+                               threshold=self.settings.reward.pass_threshold, rank=self.rank)
         if m:
             m["timing_s/val"] = timer.times["val"]
         return m
@@ -390,7 +395,8 @@ class PPOTrainer:
         loop = self.loop
         start, self.pending = self.state.maybe_resume(self.roles, controller=self.controller)
         if start == 0 and loop.sft_warmup_steps:
-            self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, run_dir=self.run_dir)
+            self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
+                                  run_dir=self.run_dir)
         elif loop.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
         if self.state.val_dataset is not None and loop.val_before_train and start == 0:
@@ -475,13 +481,12 @@ def _step_keys(stage: str, results: dict) -> dict:
     return {"ref_logp": results["logp"]} if stage == "ref" else results
 
 
-def run_training(state_config, *, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,
+def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,
                  heartbeat=None, stop_requested=None) -> str | None:
-    """state_config: launcher.config.schema.Config (ppo.run.state.TrainState's data, tokenizer, checkpoints and logs);
-    settings: launcher/handoff.py's typed pieces; placement: this rank's plan, groups and environment;
+    """settings: launcher/handoff.py's typed pieces; placement: this rank's plan, groups and environment;
     monitor: an optional GPU monitor with set_stage/step_summary/stop. Returns None when the run's steps
     were trained, else why the run stopped early."""
-    trainer = PPOTrainer(state_config, settings=settings, placement=placement, run_dir=run_dir,
+    trainer = PPOTrainer(settings=settings, placement=placement, run_dir=run_dir,
                          model_config=model_config, monitor=monitor, heartbeat=heartbeat,
                          stop_requested=stop_requested)
     stopped = trainer.fit()

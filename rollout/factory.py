@@ -3,9 +3,9 @@
     engine = build_rollout_engine("native", model_config, config=RolloutConfig(...), tp_group=g,
                                   device=dev, dtype=torch.bfloat16, eos_token_ids=[2])
 
-`ENGINES` lists the kinds this function builds; the launcher rejects any other `rollout.engine`
-before launch with the reason in `NOT_BUILT` (a new backend is one more branch here and one
-entry moved from NOT_BUILT to ENGINES).
+`ENGINES` lists the kinds this function builds, the values `rollout.engine` may take (the launcher's
+schema lists the same, and refuses any other before launch); a new backend is one more branch here and
+one more name in ENGINES.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from rollout.base import RolloutConfig, RolloutEngine
 from rollout.vllm_support import VLLMOptions
 
 ENGINES = ("native", "vllm")
-NOT_BUILT = {
-    "hf": "the Hugging Face engine (bench/hf_engine.py) is a test reference that cannot take the actor's "
-          "resharded weights; use rollout.engine=native",
-}
 
 
 def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
@@ -41,4 +37,4 @@ def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: Rollou
         return VLLMEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
                           eos_token_ids=eos_token_ids, logprobs_mode=vllm.logprobs_mode,
                           enforce_eager=vllm.enforce_eager, bucket_bytes=vllm.bucket_bytes, idle_tp=vllm.idle_tp)
-    raise ValueError(f"rollout engine {kind!r}: {NOT_BUILT.get(kind, 'unknown')}")
+    raise ValueError(f"rollout engine {kind!r}: not one of {', '.join(ENGINES)}")

@@ -3,14 +3,14 @@
     groups = build_reshard_groups((train, gen), ranks)                  # collective, once
     engine = NativeEngine(cfg, config=rcfg, tp_group=groups.gen_tp_group, device=dev, dtype=torch.bfloat16)
     hybrid = HybridEngine(actor, engine, train_layout=train, gen_layout=gen, groups=groups,
-                          bucket_bytes=256 << 20, offload_optimizer=True, optimizer=opt,
+                          bucket_bytes=256 << 20, offload_optimizer_while_generating=True, optimizer=opt,
                           gen_dtype=torch.bfloat16)
     out = hybrid.generate(prompts, SamplingParams(max_tokens=256))  # every actor rank calls it
     out.completions, out.reshard_s, out.reshard.bytes_received, out.metrics()   # what the cycle cost
 
 One `generate` is the HybridFlow cycle, each step logged with its memory in `memory_log`:
 release training-only state (grads to None; optimizer states to pinned CPU when
-offload_optimizer), so it never coexists with the generation copy -> gather the generation shard
+offload_optimizer_while_generating), so it never coexists with the generation copy -> gather the generation shard
 (parallel/reshard_exec.py) -> engine.wake_up() (KV cache)
 -> engine.update_weights(gen shard) -> engine.generate -> engine.sleep() -> drop the generation
 copy -> restore the optimizer states. The training shards are never written, so going back is
@@ -65,7 +65,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 class HybridEngine:
     def __init__(self, actor: ModelRunner, engine, *, train_layout: TrainLayout, gen_layout: GenLayout,
-                 groups: ReshardGroups, bucket_bytes: int, offload_optimizer: bool,
+                 groups: ReshardGroups, bucket_bytes: int, offload_optimizer_while_generating: bool,
                  optimizer: torch.optim.Optimizer | None = None, logger: logging.Logger | None = None,
                  gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None,
                  method: str = "alltoall"):
@@ -73,15 +73,17 @@ class HybridEngine:
         rollout.base.RolloutEngine whose TP group is groups.gen_tp_group. gen_dtype: dtype of the
         generation shard (default: the training shards' dtype; bf16 halves the bytes moved when the
         masters are fp32). specs: full parameter shapes (default: from the actor's config). method:
-        how buckets move (parallel/reshard_exec.py: "alltoall" or "p2p")."""
-        if offload_optimizer and optimizer is None:
-            raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
+        how buckets move (parallel/reshard_exec.py: "alltoall" or "p2p"). offload_optimizer_while_generating: the
+        optimizer's states go to pinned host memory for the cycle and come back before it returns (an optimizer
+        that streams its states from host memory in its step, parallel/offload_optim.py, is another thing)."""
+        if offload_optimizer_while_generating and optimizer is None:
+            raise ValueError("offload_optimizer_while_generating=True needs the optimizer whose states to offload")
         self.actor = actor
         self.modules = actor.modules
         self.engine = engine
         self.groups = groups
         self.bucket_bytes = bucket_bytes
-        self.offload_optimizer = offload_optimizer
+        self.offload_optimizer_while_generating = offload_optimizer_while_generating
         self.optimizer = optimizer
         self.log = logger
         self.gen_dtype = gen_dtype
@@ -152,7 +154,7 @@ class HybridEngine:
     # ---- training-only state ----
     def _release_training_state(self) -> None:
         self.actor.release_gradients()  # the backend's gradient storage (megatron: its DDP buffers)
-        if not self.offload_optimizer:
+        if not self.offload_optimizer_while_generating:
             return
         pin = torch.cuda.is_available() and self.device.type == "cuda"
         with torch.no_grad():

@@ -113,3 +113,16 @@ def test_ppo_is_grouped_in_wings():
     loose = sorted(p.name for p in (ROOT / "ppo").glob("*.py") if p.name not in ("__init__.py", "trainer.py",
                                                                                    "settings.py"))
     assert not loose, f"modules outside a wing of ppo/: {loose}"
+
+
+def test_ppo_reads_typed_settings_not_the_config_tree():
+    """launcher/handoff.py builds ppo/settings.py's dataclasses once; no ppo module reads a section of the
+    launcher's config tree (an untyped `cfg` passed through would hide the dependency from the import graph)."""
+    import re
+
+    sections = "trainer|model|actor|critic|ref|reward|rollout|data|algorithm|placement|monitor|controller"
+    tree_read = re.compile(rf"\b\w*(cfg|config)\.({sections})\.\w")
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "ppo").rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if tree_read.search(line) and not line.lstrip().startswith("#")]
+    assert not hits, "ppo reads the launcher's config tree:\n" + "\n".join(hits)

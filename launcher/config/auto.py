@@ -45,7 +45,7 @@ def resolve_auto(cfg: Config) -> list[str]:
         elif not cuda:
             choose(f"{role}.compile", False, "no CUDA device: torch.compile's CPU kernels are slower to build than "
                                              "they save on a tiny model")
-        elif sec.backend == "megatron" and sec.activation_checkpointing == "full":
+        elif sec.backend == "megatron" and getattr(sec, "activation_checkpointing", None) == "full":
             choose(f"{role}.compile", False, "megatron's full recompute wraps the layers itself")
         else:
             choose(f"{role}.compile", True, "CUDA: each transformer layer compiled (fused norms, RoPE, SiLU)")

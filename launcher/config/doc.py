@@ -101,22 +101,24 @@ def _show(v: Any) -> str:
     return str(v)
 
 
-def describe(cls: type | None = None, prefix: str = "") -> list[KeyDoc]:
-    """Every leaf key of the schema under `cls` (default: the whole Config), in declaration order."""
+def describe(cls: type | None = None, prefix: str = "", defaults: Any = None) -> list[KeyDoc]:
+    """Every leaf key of the schema under `cls` (default: the whole Config), in declaration order. defaults: the
+    section's default instance where its parent sets one (critic.optim's lr is not OptimConfig's)."""
     cls = cls or Config
     hints = typing.get_type_hints(cls)
     out: list[KeyDoc] = []
     for f in dataclasses.fields(cls):
         key, t = prefix + f.name, hints[f.name]
         elem = typing.get_args(t)[0] if typing.get_origin(t) is list else None
+        default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if dataclasses.is_dataclass(t):
-            out += describe(t, key + ".")
+            out += describe(t, key + ".", default)
             continue
         meaning = _meaning(cls, f.name)
         choices = CHOICES.get(key)
         if choices and not set(choices) <= set(re.findall(r"[\w.:-]+", meaning)):
             meaning += f" (one of: {' | '.join(choices)})"
-        out.append(KeyDoc(key, _type_name(t), _show(_default(f)), meaning))
+        out.append(KeyDoc(key, _type_name(t), _show(default), meaning))
         if elem is not None and dataclasses.is_dataclass(elem):
             out += describe(elem, key + "[].")
     return out

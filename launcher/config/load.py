@@ -3,9 +3,10 @@
     cfg = load_config("conf/ppo_tiny.yaml", ["actor.lr=1e-5", "placement.mode=split"])
 
 A YAML file may extend others: `extends: base.yaml` (or a list), paths relative to the
-file. Unknown keys fail with the dotted path and the closest valid names; wrong types
-name the source (file or command line), the key and the expected type. Everything here
-runs before any process group exists, so a bad config costs nothing and exits with 2.
+file. Unknown keys fail with the dotted path and the closest valid names (a key that was
+removed or renamed: what to write instead, RETIRED_KEYS); wrong types name the source (file
+or command line), the key and the expected type. Everything here runs before any process
+group exists, so a bad config costs nothing and exits with 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ from launcher.config.auto import resolve_auto
 from launcher.config.schema import Config
 from launcher.config.validation import validate_config
 from launcher.errors import UserError
+
+_FORWARD_ONLY = "runs forwards only: it keeps no activations for a backward to recompute"
+# keys that no longer exist -> what to write instead (the closest name may be another mechanism: actor.offload is
+# not actor.offload_optimizer)
+RETIRED_KEYS = {
+    "actor.offload": "renamed actor.offload_optimizer_while_generating (the optimizer states to host memory while "
+                     "the rollout generates; actor.offload_optimizer keeps them there all the time)",
+    "critic.offload": "only the actor offloads its optimizer while the rollout generates on its GPUs; "
+                      "critic.offload_optimizer keeps the critic's Adam moments in host memory all the time",
+    "ref.offload": "the reference has no optimizer to offload",
+    "reward.offload": "the reward role has no optimizer to offload",
+    "ref.activation_checkpointing": f"the reference {_FORWARD_ONLY}",
+    "reward.activation_checkpointing": f"the reward model {_FORWARD_ONLY}",
+}
 
 
 def _fields_at(path: list[str]) -> list[str]:
@@ -45,6 +60,8 @@ def _explain(err: Exception, source: str) -> UserError:
     full_key = getattr(err, "full_key", None) or ""
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
         parts = [p for p in full_key.replace("[", ".").replace("]", "").split(".") if p and not p.isdigit()]
+        if ".".join(parts) in RETIRED_KEYS:
+            return UserError(f"{source}: unknown config key '{full_key}': {RETIRED_KEYS['.'.join(parts)]}")
         key = parts[-1] if parts else full_key
         valid = _fields_at(parts[:-1])
         close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)

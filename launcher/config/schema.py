@@ -1,6 +1,13 @@
 """The config schema: typed dataclasses with their defaults, the allowed values of string keys
 (CHOICES), and the settings derived from them (which roles a run uses).
 
+Each role's section holds the keys that role can act on: every model role has a layout (ParallelConfig); only
+the trained roles (actor, critic) have activation checkpointing and an optimizer, and only the actor offloads
+its optimizer while the rollout generates on its GPUs. The reward section is the one exception: one class
+serves reward.type=rule and reward.type=model (a structured config cannot change its keys with a value), so
+its model keys exist for a rule reward and its rule keys for a model, and validation refuses each set where
+the type cannot use it.
+
 The comment beside (or just above) each field is its meaning in `python -m launcher.config`
 (launcher/config/doc.py reads them from this file).
 """
@@ -67,16 +74,15 @@ class ModelSourceConfig:
 
 @dataclass
 class ParallelConfig:
+    """A model role's layout on its ranks (actor, critic, reference, reward model)."""
+
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
     dp: int = 0  # data-parallel degree; 0: derived from the pool size
     pp_microbatches: int = 0  # pipeline micro-batches per mini-batch; 0: 2 * pp
     pp_schedule: str = "1F1B"  # 1F1B | interleaved
     pp_stages_per_rank: int = 1  # virtual pipeline stages per rank (interleaved schedule)
-    # none | full | selective; unset: the trained roles' cheapest setting that fits the GPU (launcher.planning.fit)
-    activation_checkpointing: str | None = None
     compile: bool | None = None  # torch.compile each transformer layer; unset: on with CUDA (config/auto.py)
-    offload: bool = False  # optimizer states to pinned CPU memory while generating
     backend: str = "native"  # native (PyTorch DTensor/FSDP2/pipelining) | megatron (megatron-core GPTModel)
 
 
@@ -93,6 +99,9 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig(ParallelConfig):
+    # recompute activations in the backward: none | full | selective; unset: the cheapest setting that fits the
+    # GPU (launcher.planning.fit)
+    activation_checkpointing: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)  # the actor's optimizer
     ppo_epochs: int = 1  # passes over each batch
     mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
@@ -112,10 +121,14 @@ class ActorConfig(ParallelConfig):
     # step (parallel/offload_optim.py): 8 bytes/parameter less device memory, ~8 bytes/parameter each way
     # over PCIe per step; unset: on only when the step does not fit the GPU without it (launcher.planning.fit)
     offload_optimizer: bool | None = None
+    # the optimizer states go to pinned host memory while the rollout generates on the actor's GPUs and come back
+    # before the update (rollout/hybrid.py); refused beside offload_optimizer=true (they live there already)
+    offload_optimizer_while_generating: bool = False
 
 
 @dataclass
 class CriticConfig(ParallelConfig):
+    activation_checkpointing: str | None = None  # as actor.activation_checkpointing
     path: str | None = None  # None: trunk initialised from the actor
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # the critic's optimizer
     ppo_epochs: int = 1  # passes over each batch
@@ -128,12 +141,18 @@ class CriticConfig(ParallelConfig):
 
 @dataclass
 class RefConfig(ParallelConfig):
+    """The frozen reference: a layout and a forward, no backward, no optimizer."""
+
     enabled: bool = True  # needed for a KL penalty or KL loss
     max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch
 
 
 @dataclass
 class RewardConfig(ParallelConfig):
+    """A rule function (type=rule: function, signature, default_score, timeout_s, stop_failed_fraction) or a
+    reward model (type=model: the layout keys, model_path, max_tokens_per_micro_batch); pass_threshold serves
+    both. Validation refuses the keys of the other type."""
+
     type: str = "rule"  # rule | model
     function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
     # auto | hybridrl | verl; auto: verl's compute_score(data_source, solution_str, ground_truth,
@@ -284,7 +303,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.on_damaged_checkpoint": ("stop", "fallback"),
     "trainer.export_hf": ("final", "every_save"),
     "model.dtype": ("float32", "bfloat16"),
-    "rollout.engine": ("native", "hf", "vllm"),
+    "rollout.engine": ("native", "vllm"),  # rollout.factory.ENGINES
     "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
@@ -301,8 +320,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 for _role in ("actor", "critic", "ref", "reward"):
     CHOICES[f"{_role}.pp_schedule"] = ("1F1B", "interleaved")
-    CHOICES[f"{_role}.activation_checkpointing"] = ("none", "full", "selective")
     CHOICES[f"{_role}.backend"] = ("native", "megatron")
+for _role in ("actor", "critic"):
+    CHOICES[f"{_role}.activation_checkpointing"] = ("none", "full", "selective")
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 

@@ -114,11 +114,10 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"trainer.share_prompts packs a prompt once with its responses, which pipeline micro-batches "
                         f"cannot (actor.pp={cfg.actor.pp}, ref.pp={cfg.ref.pp}); set trainer.share_prompts=false or "
                         f"pp=1")
-    for role in ("actor", "critic"):
-        if getattr(cfg, role).offload_optimizer and getattr(cfg, role).offload:
-            raise UserError(f"{role}.offload_optimizer=true keeps the optimizer states in host memory all the time, "
-                            f"so {role}.offload=true (move them there while generating) has nothing to move; "
-                            f"set {role}.offload=false")
+    if cfg.actor.offload_optimizer and cfg.actor.offload_optimizer_while_generating:
+        raise UserError("actor.offload_optimizer=true keeps the optimizer states in host memory all the time, so "
+                        "actor.offload_optimizer_while_generating=true (move them there while generating) has nothing "
+                        "to move; set actor.offload_optimizer_while_generating=false")
     for role in ("actor", "critic", "ref", "reward"):
         _validate_megatron_role(cfg, role)
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
@@ -232,11 +231,11 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
         device = "cpu" if cfg.trainer.device == "cpu" else "auto with no GPU visible"
         raise UserError(f"{role}.backend=megatron: megatron-core {what} needs CUDA, and trainer.device is "
                         f"{device}; use {role}.backend=native on CPU")
+    ac = getattr(sec, "activation_checkpointing", None)  # the trained roles' (a forward-only role has none)
     refused = [
-        (sec.compile and sec.activation_checkpointing == "full",
-         f"{role}.compile=true with activation_checkpointing=full",
+        (sec.compile and ac == "full", f"{role}.compile=true with activation_checkpointing=full",
          "megatron's full recompute wraps the layers itself and is not tested compiled; use one of the two"),
-        (sec.activation_checkpointing == "selective", f"{role}.activation_checkpointing=selective",
+        (ac == "selective", f"{role}.activation_checkpointing=selective",
          "megatron's selective recompute targets its own core attention; use none or full"),
         (sec.pp_stages_per_rank != 1, f"{role}.pp_stages_per_rank={sec.pp_stages_per_rank}",
          "virtual pipeline stages are not wired for megatron; use 1"),
@@ -253,32 +252,32 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
 
 
 # ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
-_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "activation_checkpointing",
-               "compile", "backend")
+_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "compile", "backend")
+# RewardConfig keys that only a rule function reads (a reward model has no function to call, time or fail)
+_RULE_KEYS = ("function", "signature", "default_score", "timeout_s", "stop_failed_fraction")
 
 
 def _validate_roles_keys(cfg: Config) -> None:
-    """Keys that would be accepted and ignored: the rollout engine kind, offload on roles without an
-    optimizer to offload while generating, model layout keys of a rule reward."""
+    """Keys that would be accepted and ignored: the engine's sizing keys out of range, and the reward keys of the
+    other reward.type (one schema class serves both: launcher/config/schema.py says why)."""
     from rollout.base import RolloutConfig
-    from rollout.factory import ENGINES, NOT_BUILT
 
     r = cfg.rollout
-    if r.engine not in ENGINES:
-        raise UserError(f"rollout.engine={r.engine}: {NOT_BUILT[r.engine]}")
     try:  # the engine's own checks, once, before launch
         sizing = {k: getattr(r, k) for k in ("gpu_memory_fraction", "max_num_seqs") if getattr(r, k) is not None}
         RolloutConfig(decode_attention=r.decode_attention, **sizing).validate()  # unset: resolved later (auto)
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None
-    for role in ("critic", "ref", "reward"):
-        if getattr(cfg, role).offload:
-            raise UserError(f"{role}.offload=true: only the actor offloads (its optimizer states, while the rollout "
-                            f"generates on its GPUs); set {role}.offload=false")
+    default = RewardConfig()
     if cfg.reward.type == "rule":
-        default = RewardConfig()
         for key in (*_MODEL_KEYS, "model_path", "max_tokens_per_micro_batch"):
             if getattr(cfg.reward, key) != getattr(default, key):
                 raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=rule "
                                 f"(a rule function runs data parallel over its pool, no model); remove it or set "
                                 f"reward.type=model")
+    else:
+        for key in _RULE_KEYS:
+            if getattr(cfg.reward, key) != getattr(default, key):
+                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=model "
+                                f"(it configures a rule function; a reward model neither calls one nor fails); "
+                                f"remove it or set reward.type=rule")

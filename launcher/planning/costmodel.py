@@ -36,7 +36,8 @@ CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
 TRAINED_BYTES_PER_PARAM = 16
 FROZEN_BYTES_PER_PARAM = 4  # reference / reward model with model.dtype=float32; a 16-bit model.dtype stores
 # them in it (2 bytes: ppo/roles/workers.py, WorkerSpec.frozen)
-# Adam's m and v (fp32): to host memory while generating (actor.offload), or for good (<role>.offload_optimizer)
+# Adam's m and v (fp32): to host memory while generating (actor.offload_optimizer_while_generating), or for good
+# (<role>.offload_optimizer)
 OFFLOADED_BYTES_PER_PARAM = 8
 BF16 = 2
 
@@ -139,7 +140,7 @@ class Workload:
     kv_memory_fraction: float = 0.5
     free_memory_on_sleep: bool | None = True  # None: resident when it fits (ppo.roles.generation.settle_residency)
     longest_prompt: int | None = None  # the engine's slot is this + response_len (default: prompt_len)
-    offload: bool = False
+    offload_optimizer_while_generating: bool = False  # actor.offload_optimizer_while_generating
     frozen_bytes_per_param: int = FROZEN_BYTES_PER_PARAM
     offload_optimizer: tuple[str, ...] = ()  # roles whose Adam moments live in host memory (<role>.offload_optimizer)
 
@@ -197,7 +198,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,
                             "ref": cfg.ref.max_tokens_per_micro_batch, "reward": cfg.reward.max_tokens_per_micro_batch},
         max_num_seqs=cfg.rollout.max_num_seqs, kv_memory_fraction=cfg.rollout.gpu_memory_fraction,
-        free_memory_on_sleep=cfg.rollout.free_memory_on_sleep, offload=a.offload,
+        free_memory_on_sleep=cfg.rollout.free_memory_on_sleep,
+        offload_optimizer_while_generating=a.offload_optimizer_while_generating,
         frozen_bytes_per_param=FROZEN_BYTES_PER_PARAM if cfg.model.dtype == "float32" else BF16,
         offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer))
 
@@ -326,14 +328,15 @@ def generation_s(w: Workload, cal: Calibration, *, gen_tp: int, gen_dp: int, slo
 
 def reshard_s(w: Workload, cal: Calibration, *, tp: int, pp: int, dp: int, gen_tp: int) -> float:
     """The training -> generation transition: the bytes each actor rank lacks for its generation shard
-    (it holds 1/(tp pp dp) of the weights) and, with actor.offload, the optimizer states to the host
-    and back over PCIe."""
+    (it holds 1/(tp pp dp) of the weights) and, with actor.offload_optimizer_while_generating, the optimizer
+    states to the host and back over PCIe."""
     weights = w.actor.n_params * BF16
     lacking = max(0.0, weights / gen_tp - weights / (tp * pp * dp))
     span = tp * pp * dp
     rate = cal.reshard_bytes_per_s * (1.0 if span <= cal.gpus_per_node
                                       else cal.nccl_inter_bytes_per_s / cal.nccl_intra_bytes_per_s)
-    offload = 2 * w.actor.n_params * OFFLOADED_BYTES_PER_PARAM / span / cal.pcie_bytes_per_s if w.offload else 0.0
+    offload = (2 * w.actor.n_params * OFFLOADED_BYTES_PER_PARAM / span / cal.pcie_bytes_per_s
+               if w.offload_optimizer_while_generating else 0.0)
     return lacking / rate + offload
 
 

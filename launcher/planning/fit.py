@@ -2,8 +2,8 @@
 
     choices = fit_memory(cfg, world_size=8, model=model_cfg, reward_model=rm_cfg)  # before compute_plan
 
-Unset keys: `<role>.activation_checkpointing` (every role) and `<role>.offload_optimizer` (actor, critic).
-Forward-only roles (reference, reward model) keep no activations for a backward: "none". The trained roles
+Unset keys: `<role>.activation_checkpointing` and `<role>.offload_optimizer` of the trained roles (actor,
+critic; the forward-only roles keep no activations for a backward and have no such key). The trained roles
 of the native backend try, in this order, (no recompute, Adam on the GPU), (no recompute, Adam's moments
 streamed from host memory), (full recompute, Adam on the GPU), (full recompute, host moments); the cost
 model's fastest candidate whose predicted peak fits wins, and when none fits, the most frugal is taken
@@ -21,7 +21,6 @@ from launcher.config.schema import Config, active_roles
 from launcher.errors import UserError
 
 TRAINED = ("actor", "critic")
-FORWARD_ONLY = ("ref", "reward")
 CANDIDATES = (("none", False), ("none", True), ("full", False), ("full", True))
 
 
@@ -31,14 +30,13 @@ def fit_memory(cfg: Config, *, world_size: int, model, reward_model=None, cuda: 
 
     cuda = on_cuda(cfg) if cuda is None else cuda
     lines: list[str] = []
-    for role in FORWARD_ONLY:
-        if getattr(cfg, role).activation_checkpointing is None:
-            getattr(cfg, role).activation_checkpointing = "none"  # no backward, nothing to recompute (no line)
     for role in TRAINED:  # a role the run does not use: nothing to fit (no line)
         sec = getattr(cfg, role)
         if role not in active_roles(cfg) and _unset(cfg, role):
             sec.activation_checkpointing = sec.activation_checkpointing or "none"
             sec.offload_optimizer = bool(sec.offload_optimizer)
+    if cfg.actor.offload_optimizer is None and cfg.actor.offload_optimizer_while_generating:
+        cfg.actor.offload_optimizer = False  # the two are exclusive (validation); the one set wins (no line)
     open_roles = [r for r in TRAINED if _unset(cfg, r)]
     if not open_roles:
         return lines

@@ -125,7 +125,7 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
         free = static + engine + act > RESIDENT_FRACTION * cal.hbm_gb
     if free:
         offloaded = items.get("actor_states", 0.0) * OFFLOADED_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM \
-            if w.offload else 0.0
+            if w.offload_optimizer_while_generating else 0.0
         peak = max(static + act, static - offloaded + engine)
     else:
         peak = static + engine + act

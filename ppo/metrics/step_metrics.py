@@ -1,7 +1,8 @@
 """A step's metrics row: every rank's measurements gathered to rank 0 and reduced, with the step's FLOP
 accounting against the device's spec peak (ppo.metrics.flops).
 
-    metrics = StepMetrics(loop, plan=plan, rank=rank, device=device, model_config=cfg, gc_pauses=pauses)
+    metrics = StepMetrics(plan=plan, rank=rank, device=device, model_config=cfg, gc_pauses=pauses, n=4,
+                          ppo_epochs=1, share_prompts=True, reward_model=False)
     row = metrics.collect(step, exp, batch, adv_metrics, actor_m, critic_m, timer.times,
                           gen_metrics=gen.metrics, old_logp="recompute")   # collective; {} off rank 0
 """
@@ -17,11 +18,14 @@ from ppo.metrics.timing import compiled_graphs, host_memory_gb
 
 
 class StepMetrics:
-    """loop: ppo.settings.LoopSettings; plan: the device plan (groups, world_size); gc_pauses:
-    ppo.metrics.host_gc.GcPauses of this rank."""
+    """plan: the device plan (groups, world_size); gc_pauses: ppo.metrics.host_gc.GcPauses of this rank; for the
+    FLOP accounting: n samples per prompt, the actor's ppo_epochs, whether prompts are packed once per group
+    (share_prompts) and whether the reward is a model."""
 
-    def __init__(self, loop, *, plan, rank: int, device: torch.device, model_config, gc_pauses):
-        self.loop, self.plan, self.rank, self.device, self.gc_pauses = loop, plan, rank, device, gc_pauses
+    def __init__(self, *, plan, rank: int, device: torch.device, model_config, gc_pauses, n: int, ppo_epochs: int,
+                 share_prompts: bool, reward_model: bool):
+        self.plan, self.rank, self.device, self.gc_pauses = plan, rank, device, gc_pauses
+        self.n, self.ppo_epochs, self.share_prompts, self.reward_model = n, ppo_epochs, share_prompts, reward_model
         # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
         self.n_policy = model_config.matmul_params()
         self.n_head = model_config.matmul_params(lm_head=False)
@@ -89,17 +93,17 @@ class StepMetrics:
     def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
         """The step's model FLOPs (perf/flops) and, where the device's spec peak is known, the useful
         utilization of the whole step and the actor update's MFU."""
-        roles, loop = self.plan.groups, self.loop
+        roles = self.plan.groups
         # shared prompts: each prompt is packed once per group of samples
-        policy = sum(exp.prompt_units()[1]) if loop.share_prompts else None
+        policy = sum(exp.prompt_units()[1]) if self.share_prompts else None
         flops = ppo_stage_flops(
             n_params_actor=self.n_policy, n_params_critic=self.n_head if "critic" in roles else None,
             n_params_ref=self.n_policy if "ref" in roles else None,
-            n_params_rm=self.n_head if loop.reward.is_model else None,
+            n_params_rm=self.n_head if self.reward_model else None,
             trained_tokens=sum(s.length for s in exp.samples),
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
-            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, loop.n),
-            ppo_epochs=loop.actor_ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy)
+            prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.n),
+            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy)
         out = {"perf/flops": sum(flops.values())}
         if self.peak_flops is None:
             return out

@@ -47,9 +47,9 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 
 def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
-          frozen: bool = False, offload_optimizer: bool = False) -> WorkerSpec:
+          frozen: bool = False, stream_optimizer_from_host: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
-                      fsdp_masters=offload_optimizer and layout.backend == "native",
+                      fsdp_masters=stream_optimizer_from_host and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
                       pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
                       stages_per_rank=layout.pp_stages_per_rank, share_prompts=share_prompts)
@@ -181,11 +181,12 @@ class Roles:
                                   agg=self.settings.value_loss.agg)
 
     # -- supervised warm-up (the demo's "short SFT first", as real pipelines do)
-    def sft_warmup(self, state, *, steps: int, run_dir) -> None:
-        """Train the actor on the task's answers, then make the warmed-up policy the reference and
-        the critic's trunk (RL starts from the SFT model, and the KL is measured against it)."""
+    def sft_warmup(self, state, *, steps: int, max_tokens: int, run_dir) -> None:
+        """Train the actor on the task's answers (micro-batches of max_tokens tokens), then make the warmed-up
+        policy the reference and the critic's trunk (RL starts from the SFT model, and the KL is measured
+        against it)."""
         if self.actor is not None:
-            self._sft_actor(state, steps=steps)
+            self._sft_actor(state, steps=steps, max_tokens=max_tokens)
         self.load_reference(self._export_actor(run_dir), critic_trunk=True)
 
     def load_reference(self, path, *, critic_trunk: bool) -> None:
@@ -196,7 +197,7 @@ class Roles:
         if self.critic is not None and critic_trunk:  # trunk only: the value head keeps its init
             self.critic.runner.load_hf_weights(path, strict=False)
 
-    def _sft_actor(self, state, *, steps: int) -> None:
+    def _sft_actor(self, state, *, steps: int, max_tokens: int) -> None:
         log = logging.getLogger("hybridrl")
         opt = self.actor.optimizer
         saved = [g["lr"] for g in opt.param_groups]
@@ -211,7 +212,7 @@ class Roles:
             pairs = state.sft_batch(i)
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
                                      finish_reason="stop") for j, (p, r) in enumerate(pairs)])
-            m = self.actor.update(exp, self.actor_plan(exp, self.settings.sft_max_tokens),
+            m = self.actor.update(exp, self.actor_plan(exp, max_tokens),
                                   StepBatch(mask=exp.response_mask()), epochs=1, loss_fn=nll, with_entropy=False,
                                   step_scheduler=False)
             if self.actor.is_owner and self.actor.dp_idx == 0 and (i % 20 == 0 or i == steps - 1):
@@ -233,13 +234,14 @@ class Roles:
 def build_roles(settings: PPOSettings, placement: Placement, *, model_config: ModelConfig, tokenizer,
                 total_steps: int) -> Roles:
     """Construct the workers of every role this rank hosts. settings.build gives the models' sources,
-    layouts and optimizers; the updates, losses and generation read settings.roles and settings.generation.
-    total_steps: the run's steps (the learning-rate schedules' length)."""
+    layouts and optimizers, settings.reward the reward role, settings.run the seed; the updates, losses and
+    generation read settings.roles and settings.generation. total_steps: the run's steps (the learning-rate
+    schedules' length)."""
     from ppo.data.rewards import RewardManager, load_reward_function
 
     b, plan, groups = settings.build, placement.plan, placement.groups
     roles = Roles(settings.roles, model_config=model_config)
-    rank, seed, device = placement.rank, b.seed, placement.device
+    rank, seed, device = placement.rank, settings.run.seed, placement.device
     dtype = model_dtype(b.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     temperature = settings.generation.temperature
@@ -247,10 +249,9 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
-                     offload_optimizer=b.actor_offload_optimizer)
+                     stream_optimizer_from_host=b.actor_optim.stream_from_host)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
-                                   optim=b.actor_optim, total_steps=total_steps,
-                                   offload_optimizer=b.actor_offload_optimizer)
+                                   optim=b.actor_optim, total_steps=total_steps)
     if "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
@@ -258,19 +259,17 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["critic"], groups["critic"], placement, dtype,
-                     offload_optimizer=b.critic_offload_optimizer)
-        roles.critic = CriticWorker(model, spec,
-                                    pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps,
-                                    offload_optimizer=b.critic_offload_optimizer)
+                     stream_optimizer_from_host=b.critic_optim.stream_from_host)
+        roles.critic = CriticWorker(model, spec, pad_id=pad_id, optim=b.critic_optim, total_steps=total_steps)
     if "reward" in here:
-        w = b.reward
+        w = settings.reward
         if w.is_model:
             model = _build(LlamaForSequenceClassification, model_config, path=w.model_path, device=device,
                            seed=seed + 1)
             spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, frozen=True)
             roles.reward = RewardModelWorker(model, spec, pad_id=pad_id, max_tokens=w.max_tokens_per_micro_batch)
         else:
-            manager = RewardManager(load_reward_function(w.resolved_function), default_score=w.default_score,
+            manager = RewardManager(load_reward_function(w.function), default_score=w.default_score,
                                     logger=logging.getLogger("hybridrl"), timeout_s=w.timeout_s,
                                     signature=w.signature)
             ranks = plan.groups["reward"].ranks

@@ -110,7 +110,8 @@ class RolloutRole:
                                            tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
                                            eos_token_ids=eos, vllm=settings.vllm)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
-                                   bucket_bytes=settings.bucket_bytes, offload_optimizer=settings.offload_optimizer,
+                                   bucket_bytes=settings.bucket_bytes,
+                                   offload_optimizer_while_generating=settings.offload_optimizer_while_generating,
                                    optimizer=actor.optimizer, gen_dtype=settings.dtype,
                                    logger=logging.getLogger("hybridrl"))
 

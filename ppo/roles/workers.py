@@ -29,6 +29,7 @@ from ppo.batch.experience import Experience
 from ppo.batch.micro_batches import plan_micro_batches
 from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, unpack_responses
 from ppo.batch.step_batch import DeviceRows, StepBatch
+from ppo.settings import OptimizerSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,8 +53,8 @@ class WorkerSpec:
     # outputs are the same and half the bytes stay free (a 7B reference: 13.5 GB instead of 27 + 13.5)
     frozen: bool = False
     backend: str = "native"  # native | megatron (parallel/backends.py)
-    # FSDP2 even at dp = 1 (a host-offloaded optimizer streams FSDP's fp32 parameter shards); otherwise mixed
-    # precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
+    # FSDP2 even at dp = 1 (an optimizer streamed from host memory streams FSDP's fp32 parameter shards); otherwise
+    # mixed precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
     fsdp_masters: bool = False
 
 
@@ -68,14 +69,15 @@ def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
     return f
 
 
-def build_optimizer(runner: ModelRunner, optim, *, total_steps: int, offload: bool = False):
-    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule.
-    offload: Adam's moments in pinned host memory between steps (`<role>.offload_optimizer`)."""
+def build_optimizer(runner: ModelRunner, optim: OptimizerSettings, *, total_steps: int):
+    """The runner's (backend's) optimizer over its trainable parameters, and the LR schedule. With
+    optim.stream_from_host (`<role>.offload_optimizer`) Adam's moments live in pinned host memory and stream
+    through the GPU in each step."""
     opt = runner.build_optimizer(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                 offload=offload)
+                                 stream_from_host=optim.stream_from_host)
     n = sum(p.numel() for g in opt.param_groups for p in g["params"])
     logging.getLogger("hybridrl").info("optimizer %s over %.3g parameters%s", type(opt).__name__, n,
-                                       ": moments in host memory" if offload else "")
+                                       ": moments in host memory" if optim.stream_from_host else "")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup=optim.warmup_steps, total=total_steps,
                                                               schedule=optim.lr_schedule,
                                                               min_ratio=optim.min_lr_ratio))
@@ -244,15 +246,14 @@ class PolicyWorker(ShardedWorker):
     """Actor (trainable) or reference (frozen) policy: log-probs of responses, PPO updates."""
 
     def __init__(self, model: nn.Module, spec: WorkerSpec, *, temperature: float, pad_id: int,
-                 trainable: bool, optim=None, total_steps: int = 1, offload_optimizer: bool = False):
+                 trainable: bool, optim: OptimizerSettings | None = None, total_steps: int = 1):
         super().__init__(model, spec)
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
         self.trainable = trainable
         if trainable:
             self.grad_clip = optim.grad_clip
-            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
-                                                             offload=offload_optimizer)
+            self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         else:
             for p in self.parameters():
                 p.requires_grad_(False)
@@ -375,12 +376,11 @@ def score_heads(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
 class CriticWorker(ShardedWorker):
     """Value model: per-token values of responses and clipped value-loss updates."""
 
-    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim, total_steps: int,
-                 offload_optimizer: bool = False):
+    def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim: OptimizerSettings,
+                 total_steps: int):
         super().__init__(model, spec)
         self.pad_id = pad_id
-        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps,
-                                                         offload=offload_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         self.grad_clip = optim.grad_clip
 
     def _response_values(self, packed, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,11 @@
 """Everything of a run that is not a model: tokenizer, prompts and their sampler, the KL
 controller, metrics sinks (metrics.jsonl, TensorBoard, W&B, progress bar), checkpoint
-save/resume, and the FLOP accounting behind `perf/mfu/actor`."""
+save/resume.
+
+    state = TrainState.create(settings.run, settings.data, reward=settings.reward,
+                              kl_control=settings.loop.advantages.kl_control, model_path=settings.build.model_path,
+                              sft_warmup=settings.loop.sft_warmup_steps > 0, run_dir=run_dir, rank=rank)
+"""
 
 from __future__ import annotations
 
@@ -13,13 +18,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ppo.algos import core_algos as algos
+from ppo.settings import DataSettings, KLControlSettings, RewardSettings, RunSettings
 
 
 class TrainState:
-    def __init__(self, cfg, *, run_dir: Path, rank: int, tokenizer, dataset, sampler, kl_ctrl,
-                 layout: dict | None = None, val_dataset=None):
-        """layout: the device plan's layout (ppo.run.resume.layout_of), saved in checkpoints and checked on resume."""
-        self.cfg, self.run_dir, self.rank, self.layout = cfg, run_dir, rank, layout
+    def __init__(self, run: RunSettings, data: DataSettings, *, total_steps: int, run_dir: Path, rank: int,
+                 tokenizer, dataset, sampler, kl_ctrl, layout: dict | None = None, val_dataset=None):
+        """total_steps: the run's steps (trainer.total_epochs resolved against the data);
+        layout: the device plan's layout (ppo.run.resume.layout_of), saved in checkpoints and checked on resume."""
+        self.run, self.data, self.total_steps = run, data, total_steps
+        self.run_dir, self.rank, self.layout = run_dir, rank, layout
         self.tokenizer, self.dataset, self.sampler, self.kl_ctrl = tokenizer, dataset, sampler, kl_ctrl
         self.val_dataset = val_dataset  # data.val_files, or None
         self.log = logging.getLogger("hybridrl")
@@ -28,47 +36,43 @@ class TrainState:
         self._wandb = None
 
     @classmethod
-    def create(cls, cfg, *, run_dir: Path, rank: int, layout: dict | None = None) -> TrainState:
+    def create(cls, run: RunSettings, data: DataSettings, *, reward: RewardSettings, kl_control: KLControlSettings,
+               model_path: str | None, sft_warmup: bool, run_dir: Path, rank: int,
+               layout: dict | None = None) -> TrainState:
+        """model_path: the policy's weights (where model.tokenizer=auto finds its tokenizer); sft_warmup: the run
+        starts with the supervised warm-up (data.train_files must then hold answers)."""
         from ppo.data.prompts import PromptDataset, PromptSampler, check_sft_answers
         from ppo.data.tokenizer import load_tokenizer, resolve_tokenizer
 
-        tok_spec = resolve_tokenizer(cfg.model.tokenizer, cfg.model.path)
+        tok_spec = resolve_tokenizer(data.tokenizer, model_path)
         tok = load_tokenizer(tok_spec)
-        if rank == 0 and cfg.model.tokenizer == "auto":
-            why = "from model.path" if cfg.model.path and tok_spec == cfg.model.path else (
-                "model.path has no tokenizer.json" if cfg.model.path else "no model.path")
+        if rank == 0 and data.tokenizer == "auto":
+            why = "from model.path" if model_path and tok_spec == model_path else (
+                "model.path has no tokenizer.json" if model_path else "no model.path")
             logging.getLogger("hybridrl").info("tokenizer: %s (%s; set model.tokenizer to choose another)",
                                                tok_spec, why)
-        d = cfg.data
+        d = data
         keys = dict(tokenizer=tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
                     max_prompt_length=d.max_prompt_length)
-        val_dataset = PromptDataset.from_files(d.val_files, **keys) if d.val_files else None
+        val_dataset = PromptDataset.from_files(list(d.val_files), **keys) if d.val_files else None
         if d.train_files:
-            dataset = PromptDataset.from_files(d.train_files, **keys)
-            if cfg.trainer.sft_warmup_steps:
+            dataset = PromptDataset.from_files(list(d.train_files), **keys)
+            if sft_warmup:
                 check_sft_answers(dataset, answer_key=d.sft_answer_key)
         else:
-            dataset = PromptDataset.from_task(d.task, d.task_size, seed=cfg.trainer.seed, tokenizer=tok,
+            dataset = PromptDataset.from_task(d.task, d.task_size, seed=run.seed, tokenizer=tok,
                                               max_prompt_length=d.max_prompt_length)
         if len(dataset) < d.batch_size:
             from ppo.data.prompts import DataError
 
             raise DataError(f"the prompt data holds {len(dataset)} usable prompts, fewer than data.batch_size "
                             f"({d.batch_size})")
-        sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
-        if cfg.reward.type == "rule":
-            check_reward_columns(cfg, [*dataset.columns, *(val_dataset.columns if val_dataset else [])])
-        cfg = with_epoch_steps(cfg, sampler.batches_per_epoch)
-        a = cfg.algorithm
-        kl_ctrl = (algos.AdaptiveKLController(init_kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon)
-                   if a.kl_ctrl == "adaptive" else algos.FixedKLController(kl_coef=a.kl_coef))
-        return cls(cfg, run_dir=run_dir, rank=rank, tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=kl_ctrl,
+        sampler = PromptSampler(len(dataset), batch_size=d.batch_size, seed=run.seed, shuffle=d.shuffle)
+        if not reward.is_model:
+            check_reward_columns(reward, [*dataset.columns, *(val_dataset.columns if val_dataset else [])])
+        return cls(run, data, total_steps=total_steps(run, sampler.batches_per_epoch), run_dir=run_dir, rank=rank,
+                   tokenizer=tok, dataset=dataset, sampler=sampler, kl_ctrl=build_kl_controller(kl_control),
                    layout=layout, val_dataset=val_dataset)
-
-    @property
-    def total_steps(self) -> int:
-        """The run's steps: trainer.total_steps, or trainer.total_epochs resolved against the data."""
-        return self.cfg.trainer.total_steps
 
     # ------------------------------------------------------------------ data
     def next_prompts(self) -> list[dict]:
@@ -78,16 +82,15 @@ class TrainState:
 
     def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
         """Warm-up batch i: (prompt ids, answer ids + eos) from data.train_files, else the synthetic task."""
-        d = self.cfg.data
+        d, seed = self.data, self.run.seed * 7919 + i
         if d.train_files:
             from ppo.data.prompts import sft_pairs
 
-            return sft_pairs(self.dataset, d.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
-                             tokenizer=self.tokenizer, answer_key=d.sft_answer_key)
+            return sft_pairs(self.dataset, d.batch_size, seed=seed, tokenizer=self.tokenizer,
+                             answer_key=d.sft_answer_key)
         from ppo.data.tasks import sft_examples
 
-        return sft_examples(self.cfg.data.task, self.cfg.data.batch_size, seed=self.cfg.trainer.seed * 7919 + i,
-                            tokenizer=self.tokenizer)
+        return sft_examples(d.task, d.batch_size, seed=seed, tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------------ metrics
     def log_metrics(self, m: dict[str, float]) -> None:
@@ -102,9 +105,9 @@ class TrainState:
             for k, v in clean.items():
                 if v is not None and k != "step":
                     tb.add_scalar(k, v, step)
-        if self.cfg.trainer.wandb:
+        if self.run.wandb:
             self._log_wandb(clean, step)
-        if self.cfg.trainer.progress_bar and step % 10 and step != self.cfg.trainer.total_steps:
+        if self.run.progress_bar and step % 10 and step != self.total_steps:
             return  # the bar shows progress; a metrics line every 10 steps keeps the console readable
         keys = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "timing_s/step", "perf/samples_per_s", "val/reward/mean", "val/pass@1")
@@ -113,7 +116,7 @@ class TrainState:
 
     def tensorboard(self):
         """Rank 0's SummaryWriter on <run dir>/tensorboard (created on first use), or None when off."""
-        if self.rank != 0 or not self.cfg.trainer.tensorboard:
+        if self.rank != 0 or not self.run.tensorboard:
             return None
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -131,17 +134,17 @@ class TrainState:
                 self._wandb = False
             return
         if self._wandb is None:
-            self._wandb = wandb.init(project=self.cfg.trainer.wandb_project, name=self.cfg.trainer.experiment_name,
-                                     config=dataclasses.asdict(self.cfg), dir=str(self.run_dir))
+            self._wandb = wandb.init(project=self.run.wandb_project, name=self.run.experiment_name,
+                                     config=self.run.config_record, dir=str(self.run_dir))
         if self._wandb:
             wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
 
     def progress(self, start: int):
-        if self.rank != 0 or not self.cfg.trainer.progress_bar:
+        if self.rank != 0 or not self.run.progress_bar:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.cfg.trainer.total_steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
+        return tqdm(total=self.total_steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -164,8 +167,8 @@ class TrainState:
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
                                per_rank_state=per_rank, shared_state=shared,
                                export=(lambda tmp: export_weights(roles, tmp))
-                               if final or self.cfg.trainer.export_hf == "every_save" else None,
-                               keep_last=self.cfg.trainer.keep_last)
+                               if final or self.run.export_hf == "every_save" else None,
+                               keep_last=self.run.keep_last)
         if self.rank == 0:
             self.log.info("checkpoint %s", path)
         return path
@@ -177,12 +180,12 @@ class TrainState:
         from ppo.run.checkpoint import load_checkpoint, restore_rng_state
         from ppo.run.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
 
-        mode = self.cfg.trainer.resume
+        mode = self.run.resume
         if mode == "never":
             return 0, None
         world = dist.get_world_size() if dist.is_initialized() else 1
         if mode == "auto":
-            path = select_checkpoint(self.run_dir, policy=self.cfg.trainer.on_damaged_checkpoint, rank=self.rank,
+            path = select_checkpoint(self.run_dir, policy=self.run.on_damaged_checkpoint, rank=self.rank,
                                      world_size=world)
         else:
             path = Path(mode)
@@ -208,25 +211,30 @@ class TrainState:
         return self.resumed_at, pending
 
 
-def with_epoch_steps(cfg, batches_per_epoch: int):
-    """cfg with trainer.total_steps = total_epochs x batches per epoch when total_epochs > 0."""
-    t = cfg.trainer
-    if not t.total_epochs:
-        return cfg
-    steps = t.total_epochs * batches_per_epoch
+def total_steps(run: RunSettings, batches_per_epoch: int) -> int:
+    """The run's steps: trainer.total_steps, or trainer.total_epochs x batches per epoch when total_epochs > 0."""
+    if not run.total_epochs:
+        return run.total_steps
+    steps = run.total_epochs * batches_per_epoch
     logging.getLogger("hybridrl").info("trainer.total_epochs=%d: %d batches per epoch, %d steps",
-                                       t.total_epochs, batches_per_epoch, steps)
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, total_steps=steps))
+                                       run.total_epochs, batches_per_epoch, steps)
+    return steps
 
 
-def check_reward_columns(cfg, columns: list[str]) -> None:
+def build_kl_controller(s: KLControlSettings) -> algos.AdaptiveKLController | algos.FixedKLController:
+    """The in-reward KL penalty's coefficient, adaptive or fixed (algorithm.kl_ctrl)."""
+    if s.kind == "adaptive":
+        return algos.AdaptiveKLController(init_kl_coef=s.coef, target_kl=s.target, horizon=s.horizon)
+    return algos.FixedKLController(kl_coef=s.coef)
+
+
+def check_reward_columns(reward: RewardSettings, columns: list[str]) -> None:
     """Load the rule reward function on every rank and check the data columns it names exist, so a
     bad function or a missing column stops every rank before training (RewardFunctionError)."""
     from ppo.data.reward_calls import plan_reward_call
     from ppo.data.rewards import load_reward_function
 
-    spec = cfg.reward.function if cfg.reward.function != "builtin:task" else f"builtin:task:{cfg.data.task}"
-    plan_reward_call(load_reward_function(spec), signature=cfg.reward.signature, columns=columns)
+    plan_reward_call(load_reward_function(reward.function), signature=reward.signature, columns=columns)
 
 
 # ---------------------------------------------------------------------- worker state

@@ -22,13 +22,19 @@ def test_training_without_cuda_is_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("ref.compile=true ref.activation_checkpointing=full", "ref.compile=true with activation_checkpointing=full"),
-    ("ref.activation_checkpointing=selective", "ref.activation_checkpointing=selective"),
+    ("actor.compile=true actor.activation_checkpointing=full", "actor.compile=true with activation_checkpointing=full"),
+    ("critic.activation_checkpointing=selective", "critic.activation_checkpointing=selective"),
     ("ref.pp_stages_per_rank=2", "ref.pp_stages_per_rank=2"),
 ])
 def test_unwired_settings_are_refused(override, key):
-    with pytest.raises(UserError, match=f"ref.backend=megatron: {key} is not supported"):
-        load_config("conf/ppo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", *override.split()])
+    role = key.split(".")[0]
+    with pytest.raises(UserError, match=f"{role}.backend=megatron: {key} is not supported"):
+        load_config("conf/ppo_tiny.yaml", [f"{role}.backend=megatron", "trainer.device=cuda", *override.split()])
+
+
+def test_a_forward_only_role_has_no_activation_checkpointing():
+    with pytest.raises(UserError, match="unknown config key 'ref.activation_checkpointing'"):
+        load_config("conf/ppo_tiny.yaml", ["ref.activation_checkpointing=full"])
 
 
 def test_unknown_backend_names_the_choices():

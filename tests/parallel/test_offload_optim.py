@@ -134,7 +134,7 @@ def _fsdp_actor_layout_matches_adamw(device: str, backend: str):
         # the reference: torch's path of the runner's optimizer (on CUDA the runner's own is the Triton update,
         # equal to fp32 rounding only: tests/parallel/test_triton_adamw.py)
         opts = [ShardLocalAdamW(runners[0].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, kernel=False),
-                runners[1].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, offload=True)]
+                runners[1].build_optimizer(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stream_from_host=True)]
         assert isinstance(opts[1], HostOffloadAdamW) and not opts[1].kernel
         g = torch.Generator().manual_seed(4)
         for _ in range(3):

@@ -4,6 +4,7 @@ the pieces the launcher hands `ppo` (config, plan, role groups, environment), no
     with world_of_one():
         run = tiny_run(tmp_path, "algorithm.name=grpo")
         trainer = run.trainer()                    # PPOTrainer with the launcher's typed settings
+    state = train_state(load_config(None, ["data.batch_size=4"]), tmp_path)   # TrainState alone, no world
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Run:
     def trainer(self, run_dir: Path | None = None):
         from ppo.trainer import PPOTrainer
 
-        return PPOTrainer(self.cfg, settings=self.settings, placement=self.placement,
+        return PPOTrainer(settings=self.settings, placement=self.placement,
                           run_dir=run_dir or Path(self.cfg.trainer.runs_dir), model_config=self.model_config)
 
     @property
@@ -66,3 +67,13 @@ def tiny_run(tmp_path: Path, *overrides: str, config: str = "conf/ppo_tiny.yaml"
     groups = build_role_groups(plan, rank=0, device_type="cpu")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     return Run(cfg, build_ppo_settings(cfg, device=env.device), plan, groups, env, model_config)
+
+
+def train_state(cfg, run_dir: Path, *, rank: int = 0):
+    """ppo.run.state.TrainState from the settings the launcher hands over for `cfg`, as PPOTrainer builds it."""
+    from ppo.run.state import TrainState
+
+    s = build_ppo_settings(cfg, device=torch.device("cpu"))
+    return TrainState.create(s.run, s.data, reward=s.reward, kl_control=s.loop.advantages.kl_control,
+                             model_path=s.build.model_path, sft_warmup=s.loop.sft_warmup_steps > 0, run_dir=run_dir,
+                             rank=rank)

@@ -85,7 +85,7 @@ def _body(rank, world):
         tp_group = groups.gen_tp_group if gen_tp > 1 else None
         engine = NativeEngine(full.config, config=_engine_config(), tp_group=tp_group)
         hybrid = HybridEngine(actor, engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=16 << 10,
-                              offload_optimizer=True, optimizer=opt)
+                              offload_optimizer_while_generating=True, optimizer=opt)
         before = _locals(actor)
         res = hybrid.generate(prompts, greedy)
         got = res.completions
@@ -123,7 +123,7 @@ def _body(rank, world):
     groups = build_reshard_groups((pdims, gen), list(range(world)))
     engine = NativeEngine(full.config, config=_engine_config())
     hybrid = HybridEngine(runner, engine, train_layout=pdims, gen_layout=gen, groups=groups, bucket_bytes=1 << 20,
-                          offload_optimizer=False)
+                          offload_optimizer_while_generating=False)
     res = hybrid.generate(prompts, greedy)
     got = res.completions
     want = _reference(build_model("tiny", seed=0), prompts, greedy)
@@ -142,7 +142,7 @@ def _body(rank, world):
     groups = build_reshard_groups((fdims, gen), list(range(world)))
     engine = NativeEngine(odd, config=_engine_config())
     hybrid = HybridEngine(fmodel, engine, train_layout=fdims, gen_layout=gen, groups=groups, bucket_bytes=1 << 16,
-                          offload_optimizer=False)
+                          offload_optimizer_while_generating=False)
     odd_prompts = [[1, 5, 9], [1, 77]]
     got = hybrid.generate(odd_prompts, greedy).completions
     want = _reference(build_model(odd, seed=0), odd_prompts, greedy)
@@ -179,7 +179,7 @@ def _gpu_body(rank, world):
     engine = NativeEngine(models[0].module.config, config=_engine_config(decode_attention="triton"), device=dev,
                           dtype=torch.bfloat16)
     hybrid = HybridEngine(models[0], engine, train_layout=dims, gen_layout=gen, groups=groups, bucket_bytes=1 << 20,
-                          offload_optimizer=True, optimizer=opts[0], gen_dtype=torch.bfloat16)
+                          offload_optimizer_while_generating=True, optimizer=opts[0], gen_dtype=torch.bfloat16)
     ref = build_model("tiny", seed=0)
     ref.load_state_dict(models[0].module.state_dict())
     ref = ref.to(device=dev, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -111,24 +112,61 @@ def test_yaml_syntax_error(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.engine=hf", "rollout.engine=hf: the Hugging Face engine"),
-    ("critic.offload=true", "critic.offload=true: only the actor offloads"),
-    ("ref.offload=true", "ref.offload=true"),
-    ("reward.offload=true", "reward.offload=true"),
+    # one schema class serves both reward types: each type's keys are refused with the other
     ("reward.tp=2", "reward.tp=2 has no effect with reward.type=rule"),
     ("reward.pp=2", "reward.pp=2 has no effect"),
     ("reward.compile=true", "reward.compile=True has no effect"),
+    ("reward.model_path=/m", "reward.model_path='/m' has no effect with reward.type=rule"),
+    ("reward.type=model reward.function=builtin:math", "reward.function='builtin:math' has no effect with "
+                                                       "reward.type=model"),
+    ("reward.type=model reward.timeout_s=5", "reward.timeout_s=5.0 has no effect with reward.type=model"),
+    ("reward.type=model reward.stop_failed_fraction=0.5", "reward.stop_failed_fraction=0.5 has no effect"),
     ("rollout.gpu_memory_fraction=1.5", "rollout.gpu_memory_fraction=1.5 must be in (0, 1]"),
 ])
 def test_keys_that_would_be_ignored_are_rejected(override, needle):
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", override.split())
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("override,needle", [
+    # keys that no longer exist: the error says what to write instead, not only the closest name
+    ("actor.offload=true", "unknown config key 'actor.offload': renamed actor.offload_optimizer_while_generating"),
+    ("critic.offload=true", "unknown config key 'critic.offload': only the actor offloads"),
+    ("ref.offload=true", "unknown config key 'ref.offload': the reference has no optimizer"),
+    ("reward.offload=true", "unknown config key 'reward.offload'"),
+    ("ref.activation_checkpointing=full", "unknown config key 'ref.activation_checkpointing': the reference runs "
+                                          "forwards only"),
+    ("reward.activation_checkpointing=full", "unknown config key 'reward.activation_checkpointing'"),
+    ("rollout.engine=hf", "rollout.engine='hf' is not one of native, vllm"),
+])
+def test_keys_only_a_refusal_read_are_gone(override, needle):
     with pytest.raises(UserError) as e:
         load_config("conf/ppo_tiny.yaml", [override])
     assert needle in str(e.value)
 
 
-def test_model_reward_takes_its_layout_keys():
-    cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2"])
-    assert cfg.reward.tp == 2
+def test_a_retired_key_in_a_yaml_file_names_the_file(tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("extends: " + str(Path("conf/ppo_tiny.yaml").resolve()) + "\nactor:\n  offload: true\n")
+    with pytest.raises(UserError, match=f"{p}: unknown config key 'actor.offload': renamed"):
+        load_config(p)
+
+
+def test_the_engine_choices_are_the_engines_built():
+    from launcher.config.schema import CHOICES
+    from rollout.factory import ENGINES
+
+    assert CHOICES["rollout.engine"] == ENGINES
+
+
+def test_each_reward_type_takes_its_own_keys():
+    cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2", "reward.model_path=/m",
+                                             "reward.max_tokens_per_micro_batch=100"])
+    assert (cfg.reward.tp, cfg.reward.model_path, cfg.reward.max_tokens_per_micro_batch) == (2, "/m", 100)
+    cfg = load_config("conf/ppo_tiny.yaml", ["reward.function=builtin:math", "reward.timeout_s=5",
+                                             "reward.default_score=-1", "reward.stop_failed_fraction=0.5"])
+    assert (cfg.reward.function, cfg.reward.timeout_s, cfg.reward.stop_failed_fraction) == ("builtin:math", 5, 0.5)
 
 
 @pytest.mark.parametrize("override,needle", [

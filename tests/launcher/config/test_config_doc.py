@@ -25,6 +25,8 @@ def test_every_key_has_a_meaning():
     assert docs["trainer.test_freq"].meaning.startswith("validate on data.val_files every N steps")
     assert "inherited" not in docs["actor.tp"].meaning and docs["critic.tp"].meaning == "tensor-parallel degree"
     assert docs["placement.pools[].size"].type == "int"
+    # a section's own defaults, not its class's: the critic's learning rate is 10x the actor's
+    assert (docs["actor.optim.lr"].default, docs["critic.optim.lr"].default) == ("1e-06", "1e-05")
     # choices are appended when the comment does not list them all
     assert "(one of: auto | hybridrl | verl)" not in docs["reward.signature"].meaning  # the comment names them
     assert "(one of" not in docs["model.dtype"].meaning

@@ -1,6 +1,7 @@
-"""`<role>.offload_optimizer`: accepted on the roles that own an optimizer, refused where it cannot act
-(with `<role>.offload`, which would have nothing to move; on roles without an optimizer it is no key),
-and the committed 7B config turns on the memory choreography it documents."""
+"""`<role>.offload_optimizer` (Adam's moments in host memory all the time, streamed through the step): accepted
+on the roles that own an optimizer, refused beside `actor.offload_optimizer_while_generating` (which would have
+nothing to move); on roles without an optimizer it is no key, and neither is an offload while generating on any
+role but the actor. The committed 7B config turns on the memory choreography it documents."""
 
 import pytest
 
@@ -13,16 +14,24 @@ def test_offload_optimizer_on_actor_and_critic():
     assert cfg.actor.offload_optimizer and cfg.critic.offload_optimizer
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
-def test_offload_optimizer_with_offload_is_refused(role):
-    with pytest.raises(UserError, match=f"{role}.offload=false"):
-        load_config("conf/ppo_tiny.yaml", [f"{role}.offload_optimizer=true", f"{role}.offload=true"])
+def test_offload_optimizer_with_offload_while_generating_is_refused():
+    with pytest.raises(UserError, match="set actor.offload_optimizer_while_generating=false"):
+        load_config("conf/ppo_tiny.yaml", ["actor.offload_optimizer=true",
+                                           "actor.offload_optimizer_while_generating=true"])
+    cfg = load_config("conf/ppo_7b_colocated.yaml")
+    assert cfg.actor.offload_optimizer_while_generating and not cfg.actor.offload_optimizer
 
 
 @pytest.mark.parametrize("role", ["ref", "reward", "rollout"])
 def test_offload_optimizer_is_no_key_without_an_optimizer(role):
     with pytest.raises(UserError, match=f"unknown config key '{role}.offload_optimizer'"):
         load_config("conf/ppo_tiny.yaml", [f"{role}.offload_optimizer=true"])
+
+
+@pytest.mark.parametrize("role", ["critic", "ref", "reward", "rollout"])
+def test_only_the_actor_offloads_while_generating(role):
+    with pytest.raises(UserError, match=f"unknown config key '{role}.offload_optimizer_while_generating'"):
+        load_config("conf/ppo_tiny.yaml", [f"{role}.offload_optimizer_while_generating=true"])
 
 
 def test_bench_grpo_7b_config():

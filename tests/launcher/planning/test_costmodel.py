@@ -89,7 +89,8 @@ def test_reshard_by_hand():
     assert reshard_s(w, CAL, tp=4, pp=1, dp=1, gen_tp=1) == pytest.approx(0.015)
     assert reshard_s(w, CAL, tp=2, pp=1, dp=1, gen_tp=2) == 0.0
     # optimizer offload: 8 bytes/param over 2 ranks, to the host and back at 10 GB/s
-    assert reshard_s(dataclasses.replace(w, offload=True), CAL, tp=2, pp=1, dp=1, gen_tp=2) == pytest.approx(0.8)
+    offloading = dataclasses.replace(w, offload_optimizer_while_generating=True)
+    assert reshard_s(offloading, CAL, tp=2, pp=1, dp=1, gen_tp=2) == pytest.approx(0.8)
 
 
 def _cand(mode, pools, is_async=False):

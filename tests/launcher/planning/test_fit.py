@@ -22,8 +22,8 @@ def test_a_small_model_keeps_everything_on_the_gpu_and_says_so():
     assert (cfg.actor.activation_checkpointing, cfg.actor.offload_optimizer) == ("none", False)
     assert {line.split("=")[0] for line in lines} == {"actor.activation_checkpointing", "actor.offload_optimizer"}
     assert all("(auto: the fastest that fits: predicted step" in line for line in lines)
-    # GRPO has no critic: nothing fitted, nothing said; forward-only roles never recompute
-    assert cfg.critic.offload_optimizer is False and cfg.ref.activation_checkpointing == "none"
+    # GRPO has no critic: nothing fitted, nothing said; forward-only roles have nothing to recompute (no key)
+    assert cfg.critic.offload_optimizer is False and not hasattr(cfg.ref, "activation_checkpointing")
 
 
 def test_a_7b_actor_and_reference_on_one_gpu_recompute_and_stream_adam_from_the_host():
@@ -46,3 +46,10 @@ def test_explicit_settings_win_and_cpu_needs_no_fitting():
     assert [line.split("=")[0] for line in lines] == ["actor.offload_optimizer"]
     cfg, lines = _fit("bench_grpo_7b.yaml", "trainer.device=cpu")
     assert (cfg.actor.activation_checkpointing, cfg.actor.offload_optimizer, lines) == ("none", False, [])
+
+
+def test_offload_while_generating_keeps_the_optimizer_on_the_gpu_in_the_step():
+    """actor.offload_optimizer_while_generating excludes host-streamed Adam moments: the search never picks both."""
+    cfg, lines = _fit("bench_grpo_7b.yaml", "trainer.device=cuda", "actor.offload_optimizer_while_generating=true")
+    assert cfg.actor.offload_optimizer is False
+    assert not any(line.startswith("actor.offload_optimizer=") for line in lines)

@@ -114,33 +114,35 @@ def test_dynamic_sampling_skips_a_prompt_drawn_twice():
 
 def test_trainer_adds_the_overlong_penalty_to_the_scores():
     from launcher.config.load import load_config
-    from launcher.handoff import build_loop_settings
     from ppo.batch.experience import Experience
-    from ppo.trainer import PPOTrainer
 
     cfg = load_config(None, ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=2",
                              "algorithm.overlong_buffer.penalty_factor=0.5", "rollout.max_response_length=4"])
     exp = Experience([Sample(uid=i, prompt_index=0, prompt_ids=[1], response_ids=[2] * n, behaviour_logprobs=[0.0] * n,
                              finish_reason="stop") for i, n in enumerate([1, 2, 3, 4])])
-    trainer = PPOTrainer.__new__(PPOTrainer)  # only its loop settings: no process group, no roles
-    trainer.loop = build_loop_settings(cfg)
-    out = trainer.shape_scores(exp, {i: torch.tensor(1.0) for i in range(4)})
+    out = _settings_only(cfg).shape_scores(exp, {i: torch.tensor(1.0) for i in range(4)})
     assert [round(float(out[i]), 6) for i in range(4)] == [1.0, 1.0, 0.75, 0.5]
-    trainer.loop = build_loop_settings(load_config(None, []))
+    trainer = _settings_only(load_config(None, []))
     same = {i: torch.tensor(1.0) for i in range(4)}
     assert trainer.shape_scores(exp, same) is same
 
 
-def _trainer(*overrides):
-    from launcher.config.load import load_config
-    from launcher.handoff import build_loop_settings
+def _settings_only(cfg):
+    """A PPOTrainer with only the launcher's settings for `cfg`: no process group, no roles."""
+    from launcher.handoff import build_ppo_settings
     from ppo.trainer import PPOTrainer
 
-    trainer = PPOTrainer.__new__(PPOTrainer)  # only its loop settings: no process group, no roles
-    trainer.loop = build_loop_settings(load_config(None, ["algorithm.name=grpo", "rollout.n=2",
-                                                          "algorithm.use_kl_penalty=false",
-                                                          "rollout.max_response_length=3", *overrides]))
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.settings = build_ppo_settings(cfg, device=torch.device("cpu"))
+    trainer.loop = trainer.settings.loop
     return trainer
+
+
+def _trainer(*overrides):
+    from launcher.config.load import load_config
+
+    return _settings_only(load_config(None, ["algorithm.name=grpo", "rollout.n=2", "algorithm.use_kl_penalty=false",
+                                             "rollout.max_response_length=3", *overrides]))
 
 
 def _exp(lengths, reasons, logprobs=True):

@@ -161,7 +161,7 @@ def test_sft_warmup_trains_on_the_data_answers(tmp_path):
     """trainer.sft_warmup_steps with data.train_files: pairs from the data's rows, not the synthetic task."""
     from launcher.config.load import load_config
     from ppo.data.prompts import check_sft_answers, sft_pairs
-    from ppo.run.state import TrainState
+    from tests.ppo.world import train_state
 
     tok = load_tokenizer("builtin:char")
     rows = [{"prompt": f"q{i}", "reward_model": {"ground_truth": str(i)}, "extra_info": {"answer": f"so {i}"}}
@@ -186,24 +186,24 @@ def test_sft_warmup_trains_on_the_data_answers(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows * 4))
     cfg = load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3", "data.batch_size=4"])
-    batch = TrainState.create(cfg, run_dir=tmp_path, rank=0).sft_batch(0)
+    batch = train_state(cfg, tmp_path).sft_batch(0)
     assert len(batch) == 4 and all(tok.decode(p).startswith("q") for p, _ in batch)  # not "3+5=" of add:1
     path.write_text(json.dumps({"prompt": "p", "ground_truth": ["a", "b"]}) + "\n")
     with pytest.raises(DataError, match="trainer.sft_warmup_steps trains on the answers of data.train_files"):
-        TrainState.create(load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3",
-                                             "data.batch_size=1"]), run_dir=tmp_path, rank=0)
+        train_state(load_config(None, [f"data.train_files={path}", "trainer.sft_warmup_steps=3", "data.batch_size=1"]),
+                    tmp_path)
 
 
 def test_total_epochs_sets_the_step_count(tmp_path):
     from launcher.config.load import load_config
-    from ppo.run.state import TrainState
+    from tests.ppo.world import train_state
 
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(50)))
     cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_epochs=3"])
-    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 3 * (50 // 8)
+    assert train_state(cfg, tmp_path).total_steps == 3 * (50 // 8)
     cfg = load_config(None, [f"data.train_files={path}", "data.batch_size=8", "trainer.total_steps=7"])
-    assert TrainState.create(cfg, run_dir=tmp_path, rank=0).cfg.trainer.total_steps == 7
+    assert train_state(cfg, tmp_path).total_steps == 7
 
 
 def test_non_utf8_file_and_non_text_prompt_name_file_line_and_row(tmp_path):

@@ -15,6 +15,7 @@ from ppo.data.tokenizer import load_tokenizer
 from ppo.roles.build import RuleReward
 from ppo.roles.generation import sample_info
 from ppo.run.state import check_reward_columns
+from ppo.settings import RewardSettings
 
 
 def verl_score(data_source, solution_str, ground_truth, extra_info):
@@ -110,10 +111,10 @@ def test_rule_reward_carries_row_columns_and_extras(tmp_path):
 def test_check_reward_columns_before_training(tmp_path):
     (tmp_path / "r.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, level):\n"
                                    "    return 1.0\n")
-    cfg = load_config(None, [f"reward.function={tmp_path / 'r.py'}:compute_score"])
-    check_reward_columns(cfg, ["data_source", "extra_info", "level"])
+    reward = RewardSettings(function=f"{tmp_path / 'r.py'}:compute_score")
+    check_reward_columns(reward, ["data_source", "extra_info", "level"])
     with pytest.raises(RewardFunctionError, match="asks for 'level', which names no data column"):
-        check_reward_columns(cfg, ["data_source", "extra_info", "prompt_level"])
-    builtin = load_config(None, [])  # builtin:task with the synthetic task's columns
+        check_reward_columns(reward, ["data_source", "extra_info", "prompt_level"])
+    builtin = RewardSettings(function="builtin:task:add:1")  # the synthetic task's columns
     check_reward_columns(builtin, ["data_source", "extra_info", "ground_truth"])
     assert load_reward_function("builtin:math")("#### 42", "42") == 1.0

@@ -178,7 +178,7 @@ def test_tokenizer_comes_from_model_path(tmp_path):
     """model.tokenizer=auto (the default): model.path's tokenizer when the folder has one."""
     from launcher.config.load import load_config
     from ppo.data.tokenizer import resolve_tokenizer
-    from ppo.run.state import TrainState
+    from tests.ppo.world import train_state
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -188,7 +188,7 @@ def test_tokenizer_comes_from_model_path(tmp_path):
     assert resolve_tokenizer("auto", None) == "builtin:char"
     assert resolve_tokenizer("builtin:char", str(model_dir)) == "builtin:char"  # set otherwise: kept
     cfg = load_config(None, [f"model.path={model_dir}", "data.task_size=64"])
-    state = TrainState.create(cfg, run_dir=tmp_path, rank=0)
+    state = train_state(cfg, tmp_path)
     assert isinstance(state.tokenizer, HFTokenizer) and state.tokenizer.path == str(model_dir)
     cfg = load_config(None, [f"model.path={model_dir}", "model.tokenizer=builtin:char", "data.task_size=64"])
-    assert isinstance(TrainState.create(cfg, run_dir=tmp_path, rank=0).tokenizer, CharTokenizer)
+    assert isinstance(train_state(cfg, tmp_path).tokenizer, CharTokenizer)

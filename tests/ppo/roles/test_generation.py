@@ -28,13 +28,13 @@ def test_generate_reports_samples_timings_and_metrics(trainer):
     batch = trainer.state.next_prompts()
     gen = rollout.generate(batch, step=0, seed=1)
     assert isinstance(gen, Generation)
-    n = trainer.loop.n
+    n = trainer.settings.generation.n
     assert sorted(s.uid for s in gen.samples) == list(range(len(batch) * n))
     for s in gen.samples:
         row = batch[s.prompt_index]
         assert s.uid // n == row["index"] and s.prompt_ids == list(row["prompt_ids"])
         assert s.ground_truth == row.get("ground_truth")
-        assert len(s.behaviour_logprobs) == len(s.response_ids) <= trainer.loop.max_response_length
+        assert len(s.behaviour_logprobs) == len(s.response_ids) <= trainer.settings.generation.max_response_length
     assert gen.reshard_s > 0
     # one rank, same layout and dtype: the generation weights alias the training shards, nothing moves
     assert gen.metrics["reshard/bytes_received"] == 0 and gen.metrics["reshard/peak_staging_bytes"] == 0

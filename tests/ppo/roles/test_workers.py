@@ -29,7 +29,7 @@ def trainer(tmp_path_factory):
 
 def _reference(cls, trainer):
     """The role's model before any update, unparallelized: the same seeded init."""
-    return _build(cls, trainer.roles.model_config, path=None, device="cpu", seed=trainer.loop.seed)
+    return _build(cls, trainer.roles.model_config, path=None, device="cpu", seed=trainer.settings.run.seed)
 
 
 def test_policy_logprobs_equal_per_sequence_forward(trainer):
