@@ -9,10 +9,11 @@ from rollout import NativeEngine, RolloutConfig, SamplingParams
 PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9], [3] * 20, [1, 2, 3]]
 
 
-def peaked_model(seed=0, scale=20.0):
+def peaked_model(seed=0, scale=20.0, layers=None):
     """Random tiny model with a scaled lm_head (peaked distributions make sampling tests meaningful) and norm
-    weights away from 1 (the engine folds them into its projections: rollout/folded_norms.py)."""
-    model = build_model(preset_config("tiny"), seed=seed)
+    weights away from 1 (the engine folds them into its projections: rollout/folded_norms.py). layers: fewer
+    than the preset's 4 (the Triton interpreter's tests run each layer's kernel programs in Python)."""
+    model = build_model(preset_config("tiny", **({} if layers is None else {"num_hidden_layers": layers})), seed=seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
