@@ -48,7 +48,7 @@ def predict(preset: str, fixture: Path) -> dict:
         choices: list[str] = []
         cfg = load_config(str(ROOT / CONFIG), recipe_overrides(model_dir, fixture / "data"), auto_choices=choices)
         model = resolve_model_config(cfg)
-        choices += fit_memory(cfg, world_size=1, model=model, cuda=True)
+        choices += fit_memory(cfg, lambda c: compute_plan(c, world_size=1, model=model).predicted, cuda=True)
         plan = compute_plan(cfg, world_size=1, model=model)
     return {"preset": preset, "auto": choices, **plan.predicted}
 

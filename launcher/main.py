@@ -96,7 +96,8 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
 
     # --- everything checkable is checked before a process group exists
     model_cfg, rm_cfg = resolve_model_config(cfg), resolve_reward_model_config(cfg)
-    auto_choices = [*auto_choices, *fit_memory(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)]
+    auto_choices = [*auto_choices, *fit_memory(cfg, lambda c: compute_plan(
+        c, world_size=world_size, model=model_cfg, reward_model=rm_cfg).predicted)]
     plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)
     validate_batch(cfg, plan)
     device = resolve_device(cfg.trainer.device)

@@ -1,6 +1,6 @@
 """Memory settings left unset, chosen at launch by the cost model: the fastest choice that fits the GPU.
 
-    choices = fit_memory(cfg, world_size=8, model=model_cfg, reward_model=rm_cfg)  # before compute_plan
+    choices = fit_memory(cfg, lambda c: compute_plan(c, world_size=8, model=m).predicted)  # before planning
 
 Unset keys: `<role>.activation_checkpointing` and `<role>.offload_optimizer` of the trained roles (actor,
 critic; the forward-only roles keep no activations for a backward and have no such key). The trained roles
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 from launcher.config.schema import Config, active_roles
 from launcher.errors import UserError
@@ -24,8 +25,10 @@ TRAINED = ("actor", "critic")
 CANDIDATES = (("none", False), ("none", True), ("full", False), ("full", True))
 
 
-def fit_memory(cfg: Config, *, world_size: int, model, reward_model=None, cuda: bool | None = None) -> list[str]:
-    """Resolve the unset memory keys of `cfg` in place. -> one line per choice: key=value (auto: why)."""
+def fit_memory(cfg: Config, predict: Callable[[Config], dict], *, cuda: bool | None = None) -> list[str]:
+    """Resolve the unset memory keys of `cfg` in place. predict: a config -> its plan's cost-model prediction
+    (`compute_plan(c, ...).predicted`; passed in, so planning imports this module and not the reverse).
+    -> one line per choice: key=value (auto: why)."""
     from launcher.config.auto import on_cuda
 
     cuda = on_cuda(cfg) if cuda is None else cuda
@@ -49,7 +52,7 @@ def fit_memory(cfg: Config, *, world_size: int, model, reward_model=None, cuda: 
             sec.offload_optimizer = False if sec.offload_optimizer is None else sec.offload_optimizer
     if not cuda or not native:
         return lines
-    best = _search(cfg, native, world_size=world_size, model=model, reward_model=reward_model)
+    best = _search(cfg, native, predict)
     (ac, offload), pred, fits = best
     why = (f"the fastest that fits: predicted step {pred['predicted_step_s']:.1f} s, peak {pred['peak_gb']:.0f} GB"
            if fits else f"nothing fits; the most frugal: predicted peak {pred['peak_gb']:.0f} GB")
@@ -69,10 +72,8 @@ def _unset(cfg: Config, role: str) -> bool:
     return sec.activation_checkpointing is None or sec.offload_optimizer is None
 
 
-def _search(cfg: Config, roles: list[str], *, world_size: int, model, reward_model):
+def _search(cfg: Config, roles: list[str], predict: Callable[[Config], dict]):
     """-> ((ac, offload), the plan's prediction, fits) of the chosen candidate."""
-    from launcher.planning.plan import compute_plan
-
     tried = []
     for ac, offload in CANDIDATES:
         trial = copy.deepcopy(cfg)
@@ -83,7 +84,7 @@ def _search(cfg: Config, roles: list[str], *, world_size: int, model, reward_mod
             if sec.offload_optimizer is None:
                 sec.offload_optimizer = offload
         try:
-            pred = compute_plan(trial, world_size=world_size, model=model, reward_model=reward_model).predicted
+            pred = predict(trial)
         except UserError:  # a layout the planner refuses whatever the memory: compute_plan will say so
             pred = {"predicted_step_s": math.inf, "peak_gb": math.inf, "reject": "refused"}
         tried.append(((ac, offload), pred, pred.get("reject") is None))

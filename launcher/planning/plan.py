@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             return _print_auto(cfg, args, model=model, reward_model=rm)
         from launcher.planning.fit import fit_memory
 
-        for line in fit_memory(cfg, world_size=args.world_size, model=model, reward_model=rm):
+        for line in fit_memory(cfg, lambda c: compute_plan(c, world_size=args.world_size, model=model,
+                                                           reward_model=rm).predicted):
             print(f"auto: {line}", file=sys.stderr)
         plan = compute_plan(cfg, world_size=args.world_size, model=model, reward_model=rm)
     except UserError as e:

@@ -14,7 +14,8 @@ UNSET = ["actor.offload_optimizer=null", "actor.activation_checkpointing=null"]
 
 def _fit(config: str, *overrides: str):
     cfg = load_config(str(ROOT / "conf" / config), [*UNSET, *overrides])
-    return cfg, fit_memory(cfg, world_size=1, model=resolve_model_config(cfg))
+    model = resolve_model_config(cfg)
+    return cfg, fit_memory(cfg, lambda c: compute_plan(c, world_size=1, model=model).predicted)
 
 
 def test_a_small_model_keeps_everything_on_the_gpu_and_says_so():
