@@ -1,4 +1,4 @@
-"""The typed pieces of a run that the launcher hands to `ppo` (STYLE.md #2: OmegaConf at the edge,
+"""The typed pieces of a run that the launcher hands to `ppo` (docs/design.md, convention 2: OmegaConf at the edge,
 typed dataclasses inside): the run's seed, length, logs and checkpoints, its prompts, the reward, the
 roles' loss and update settings, the generation role's engine config and sampling, how each role's workers
 are built, and the step loop's own settings. launcher/handoff.py builds them from the config tree once;

@@ -1,5 +1,5 @@
 """Build the roles this rank hosts (actor, rollout, ref, critic, reward) from the device plan,
-and the loss functions the updates use. The trainer composes these objects (STYLE.md #6)."""
+and the loss functions the updates use. The trainer composes these objects (docs/design.md, convention 6)."""
 
 from __future__ import annotations
 
