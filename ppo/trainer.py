@@ -350,21 +350,18 @@ class PPOTrainer:
         return batch, metrics
 
     def check_reward_failures(self, step: int, adv_metrics: dict[str, float], *, num_samples: int) -> None:
-        """Every rank sees the same merged failure count, so every rank stops here together."""
-        frac, limit = adv_metrics.get("reward/failed_frac", 0.0), self.settings.reward.stop_failed_fraction
-        if frac < limit or frac == 0.0:
-            return
-        from ppo.data.rewards import RewardFailureError
+        """Every rank sees the same merged failure count, so every rank stops here together
+        (ppo.data.rewards.should_stop; the distinct errors are gathered from every rank)."""
+        from ppo.data.rewards import failure_error, should_stop
 
+        limit = self.settings.reward.stop_failed_fraction
+        if not should_stop(adv_metrics.get("reward/failed_frac", 0.0), limit):
+            return
         manager = getattr(self.roles.reward, "manager", None)
         errors = sorted({e for part in all_gather_objects(list(manager.errors.values()) if manager else [])
                          for e in part})
-        raise RewardFailureError(
-            f"step {step + 1}: the reward function ({self.settings.reward.function}) failed on "
-            f"{int(adv_metrics['reward/failed'])} of {num_samples} samples "
-            f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
-            f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
-            + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
+        raise failure_error(step=step, failed=int(adv_metrics["reward/failed"]), num_samples=num_samples,
+                            limit=limit, function=self.settings.reward.function, errors=errors)
 
     # ------------------------------------------------------------------ validation
     def validation_due(self, step: int) -> bool:

@@ -233,6 +233,23 @@ class RewardFailureError(RuntimeError):
     """A step's reward failures reached reward.stop_failed_fraction; the launcher exits with 2."""
 
 
+def should_stop(failed_frac: float, limit: float) -> bool:
+    """reward.stop_failed_fraction: stop once this fraction of a step's samples failed (a step without failures
+    never stops, even at limit 0)."""
+    return failed_frac > 0.0 and failed_frac >= limit
+
+
+def failure_error(*, step: int, failed: int, num_samples: int, limit: float, function: str,
+                  errors: list[str]) -> RewardFailureError:
+    """The stop's message: the function, the count, the setting and the distinct errors (every rank's)."""
+    frac = failed / max(num_samples, 1)
+    return RewardFailureError(
+        f"step {step + 1}: the reward function ({function}) failed on {failed} of {num_samples} samples "
+        f"({frac:.0%}, reward.stop_failed_fraction={limit:g}); the run stops instead of training on "
+        f"reward.default_score. Distinct errors so far: " + " | ".join(errors[:5])
+        + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
+
+
 class RewardManager:
     """Scores batches with a user function; a sample whose call raises (or returns a non-number /
     NaN, or runs past timeout_s) gets `default_score` and is counted as failed (the trainer reports

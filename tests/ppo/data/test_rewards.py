@@ -263,3 +263,16 @@ def test_a_function_hanging_on_every_sample_costs_three_timeouts_per_batch():
     assert "timed out on 3 samples in a row" in res.failures[9]
     res = mgr.score([("a", "p", "hang", "x"), ("b", "p", "hang", "x"), ("c", "p", "ok", "x"), ("d", "p", "hang", "x")])
     assert res.scores == [0.0, 0.0, 1.0, 0.0] and res.num_failed == 3  # a success resets the count
+
+
+def test_the_failure_stop_fires_at_the_fraction_and_names_the_errors():
+    from ppo.data.rewards import RewardFailureError, failure_error, should_stop
+
+    assert should_stop(1.0, 1.0) and should_stop(0.5, 0.5) and not should_stop(0.49, 0.5)
+    assert not should_stop(0.0, 0.0)  # a step without failures never stops
+    err = failure_error(step=2, failed=6, num_samples=8, limit=0.5, function="r.py:score",
+                        errors=[f"ValueError: e{i}" for i in range(7)])
+    assert isinstance(err, RewardFailureError)
+    msg = str(err)
+    assert msg.startswith("step 3: the reward function (r.py:score) failed on 6 of 8 samples (75%, ")
+    assert "e0 | e1" not in msg and "ValueError: e4" in msg and "ValueError: e5" not in msg and "(+2 more" in msg
