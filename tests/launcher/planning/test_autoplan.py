@@ -87,6 +87,8 @@ def test_cli_auto_json(capsys):
 
 
 def _auto_body(rank, world_size):
+    import torch.distributed
+
     from launcher.config.load import load_config
     from launcher.dist import build_role_groups
     from launcher.planning.plan import compute_plan, validate_batch
@@ -97,6 +99,8 @@ def _auto_body(rank, world_size):
     plan = compute_plan(cfg, world_size=world_size, model=preset_config("tiny"))
     validate_batch(cfg, plan)
     groups = build_role_groups(plan, rank=rank, device_type="cpu")
+    # rank 0 hosts the store: exiting before rank 1 has built its own one-rank groups broke their connection
+    torch.distributed.barrier()
     return plan.to_json(), sorted(r for r, h in groups.items() if h.active)
 
 
