@@ -3,7 +3,7 @@ by Triton's CPU interpreter (TRITON_INTERPRET=1) in a child process."""
 
 import pytest
 
-from tests.rollout.test_triton_attention import run_interpreted
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
 

@@ -4,7 +4,7 @@ must be set before triton is imported, and must not leak into other tests)."""
 
 import pytest
 
-from tests.rollout.test_triton_attention import run_interpreted
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
 

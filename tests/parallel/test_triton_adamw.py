@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rollout.test_triton_attention import run_interpreted
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
 

@@ -52,7 +52,7 @@ def test_qwen3_engine_without_qk_norm_would_differ():
 def test_qwen3_triton_decode_applies_rope_after_the_qk_norm():
     """The Triton kernel rotates q and the new k itself; the model must hand it normed (un-rotated) q/k."""
     pytest.importorskip("triton")
-    from tests.rollout.test_triton_attention import run_interpreted
+    from tests.triton_interp import run_interpreted
 
     out = run_interpreted("""
         import torch

@@ -7,7 +7,7 @@ import torch
 from rollout import NativeEngine, SamplingParams
 from rollout.folded_norms import FoldedDecoderLayer, rms_scale, scaled_silu_mul
 from tests.rollout.test_engine import PROMPTS, config, naive_greedy, peaked_model, trainer_logprobs
-from tests.rollout.test_triton_attention import run_interpreted
+from tests.triton_interp import run_interpreted
 
 
 def test_engine_folds_each_norm_into_its_projections_once():

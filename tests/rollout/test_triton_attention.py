@@ -1,25 +1,12 @@
 """The Triton decode-attention kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1) in a child
-process (the variable must be set before triton is imported, and must not leak into other tests)."""
-
-import os
-import subprocess
-import sys
-import textwrap
+process (the variable must be set before triton is imported, and must not leak into other tests): one per module
+for all its snippets (tests/triton_interp.py)."""
 
 import pytest
 
-from tests.dist_utils import repo_pythonpath
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
-
-
-
-def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
 
 
 @pytest.mark.parametrize("block_n", [16, 64])

@@ -2,15 +2,12 @@
 interpreter (TRITON_INTERPRET=1) in a child process (the variable must be set before triton is imported, and
 must not leak into other tests); plus a GPU check at the engine's real shape."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from tests.dist_utils import repo_pythonpath
+from tests.triton_interp import run_interpreted as _run_interpreted
 
 pytest.importorskip("triton")
 
@@ -62,11 +59,7 @@ def check(logits, temp, u, tok, lp, lp_tol, min_same=0.99):
 
 
 def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", HELPERS + textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return _run_interpreted(HELPERS + textwrap.dedent(code))
 
 
 def test_kernel_matches_unfiltered_sample_on_random_rows():
