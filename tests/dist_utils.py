@@ -11,7 +11,8 @@ rank's traceback.
 
 gloo ranks are forked from a fork server that imported torch once (multiprocessing's "forkserver", started by
 the first world and living as long as the test process): a spawned rank spends ~3.5 s of CPU importing torch
-and torch._dynamo (which meta-device model builds import), 28 s for a world of 8 on a 2-core CI machine. Each
+and torch._dynamo (which meta-device model builds import), 28 s for a world of 8 on a 2-core CI machine, and
+~2.5 s more importing megatron.core (preloaded where installed: an ImportError is skipped). Each
 rank takes the caller's current environment as a spawned one would, and writes its stdout/stderr to a file that
 run_world copies to the caller's stderr (the server's own streams are those of the first test that started it).
 NCCL worlds are spawned (a fresh interpreter per GPU rank).
