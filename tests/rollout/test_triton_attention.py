@@ -46,7 +46,7 @@ def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs(com
         import torch
         from rollout import NativeEngine, SamplingParams
         from tests.rollout.test_engine import PROMPTS, config, naive_greedy, peaked_model, trainer_logprobs
-        model = peaked_model()
+        model = peaked_model(layers=2)  # layer 1 reads at a non-zero cache offset
         engine = NativeEngine.from_model(model, config=config(decode_attention="triton", compile={compiled},
                                                                fuse_projections={fused}))
         greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -212,7 +212,7 @@ def test_engine_sharing_prompt_kv_equals_every_row_reading_its_own_and_the_train
         import torch
         from rollout import NativeEngine, SamplingParams
         from tests.rollout.test_engine import PROMPTS, config, peaked_model, trainer_logprobs
-        model = peaked_model()
+        model = peaked_model(layers=2)  # layer 1 reads at a non-zero cache offset
         params = [SamplingParams(temperature=1.0, max_tokens=t, n=4, seed=5 + t, ignore_eos=True) for t in (2, 9, 5)]
         runs, shared = {}, []
         for share in (True, False):
