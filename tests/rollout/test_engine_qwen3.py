@@ -10,10 +10,11 @@ from rollout import NativeEngine, SamplingParams
 from tests.rollout.test_engine import PROMPTS, config, naive_greedy, trainer_logprobs
 
 
-def qwen3_model(*, tied: bool = False, seed: int = 0):
+def qwen3_model(*, tied: bool = False, seed: int = 0, layers: int | None = None):
     """Tiny Qwen3: 4 heads x head_dim 32 over hidden 64, norms away from 1 (so a missed or misplaced q/k
-    norm changes the answer), a scaled head for peaked distributions."""
-    cfg = preset_config("tiny-qwen3", tie_word_embeddings=tied)
+    norm changes the answer), a scaled head for peaked distributions. layers: fewer than the preset's 4."""
+    cfg = preset_config("tiny-qwen3", tie_word_embeddings=tied, **({} if layers is None else
+                                                                    {"num_hidden_layers": layers}))
     model = build_model(cfg, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -59,7 +60,7 @@ def test_qwen3_triton_decode_applies_rope_after_the_qk_norm():
         from rollout import NativeEngine, SamplingParams
         from tests.rollout.test_engine import PROMPTS, config, naive_greedy, trainer_logprobs
         from tests.rollout.test_engine_qwen3 import qwen3_model
-        model = qwen3_model()
+        model = qwen3_model(layers=2)  # the interpreter runs each layer's kernel programs in Python
         for fused in (True, False):
             engine = NativeEngine.from_model(model, config=config(decode_attention="triton", fuse_projections=fused))
             assert engine.runner._pick_kernel(2, 16) == "triton"
