@@ -105,6 +105,9 @@ def _check_tp_group_matches_vllm(tp_group, tp: int) -> None:
                          "range starting at a multiple of the generation TP size")
 
 
+VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py's block size when none is set
+
+
 class VLLMEngine:
     def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -144,7 +147,9 @@ class VLLMEngine:
         if cuda:
             kw["gpu_memory_utilization"] = config.gpu_memory_fraction
         else:  # vLLM's CPU default asks for most of host memory; give it what the native engine would take
-            tokens = config.kv_cache_tokens or config.max_model_len * config.max_num_seqs
+            # vLLM's CPU backend hands out KV in blocks of 128 tokens: every sequence holds whole blocks
+            per_seq = -(-config.max_model_len // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK
+            tokens = max(config.kv_cache_tokens or 0, config.max_num_seqs * per_seq)
             kw["kv_cache_memory_bytes"] = tokens * kv_bytes_per_token(model_config, tp=self.tp, dtype=dtype)
         self._dir = tempfile.TemporaryDirectory(prefix="hybridrl-vllm-")
         write_hf_config(model_config, self._dir.name, dtype=dtype)
