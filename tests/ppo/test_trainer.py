@@ -145,10 +145,12 @@ def test_bad_override_exits_2_on_every_rank(tmp_path):
     # a layout error found after the imports and the model config (in run(), before any process group); every
     # rank runs the same `sys.exit(main())`, so two ranks show rank 0's and a peer's exit
     res = launch(tmp_path, 2, "conf/ppo_tiny.yaml", "actor.tp=3", timeout=120)
-    # torchrun itself always exits 1 when a worker fails; every worker exited 2 (a user error)
+    # torchrun itself always exits 1 when a worker fails; the workers exited 2 (a user error), each with the message
+    # (torchrun may stop the second rank before its own exit 2 is polled, so its report can list one exit)
     assert res.returncode != 0
-    assert res.stderr.count("exitcode  : 2") == 2 and "exitcode  : 1" not in res.stderr
-    assert "actor tp(3) must divide num_attention_heads(4)" in res.stderr
+    assert res.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1" not in res.stderr
+    assert "error: actor tp(3) must divide num_attention_heads(4)" in res.stderr
+    assert "rank 1: error: actor tp(3) must divide num_attention_heads(4)" in res.stderr
     # torchrun's own ChildFailedError traceback follows; none comes from our code
     assert 'launcher/main.py", line' not in res.stderr and "hybridrl" not in res.stderr.lower().split("error:")[0]
     assert not (tmp_path / "ppo_tiny").exists()  # nothing created before validation
