@@ -55,7 +55,8 @@ def best_of(conf: str, world: int, overrides: list[str], cal, *, schedules=(Fals
     if not r.best:
         return {"gpus": world, "fits": False, "why": r.rejected[:2]}
     e = r.best[0]
-    return {"gpus": world, "fits": True, **e.summary(cal), "overrides": overrides_of(e.candidate)}
+    return {"gpus": world, "fits": True, **e.summary(cal),
+            "overrides": overrides_of(e.candidate, reward_model=cfg.reward.model is not None)}
 
 
 def seed_check(colo: dict, split: dict, cal) -> dict:

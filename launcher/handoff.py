@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from launcher.config.schema import Config, resolved_rollout_correction
+from launcher.config.schema import MODEL_ROLES, Config, resolved_rollout_correction, role_section
 from ppo.algos.core_algos import PolicyLossSettings
 from ppo.settings import (
     AdvantageSettings,
@@ -91,12 +91,12 @@ def build_data_settings(cfg: Config) -> DataSettings:
 
 
 def build_reward_settings(cfg: Config) -> RewardSettings:
-    w = cfg.reward
+    w, m = cfg.reward, cfg.reward.model
     function = f"builtin:task:{cfg.data.task}" if w.function == "builtin:task" else w.function
-    return RewardSettings(is_model=w.type == "model", function=function, signature=w.signature,
-                          model_path=w.model_path, default_score=w.default_score,
-                          timeout_s=w.timeout_s or None, max_tokens_per_micro_batch=w.max_tokens_per_micro_batch,
-                          pass_threshold=w.pass_threshold, stop_failed_fraction=w.stop_failed_fraction)
+    model = {} if m is None else {"model_path": m.path, "max_tokens_per_micro_batch": m.max_tokens_per_micro_batch}
+    return RewardSettings(is_model=m is not None, function=function, signature=w.signature,
+                          default_score=w.default_score, timeout_s=w.timeout_s or None,
+                          pass_threshold=w.pass_threshold, stop_failed_fraction=w.stop_failed_fraction, **model)
 
 
 def _optimizer(sec) -> OptimizerSettings:
@@ -118,7 +118,8 @@ def build_role_settings(cfg: Config) -> RoleBuildSettings:
     return RoleBuildSettings(
         dtype=cfg.model.dtype, model_path=cfg.model.path, critic_path=cfg.critic.path,
         share_prompts=cfg.trainer.share_prompts,
-        layouts={role: layout(getattr(cfg, role)) for role in ("actor", "ref", "critic", "reward")},
+        # a rule reward has no layout section: the plain layout (it builds no model)
+        layouts={role: layout(sec) if (sec := role_section(cfg, role)) else WorkerLayout() for role in MODEL_ROLES},
         actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic))
 
 

@@ -94,7 +94,7 @@ class WorkerLayout:
 class RewardSettings:
     """The reward role: a rule function or a reward model, and what the loop does with failed scores."""
 
-    is_model: bool = False  # reward.type == "model"
+    is_model: bool = False  # a reward model scores (reward.model set), not the function
     function: str = "builtin:task:add:1"  # the rule function's spec (builtin:task resolved against data.task)
     signature: str = "auto"
     model_path: str | None = None

@@ -9,7 +9,7 @@ each choice as one line (launcher/main.py).
 
 from __future__ import annotations
 
-from launcher.config.schema import Config, active_roles
+from launcher.config.schema import MODEL_ROLES, Config, active_roles, role_section
 
 
 def on_cuda(cfg: Config) -> bool:
@@ -31,24 +31,23 @@ def resolve_auto(cfg: Config) -> list[str]:
     used = set(active_roles(cfg))
 
     def choose(key: str, value, why: str) -> None:
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-        if section not in ("actor", "critic", "ref", "reward") or section in used:  # an unused role: no line
+        section, name = key.rsplit(".", 1)
+        setattr(role_section(cfg, "reward") if section == "reward.model" else getattr(cfg, section), name, value)
+        role = section.split(".")[0]
+        if role not in MODEL_ROLES or role in used:  # an unused role: no line
             choices.append(f"{key}={str(value).lower()} (auto: {why})")
 
-    for role in ("actor", "critic", "ref", "reward"):
-        sec = getattr(cfg, role)
-        if sec.compile is not None:
+    for role in MODEL_ROLES:
+        sec, name = role_section(cfg, role), "reward.model" if role == "reward" else role
+        if sec is None or sec.compile is not None:  # a rule reward has no model: nothing to choose
             continue
-        if role == "reward" and cfg.reward.type == "rule":
-            sec.compile = False  # a rule reward has no model (no line: nothing to choose)
-        elif not cuda:
-            choose(f"{role}.compile", False, "no CUDA device: torch.compile's CPU kernels are slower to build than "
+        if not cuda:
+            choose(f"{name}.compile", False, "no CUDA device: torch.compile's CPU kernels are slower to build than "
                                              "they save on a tiny model")
         elif sec.backend == "megatron" and getattr(sec, "activation_checkpointing", None) == "full":
-            choose(f"{role}.compile", False, "megatron's full recompute wraps the layers itself")
+            choose(f"{name}.compile", False, "megatron's full recompute wraps the layers itself")
         else:
-            choose(f"{role}.compile", True, "CUDA: each transformer layer compiled (fused norms, RoPE, SiLU)")
+            choose(f"{name}.compile", True, "CUDA: each transformer layer compiled (fused norms, RoPE, SiLU)")
     r = cfg.rollout
     if r.compile is None:
         if not cuda:

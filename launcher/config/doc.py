@@ -114,6 +114,11 @@ def describe(cls: type | None = None, prefix: str = "", defaults: Any = None) ->
         if dataclasses.is_dataclass(t):
             out += describe(t, key + ".", default)
             continue
+        section = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)] if elem is None else []
+        if section:  # an optional section (reward.model): null unless set; its keys with the class's defaults
+            out.append(KeyDoc(key, f"{section[0].__name__} | None", "null", _meaning(cls, f.name)))
+            out += describe(section[0], key + ".")
+            continue
         meaning = _meaning(cls, f.name)
         choices = CHOICES.get(key)
         if choices and not set(choices) <= set(re.findall(r"[\w.:-]+", meaning)):

@@ -34,8 +34,22 @@ RETIRED_KEYS = {
     "ref.offload": "the reference has no optimizer to offload",
     "reward.offload": "the reward role has no optimizer to offload",
     "ref.activation_checkpointing": f"the reference {_FORWARD_ONLY}",
+    "reward.type": "a reward model is its own section now: reward.model.path=DIR (its layout: reward.model.tp, ...); "
+                   "without reward.model the rule function (reward.function) scores",
+    "reward.model_path": "moved to reward.model.path",
+    **{f"reward.{k}": f"a reward model's layout is under reward.model: reward.model.{k} (a rule function has none)"
+       for k in ("tp", "pp", "dp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "compile", "backend",
+                 "max_tokens_per_micro_batch")},
     "reward.activation_checkpointing": f"the reward model {_FORWARD_ONLY}",
 }
+
+
+def _unwrap(t: Any) -> Any:
+    """A list's element type, an optional section's class (RewardModelConfig | None -> RewardModelConfig)."""
+    if typing.get_origin(t) is list:
+        return typing.get_args(t)[0]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else t
 
 
 def _fields_at(path: list[str]) -> list[str]:
@@ -45,9 +59,7 @@ def _fields_at(path: list[str]) -> list[str]:
         hints = typing.get_type_hints(cls)
         if part not in hints:
             return []
-        t = hints[part]
-        if typing.get_origin(t) is list:
-            t = typing.get_args(t)[0]
+        t = _unwrap(hints[part])
         if not dataclasses.is_dataclass(t):
             return []
         cls = t
@@ -90,8 +102,8 @@ def _list_fields(cls: Any, prefix: str = "") -> dict[str, Any]:
     for name, t in typing.get_type_hints(cls).items():
         if typing.get_origin(t) is list:
             out[prefix + name] = typing.get_args(t)[0]
-        elif dataclasses.is_dataclass(t):
-            out.update(_list_fields(t, f"{prefix}{name}."))
+        elif dataclasses.is_dataclass(_unwrap(t)):
+            out.update(_list_fields(_unwrap(t), f"{prefix}{name}."))
     return out
 
 

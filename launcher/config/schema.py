@@ -3,10 +3,8 @@
 
 Each role's section holds the keys that role can act on: every model role has a layout (ParallelConfig); only
 the trained roles (actor, critic) have activation checkpointing and an optimizer, and only the actor offloads
-its optimizer while the rollout generates on its GPUs. The reward section is the one exception: one class
-serves reward.type=rule and reward.type=model (a structured config cannot change its keys with a value), so
-its model keys exist for a rule reward and its rule keys for a model, and validation refuses each set where
-the type cannot use it.
+its optimizer while the rollout generates on its GPUs. The reward section holds the rule function's keys; a
+reward model is its own optional section, `reward.model` (null unless set), so a rule reward has no model keys.
 
 The comment beside (or just above) each field is its meaning in `python -m launcher.config`
 (launcher/config/doc.py reads them from this file).
@@ -148,23 +146,31 @@ class RefConfig(ParallelConfig):
 
 
 @dataclass
-class RewardConfig(ParallelConfig):
-    """A rule function (type=rule: function, signature, default_score, timeout_s, stop_failed_fraction) or a
-    reward model (type=model: the layout keys, model_path, max_tokens_per_micro_batch); pass_threshold serves
-    both. Validation refuses the keys of the other type."""
+class RewardModelConfig(ParallelConfig):
+    """A reward model (*ForSequenceClassification) on the reward role's GPUs: the score at each response's last
+    token."""
 
-    type: str = "rule"  # rule | model
+    # its Hugging Face directory; unset: random-initialised (benchmarks only, beside a random-initialised policy)
+    path: str | None = None
+    max_tokens_per_micro_batch: int = 8192  # token budget of one reward-model micro-batch
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored: the rule function, or the reward model when `reward.model` is set."""
+
     function: str = "builtin:task"  # builtin:task (the synthetic task's checker), builtin:math, path.py:fn
     # auto | hybridrl | verl; auto: verl's compute_score(data_source, solution_str, ground_truth,
     # extra_info) when the function names solution_str or starts with data_source, else hybridrl's
     # fn(response, ground_truth, **extra)
     signature: str = "auto"
-    model_path: str | None = None  # reward model (*ForSequenceClassification) directory
     default_score: float = 0.0  # score of a sample whose reward function raised
     pass_threshold: float = 1.0  # a validation sample counts as solved (pass@k) when its score >= this
     timeout_s: float = 30.0  # per sample; a call running longer is a failure (default_score); 0: no limit
     stop_failed_fraction: float = 1.0  # stop the run when this fraction of a step's samples failed (1: all)
-    max_tokens_per_micro_batch: int = 8192  # token budget of one reward-model micro-batch
+    # a reward model scores instead of the function: reward.model.path=DIR, its layout as a role's
+    # (reward.model.tp=2, ...); reward.model={} a random-initialised one (benchmarks); null: the function scores
+    model: RewardModelConfig | None = None
 
 
 @dataclass
@@ -309,7 +315,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "placement.mode": ("colocated", "split", "auto"),
-    "reward.type": ("rule", "model"),
     "reward.signature": ("auto", "hybridrl", "verl"),
     "actor.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.policy_loss": ("vanilla", "gspo"),
@@ -318,13 +323,23 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.optim.lr_schedule": ("constant", "cosine"),
     "critic.optim.lr_schedule": ("constant", "cosine"),
 }
-for _role in ("actor", "critic", "ref", "reward"):
+for _role in ("actor", "critic", "ref", "reward.model"):
     CHOICES[f"{_role}.pp_schedule"] = ("1F1B", "interleaved")
     CHOICES[f"{_role}.backend"] = ("native", "megatron")
 for _role in ("actor", "critic"):
     CHOICES[f"{_role}.activation_checkpointing"] = ("none", "full", "selective")
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
+MODEL_ROLES = ("actor", "critic", "ref", "reward")  # the roles that may hold a model (a layout section)
+
+
+def role_section(cfg: Config, role: str) -> ParallelConfig | None:
+    """A model role's layout section: reward.model for the reward role (None for a rule reward)."""
+    return cfg.reward.model if role == "reward" else getattr(cfg, role)
+
+
+def reward_is_model(cfg: Config) -> bool:
+    return cfg.reward.model is not None
 
 
 def uses_critic(cfg: Config) -> bool:

@@ -15,7 +15,9 @@ from launcher.config.schema import (
     Config,
     FilterGroupsConfig,
     OverlongBufferConfig,
-    RewardConfig,
+    MODEL_ROLES,
+    reward_is_model,
+    role_section,
     resolved_rollout_correction,
 )
 from launcher.errors import UserError
@@ -24,6 +26,8 @@ from launcher.errors import UserError
 def _get(cfg: Config, dotted: str) -> Any:
     obj: Any = cfg
     for p in dotted.split("."):
+        if obj is None:  # an optional section left unset (reward.model): nothing under it to check
+            return None
         obj = getattr(obj, p)
     return obj
 
@@ -35,8 +39,8 @@ def validate_config(cfg: Config) -> None:
                         "updates would underflow or overflow silently); use bfloat16 (the same memory) or float32")
     for key, choices in CHOICES.items():
         v = _get(cfg, key)
-        if v is None and key.endswith(".activation_checkpointing"):
-            continue  # unset: chosen at launch (launcher.planning.fit)
+        if v is None and (key.endswith(".activation_checkpointing") or key.startswith("reward.model.")):
+            continue  # unset: chosen at launch (launcher.planning.fit), or an optional section left unset
         if v not in choices:
             close = difflib.get_close_matches(str(v), choices, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -118,16 +122,17 @@ def validate_config(cfg: Config) -> None:
         raise UserError("actor.offload_optimizer=true keeps the optimizer states in host memory all the time, so "
                         "actor.offload_optimizer_while_generating=true (move them there while generating) has nothing "
                         "to move; set actor.offload_optimizer_while_generating=false")
-    for role in ("actor", "critic", "ref", "reward"):
+    for role in MODEL_ROLES:
         _validate_megatron_role(cfg, role)
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise UserError(f"model.path={cfg.model.path!r} is not a directory holding config.json and *.safetensors "
                         f"(set model.path=<Hugging Face model directory>)")
-    if cfg.reward.type == "model" and not cfg.reward.model_path and cfg.model.path:
+    if reward_is_model(cfg) and not cfg.reward.model.path and cfg.model.path:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
-        raise UserError("reward.type=model needs reward.model_path (a *ForSequenceClassification directory)")
+        raise UserError("reward.model needs reward.model.path (a *ForSequenceClassification directory) beside "
+                        "model.path")
     if r.engine == "vllm":
         _validate_vllm(cfg)
     for pool in cfg.placement.pools:
@@ -214,8 +219,8 @@ def _validate_vllm(cfg: Config) -> None:
 def _validate_megatron_role(cfg: Config, role: str) -> None:
     """`<role>.backend: megatron` settings megatron-core cannot run, refused before any process starts
     (the layout checks that need the model's shape are in launcher.planning.plan)."""
-    sec = getattr(cfg, role)
-    if sec.backend != "megatron" or (role == "reward" and cfg.reward.type == "rule"):
+    sec = role_section(cfg, role)
+    if sec is None or sec.backend != "megatron":
         return
     try:
         import megatron.core  # noqa: F401
@@ -251,15 +256,9 @@ def _validate_megatron_role(cfg: Config, role: str) -> None:
             raise UserError(f"{role}.backend=megatron: {key} is not supported: {fix}")
 
 
-# ParallelConfig keys that only a model-backed role reads (a rule reward is plain Python over the pool)
-_MODEL_KEYS = ("tp", "pp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "compile", "backend")
-# RewardConfig keys that only a rule function reads (a reward model has no function to call, time or fail)
-_RULE_KEYS = ("function", "signature", "default_score", "timeout_s", "stop_failed_fraction")
-
-
 def _validate_roles_keys(cfg: Config) -> None:
-    """Keys that would be accepted and ignored: the engine's sizing keys out of range, and the reward keys of the
-    other reward.type (one schema class serves both: launcher/config/schema.py says why)."""
+    """Keys that would be accepted and ignored: the engine's sizing keys out of range, and the rule function's
+    keys beside a reward model (which neither calls a function nor fails)."""
     from rollout.base import RolloutConfig
 
     r = cfg.rollout
@@ -268,16 +267,10 @@ def _validate_roles_keys(cfg: Config) -> None:
         RolloutConfig(decode_attention=r.decode_attention, **sizing).validate()  # unset: resolved later (auto)
     except ValueError as e:
         raise UserError(f"rollout.{e}") from None
-    default = RewardConfig()
-    if cfg.reward.type == "rule":
-        for key in (*_MODEL_KEYS, "model_path", "max_tokens_per_micro_batch"):
+    if reward_is_model(cfg):
+        default = type(cfg.reward)()
+        for key in ("function", "signature", "default_score", "timeout_s", "stop_failed_fraction"):
             if getattr(cfg.reward, key) != getattr(default, key):
-                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=rule "
-                                f"(a rule function runs data parallel over its pool, no model); remove it or set "
-                                f"reward.type=model")
-    else:
-        for key in _RULE_KEYS:
-            if getattr(cfg.reward, key) != getattr(default, key):
-                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} has no effect with reward.type=model "
-                                f"(it configures a rule function; a reward model neither calls one nor fails); "
-                                f"remove it or set reward.type=rule")
+                raise UserError(f"reward.{key}={getattr(cfg.reward, key)!r} configures the rule function, and "
+                                f"reward.model is set (a reward model neither calls a function nor fails); remove "
+                                f"one of the two")

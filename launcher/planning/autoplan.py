@@ -130,7 +130,7 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
            schedules: tuple[bool, ...] | None = None, top: int = 5, prompt_len: int | None = None,
            response_len: int | None = None) -> SearchResult:
     """The `top` fastest feasible candidates (sync/async per `schedules`; default the config's)."""
-    from launcher.config.schema import active_roles
+    from launcher.config.schema import active_roles, role_section
     from launcher.planning.costmodel import build_workload
 
     roles = active_roles(cfg)
@@ -153,7 +153,7 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
                             shape = reward_model if (role == "reward" and reward_model) else model
                             fits, least = role_layouts(w, cal, role, gpus=n, model=shape, samples=samples,
                                                        share_prompts=w.share_prompts,
-                                                       stages_per_rank=getattr(cfg, role).pp_stages_per_rank)
+                                                       stages_per_rank=getattr(role_section(cfg, role), "pp_stages_per_rank", 1))
                             per_role[role] = fits[:KEEP_PER_ROLE]
                             if not fits and len(rejected) < 5:
                                 why = (f"needs {least:.0f} GB per GPU > {cal.hbm_gb:.0f} GB usable at best"
@@ -190,14 +190,18 @@ def candidate_from_plan(plan, *, is_async: bool) -> Candidate:
     return Candidate(mode=plan.mode, pools=pools, layouts=layouts, gen_tp=plan.gen_tp, is_async=is_async)
 
 
-def overrides_of(c: Candidate) -> list[str]:
-    """key=value overrides that make a config launch candidate `c` (what placement.mode=auto applies)."""
+def overrides_of(c: Candidate, *, reward_model: bool) -> list[str]:
+    """key=value overrides that make a config launch candidate `c` (what placement.mode=auto applies).
+    reward_model: the config scores with a reward model (reward.model set; a rule reward has no layout keys)."""
     out = [f"placement.mode={c.mode}", f"rollout.gen_tp={c.gen_tp}", f"trainer.async_rollout={str(c.is_async).lower()}"]
     if c.mode == "split":
         pools = ", ".join(f"{{roles: [{', '.join(r)}], size: {n}}}" for r, n in c.pools)
         out.append(f"placement.pools=[{pools}]")
     for role, (tp, pp, _) in c.layouts:
-        out += [f"{role}.tp={tp}", f"{role}.pp={pp}", f"{role}.dp=0"]
+        if role == "reward" and not reward_model:
+            continue
+        key = "reward.model" if role == "reward" else role
+        out += [f"{key}.tp={tp}", f"{key}.pp={pp}", f"{key}.dp=0"]
     return out
 
 

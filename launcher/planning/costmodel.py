@@ -181,9 +181,10 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     fused = old_logp_source(async_rollout=is_async, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
                             samples=samples, kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref) == "fused"
     data = data_prompt_lengths(cfg) if prompt_len is None else None
-    rm = None
-    if cfg.reward.type == "model":
+    rm, rm_micro_batch_tokens = None, 0
+    if cfg.reward.model is not None:
         rm = ModelShape.of(reward_model or model, value_head=True)
+        rm_micro_batch_tokens = cfg.reward.model.max_tokens_per_micro_batch
     return Workload(
         actor=ModelShape.of(model), critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
         ref=ModelShape.of(model) if ref else None, reward_model=rm,
@@ -196,7 +197,7 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         is_async=is_async, uses_gae=cfg.algorithm.name == "ppo",
         ac={"actor": a.activation_checkpointing, "critic": cfg.critic.activation_checkpointing},
         micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,
-                            "ref": cfg.ref.max_tokens_per_micro_batch, "reward": cfg.reward.max_tokens_per_micro_batch},
+                            "ref": cfg.ref.max_tokens_per_micro_batch, "reward": rm_micro_batch_tokens},
         max_num_seqs=cfg.rollout.max_num_seqs, kv_memory_fraction=cfg.rollout.gpu_memory_fraction,
         free_memory_on_sleep=cfg.rollout.free_memory_on_sleep,
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from launcher.config.load import load_config
-from launcher.config.schema import Config, PoolConfig, active_roles
+from launcher.config.schema import MODEL_ROLES, Config, PoolConfig, active_roles, role_section
 from launcher.errors import UserError
 from launcher.planning.layout import validate_role_layout
 from models.config import ModelConfig
@@ -114,8 +114,8 @@ def _pools(cfg: Config, roles: list[str]) -> list[PoolConfig]:
 
 
 def _role_section(cfg: Config, role: str):
-    return {"actor": cfg.actor, "rollout": cfg.actor, "ref": cfg.ref, "critic": cfg.critic,
-            "reward": cfg.reward}[role]
+    """The layout section a role reads (the rollout's is the actor's; a rule reward has none)."""
+    return cfg.actor if role == "rollout" else role_section(cfg, role)
 
 
 def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig) -> None:
@@ -153,13 +153,11 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
         start += n
         for role in p.roles:
             sec = _role_section(cfg, role)
-            tp, pp = sec.tp, sec.pp
+            tp, pp = (1, 1) if sec is None else (sec.tp, sec.pp)  # a rule reward: data parallel over the pool
             if role == "rollout":
                 tp, pp = (cfg.rollout.gen_tp or cfg.actor.tp), 1
-            if role == "reward" and cfg.reward.type == "rule":
-                tp, pp = 1, 1  # rule functions: plain data parallel over the pool's ranks
             shape = reward_model if (role == "reward" and reward_model is not None) else model
-            if not (role == "reward" and cfg.reward.type == "rule"):
+            if sec is not None:
                 try:
                     validate_role_layout(role, shape, tp=tp, pp=pp,
                                          stages_per_rank=1 if role == "rollout" else sec.pp_stages_per_rank)
@@ -171,7 +169,7 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                 raise UserError(f"{role} tp({tp}) x pp({pp}) = {tp * pp} must divide its pool of {n} ranks "
                                 f"(roles {', '.join(p.roles)})")
             dp = n // (tp * pp)
-            if role != "rollout" and sec.dp and sec.dp != dp:
+            if role != "rollout" and sec is not None and sec.dp and sec.dp != dp:
                 raise UserError(f"{role}.dp={sec.dp} but its pool of {n} ranks with tp({tp}) x pp({pp}) "
                                 f"gives dp={dp}; set {role}.dp=0 to derive it")
             plan.groups[role] = RoleGroup(role=role, ranks=ranks, tp=tp, pp=pp, dp=dp)
@@ -216,8 +214,9 @@ def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     from launcher.planning.autoplan import search
     from launcher.planning.costmodel import load_calibration
 
-    fixed = [f"{r}.{k}={getattr(getattr(cfg, r), k)}" for r in ("actor", "critic", "ref", "reward")
-             for k in AUTO_CHOSEN if getattr(getattr(cfg, r), k) != (0 if k == "dp" else 1)]
+    sections = {("reward.model" if r == "reward" else r): role_section(cfg, r) for r in MODEL_ROLES}
+    fixed = [f"{name}.{k}={getattr(sec, k)}" for name, sec in sections.items() if sec is not None
+             for k in AUTO_CHOSEN if getattr(sec, k) != (0 if k == "dp" else 1)]
     fixed += [f"rollout.gen_tp={cfg.rollout.gen_tp}"] if cfg.rollout.gen_tp else []
     fixed += ["placement.pools=[...]"] if cfg.placement.pools else []
     if fixed:
@@ -238,8 +237,8 @@ def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     resolved.placement.mode = c.mode
     resolved.placement.pools = [PoolConfig(roles=list(r), size=n) for r, n in c.pools] if c.mode == "split" else []
     for role, (tp, pp, _) in c.layouts:
-        sec = getattr(resolved, role)
-        sec.tp, sec.pp = tp, pp
+        if (sec := role_section(resolved, role)) is not None:  # a rule reward has no layout
+            sec.tp, sec.pp = tp, pp
     resolved.rollout.gen_tp = c.gen_tp
     plan = compute_plan(resolved, world_size=world_size, model=model, reward_model=reward_model)
     plan.predicted.update(chosen_by="placement.mode=auto", candidates_estimated=result.evaluated)
@@ -271,14 +270,14 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
 
 
 def resolve_reward_model_config(cfg: Config) -> ModelConfig | None:
-    if cfg.reward.type != "model" or not cfg.reward.model_path:
+    if cfg.reward.model is None or not cfg.reward.model.path:
         return None
     from models.hf_io import read_config
 
     try:
-        return read_config(cfg.reward.model_path)
+        return read_config(cfg.reward.model.path)
     except Exception as e:  # noqa: BLE001 - any unreadable reward model is a user error here
-        raise UserError(f"reward.model_path: {e}") from None
+        raise UserError(f"reward.model.path: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,15 +332,17 @@ def _print_auto(cfg: Config, args, *, model: ModelConfig, reward_model: ModelCon
         schedules = tuple(names[s] for s in args.schedules.split(","))
     result = search(cfg, world_size=args.world_size, model=model, reward_model=reward_model, cal=cal,
                     schedules=schedules, top=args.top, prompt_len=args.prompt_len, response_len=args.response_len)
+    rm = cfg.reward.model is not None
     if args.json:
         print(json.dumps({"world_size": args.world_size, "calibration": cal.name, "evaluated": result.evaluated,
-                          "plans": [dict(e.summary(cal), overrides=overrides_of(e.candidate)) for e in result.best],
+                          "plans": [dict(e.summary(cal), overrides=overrides_of(e.candidate, reward_model=rm))
+                                    for e in result.best],
                           "rejected_examples": result.rejected}, indent=2))
     else:
         print(format_table(result, cal, world_size=args.world_size))
         if result.best:
             print("  launch the best: " + " ".join(repr(o) if " " in o else o
-                                                    for o in overrides_of(result.best[0].candidate)))
+                                                    for o in overrides_of(result.best[0].candidate, reward_model=rm)))
     return 0 if result.best else 2
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def test_split_pipeline_actor_and_critic_train_resume_and_export(tmp_path):
     transformers with the trainer's outputs."""
     import torch
 
-    common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "reward.type=model", "reward.pp=2",
+    common = ["placement.mode=split", "actor.pp=2", "critic.pp=2", "reward.model.pp=2",
               "data.batch_size=8",
               "trainer.experiment_name=pp_split", "trainer.save_every=1", "trainer.sft_warmup_steps=0",
               "trainer.export_hf=every_save", "trainer.keep_last=3"]

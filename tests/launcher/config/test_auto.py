@@ -20,7 +20,7 @@ def test_cpu_picks_cpu_safe_choices():
     cfg, choices = _load("trainer.device=cpu")
     assert (cfg.actor.compile, cfg.critic.compile, cfg.ref.compile, cfg.rollout.compile) == (False,) * 4
     assert "actor.compile=false (auto: no CUDA device" in choices[0]
-    assert cfg.reward.compile is False and not any(c.startswith("reward.") for c in choices)  # a rule reward
+    assert cfg.reward.model is None and not any(c.startswith("reward.") for c in choices)  # a rule reward: no model
 
 
 def test_cuda_compiles_training_and_decode_and_says_why():

@@ -112,15 +112,11 @@ def test_yaml_syntax_error(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    # one schema class serves both reward types: each type's keys are refused with the other
-    ("reward.tp=2", "reward.tp=2 has no effect with reward.type=rule"),
-    ("reward.pp=2", "reward.pp=2 has no effect"),
-    ("reward.compile=true", "reward.compile=True has no effect"),
-    ("reward.model_path=/m", "reward.model_path='/m' has no effect with reward.type=rule"),
-    ("reward.type=model reward.function=builtin:math", "reward.function='builtin:math' has no effect with "
-                                                       "reward.type=model"),
-    ("reward.type=model reward.timeout_s=5", "reward.timeout_s=5.0 has no effect with reward.type=model"),
-    ("reward.type=model reward.stop_failed_fraction=0.5", "reward.stop_failed_fraction=0.5 has no effect"),
+    # a reward model neither calls the rule function nor fails: the function's keys beside it are refused
+    ("reward.model.tp=1 reward.function=builtin:math", "reward.function='builtin:math' configures the rule "
+                                                       "function, and reward.model is set"),
+    ("reward.model.tp=1 reward.timeout_s=5", "reward.timeout_s=5.0 configures the rule function"),
+    ("reward.model.tp=1 reward.stop_failed_fraction=0.5", "reward.stop_failed_fraction=0.5 configures"),
     ("rollout.gpu_memory_fraction=1.5", "rollout.gpu_memory_fraction=1.5 must be in (0, 1]"),
 ])
 def test_keys_that_would_be_ignored_are_rejected(override, needle):
@@ -160,10 +156,26 @@ def test_the_engine_choices_are_the_engines_built():
     assert CHOICES["rollout.engine"] == ENGINES
 
 
-def test_each_reward_type_takes_its_own_keys():
-    cfg = load_config("conf/ppo_tiny.yaml", ["reward.type=model", "reward.tp=2", "reward.model_path=/m",
-                                             "reward.max_tokens_per_micro_batch=100"])
-    assert (cfg.reward.tp, cfg.reward.model_path, cfg.reward.max_tokens_per_micro_batch) == (2, "/m", 100)
+@pytest.mark.parametrize("override,needle", [
+    ("reward.tp=2", "reward.model.tp (a rule function has none)"),
+    ("reward.compile=true", "reward.model.compile"),
+    ("reward.model_path=/m", "moved to reward.model.path"),
+    ("reward.type=model", "reward.model.path=DIR"),
+])
+def test_a_rule_reward_has_no_model_keys(override, needle):
+    """The model keys live in the optional reward.model section; the old flat names say where they went."""
+    with pytest.raises(UserError) as e:
+        load_config("conf/ppo_tiny.yaml", [override])
+    assert f"unknown config key '{override.split('=')[0]}'" in str(e.value) and needle in str(e.value)
+    assert load_config("conf/ppo_tiny.yaml").reward.model is None
+
+
+def test_each_reward_kind_takes_its_own_keys():
+    cfg = load_config("conf/ppo_tiny.yaml", ["reward.model.tp=2", "reward.model.path=/m",
+                                             "reward.model.max_tokens_per_micro_batch=100"])
+    m = cfg.reward.model
+    assert (m.tp, m.path, m.max_tokens_per_micro_batch) == (2, "/m", 100)
+    assert load_config("conf/ppo_tiny.yaml", ["reward.model={}"]).reward.model.tp == 1  # a random-initialised one
     cfg = load_config("conf/ppo_tiny.yaml", ["reward.function=builtin:math", "reward.timeout_s=5",
                                              "reward.default_score=-1", "reward.stop_failed_fraction=0.5"])
     assert (cfg.reward.function, cfg.reward.timeout_s, cfg.reward.stop_failed_fraction) == ("builtin:math", 5, 0.5)

@@ -31,7 +31,7 @@ def test_search_is_deterministic_and_fast_at_1024_ranks():
     assert [e.candidate for e in a.best] == [e.candidate for e in b.best] and len(a.best) == 5
     assert [e.step_s for e in a.best] == sorted(e.step_s for e in a.best)
     for e in a.best[:2]:  # the plans printed launch: the planner accepts its overrides at 1024 ranks
-        plan = compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate)),
+        plan = compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate, reward_model=True)),
                             world_size=1024, model=L7B)
         validate_batch(cfg, plan)
         assert candidate_from_plan(plan, is_async=e.candidate.is_async) == e.candidate
@@ -126,5 +126,5 @@ def test_search_proposes_only_layouts_the_planner_accepts():
         assert e.candidate.gen_tp == 1 and all(tp == 1 for _, (tp, _, _) in e.candidate.layouts), \
             e.candidate.describe()
     for e in r.best[::25]:
-        compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate)), world_size=8,
+        compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate, reward_model=True)), world_size=8,
                      model=odd)  # accepted: no UserError
