@@ -10,15 +10,15 @@ from typing import Any
 
 from launcher.config.schema import (
     CHOICES,
+    MODEL_ROLES,
     ROLES,
     AlgorithmConfig,
     Config,
     FilterGroupsConfig,
     OverlongBufferConfig,
-    MODEL_ROLES,
+    resolved_rollout_correction,
     reward_is_model,
     role_section,
-    resolved_rollout_correction,
 )
 from launcher.errors import UserError
 

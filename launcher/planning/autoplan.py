@@ -153,7 +153,8 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
                             shape = reward_model if (role == "reward" and reward_model) else model
                             fits, least = role_layouts(w, cal, role, gpus=n, model=shape, samples=samples,
                                                        share_prompts=w.share_prompts,
-                                                       stages_per_rank=getattr(role_section(cfg, role), "pp_stages_per_rank", 1))
+                                                       stages_per_rank=getattr(role_section(cfg, role),
+                                                                               "pp_stages_per_rank", 1))
                             per_role[role] = fits[:KEEP_PER_ROLE]
                             if not fits and len(rejected) < 5:
                                 why = (f"needs {least:.0f} GB per GPU > {cal.hbm_gb:.0f} GB usable at best"

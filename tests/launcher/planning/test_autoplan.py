@@ -126,5 +126,6 @@ def test_search_proposes_only_layouts_the_planner_accepts():
         assert e.candidate.gen_tp == 1 and all(tp == 1 for _, (tp, _, _) in e.candidate.layouts), \
             e.candidate.describe()
     for e in r.best[::25]:
-        compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides_of(e.candidate, reward_model=True)), world_size=8,
-                     model=odd)  # accepted: no UserError
+        # each accepted: no UserError
+        overrides = overrides_of(e.candidate, reward_model=True)
+        compute_plan(load_config("conf/plan_ppo_hybridflow.yaml", overrides), world_size=8, model=odd)
