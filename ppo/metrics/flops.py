@@ -54,6 +54,8 @@ def ppo_stage_flops(
     prefill_tokens: int = 0,
     old_logp_forward: bool = True,
     policy_tokens: int | None = None,
+    attention_policy: float = 0.0,
+    attention_full: float = 0.0,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
@@ -61,8 +63,10 @@ def ppo_stage_flops(
     6N, N the matmul parameters (an LM head included for the policy, none for a critic or reward model:
     their N comes from ModelConfig.matmul_params(lm_head=False)). `trained_tokens` is prompt+response
     tokens of the batch as fed to the trainer; `generated_tokens` the decoded tokens and `prefill_tokens`
-    the prompt tokens the engine prefilled (2N each; counted under "gen"). Attention's O(T^2) term is ignored, so
-    long sequences make these numbers a slight underestimate, never an overestimate.
+    the prompt tokens the engine prefilled (2N each; counted under "gen"). Attention's q.k and p.v come on top,
+    causal (`attention_forward_flops`): `attention_policy` is one forward's over the tokens the policy forwards
+    pack (prompts once per group with shared prompts; the engine attends the same pairs), `attention_full` over
+    whole sequences (the critic's packs); x3 with a backward. Defaults 0: matmuls only.
     A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
     old_logp_forward=False: no separate old-log-prob forward ran (async rollout takes the behaviour
     log-probs of generation; one epoch over one mini-batch reuses the update's forward), so none is
@@ -73,14 +77,15 @@ def ppo_stage_flops(
     """
     t = float(trained_tokens)
     tp = t if policy_tokens is None else float(policy_tokens)
+    ap, af = attention_policy, attention_full
     out = {
-        "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens),
-        "old_log_prob": 2.0 * n_params_actor * tp if old_logp_forward else 0.0,
-        "ref": 2.0 * n_params_ref * tp if n_params_ref else 0.0,
-        "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,
-        "values": 2.0 * n_params_critic * t if n_params_critic else 0.0,
-        "update_actor": 6.0 * n_params_actor * tp * ppo_epochs,
-        "update_critic": 6.0 * n_params_critic * t * ppo_epochs if n_params_critic else 0.0,
+        "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens) + ap,
+        "old_log_prob": 2.0 * n_params_actor * tp + ap if old_logp_forward else 0.0,
+        "ref": 2.0 * n_params_ref * tp + ap if n_params_ref else 0.0,
+        "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,  # its shape may differ: matmuls only
+        "values": 2.0 * n_params_critic * t + af if n_params_critic else 0.0,
+        "update_actor": (6.0 * n_params_actor * tp + 3.0 * ap) * ppo_epochs,
+        "update_critic": (6.0 * n_params_critic * t + 3.0 * af) * ppo_epochs if n_params_critic else 0.0,
     }
     return out
 
@@ -102,9 +107,20 @@ def attention_context(lengths: list[int], *, causal: bool = True) -> float:
     return sum(per_doc(t) for t in lengths) / total
 
 
+def attention_forward_flops(prompt_lengths: list[int], response_lengths: list[list[int]], *, layers: int,
+                            attn_width: int, share_prompts: bool) -> float:
+    """Causal q.k and p.v FLOPs of one forward over groups of samples (a prompt and its responses), 4 L W per
+    attended (query, key) pair, W = heads x head_dim. With shared prompts a prompt's own pairs count once per
+    group (it is packed once); each response attends its prompt and its own earlier tokens either way."""
+    pairs = 0
+    for p, rs in zip(prompt_lengths, response_lengths, strict=True):
+        prompt_pairs = p * (p + 1) // 2
+        pairs += prompt_pairs * (1 if share_prompts else len(rs)) + sum(r * p + r * (r + 1) // 2 for r in rs)
+    return 4.0 * layers * attn_width * pairs
+
+
 def flops_per_token(n_matmul: int, *, layers: int, attn_width: int, context: float, train: bool) -> float:
     """Model FLOPs of one token: 2N forward (6N with backward) for the matmuls, plus attention's q.k and
-    p.v, 4 L W C forward (12 L W C with backward), W = heads x head_dim, C = attention_context(...).
-    The step accounting (ppo_stage_flops) leaves the attention term out (C = 0), which undercounts."""
+    p.v, 4 L W C forward (12 L W C with backward), W = heads x head_dim, C = attention_context(...)."""
     mult = 3 if train else 1
     return mult * (2 * n_matmul + 4 * layers * attn_width * context)

@@ -13,7 +13,7 @@ import torch
 
 from ppo.batch.experience import Experience, all_gather_objects
 from ppo.batch.step_batch import StepBatch
-from ppo.metrics.flops import ppo_stage_flops, spec_peak_flops, useful_utilization
+from ppo.metrics.flops import attention_forward_flops, ppo_stage_flops, spec_peak_flops, useful_utilization
 from ppo.metrics.timing import compiled_graphs, host_memory_gb
 
 
@@ -29,6 +29,8 @@ class StepMetrics:
         # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
         self.n_policy = model_config.matmul_params()
         self.n_head = model_config.matmul_params(lm_head=False)
+        self.layers = model_config.num_hidden_layers
+        self.attn_width = model_config.num_attention_heads * model_config.head_dim
         # no spec peak for a CPU or an unlisted device: no utilization figure rather than a guess
         self.train_peak = 0  # bytes allocated at most since the last generate, at the last collect (CUDA)
         self.peak_flops = spec_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -95,7 +97,13 @@ class StepMetrics:
         utilization of the whole step and the actor update's MFU."""
         roles = self.plan.groups
         # shared prompts: each prompt is packed once per group of samples
-        policy = sum(exp.prompt_units()[1]) if self.share_prompts else None
+        units, packed = exp.prompt_units()
+        policy = sum(packed) if self.share_prompts else None
+        prompts = [len(exp.samples[u[0]].prompt_ids) for u in units]
+        responses = [[len(exp.samples[i].response_ids) for i in u] for u in units]
+        attention = {name: attention_forward_flops(prompts, responses, layers=self.layers, attn_width=self.attn_width,
+                                                   share_prompts=share)
+                     for name, share in (("attention_policy", self.share_prompts), ("attention_full", False))}
         flops = ppo_stage_flops(
             n_params_actor=self.n_policy, n_params_critic=self.n_head if "critic" in roles else None,
             n_params_ref=self.n_policy if "ref" in roles else None,
@@ -103,7 +111,7 @@ class StepMetrics:
             trained_tokens=sum(s.length for s in exp.samples),
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.n),
-            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy)
+            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy, **attention)
         out = {"perf/flops": sum(flops.values())}
         if self.peak_flops is None:
             return out

@@ -51,3 +51,29 @@ def test_critic_and_reward_model_have_no_lm_head():
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     assert cfg.matmul_params() - cfg.matmul_params(lm_head=False) == 1000 * 64
+
+
+def test_attention_counts_causal_pairs_and_shared_prompts_once():
+    """4 L W per attended (query, key) pair, causal; a shared prompt's own pairs once per group, each response
+    attending the prompt and its own earlier tokens (checked against a naive count of the pairs)."""
+    from ppo.metrics.flops import attention_forward_flops
+
+    prompts, responses = [3, 5], [[2, 4], [1]]
+
+    def naive(share: bool) -> int:
+        pairs = 0
+        for p, rs in zip(prompts, responses):
+            for j, r in enumerate(rs):
+                seq = p + r
+                first = 0 if (j == 0 or not share) else p  # a shared prompt's queries run once per group
+                pairs += sum(q + 1 for q in range(first, seq))
+        return pairs
+
+    for share in (False, True):
+        got = attention_forward_flops(prompts, responses, layers=2, attn_width=8, share_prompts=share)
+        assert got == 4 * 2 * 8 * naive(share)
+    n, t = 1000, 15
+    flops = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=None, trained_tokens=t,
+                            generated_tokens=7, ppo_epochs=2, attention_policy=10.0, attention_full=20.0)
+    assert flops["update_actor"] == 2 * (6 * n * t + 30.0) and flops["ref"] == 2 * n * t + 10.0
+    assert flops["update_critic"] == 2 * (6 * n * t + 60.0) and flops["gen"] == 2 * n * 7 + 10.0
