@@ -35,19 +35,21 @@ HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (docs/design.md, "FLOPs
 
 
 def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype,
-                    all_weights: bool = False, samples_per_prompt: int = 1) -> dict:
+                    all_weights: bool = False, samples_per_prompt: int = 1,
+                    kv_dtype: torch.dtype | None = None) -> dict:
     """HBM-roofline tokens/s of generating `new_tokens` for `batch` sequences of `prompt_len`.
 
     Decode step s (1..new_tokens-1) reads every weight once (the embedding table only for B rows:
     not counted, unless tied to lm_head, or with all_weights=True, the issue's convention, which
     gives a ~2% lower roofline for llama-1b) and the KV of prompt_len + s positions per sequence.
     With n samples per prompt the prompt's KV counts once per group of n (the least any engine must
-    read; one reading it per sample is held to that ceiling too)."""
+    read; one reading it per sample is held to that ceiling too). kv_dtype: the cache's, when not the weights'
+    (an fp8 cache counts its values and their row scales)."""
     item = torch.empty((), dtype=dtype).element_size()
     embed = 0 if cfg.tie_word_embeddings or all_weights else cfg.vocab_size * cfg.hidden_size
     weight_bytes = (cfg.num_params() - embed) * item
     per_tok = kv_bytes_per_token(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                                 head_dim=cfg.head_dim, dtype=dtype)
+                                 head_dim=cfg.head_dim, dtype=kv_dtype or dtype)
     steps = range(1, new_tokens)
     kv_bytes = sum((batch * s + -(-batch // samples_per_prompt) * prompt_len) * per_tok for s in steps)
     total = len(steps) * weight_bytes + kv_bytes
@@ -139,8 +141,9 @@ def profile_decode(engine, prompts, *, new_tokens: int, top: int = 25) -> dict:
 
 
 def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, checks, device) -> None:
-    """One native-engine variant: '<kernel>[+compile][+eager][+lt][+noshare][+nofold]' (eager = no CUDA graphs,
-    lt = cuBLASLt, noshare = every sample reads its own copy of the prompt's KV, nofold = rollout.fold_norms off)."""
+    """One native-engine variant: '<kernel>[+compile][+eager][+lt][+noshare][+nofold][+fp8]' (eager = no CUDA
+    graphs, lt = cuBLASLt, noshare = every sample reads its own copy of the prompt's KV, nofold = rollout.fold_norms
+    off, fp8 = rollout.kv_cache_dtype=fp8)."""
     parts = variant.split("+")
     max_len = args.prompt_len + args.new_tokens
     config = RolloutConfig(max_model_len=max_len, max_num_seqs=max(batches),
@@ -148,6 +151,7 @@ def run_native(args, variant: str, name: str, model, cfg, batches, gen, record, 
                            enable_cuda_graph="eager" not in parts and not args.no_cuda_graph,
                            compile="compile" in parts, gpu_memory_fraction=args.gpu_memory_fraction,
                            share_prompt_kv="noshare" not in parts, fold_norms="nofold" not in parts,
+                           kv_cache_dtype="fp8" if "fp8" in parts else "auto",
                            kv_cache_tokens=None if device.startswith("cuda") else max(batches) * max_len)
     if "lt" in parts:  # every GEMM through cuBLASLt's heuristic instead of cuBLAS's (the A/B of a setting)
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -171,7 +175,7 @@ def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, ch
             runs.append((*timed_generate(engine, prompts, params, device), dict(engine.stats)))
         outs, wall, peak, st = sorted(runs, key=lambda r: r[1])[len(runs) // 2]
         roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                               dtype=engine.runner.dtype, samples_per_prompt=args.n)
+                               dtype=engine.runner.dtype, samples_per_prompt=args.n, kv_dtype=engine.runner.kv_dtype)
         decode_tps = batch * (args.new_tokens - 1) / max(st["decode_s"], 1e-9)
         roof_decode_tps = batch * (args.new_tokens - 1) / max(roof["roofline_decode_s"], 1e-12)
         record(name, batch, wall, peak, outs,
@@ -184,7 +188,8 @@ def _run_native_batches(args, engine, name, model, cfg, batches, gen, record, ch
                 "compile_error": getattr(engine.runner._decode, "error", None),
                 "prefill_compile_error": getattr(engine.runner._prefill, "error", None),
                 "graph_error": engine.runner.graph_error,
-                "decode_kernels": {f"{b}x{kv}": k for (b, kv), k in sorted(engine.runner.kernel_for.items())}})
+                "decode_kernels": {f"{b}x{kv}": k for (b, kv), k in sorted(engine.runner.kernel_for.items())}},
+               kv_dtype=engine.runner.kv_dtype)
     if not args.no_check:
         prompts = torch.randint(3, cfg.vocab_size, (min(8, max(batches)), args.prompt_len), generator=gen).tolist()
         checks[name] = check_against_trainer(engine, model, prompts, new_tokens=min(32, args.new_tokens))
@@ -268,12 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     results, checks = [], {}
 
-    def record(engine_name, batch, wall, peak, outs, extra):
+    def record(engine_name, batch, wall, peak, outs, extra, kv_dtype=None):
         new = sum(len(c.token_ids) for c in outs)
         roof = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=dtype,
-                               samples_per_prompt=args.n)
+                               samples_per_prompt=args.n, kv_dtype=kv_dtype)
         roof_all = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                   dtype=dtype, all_weights=True, samples_per_prompt=args.n)
+                                   dtype=dtype, all_weights=True, samples_per_prompt=args.n, kv_dtype=kv_dtype)
         tps = new / wall
         row = {"engine": engine_name, "batch": batch, "new_tokens": new, "wall_s": round(wall, 4),
                "new_tokens_per_s": round(tps, 1), "peak_mem_gb": None if peak is None else round(peak, 3),

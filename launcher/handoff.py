@@ -51,6 +51,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
                            max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
                            decode_attention=r.decode_attention, share_prompt_kv=r.share_prompt_kv,
                            fold_norms=r.fold_norms, free_memory_on_sleep=r.free_memory_on_sleep is not False,
+                           kv_cache_dtype=r.kv_cache_dtype,
                            # CPU has no memory fraction to size the KV cache from: room for every sequence
                            kv_cache_tokens=None if device.type == "cuda" else max_len * r.max_num_seqs,
                            seed=cfg.trainer.seed)

@@ -44,6 +44,7 @@ class Completion:
 
 
 DECODE_ATTENTION = ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")  # RolloutConfig.decode_attention
+KV_CACHE_DTYPES = ("auto", "fp8")  # RolloutConfig.kv_cache_dtype
 
 
 @dataclass(slots=True)
@@ -76,6 +77,9 @@ class RolloutConfig:
     # group, not once per sample (rollout/shared_prefix.py); False: every row reads its own slot
     share_prompt_kv: bool = True
     compile: bool = False  # torch.compile the decode step (fuses norms/RoPE/SiLU/sampling; one dynamic-shape compile)
+    # "auto": the engine's dtype; "fp8": float8 e4m3 values with one fp32 scale per (token, KV head) (about half
+    # the KV bytes a decode step reads, twice the sequences per GB; rollout/kv_cache.py)
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
@@ -90,6 +94,8 @@ class RolloutConfig:
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
         if not 0.0 <= self.min_admit_fraction <= 1.0:
             raise ValueError(f"min_admit_fraction={self.min_admit_fraction} must be in [0, 1]")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTION}")
 

@@ -8,6 +8,13 @@ in pure PyTorch need a gather of every sequence's blocks per layer per step (rea
 half the roofline by construction) unless a custom paged-attention kernel is used. The price is
 that a slot reserves max_model_len tokens, so concurrency = cache tokens / max_model_len.
 
+An fp8 cache (RolloutConfig.kv_cache_dtype="fp8") stores K and V as float8_e4m3fn with one fp32 scale per
+(token, KV head) beside them, `scales` [layers, 2, slots, kv_heads, slot_len]: each written row of head_dim values
+is divided by its own absolute maximum / 448 (e4m3's largest finite value), so no calibration is needed and a
+weight update never invalidates a scale. Decode reads about half the bytes (1 + 4 / head_dim per value). The
+attention kernels dequantize on load (K's scale multiplies the scores, V's the probabilities). A bf16/fp32 cache
+has an empty `scales`.
+
 Backends follow models/llama.py's protocol `attn(layer_idx, q, k, v) -> out` with q [B, Hq, T, D]
 and k/v [B, Hkv, T, D] after RoPE; metadata is set explicitly before the forward (docs/design.md, convention 7).
 """
@@ -19,10 +26,21 @@ import time
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of one token over all layers (local heads under TP)."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of K and V of one token over all layers (local heads under TP), an fp8 cache's scales included."""
+    per_value = torch.empty((), dtype=dtype).element_size()
+    scales = 4 if dtype == FP8 else 0  # one fp32 scale per (token, head) for K and for V
+    return 2 * num_layers * num_kv_heads * (head_dim * per_value + scales)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (fp8 values [..., D], fp32 scales [...]): each row over its own absolute maximum."""
+    scale = (x.float().abs().amax(-1) / FP8_MAX).clamp_min(1e-30)
+    return (x.float() / scale[..., None]).to(FP8), scale
 
 
 class KVCache:
@@ -33,6 +51,8 @@ class KVCache:
         # torch.compile never specialises B or kv_len to a constant (a slice to the end would).
         self.data = torch.zeros(num_layers, 2, num_slots + 1, num_kv_heads, slot_len + 1, head_dim, dtype=dtype,
                                 device=device)
+        shape = (num_layers, 2, num_slots + 1, num_kv_heads, slot_len + 1) if dtype == FP8 else (0,)
+        self.scales = torch.zeros(shape, dtype=torch.float32, device=device)  # empty unless fp8
         self.num_slots, self.slot_len = num_slots, slot_len
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +63,15 @@ class KVCache:
         """Copy the first lengths[i] positions of slot src_i into slot dst_i (all layers)."""
         for (src, dst), n in zip(moves, lengths, strict=True):
             self.data[:, :, dst, :, :n].copy_(self.data[:, :, src, :, :n])
+            if self.scales.numel():
+                self.scales[:, :, dst, :, :n].copy_(self.scales[:, :, src, :, :n])
+
+
+def dequantized(cache: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A view of cache values in `dtype`: fp8 values times their row scales (a copy), else the view itself."""
+    if not scales.numel():
+        return cache
+    return (cache.float() * scales[..., None]).to(dtype)
 
 
 class PrefillAttention:
@@ -54,42 +83,55 @@ class PrefillAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # right padding is harmless: causal rows never see it, and decode overwrites/masks it later
-        write_prefill_kv(self.cache.data, layer_idx, self.slots, self.rows, k, v)
+        write_prefill_kv(self.cache.data, self.cache.scales, layer_idx, self.slots, self.rows, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-@torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache",))
-def write_prefill_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-    """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for prompt rows k/v [Np, Hkv, T, D]. Opaque to
-    torch.compile (like write_kv below), so the compiled prefill mutates the cache in place."""
+@torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache", "scales"))
+def write_prefill_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for prompt rows k/v [Np, Hkv, T, D] (quantized with
+    their row scales into `scales` for an fp8 cache). Opaque to torch.compile (like write_kv below), so the
+    compiled prefill mutates the cache in place."""
     from rollout import triton_attention
 
     if cache.is_cuda and triton_attention.available(cache.device, k.shape[-1]):
-        triton_attention.write_prefill(cache, layer, slots, rows, k, v)  # one kernel, near HBM speed
+        triton_attention.write_prefill(cache, layer, slots, rows, k, v, scales)  # one kernel, near HBM speed
         return
     t = k.shape[2]
-    cache[layer, 0, slots, :, :t] = k[rows]
-    cache[layer, 1, slots, :, :t] = v[rows]
+    for i, x in enumerate((k, v)):
+        if scales.numel():  # (fp8 copies as bytes: CPU index_put has no float8 kernel)
+            values, row_scales = quantize_rows(x[rows])
+            cache.view(torch.uint8)[layer, i, slots, :, :t] = values.view(torch.uint8)
+            scales[layer, i, slots, :, :t] = row_scales
+        else:
+            cache[layer, i, slots, :, :t] = x[rows]
 
 
 @write_prefill_kv.register_fake
-def _write_prefill_kv_fake(cache, layer, slots, rows, k, v) -> None:
+def _write_prefill_kv_fake(cache, scales, layer, slots, rows, k, v) -> None:
     return None
 
 
-@torch.library.custom_op("hybridrl_rollout::write_kv", mutates_args=("cache",))
-def write_kv(cache: torch.Tensor, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0] for rows b < B. An opaque op so torch.compile
-    mutates the cache in place instead of functionalising (copying) a multi-GB tensor."""
+@torch.library.custom_op("hybridrl_rollout::write_kv", mutates_args=("cache", "scales"))
+def write_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0] for rows b < B (quantized into `scales` for an fp8
+    cache). An opaque op so torch.compile mutates the cache in place instead of functionalising (copying) a
+    multi-GB tensor."""
     b, hkv, _, d = k.shape
     index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
-    cache[layer, 0, :b].scatter_(2, index, k)
-    cache[layer, 1, :b].scatter_(2, index, v)
+    for i, x in enumerate((k, v)):
+        if scales.numel():  # (fp8 scatters as bytes: CPU scatter has no float8 kernel)
+            x, row_scales = quantize_rows(x)
+            scales[layer, i, :b].scatter_(2, index[..., 0], row_scales)
+            cache.view(torch.uint8)[layer, i, :b].scatter_(2, index, x.view(torch.uint8))
+        else:
+            cache[layer, i, :b].scatter_(2, index, x)
 
 
 @write_kv.register_fake
-def _write_kv_fake(cache, layer, positions, k, v) -> None:
+def _write_kv_fake(cache, scales, layer, positions, k, v) -> None:
     return None
 
 
@@ -117,8 +159,10 @@ class DecodeAttention:
 
     def __init__(self, cache: torch.Tensor, *, positions: torch.Tensor, kv_index: torch.Tensor, mode: str = "sdpa",
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 prefix: tuple[torch.Tensor, ...] | None = None):
+                 prefix: tuple[torch.Tensor, ...] | None = None, scales: torch.Tensor | None = None):
         self.cache, self.positions, self.mode = cache, positions, mode
+        # an fp8 cache's row scales (KVCache.scales); empty for a bf16/fp32 cache
+        self.scales = cache.new_zeros(0, dtype=torch.float32) if scales is None else scales
         # shared-prompt tables (rollout/shared_prefix.py) and the kernel's counters, read by the triton kernel only
         self.prefix = prefix if mode == "triton" else None
         self.kv_len = kv_index.shape[0]
@@ -130,8 +174,8 @@ class DecodeAttention:
             return
         valid = kv_index[None, :] <= positions[:, None]  # [B, L]: rows attend to [0, position]
         # additive mask built once per forward (SDPA would convert a bool mask in every layer); fp32 for
-        # the bmm path's fp32 scores, the cache/query dtype for SDPA
-        dtype = torch.float32 if mode == "bmm" else cache.dtype
+        # the bmm path's fp32 scores, the cache dtype for SDPA (an fp8 cache's: fp32, cast to the query's per call)
+        dtype = torch.float32 if mode == "bmm" or self.scales.numel() else cache.dtype
         zeros = torch.zeros(valid.shape, dtype=dtype, device=positions.device)
         self.mask = zeros.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
@@ -149,7 +193,8 @@ class DecodeAttention:
         if self.mode == "triton":
             from rollout.triton_attention import decode_attention, decode_attention_shared
 
-            args = (self.cache, layer_idx, self.positions, q, k, v, self.kv_len, *(self.rope or (None, None)))
+            args = (self.cache, self.scales, layer_idx, self.positions, q, k, v, self.kv_len,
+                    *(self.rope or (None, None)))
             if self.prefix is None:
                 return decode_attention(*args, norm_x, eps)
             return decode_attention_shared(*args, *self.prefix, norm_x, eps)
@@ -157,18 +202,21 @@ class DecodeAttention:
             raise ValueError(f"decode attention {self.mode!r} does not apply a norm")
         b, hq, _, d = q.shape
         hkv = k.shape[1]
-        write_kv(self.cache, layer_idx, self.positions, k, v)
-        keys = self.cache[layer_idx, 0, :b, :, : self.kv_len]  # views: [B, Hkv, L, D]
-        values = self.cache[layer_idx, 1, :b, :, : self.kv_len]
+        write_kv(self.cache, self.scales, layer_idx, self.positions, k, v)
+        keys, values = (self.cache[layer_idx, i, :b, :, : self.kv_len] for i in (0, 1))  # views: [B, Hkv, L, D]
+        if self.scales.numel():  # fp8: dequantized copies (the triton kernel dequantizes on load instead)
+            keys, values = (dequantized(x, self.scales[layer_idx, i, :b, :, : self.kv_len], q.dtype)
+                            for i, x in enumerate((keys, values)))
         # GQA without repeating KV: the G query heads of a KV head become G "query positions"
         qg = q.reshape(b, hkv, hq // hkv, d)
+        mask = self.mask if self.mode == "bmm" else self.mask.to(q.dtype)  # a no-op but for an fp8 cache
         if self.mode == "sdpa":
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         elif self.mode in _FORCED:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel([getattr(SDPBackend, _FORCED[self.mode])]):
-                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
+                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         else:
             scores = torch.matmul(qg * d**-0.5, keys.transpose(-1, -2)).float() + self.mask
             out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
@@ -182,17 +230,20 @@ def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, 
     last position is saved first and restored after, so the live cache is unchanged. Kernels that
     cannot run this shape here (e.g. a forced backend) are skipped."""
     _, _, _, hkv, _, d = cache.data.shape
-    dev, dtype = cache.data.device, cache.data.dtype
+    dev = cache.data.device
+    dtype = torch.bfloat16 if cache.scales.numel() else cache.data.dtype  # an fp8 cache serves a bf16 engine
     kv_len = kv_index.shape[0]
     q = torch.randn(rows, num_heads, 1, d, device=dev, dtype=dtype)
     k, v = (torch.randn(rows, hkv, 1, d, device=dev, dtype=dtype) for _ in range(2))
     pos = torch.full((rows,), kv_len - 1, dtype=torch.int64, device=dev)
     saved = cache.data[0, :, :rows, :, kv_len - 1].clone()
+    saved_scales = cache.scales[0, :, :rows, :, kv_len - 1].clone() if cache.scales.numel() else None
     times = {}
     try:
         for kernel in decode_kernels(dev, d):
             try:
-                attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel)
+                attn = DecodeAttention(cache.data, positions=pos, kv_index=kv_index, mode=kernel,
+                                       scales=cache.scales)
                 for _ in range(2):
                     attn(0, q, k, v)
                 sync()
@@ -205,4 +256,6 @@ def fastest_decode_kernel(cache: KVCache, *, rows: int, kv_index: torch.Tensor, 
                 continue
     finally:
         cache.data[0, :, :rows, :, kv_len - 1] = saved
+        if saved_scales is not None:
+            cache.scales[0, :, :rows, :, kv_len - 1] = saved_scales
     return (min(times, key=times.get) if times else "sdpa"), times

@@ -25,6 +25,7 @@ from models.llama import rotary_cos_sin
 from rollout import triton_sampling
 from rollout.base import RolloutConfig
 from rollout.kv_cache import (
+    FP8,
     DecodeAttention,
     KVCache,
     PrefillAttention,
@@ -81,6 +82,7 @@ class EngineModelRunner:
     def __init__(self, cfg: ModelConfig, *, config: RolloutConfig, tp_group=None, device="cpu",
                  dtype=torch.float32):
         self.cfg, self.config, self.dtype = cfg, config, dtype
+        self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype  # rollout/kv_cache.py: the fp8 layout
         self.device = torch.device(device)
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -124,7 +126,7 @@ class EngineModelRunner:
     # ---- memory ----
     def _num_slots(self, slot_len: int) -> int:
         per_tok = kv_bytes_per_token(num_layers=self.cfg.num_hidden_layers, head_dim=self.cfg.head_dim,
-                                     num_kv_heads=self.cfg.num_key_value_heads // self.tp, dtype=self.dtype)
+                                     num_kv_heads=self.cfg.num_key_value_heads // self.tp, dtype=self.kv_dtype)
         if self.config.kv_cache_tokens is not None:
             tokens = self.config.kv_cache_tokens
         elif self.device.type == "cuda":
@@ -159,7 +161,7 @@ class EngineModelRunner:
         slots = self._num_slots(slot_len)
         self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots, slot_len=slot_len,
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
-                             dtype=self.dtype, device=self.device)
+                             dtype=self.kv_dtype, device=self.device)
         # static decode rows per slot: token, position, key, top_k, active (int64) / temperature, top_p (fp32)
         self.meta_i = torch.zeros(5, slots, dtype=torch.int64, device=self.device)
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
@@ -380,17 +382,21 @@ class EngineModelRunner:
             b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
             prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries, :self._prefix_width],
                       self.prefix_len[:entries], self.prefix_counts[:entries])
-        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel)
+        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel,
+                                   scales=self.cache.scales)
 
     def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
-                       prefix: tuple[torch.Tensor, ...] | None, mode: str) -> torch.Tensor:
+                       prefix: tuple[torch.Tensor, ...] | None, mode: str,
+                       scales: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of one token per row of `cache` (the engine's cache, or a view of some of its slots)
-        with decode kernel `mode` and the rows' shared-prompt tables `prefix` (triton only)."""
+        with decode kernel `mode` and the rows' shared-prompt tables `prefix` (triton only); `scales`: an fp8
+        cache's row scales (the same view of KVCache.scales)."""
         rope = None
         if mode == "triton":  # the kernel applies RoPE: the model's own cos/sin at each row's position
             cos, sin = rotary_cos_sin(self.model.model.inv_freq, pos[:, None], self.dtype)  # [B, 1, 1, D]
             rope = (cos[:, 0, 0], sin[:, 0, 0])
-        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix)
+        attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix,
+                               scales=scales)
         return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:

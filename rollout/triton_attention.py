@@ -47,10 +47,12 @@ def available(device: torch.device, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _attend_range(q, k_row, v_row, lo, hi, s_ct, qk_scale, m, l_sum, acc, D: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+    def _attend_range(q, k_row, v_row, ks_row, vs_row, lo, hi, s_ct, s_st, qk_scale, m, l_sum, acc,
+                      D: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
         """Online-softmax state (m, l_sum, acc) of the query rows q [M, D] advanced over cache positions
-        [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain)."""
+        [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain). FP8:
+        the cache holds float8 rows with fp32 scales at ks_row/vs_row (stride s_st): K's scale multiplies the
+        scores, V's the probabilities, and the dots run on the rows converted to q's dtype."""
         d = tl.arange(0, D)
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -59,26 +61,56 @@ if triton is not None:
             if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            if FP8:
+                s = s * tl.load(ks_row + n * s_st, mask=n_ok, other=0.0)[None, :]
             s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            p_v = p * tl.load(vs_row + n * s_st, mask=n_ok, other=0.0)[None, :] if FP8 else p
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
             m = m_new
         return m, l_sum, acc
 
     @triton.jit
-    def _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _round_e4m3(x):
+        """fp32 x (|x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, still in fp32: the cast
+        after it is exact. (The hardware cast rounds the same; Triton's CPU interpreter does not carry a
+        rounded-up mantissa into the exponent, so the kernels never leave the rounding to the cast.)"""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # 3 of fp32's 23 mantissa bits, RTNE
+        small = (x + 16384.0) - 16384.0  # below e4m3's smallest normal (2^-6): multiples of 2^-9, RTNE
+        return tl.where(tl.abs(x) < 0.015625, small, bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _store_row(row_ptr, scale_ptr, x, D: tl.constexpr, FP8: tl.constexpr):
+        """Store one cache row x [D]: as is, or (FP8) over its absolute maximum / 448 with the scale beside it.
+        Returns the row as stored (FP8: dequantized), which the token then attends as every later step will."""
+        d = tl.arange(0, D)
+        if FP8:
+            xf = x.to(tl.float32)
+            sc = tl.maximum(tl.max(tl.abs(xf), 0) / 448.0, 1e-30)
+            xq = _round_e4m3(xf / sc)
+            tl.store(row_ptr + d, xq.to(row_ptr.dtype.element_ty))
+            tl.store(scale_ptr, sc)
+            return xq * sc
+        else:
+            tl.store(row_ptr + d, x)
+            return x
+
+    @triton.jit
+    def _row_state(q, k_new, v_new, k_row, v_row, ks_row, vs_row, lo, pos, s_ct, s_st, qk_scale, m, l_sum, acc,
+                   D: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
         """(m, l_sum, acc) advanced over cache positions [lo, pos) and then the new token itself (from
         registers: the cache store of its K/V has no read-after-write hazard)."""
-        m, l_sum, acc = _attend_range(q, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc, D, IEEE, BLOCK_N)
+        m, l_sum, acc = _attend_range(q, k_row, v_row, ks_row, vs_row, lo, pos, s_ct, s_st, qk_scale, m, l_sum, acc,
+                                      D, IEEE, FP8, BLOCK_N)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m, s_new)
         alpha = tl.exp2(m - m_new)
@@ -151,9 +183,11 @@ if triton is not None:
     @triton.jit
     def _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr, out_ptr,
                         cos_ptr, sin_ptr, x_ptr, qk_scale, eps, s_qb, s_qh, s_rb, s_xb, s_cv, s_cb, s_ch, s_ct,
+                        scale_ptr, s_sv, s_sb, s_sh, s_st,
                         s_mg, s_wb, s_half, s_ob, s_oh, e, h, G: tl.constexpr, MEMBERS: tl.constexpr,
                         BLOCK_M: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
-                        NORM: tl.constexpr, HID: tl.constexpr, CHUNK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        NORM: tl.constexpr, HID: tl.constexpr, CHUNK_M: tl.constexpr, FP8: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
         # table entry e, KV head h. The entry's rows (up to MEMBERS, the samples of one prompt admitted in one
         # prefill row) hold identical K/V at positions [0, plen) in their slots; read them once, from the
         # first member's slot, for the MEMBERS x G query rows together (tensor-core tiles of BLOCK_M rows), and
@@ -180,11 +214,12 @@ if triton is not None:
             q = q.to(q_ptr.dtype.element_ty)  # rounded once, as the compiled model's RoPE does
             src = tl.load(members_ptr + e * s_mg)
             k_row = cache_ptr + src.to(tl.int64) * s_cb + h * s_ch
+            ks_row = scale_ptr + src.to(tl.int64) * s_sb + h * s_sh
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
-            m, l_sum, acc = _attend_range(q, k_row, k_row + s_cv, 0, plen, s_ct, qk_scale, m, l_sum, acc, D, IEEE,
-                                          BLOCK_N)
+            m, l_sum, acc = _attend_range(q, k_row, k_row + s_cv, ks_row, ks_row + s_sv, 0, plen, s_ct, s_st, qk_scale,
+                                          m, l_sum, acc, D, IEEE, FP8, BLOCK_N)
             _store_state(ws_acc_ptr, ws_ml_ptr, row * s_wb + h * G + g, ok, m, l_sum, acc, D)
             _arrive(count_ptr, members_ptr, e, s_mg, ws_acc_ptr, ws_ml_ptr, s_half, out_ptr, s_ob, s_oh, s_wb, h,
                     G, MEMBERS, BLOCK_M, D)
@@ -192,12 +227,13 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kn_ptr, vn_ptr, cache_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, x_ptr, qk_scale, eps,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_rb, s_xb,
-                       s_cv, s_cb, s_ch, s_ct, row_prefix_ptr, row_entry_ptr, members_ptr, group_len_ptr, count_ptr,
+                       s_cv, s_cb, s_ch, s_ct, scale_ptr, s_sv, s_sb, s_sh, s_st,
+                       row_prefix_ptr, row_entry_ptr, members_ptr, group_len_ptr, count_ptr,
                        ws_acc_ptr, ws_ml_ptr, s_wb, s_half, s_mg, n_entries,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
                        ROPE: tl.constexpr, NORM: tl.constexpr, HID: tl.constexpr, CHUNK: tl.constexpr,
                        CHUNK_M: tl.constexpr, PREFIX: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       FP8: tl.constexpr, BLOCK_N: tl.constexpr):
         # scores and P @ V on tensor cores, the G query heads padded to BLOCK_G >= 16 rows (a CUDA-core
         # broadcast-multiply-reduce over the G real rows measured 0.6-0.8x as fast on an H200).
         # Programs (i, h), h a KV head: with shared prompts (PREFIX) i < n_entries is table entry i's prompt
@@ -208,8 +244,8 @@ if triton is not None:
         if PREFIX and i < n_entries:
             _prompt_program(q_ptr, cache_ptr, members_ptr, group_len_ptr, count_ptr, ws_acc_ptr, ws_ml_ptr,
                             out_ptr, cos_ptr, sin_ptr, x_ptr, qk_scale, eps, s_qb, s_qh, s_rb, s_xb, s_cv, s_cb,
-                            s_ch, s_ct, s_mg, s_wb, s_half, s_ob, s_oh, i, h, G, MEMBERS, BLOCK_M, D, IEEE, ROPE,
-                            NORM, HID, CHUNK_M, BLOCK_N)
+                            s_ch, s_ct, scale_ptr, s_sv, s_sb, s_sh, s_st, s_mg, s_wb, s_half, s_ob, s_oh, i, h, G,
+                            MEMBERS, BLOCK_M, D, IEEE, ROPE, NORM, HID, CHUNK_M, FP8, BLOCK_N)
         else:
             b = i - n_entries if PREFIX else i
             pos = tl.load(pos_ptr + b)  # this row attends [0, pos]; pos is where the new token goes
@@ -239,16 +275,18 @@ if triton is not None:
             k_row = cache_ptr + b.to(tl.int64) * s_cb + h * s_ch  # cache_ptr points at this layer's K; a
             # 7B layer's K over hundreds of slots passes 2**31 elements, so the slot offset is int64
             v_row = k_row + s_cv
-            tl.store(k_row + pos * s_ct + d, k_new)
-            tl.store(v_row + pos * s_ct + d, v_new)
+            ks_row = scale_ptr + b.to(tl.int64) * s_sb + h * s_sh  # fp8: the rows' scales (unread otherwise)
+            vs_row = ks_row + s_sv
+            k_new = _store_row(k_row + pos * s_ct, ks_row + pos * s_st, k_new, D, FP8)
+            v_new = _store_row(v_row + pos * s_ct, vs_row + pos * s_st, v_new, D, FP8)
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             out_at = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
             if PREFIX:  # positions [0, lo) are a prompt its table entry's prompt program attends
                 lo = tl.load(row_prefix_ptr + b)
-                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, lo, pos, s_ct, qk_scale, m, l_sum, acc,
-                                           D, IEEE, BLOCK_N)
+                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, ks_row, vs_row, lo, pos, s_ct, s_st,
+                                           qk_scale, m, l_sum, acc, D, IEEE, FP8, BLOCK_N)
                 if lo > 0:  # its own positions' state, half 1 of the workspace; the entry's last arrival merges
                     e = tl.load(row_entry_ptr + b)
                     _store_state(ws_acc_ptr + s_half * D, ws_ml_ptr + s_half * 2, b * s_wb + h * G + g, g_ok, m,
@@ -258,32 +296,53 @@ if triton is not None:
                 else:
                     tl.store(out_at, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
             else:
-                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, 0, pos, s_ct, qk_scale, m, l_sum, acc, D,
-                                           IEEE, BLOCK_N)
+                m, l_sum, acc = _row_state(q, k_new, v_new, k_row, v_row, ks_row, vs_row, 0, pos, s_ct, s_st,
+                                           qk_scale, m, l_sum, acc, D, IEEE, FP8, BLOCK_N)
                 tl.store(out_at, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _prefill_write_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, slots_ptr, t,
                               s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_cv, s_cb, s_ch, s_ct,
-                              D: tl.constexpr, BLOCK_T: tl.constexpr):
+                              scale_ptr, s_sv, s_sb, s_sh, s_st,
+                              D: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
         tt = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
         d = tl.arange(0, D)
         ok = (tt < t)[:, None]
         r = tl.load(rows_ptr + i)
-        dst = cache_ptr + tl.load(slots_ptr + i) * s_cb + h * s_ch + tt[:, None] * s_ct + d[None, :]
-        k = tl.load(k_ptr + r * s_kb + h * s_kh + tt[:, None] * s_kt + d[None, :], mask=ok)
-        v = tl.load(v_ptr + r * s_vb + h * s_vh + tt[:, None] * s_vt + d[None, :], mask=ok)
-        tl.store(dst, k, mask=ok)
-        tl.store(dst + s_cv, v, mask=ok)
+        slot = tl.load(slots_ptr + i)
+        dst = cache_ptr + slot * s_cb + h * s_ch + tt[:, None] * s_ct + d[None, :]
+        k = tl.load(k_ptr + r * s_kb + h * s_kh + tt[:, None] * s_kt + d[None, :], mask=ok, other=0.0)
+        v = tl.load(v_ptr + r * s_vb + h * s_vh + tt[:, None] * s_vt + d[None, :], mask=ok, other=0.0)
+        if FP8:  # each (token, head) row over its own absolute maximum / 448, the scale beside it
+            s_dst = scale_ptr + slot * s_sb + h * s_sh + tt * s_st
+            k_sc = tl.maximum(tl.max(tl.abs(k.to(tl.float32)), 1) / 448.0, 1e-30)
+            v_sc = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), 1) / 448.0, 1e-30)
+            tl.store(dst, _round_e4m3(k.to(tl.float32) / k_sc[:, None]).to(cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + s_cv, _round_e4m3(v.to(tl.float32) / v_sc[:, None]).to(cache_ptr.dtype.element_ty),
+                     mask=ok)
+            tl.store(s_dst, k_sc, mask=tt < t)
+            tl.store(s_dst + s_sv, v_sc, mask=tt < t)
+        else:
+            tl.store(dst, k, mask=ok)
+            tl.store(dst + s_cv, v, mask=ok)
+
+
+def _scale_args(cache: torch.Tensor, scales: torch.Tensor, layer: int) -> tuple:
+    """(pointer, v offset, slot, head, position strides) of an fp8 cache's scales at `layer`; for a cache without
+    scales the cache's own layer and zero strides (never read: the kernels' FP8 is off)."""
+    if not scales.numel():
+        return cache[layer, 0], 0, 0, 0, 0
+    return (scales[layer, 0], *scales.stride()[1:5])
 
 
 def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> None:
+                  v: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """cache[layer, 0/1, slots[i], :, :T] = k/v[rows[i]] for k/v [Np, Hkv, T, D] (any strides, last dim
     contiguous) in one kernel: PyTorch's gather + index_put runs at ~10% of HBM bandwidth here (11 ms of
     a 130 ms llama-1b prefill of 256 x 128 tokens)."""
+    scales = cache.new_zeros(0, dtype=torch.float32) if scales is None else scales
     n, (_, hkv, t, d) = slots.shape[0], k.shape
     if n == 0 or t == 0:
         return
@@ -292,7 +351,8 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
     layer_k = cache[layer, 0]
     _prefill_write_kernel[(n, hkv, triton.cdiv(t, block_t))](
         k, v, layer_k, rows, slots, t, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), D=d, BLOCK_T=block_t, num_warps=4)
+        cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4), *_scale_args(cache, scales, layer), D=d,
+        FP8=bool(scales.numel()), BLOCK_T=block_t, num_warps=4)
 
 
 def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
@@ -324,12 +384,14 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_len: int = 0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            prefix: tuple[torch.Tensor, ...] | None = None, counts: torch.Tensor | None = None,
-           norm_x: torch.Tensor | None = None, eps: float = 0.0, *, config: dict | None = None) -> torch.Tensor:
+           norm_x: torch.Tensor | None = None, eps: float = 0.0, *, config: dict | None = None,
+           scales: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention's body; `config` (BLOCK_N, num_warps, num_stages) overrides tile_config's tile.
     prefix: shared_prefix_tables' (row_prefix, row_entry, members, group_len) on q's device; counts: their
     arrival counters, int32 [N, Hkv] zeros (left zero by every launch; None: a fresh zeroed tensor).
     norm_x [B, H]: q/k/v are row b's unnormalised projections and are scaled by rsqrt(mean(norm_x[b]^2) + eps)
-    (rollout/folded_norms.py)."""
+    (rollout/folded_norms.py). scales: an fp8 cache's row scales (rollout/kv_cache.py; None or empty: none)."""
+    scales = cache.new_zeros(0, dtype=torch.float32) if scales is None else scales
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -371,38 +433,42 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     _decode_kernel[(n + b, hkv)](
         qs, ks, vs, layer_k, positions, out, cos_, sin_, x_, scale, eps, qs.stride(0), qs.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
-        cos_.stride(0) if rope else 0, x_.stride(0), *cache_strides, row_prefix, row_entry, members, group_len,
+        cos_.stride(0) if rope else 0, x_.stride(0), *cache_strides, *_scale_args(cache, scales, layer), row_prefix,
+        row_entry, members, group_len,
         counts_, ws_acc, ws_ml, hq, b * hq, members.stride(0) if prefix is not None else 0, n,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, IEEE=ieee, ROPE=rope, NORM=norm_x is not None,
         # the x loads of the row's scale: [2048] per row program, [BLOCK_M, 4096 / BLOCK_M] per prompt program
         HID=hid, CHUNK=min(2048, triton.next_power_of_2(hid)),
         CHUNK_M=min(4096 // block_m, triton.next_power_of_2(hid)),
-        PREFIX=prefix is not None, MEMBERS=m, BLOCK_M=block_m, **tile)
+        PREFIX=prefix is not None, MEMBERS=m, BLOCK_M=block_m, FP8=bool(scales.numel()), **tile)
     return out
 
 
-@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache",))
-def decode_attention(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                     norm_x: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+@torch.library.custom_op("hybridrl_rollout::decode_attention", mutates_args=("cache", "scales"))
+def decode_attention(cache: torch.Tensor, scales: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, kv_len: int, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None, norm_x: torch.Tensor | None = None,
+                     eps: float = 0.0) -> torch.Tensor:
     """cache[layer, 0/1, b, :, positions[b]] = k/v[b, :, 0]; returns attention of q [B, Hq, 1, D] over
     cache positions [0, positions[b]] of row b (slot b), shape [B, Hq, 1, D]. `kv_len` (> every
     position) caps the tile length (tile_config). With cos/sin ([B, D], the model's RoPE tables at each row's
     position) q and k arrive un-rotated and are rotated in the kernel (one small kernel less per layer); with
-    norm_x [B, H] (the layer's input rows) q/k/v arrive unnormalised and are scaled by its RMS (folded_norms)."""
-    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, norm_x=norm_x, eps=eps)
+    norm_x [B, H] (the layer's input rows) q/k/v arrive unnormalised and are scaled by its RMS (folded_norms).
+    `scales`: an fp8 cache's row scales (rollout/kv_cache.py), empty for a bf16/fp32 cache."""
+    return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, norm_x=norm_x, eps=eps, scales=scales)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(cache, layer, positions, q, k, v, kv_len, cos=None, sin=None, norm_x=None,
+def _decode_attention_fake(cache, scales, layer, positions, q, k, v, kv_len, cos=None, sin=None, norm_x=None,
                            eps=0.0) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
 # a second op rather than optional arguments: torch 2.11's compile cannot run an op whose mutated optional
 # tensor is None ("IndexError: tuple index out of range" making the fake tensor call)
-@torch.library.custom_op("hybridrl_rollout::decode_attention_shared", mutates_args=("cache", "counts"))
-def decode_attention_shared(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor,
+@torch.library.custom_op("hybridrl_rollout::decode_attention_shared", mutates_args=("cache", "scales", "counts"))
+def decode_attention_shared(cache: torch.Tensor, scales: torch.Tensor, layer: int, positions: torch.Tensor,
+                            q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, kv_len: int, cos: torch.Tensor | None,
                             sin: torch.Tensor | None, row_prefix: torch.Tensor, row_entry: torch.Tensor,
                             members: torch.Tensor, group_len: torch.Tensor, counts: torch.Tensor,
@@ -416,10 +482,10 @@ def decode_attention_shared(cache: torch.Tensor, layer: int, positions: torch.Te
     beside the rows' programs; the last of an entry's programs to finish merges the prompt's and each row's
     softmax states."""
     return attend(cache, layer, positions, q, k, v, kv_len, cos, sin, (row_prefix, row_entry, members, group_len),
-                  counts, norm_x, eps)
+                  counts, norm_x, eps, scales=scales)
 
 
 @decode_attention_shared.register_fake
-def _decode_attention_shared_fake(cache, layer, positions, q, k, v, kv_len, cos, sin, row_prefix, row_entry,
+def _decode_attention_shared_fake(cache, scales, layer, positions, q, k, v, kv_len, cos, sin, row_prefix, row_entry,
                                   members, group_len, counts, norm_x=None, eps=0.0) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -193,6 +193,10 @@ class RolloutRoleConfig:
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
     share_prompt_kv: bool = True  # native triton decode: read each GRPO group's prompt KV once, not n times
     fold_norms: bool = True  # native engine: RMSNorm weights folded into the next GEMMs, no norm kernels in decode
+    # native engine: auto (the model dtype) | fp8 (e4m3 values, one fp32 scale per token and KV head: about half
+    # the KV bytes per decode step and twice the sequences per GB; log-probs shift by fp8 rounding, which
+    # algorithm.rollout_correction absorbs)
+    kv_cache_dtype: str = "auto"
     # false: KV cache, weights and CUDA graphs stay resident while training; unset: decided after the first step
     # (resident when the training peak plus the engine's memory fits in 90% of the GPU; native engine on CUDA)
     free_memory_on_sleep: bool | None = None
@@ -311,6 +315,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "rollout.engine": ("native", "vllm"),  # rollout.factory.ENGINES
     "rollout.decode_attention": ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm"),
+    "rollout.kv_cache_dtype": ("auto", "fp8"),  # rollout.base.KV_CACHE_DTYPES
     "algorithm.name": ("ppo", "grpo", "rloo", "reinforce_pp"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),

@@ -211,6 +211,10 @@ def _validate_vllm(cfg: Config) -> None:
     if not r.share_prompt_kv:
         raise UserError("rollout.share_prompt_kv=false turns off a native-engine kernel feature; vLLM shares prompt "
                         "KV through its own prefix cache: leave it at true with rollout.engine=vllm")
+    if r.kv_cache_dtype != "auto":
+        raise UserError(f"rollout.kv_cache_dtype={r.kv_cache_dtype} is the native engine's cache layout (fp8 values "
+                        f"with per-token, per-head scales); the vLLM backend is not wired for it: use "
+                        f"rollout.engine=native or leave kv_cache_dtype at auto")
     if not r.fold_norms:
         raise UserError("rollout.fold_norms=false turns off a native-engine feature; vLLM runs its own fused norms: "
                         "leave it at true with rollout.engine=vllm")

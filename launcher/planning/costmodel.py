@@ -100,19 +100,21 @@ class ModelShape:
     layers: int
     hidden: int
     attn_dim: int  # num_attention_heads * head_dim
-    kv_bytes_per_token: int  # bf16 K and V of every layer
+    kv_bytes_per_token: int  # K and V of every layer: bf16, or fp8 values with their fp32 row scales
     vocab: int
 
     @classmethod
-    def of(cls, cfg, *, value_head: bool = False) -> ModelShape:
-        """From a models.config.ModelConfig; value_head: a critic/reward model (score head, no LM head)."""
+    def of(cls, cfg, *, value_head: bool = False, fp8_kv: bool = False) -> ModelShape:
+        """From a models.config.ModelConfig; value_head: a critic/reward model (score head, no LM head); fp8_kv:
+        the engine's KV cache holds fp8 values and one fp32 scale per (token, head) (rollout/kv_cache.py)."""
         lm_head = cfg.vocab_size * cfg.hidden_size
         head = cfg.hidden_size * max(1, cfg.num_labels) if value_head else lm_head
         n_matmul = cfg.matmul_params() - lm_head + head
         n_params = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.hidden_size + head
         return cls(n_matmul=n_matmul, n_params=n_params, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                    attn_dim=cfg.num_attention_heads * cfg.head_dim,
-                   kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * BF16,
+                   kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                   * (cfg.head_dim + 4 if fp8_kv else cfg.head_dim * BF16),
                    vocab=cfg.vocab_size)
 
 
@@ -186,7 +188,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         rm = ModelShape.of(reward_model or model, value_head=True)
         rm_micro_batch_tokens = cfg.reward.model.max_tokens_per_micro_batch
     return Workload(
-        actor=ModelShape.of(model), critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
+        actor=ModelShape.of(model, fp8_kv=cfg.rollout.kv_cache_dtype == "fp8"),
+        critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
         ref=ModelShape.of(model) if ref else None, reward_model=rm,
         prompts=cfg.data.batch_size, n=cfg.rollout.n,
         prompt_len=prompt_len or (data and data[0]) or synthetic_prompt_len(cfg) or cfg.data.max_prompt_length,

@@ -277,3 +277,123 @@ def test_shared_prompt_kernels_on_cuda_equal_unshared_and_the_engine_agrees():
             logits = model(torch.tensor([a.prompt_ids + a.token_ids], device="cuda"))[0, len(a.prompt_ids) - 1: -1]
         ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(a.token_ids, device="cuda")[:, None])
         assert (ref[:, 0].cpu() - torch.tensor(a.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_fp8_cache_kernels_equal_the_torch_fallback_shared_and_unshared():
+    # rollout.kv_cache_dtype=fp8: the prefill write and the decode store quantize each (token, head) row over its
+    # own absolute maximum, the decode kernel dequantizes on load; the torch paths (write_prefill_kv/write_kv and
+    # DecodeAttention's bmm) are the reference, and the shared-prompt launch equals the unshared one
+    run_interpreted("""
+        import torch
+        from rollout.kv_cache import FP8, DecodeAttention, KVCache, write_prefill_kv
+        from rollout.shared_prefix import shared_prefix_tables
+        from rollout.triton_attention import attend, write_prefill
+        torch.manual_seed(0)
+        layers, hkv, slot_len, d, b, g = 2, 2, 100, 16, 6, 2
+        kv = dict(num_layers=layers, num_slots=b, num_kv_heads=hkv, slot_len=slot_len, head_dim=d, device="cpu")
+        cache, ref = KVCache(dtype=FP8, **kv), KVCache(dtype=FP8, **kv)
+        assert cache.scales.shape == (layers, 2, b + 1, hkv, slot_len + 1)
+        kp, vp = (3.0 * torch.randn(2, hkv, 40, d) for _ in range(2))  # two prompts of 40 tokens
+        slots, rows = torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([0, 0, 0, 1, 1, 1])
+        write_prefill(cache.data, 1, slots, rows, kp, vp, cache.scales)
+        write_prefill_kv(ref.data, ref.scales, 1, slots, rows, kp, vp)
+        deq, want = ((c.data[1, :, :b, :, :40].float() * c.scales[1, :, :b, :, :40, None]) for c in (cache, ref))
+        assert (deq - want).abs().max().item() <= 1e-6 * want.abs().max().item() + 1e-6
+        original = torch.stack([kp[rows], vp[rows]]).transpose(0, 1).transpose(0, 1)  # [2, b, hkv, 40, d]
+        assert ((deq - original).abs() <= original.abs().amax(-1, keepdim=True) / 16 + 1e-6).all()  # e4m3: 3 bits
+        q = torch.randn(b, hkv * g, 1, d)
+        k, v = (torch.randn(b, hkv, 1, d) for _ in range(2))
+        pos = torch.tensor([40, 41, 70, 40, 55, 99])
+        want_out = DecodeAttention(ref.data, positions=pos, kv_index=torch.arange(slot_len), mode="bmm",
+                                   scales=ref.scales)(1, q, k, v)
+        for shared in (False, True):
+            c = KVCache(dtype=FP8, **kv)
+            c.data.copy_(cache.data), c.scales.copy_(cache.scales)
+            tables = shared_prefix_tables([(40, [0, 1, 2]), (40, [3, 4, 5])], rows=b, members_per_entry=4) \\
+                if shared else None
+            out = attend(c.data, 1, pos, q, k, v, slot_len, prefix=tables, scales=c.scales,
+                         config=dict(BLOCK_N=16, num_warps=4, num_stages=2))
+            assert (out - want_out).abs().max().item() < 1e-4, (shared, (out - want_out).abs().max().item())
+            # the new tokens were stored quantized at their positions, like write_kv's
+            idx = torch.arange(b)
+            got_new = c.data[1, :, idx, :, pos].float() * c.scales[1, :, idx, :, pos][..., None]
+            want_new = ref.data[1, :, idx, :, pos].float() * ref.scales[1, :, idx, :, pos][..., None]
+            assert (got_new - want_new).abs().max().item() < 1e-6
+        print("ok")
+    """)
+
+
+def test_engine_with_fp8_kv_cache_stays_close_to_the_full_precision_engine():
+    # end to end: the triton decode (under the interpreter) and the torch fallback store and read the same fp8
+    # cache (same tokens, log-probs within fp32 noise); against the full-precision engine the first tokens agree and
+    # their log-probs differ by e4m3's rounding (later ones may branch: this model's distributions are peaked)
+    out = run_interpreted("""
+        import torch
+        from rollout import NativeEngine, SamplingParams
+        from tests.rollout.test_engine import PROMPTS, config, peaked_model
+        model = peaked_model(layers=2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        runs = {}
+        for name, kw in (("full", {}), ("fp8-triton", dict(kv_cache_dtype="fp8", decode_attention="triton")),
+                         ("fp8-torch", dict(kv_cache_dtype="fp8", decode_attention="bmm"))):
+            engine = NativeEngine.from_model(model, config=config(**kw))
+            runs[name] = engine.generate(PROMPTS[:3], greedy)
+        fp8, torch_fp8, full = runs["fp8-triton"], runs["fp8-torch"], runs["full"]
+        assert [c.token_ids for c in fp8] == [c.token_ids for c in torch_fp8]
+        assert max(abs(x - y) for a, b in zip(fp8, torch_fp8) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        assert [c.token_ids[:4] for c in fp8] == [c.token_ids[:4] for c in full]
+        diff = max(abs(x - y) for a, b in zip(fp8, full) for x, y in zip(a.logprobs[:4], b.logprobs[:4]))
+        assert 0 < diff < 0.1, diff  # quantized (not a silently full-precision cache), and close
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+@pytest.mark.gpu
+def test_fp8_cache_kernels_on_cuda_equal_the_torch_fallback():
+    """The compiled kernels (hardware fp8 casts) against write_prefill_kv / write_kv + the bmm path, bf16 queries,
+    shared prompts and not."""
+    import torch
+
+    from rollout.kv_cache import FP8, DecodeAttention, KVCache
+    from rollout.shared_prefix import shared_prefix_tables
+    from rollout.triton_attention import attend, write_prefill
+
+    torch.manual_seed(0)
+    b, hkv, g, d, slot_len, plen = 32, 8, 2, 128, 300, 100
+    kv = dict(num_layers=2, num_slots=b, num_kv_heads=hkv, slot_len=slot_len, head_dim=d, device="cuda")
+    cache, ref = KVCache(dtype=FP8, **kv), KVCache(dtype=FP8, **kv)
+    kp, vp = (torch.randn(4, hkv, plen, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots, rows = torch.arange(b, device="cuda"), torch.arange(b, device="cuda") // 8
+    write_prefill(cache.data, 1, slots, rows, kp, vp, cache.scales)
+    _torch_prefill(ref, slots, rows, kp, vp)
+    deq = (cache.data[1, :, :b, :, :plen].float() * cache.scales[1, :, :b, :, :plen, None])
+    want = (ref.data[1, :, :b, :, :plen].float() * ref.scales[1, :, :b, :, :plen, None])
+    # the same rounding (RTNE); Triton's fp32 division may differ from torch's by an ulp, flipping a rare tie
+    assert (deq != want).float().mean().item() < 1e-3
+    assert (deq - want).abs().max().item() <= want.abs().max().item() / 16
+    q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.randint(plen, slot_len, (b,), device="cuda")
+    want_out = DecodeAttention(ref.data, positions=pos, kv_index=torch.arange(slot_len, device="cuda"), mode="bmm",
+                               scales=ref.scales)(1, q, k, v).float()
+    tables = tuple(t.cuda() for t in shared_prefix_tables([(plen, list(range(i, i + 8))) for i in range(0, b, 8)],
+                                                          rows=b, members_per_entry=16))
+    for prefix in (None, tables):
+        c = KVCache(dtype=FP8, **kv)
+        c.data.copy_(cache.data), c.scales.copy_(cache.scales)
+        out = attend(c.data, 1, pos, q, k, v, slot_len, prefix=prefix, scales=c.scales).float()
+        assert (out - want_out).abs().max().item() < 2e-2
+
+
+def _torch_prefill(cache, slots, rows, k, v):
+    """write_prefill_kv's torch path (the op picks the Triton kernel on CUDA)."""
+    import torch
+
+    from rollout.kv_cache import quantize_rows
+
+    t = k.shape[2]
+    for i, x in enumerate((k, v)):
+        values, scales = quantize_rows(x[rows])
+        cache.data.view(torch.uint8)[1, i, slots, :, :t] = values.view(torch.uint8)
+        cache.scales[1, i, slots, :, :t] = scales

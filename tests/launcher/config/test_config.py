@@ -228,3 +228,20 @@ def test_user_error_is_printed_by_rank_0_while_peers_wait(monkeypatch, capsys):
 def test_float16_is_refused_before_launch():
     with pytest.raises(UserError, match="model.dtype=float16: fp16 training needs a loss scaler"):
         load_config(None, ["model.dtype=float16"])
+
+
+def test_fp8_kv_cache_is_the_native_engines_and_sizes_the_cost_models_cache(monkeypatch):
+    import rollout.vllm_support
+    from launcher.planning.costmodel import ModelShape
+    from models.config import preset_config
+
+    cfg = load_config("conf/ppo_tiny.yaml", ["rollout.kv_cache_dtype=fp8"])
+    assert cfg.rollout.kv_cache_dtype == "fp8"
+    monkeypatch.setattr(rollout.vllm_support, "vllm_install_problem", lambda version: None)  # as if installed
+    with pytest.raises(UserError, match="rollout.kv_cache_dtype=fp8 is the native engine's"):
+        load_config("conf/ppo_tiny.yaml", ["rollout.kv_cache_dtype=fp8", "rollout.engine=vllm"])
+    with pytest.raises(UserError, match="rollout.kv_cache_dtype='fp16' is not one of auto, fp8"):
+        load_config("conf/ppo_tiny.yaml", ["rollout.kv_cache_dtype=fp16"])
+    m = preset_config("qwen3-0.6b")
+    full, fp8 = ModelShape.of(m).kv_bytes_per_token, ModelShape.of(m, fp8_kv=True).kv_bytes_per_token
+    assert full == 114688 and fp8 == 2 * 28 * 8 * (128 + 4)  # the 114,688 B per token; fp8 + scales
