@@ -87,7 +87,7 @@ def issue_predictions(cal) -> dict:
 
     colo = predict_config("conf/ppo_7b_colocated.yaml", 8, [], cal)
     split = predict_config("conf/ppo_7b.yaml", 8, [], cal)
-    split_async = predict_config("conf/ppo_7b.yaml", 8, ["trainer.async_rollout=true"], cal)
+    split_async = predict_config("conf/ppo_7b.yaml", 8, ["trainer.max_staleness=1"], cal)
     issue17 = {"ppo_7b_8gpus": {"colocated": colo, "split_sync": split, "split_async": split_async,
                                 "search_best": best_of("conf/ppo_7b.yaml", 8, [], cal),
                                 "seed_claims": seed_check(colo, split, cal)}}

@@ -76,7 +76,7 @@ def predict_run(d: dict, row: dict, cal):
     model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
     plan = compute_plan(cfg, world_size=res["nproc"], model=model, reward_model=rm)
     w = build_workload(cfg, model=model, reward_model=rm)
-    return estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout)), overrides
+    return estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.max_staleness > 0)), overrides
 
 
 def record(path: Path, d: dict, row: dict, cal) -> dict:

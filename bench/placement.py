@@ -22,13 +22,13 @@ import json
 from bench.ppo_step import run_workload
 
 MODES = {
-    "colocated-sync": ["placement.mode=colocated", "trainer.async_rollout=false"],
-    "colocated-async": ["placement.mode=colocated", "trainer.async_rollout=true"],
-    "split-sync": ["placement.mode=split", "trainer.async_rollout=false"],
-    "split-async": ["placement.mode=split", "trainer.async_rollout=true"],
-    "split-async+controller": ["placement.mode=split", "trainer.async_rollout=true", "controller.enabled=true"],
-    "auto-sync": ["placement.mode=auto", "trainer.async_rollout=false"],
-    "auto-async": ["placement.mode=auto", "trainer.async_rollout=true"],
+    "colocated-sync": ["placement.mode=colocated", "trainer.max_staleness=0"],
+    "colocated-async": ["placement.mode=colocated", "trainer.max_staleness=1"],
+    "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
+    "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
+    "split-async+controller": ["placement.mode=split", "trainer.max_staleness=1", "controller.enabled=true"],
+    "auto-sync": ["placement.mode=auto", "trainer.max_staleness=0"],
+    "auto-async": ["placement.mode=auto", "trainer.max_staleness=1"],
 }
 
 

@@ -172,7 +172,7 @@ class LoopSettings:
     the reward (RewardSettings). The number of steps is not here: with trainer.total_epochs it depends on the
     data, and ppo.run.state.TrainState resolves it."""
 
-    async_rollout: bool
+    max_staleness: int  # K: batches generated ahead, each trained at most K steps after its policy (0: synchronous)
     micro_batch_tokens: dict[str, int]  # role -> its configured micro-batch token budget (actor, ref, critic)
     advantages: AdvantageSettings
     controller: ControllerSettings

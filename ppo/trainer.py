@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ppo.batch.ahead import BatchesAhead, staleness_metrics
 from ppo.batch.experience import Experience, all_gather_objects, merge_results, share_samples
 from ppo.batch.step_batch import ReferenceLogprobs, StepBatch, compute_step_batch, overlong_penalties
 from ppo.control.budgets import TokenBudgets
@@ -87,7 +88,8 @@ class PPOTrainer:
                                         tokenizer=self.state.tokenizer)
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
-        self.pending: Experience | None = None  # async: the batch generated one step ahead
+        # trainer.max_staleness: the batches generated ahead (restored by fit() on resume)
+        self.ahead = BatchesAhead(max_staleness=loop.max_staleness)
         self.gc_pauses = GcPauses()  # the collector's stalls of this rank's host, per step (host/gc_s)
         self.metrics = StepMetrics(plan=self.plan, rank=self.rank, device=self.device, model_config=model_config,
                                    gc_pauses=self.gc_pauses, n=settings.generation.n,
@@ -116,21 +118,23 @@ class PPOTrainer:
     def old_logp_source(self) -> str:
         """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step."""
         s, update = self.settings, self.settings.roles.actor_update
-        return old_logp_source(async_rollout=s.loop.async_rollout, ppo_epochs=update.epochs,
+        return old_logp_source(max_staleness=s.loop.max_staleness, ppo_epochs=update.epochs,
                                mini_batch_size=update.mini_batch_size, samples=s.data.batch_size * s.generation.n,
                                kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 
-    def generate(self, step: int, timer: StageTimer, *, index_offset: int = 0) -> tuple[Experience, Generation]:
-        """Draw the step's prompts, generate on the actor ranks, share the samples with every rank.
-        Returns the batch and this rank's generation report (empty off the actor ranks).
-        index_offset numbers the prompts of a further generation round of the same step apart."""
+    def generate(self, step: int, timer: StageTimer, *, version: int, index_offset: int = 0
+                 ) -> tuple[Experience, Generation]:
+        """Draw the next prompts for step `step`'s batch, generate them on the actor ranks with the weights of
+        policy version `version` (the step now running), share the samples with every rank. Returns the batch
+        and this rank's generation report (empty off the actor ranks). index_offset numbers the prompts of a
+        further generation round of the same step apart."""
         batch = self.state.next_prompts()
         if index_offset:
             batch = [dict(row, index=row["index"] + index_offset) for row in batch]
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
-                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed)
+                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed, version=version)
             timer.carve("gen", "reshard", gen.reshard_s)  # gen is decoding; reshard its own stage
         return Experience(share_samples(gen.samples)), gen
 
@@ -146,7 +150,8 @@ class PPOTrainer:
         last = [Generation([])]
 
         def draw(round_index: int):
-            exp, last[0] = self.generate(step, timer, index_offset=round_index * self.settings.data.batch_size)
+            exp, last[0] = self.generate(step, timer, version=step,
+                                         index_offset=round_index * self.settings.data.batch_size)
             mine = {}
             if self.roles.reward is not None:
                 with timer("reward"):
@@ -206,16 +211,20 @@ class PPOTrainer:
         timer = self.stage_timer(step)
         t_step = time.perf_counter()
         old_logp = self.old_logp_source()
-        # 1. the batch: generated now (on-policy), one step ago (async, one step off-policy), or, with DAPO's
-        #    dynamic sampling, generated and scored in rounds until every group carries signal
+        # 1. the batch: generated now (on-policy), up to trainer.max_staleness steps ago (generated ahead), or,
+        #    with DAPO's dynamic sampling, generated and scored in rounds until every group carries signal
+        generated = [] if len(self.ahead) else None  # the batches this step generates (None: its own, now)
         exp, gen, rewards, sampling_m = self.draw_batch(step, timer)
+        generated = [exp] if generated is None else generated
         # 2. scoring: old log-probs (only "recompute", see old_logp_source), reference, values, rewards
         route = self.reference_route(old_logp)
         results, ref_pass = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
                                        route=route)
-        if old_logp == "behaviour" and step + 1 < self.total_steps:
-            # the actor ranks generate batch k+1 while the other groups score batch k
-            self.pending, gen = self.generate(step + 1, timer)
+        for index in self.ahead.to_generate(step=step, total_steps=self.total_steps):
+            # the actor ranks generate batches up to k+K with this step's weights while the others score batch k
+            ahead, gen = self.generate(index, timer, version=step)
+            self.ahead.push(ahead)
+            generated.append(ahead)
         merged = self.merge_scores(exp, results, rewards, old_logp=old_logp)
         # 3. advantages: a pure function of the merged batch, computed identically on every rank; the
         #    deferred reference forward may still run meanwhile (host work)
@@ -224,6 +233,8 @@ class PPOTrainer:
             batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host)
         batch.ref_logp = ref.get()  # deferred: waited for (and merged) now, or left on the device for the update
         adv_metrics.update(sampling_m)
+        if self.loop.max_staleness:
+            adv_metrics.update(staleness_metrics(exp, step=step, generated=generated, ahead=len(self.ahead)))
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
         # 4. updates: actor and critic groups (concurrent when placed apart)
         actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
@@ -243,12 +254,11 @@ class PPOTrainer:
     def draw_batch(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict | None, dict]:
         """-> (the step's batch, this rank's generation report, reward results when DAPO's rounds scored the
         samples already (else None), sampling metrics)."""
-        exp, gen, rewards, sampling_m = self.pending, Generation([]), None, {}
+        exp, gen, rewards, sampling_m = self.ahead.pop(), Generation([]), None, {}
         if exp is None and self.loop.advantages.filter_groups:
             exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
         elif exp is None:
-            exp, gen = self.generate(step, timer)
-        self.pending = None
+            exp, gen = self.generate(step, timer, version=step)
         return exp, gen, rewards, sampling_m
 
     def reference_route(self, old_logp: str) -> ReferenceRoute:
@@ -263,7 +273,7 @@ class PPOTrainer:
 
     def merge_scores(self, exp: Experience, results: dict, rewards: dict | None, *, old_logp: str) -> dict:
         """Every sample's results on every rank (a collective): scores shaped (DAPO's overlong penalty) unless
-        the generation rounds scored them already; the engine's log-probs as old log-probs when async."""
+        the generation rounds scored them already; the engine's log-probs as old log-probs when generated ahead."""
         merged = merge_results(results)
         if rewards is not None:
             merged.update(rewards)
@@ -390,7 +400,8 @@ class PPOTrainer:
     def fit(self) -> str | None:
         """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
         loop = self.loop
-        start, self.pending = self.state.maybe_resume(self.roles, controller=self.controller)
+        start, self.ahead = self.state.maybe_resume(self.roles, controller=self.controller,
+                                                    max_staleness=loop.max_staleness)
         if start == 0 and loop.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
                                   run_dir=self.run_dir)
@@ -426,7 +437,7 @@ class PPOTrainer:
             if (last and loop.save_final) or periodic or timed or stop:
                 if self.heartbeat is not None:
                     self.heartbeat.set_stage("checkpoint", step)
-                self.state.save(step + 1, self.roles, final=last, pending=self.pending, controller=self.controller)
+                self.state.save(step + 1, self.roles, final=last, ahead=self.ahead, controller=self.controller)
                 self.last_save = time.monotonic()
             if stop and not last:
                 if self.rank == 0:

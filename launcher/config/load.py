@@ -41,6 +41,8 @@ RETIRED_KEYS = {
        for k in ("tp", "pp", "dp", "pp_microbatches", "pp_schedule", "pp_stages_per_rank", "compile", "backend",
                  "max_tokens_per_micro_batch")},
     "reward.activation_checkpointing": f"the reward model {_FORWARD_ONLY}",
+    "trainer.async_rollout": "replaced by trainer.max_staleness (the staleness bound K in steps): "
+                             "async_rollout=true is trainer.max_staleness=1, false is 0",
 }
 
 

@@ -55,6 +55,8 @@ def validate_config(cfg: Config) -> None:
         (r.max_response_length >= 1, f"rollout.max_response_length({r.max_response_length}) must be >= 1"),
         (cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs({cfg.actor.ppo_epochs}) must be >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last({t.keep_last}) must be >= 1"),
+        (t.max_staleness >= 0, f"trainer.max_staleness({t.max_staleness}) must be >= 0 (0: synchronous, 1: one "
+                               f"step off, K: batches generated up to K steps ahead)"),
         (t.total_epochs >= 0, f"trainer.total_epochs({t.total_epochs}) must be >= 0 (0: use trainer.total_steps)"),
         (t.test_freq >= 0, f"trainer.test_freq({t.test_freq}) must be >= 0 (0: validate after the last step only)"),
         (t.log_samples_every >= 0, f"trainer.log_samples_every({t.log_samples_every}) must be >= 0 (0: off)"),
@@ -149,9 +151,10 @@ def _validate_algorithm_variants(cfg: Config) -> None:
     """DAPO / GSPO / Dr. GRPO / rollout-correction keys: each acts in this setting, or is refused."""
     a, r = cfg.algorithm, cfg.rollout
     default = AlgorithmConfig()
-    if a.rollout_correction not in ("auto", "none") and cfg.trainer.async_rollout:
+    if a.rollout_correction not in ("auto", "none") and cfg.trainer.max_staleness:
         raise UserError(f"algorithm.rollout_correction={a.rollout_correction} needs the trainer's log-probs at the "
-                        f"weights that generated the batch, which trainer.async_rollout never computes (its PPO "
+                        f"weights that generated the batch, which trainer.max_staleness="
+                        f"{cfg.trainer.max_staleness} never computes (its PPO "
                         f"ratio divides by the engine's log-probs directly); set algorithm.rollout_correction=auto "
                         f"or none")
     mode = resolved_rollout_correction(cfg)
@@ -172,9 +175,10 @@ def _validate_algorithm_variants(cfg: Config) -> None:
         if r.n < 2:
             raise UserError(f"algorithm.filter_groups.enable drops groups whose rollout.n samples scored the same: "
                             f"set rollout.n >= 2 (got {r.n})")
-        if cfg.trainer.async_rollout:
-            raise UserError("algorithm.filter_groups.enable regenerates within the step, which "
-                            "trainer.async_rollout (generating the next batch ahead) cannot; turn one off")
+        if cfg.trainer.max_staleness:
+            raise UserError(f"algorithm.filter_groups.enable regenerates within the step, which "
+                            f"trainer.max_staleness={cfg.trainer.max_staleness} (batches generated ahead) cannot; "
+                            f"set trainer.max_staleness=0 or turn dynamic sampling off")
         if fg.max_num_gen_batches < 1:
             raise UserError(f"algorithm.filter_groups.max_num_gen_batches({fg.max_num_gen_batches}) must be >= 1")
     elif fg.max_num_gen_batches != FilterGroupsConfig().max_num_gen_batches:

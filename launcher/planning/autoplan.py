@@ -135,7 +135,7 @@ def search(cfg, *, world_size: int, model, reward_model=None, cal: Calibration,
 
     roles = active_roles(cfg)
     samples = cfg.data.batch_size * cfg.rollout.n
-    schedules = (cfg.trainer.async_rollout,) if schedules is None else schedules
+    schedules = (cfg.trainer.max_staleness > 0,) if schedules is None else schedules
     found: list[Estimate] = []
     rejected: list[str] = []
     evaluated = 0
@@ -191,10 +191,12 @@ def candidate_from_plan(plan, *, is_async: bool) -> Candidate:
     return Candidate(mode=plan.mode, pools=pools, layouts=layouts, gen_tp=plan.gen_tp, is_async=is_async)
 
 
-def overrides_of(c: Candidate, *, reward_model: bool) -> list[str]:
+def overrides_of(c: Candidate, *, reward_model: bool, max_staleness: int = 1) -> list[str]:
     """key=value overrides that make a config launch candidate `c` (what placement.mode=auto applies).
-    reward_model: the config scores with a reward model (reward.model set; a rule reward has no layout keys)."""
-    out = [f"placement.mode={c.mode}", f"rollout.gen_tp={c.gen_tp}", f"trainer.async_rollout={str(c.is_async).lower()}"]
+    reward_model: the config scores with a reward model (reward.model set; a rule reward has no layout keys);
+    max_staleness: the bound an async candidate launches with (the config's when it sets one)."""
+    out = [f"placement.mode={c.mode}", f"rollout.gen_tp={c.gen_tp}",
+           f"trainer.max_staleness={max(1, max_staleness) if c.is_async else 0}"]
     if c.mode == "split":
         pools = ", ".join(f"{{roles: [{', '.join(r)}], size: {n}}}" for r, n in c.pools)
         out.append(f"placement.pools=[{pools}]")

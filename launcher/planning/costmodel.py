@@ -177,10 +177,11 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     from launcher.config.schema import uses_critic, uses_ref
 
     a = cfg.actor
-    is_async = cfg.trainer.async_rollout if is_async is None else is_async
+    # the steady state of any K >= 1 is one batch generated per step beside the scoring of another
+    is_async = cfg.trainer.max_staleness > 0 if is_async is None else is_async
     samples = cfg.data.batch_size * cfg.rollout.n
     ref = uses_ref(cfg)
-    fused = old_logp_source(async_rollout=is_async, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
+    fused = old_logp_source(max_staleness=int(is_async), ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
                             samples=samples, kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref) == "fused"
     data = data_prompt_lengths(cfg) if prompt_len is None else None
     rm, rm_micro_batch_tokens = None, 0

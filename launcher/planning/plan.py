@@ -196,7 +196,7 @@ def predict_plan(cfg: Config, plan: DevicePlan, *, model: ModelConfig,
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"placement.calibration: {e}") from None
     w = build_workload(cfg, model=model, reward_model=reward_model)
-    est = estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.async_rollout))
+    est = estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.max_staleness > 0))
     return dict(est.summary(cal), calibration=cal.name, prompt_len=w.prompt_len, response_len=w.response_len)
 
 
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto", action="store_true", help="rank placements and layouts by the cost model")
     ap.add_argument("--top", type=int, default=5, help="--auto: how many plans to print")
     ap.add_argument("--schedules", default="config",
-                    help="--auto: config (trainer.async_rollout as set), or a list of sync,async")
+                    help="--auto: config (trainer.max_staleness as set), or a list of sync,async "
+                         "(async: batches generated ahead, max_staleness >= 1)")
     ap.add_argument("--calibration", default=None, help="--auto: machine type or JSON (default placement.calibration)")
     ap.add_argument("--prompt-len", type=int, default=None, help="--auto: assumed prompt tokens")
     ap.add_argument("--response-len", type=int, default=None, help="--auto: assumed response tokens")
@@ -332,17 +333,19 @@ def _print_auto(cfg: Config, args, *, model: ModelConfig, reward_model: ModelCon
         schedules = tuple(names[s] for s in args.schedules.split(","))
     result = search(cfg, world_size=args.world_size, model=model, reward_model=reward_model, cal=cal,
                     schedules=schedules, top=args.top, prompt_len=args.prompt_len, response_len=args.response_len)
-    rm = cfg.reward.model is not None
+    rm, k = cfg.reward.model is not None, cfg.trainer.max_staleness
     if args.json:
         print(json.dumps({"world_size": args.world_size, "calibration": cal.name, "evaluated": result.evaluated,
-                          "plans": [dict(e.summary(cal), overrides=overrides_of(e.candidate, reward_model=rm))
+                          "plans": [dict(e.summary(cal), overrides=overrides_of(e.candidate, reward_model=rm,
+                                                                               max_staleness=k))
                                     for e in result.best],
                           "rejected_examples": result.rejected}, indent=2))
     else:
         print(format_table(result, cal, world_size=args.world_size))
         if result.best:
             print("  launch the best: " + " ".join(repr(o) if " " in o else o
-                                                    for o in overrides_of(result.best[0].candidate, reward_model=rm)))
+                                                    for o in overrides_of(result.best[0].candidate, reward_model=rm,
+                                                                          max_staleness=k)))
     return 0 if result.best else 2
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ METRIC_KEYS = ("kl", "k3_kl", "ratio_mean", "ratio_max", "ratio_min", "logprob_d
                "masked_frac")
 
 
-def resolve_mode(mode: str, *, async_rollout: bool) -> str:
-    """`auto` -> tis on-policy; none with one-step-off async rollout, where the trainer never computes
-    log-probs at the behaviour weights (its PPO ratio divides by the engine's log-probs directly)."""
+def resolve_mode(mode: str, *, max_staleness: int) -> str:
+    """`auto` -> tis on-policy (max_staleness 0); none with batches generated ahead (max_staleness >= 1), where
+    the trainer never computes log-probs at the behaviour weights (its PPO ratio divides by the engine's log-probs
+    directly)."""
     if mode == "auto":
-        return "none" if async_rollout else "tis"
+        return "none" if max_staleness else "tis"
     return mode
 
 

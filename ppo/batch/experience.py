@@ -29,6 +29,7 @@ class Sample:
     finish_reason: str
     ground_truth: str | None = None
     info: dict | None = None  # the prompt's data_source, extra_info and other data columns (for rewards)
+    version: int = 0  # the policy version (steps the actor had trained) whose weights generated it
 
     @property
     def length(self) -> int:

@@ -132,7 +132,7 @@ def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor
         # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
         # how far the trainer's disagree (async: they are the ratio's denominator already)
         missing = [s.uid for s in exp.samples if len(s.behaviour_logprobs) != len(s.response_ids)]
-        if missing and resolve_mode(a.rollout_correction, async_rollout=False) != "none":
+        if missing and resolve_mode(a.rollout_correction, max_staleness=0) != "none":
             raise RuntimeError(f"the rollout engine returned no log-probs for samples {missing[:5]} (of "
                                f"{len(missing)}): algorithm.rollout_correction={a.rollout_correction} needs them; "
                                f"set algorithm.rollout_correction=none")

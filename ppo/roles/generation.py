@@ -120,11 +120,13 @@ class RolloutRole:
         per = -(-len(batch) // self.gen_dp)
         return batch[self.gen_dp_rank * per:(self.gen_dp_rank + 1) * per]
 
-    def generate(self, batch: list[dict], *, step: int, seed: int, n: int | None = None,
+    def generate(self, batch: list[dict], *, step: int, seed: int, version: int = 0, n: int | None = None,
                  temperature: float | None = None) -> Generation:
         """This replica's share of `batch`, n samples per prompt (collective over the actor ranks);
-        only gen-TP rank 0 reports samples, every rank reports its timings and metrics. n /
-        temperature override rollout.n / rollout.temperature (validation: rollout.val_n, val_temperature)."""
+        only gen-TP rank 0 reports samples, every rank reports its timings and metrics. step: the batch's
+        step (its sampling seeds); version: the policy version of the weights generating, which every sample
+        carries (ppo.batch.ahead). n / temperature override rollout.n / rollout.temperature (validation:
+        rollout.val_n, val_temperature)."""
         r = self.settings
         n = r.n if n is None else n
         temperature = r.temperature if temperature is None else temperature
@@ -143,7 +145,8 @@ class RolloutRole:
             out.samples.append(Sample(uid=row["index"] * n + c.sample_index, prompt_index=row["index"],
                                       prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
                                       behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-                                      ground_truth=row.get("ground_truth"), info=sample_info(row)))
+                                      ground_truth=row.get("ground_truth"), info=sample_info(row),
+                                      version=version))
         return out
 
     def settle_memory(self, train_peak: int) -> tuple[bool, str]:

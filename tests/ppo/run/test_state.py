@@ -37,7 +37,7 @@ def test_step_metrics_follow_the_old_logp_source(world, tmp_path):
     m = grpo.step(0)
     assert "timing_s/old_log_prob" not in m and "rollout/logprob_diff_max" not in m
     assert m["actor/clipfrac"] == 0.0 and "actor/entropy" in m and "reshard/bytes_received" in m
-    async_ = _trainer(tmp_path / "async", "trainer.async_rollout=true", config="conf/grpo_tiny.yaml")
+    async_ = _trainer(tmp_path / "async", "trainer.max_staleness=1", config="conf/grpo_tiny.yaml")
     assert async_.old_logp_source() == "behaviour"
 
 
@@ -59,8 +59,8 @@ def test_checkpoint_restores_workers_sampler_and_controllers(world, tmp_path):
     assert t.state.sampler.state_dict() != sampler
     t.controller.micro_batch_tokens += 256
     fresh = _trainer(tmp_path, "controller.enabled=true", "trainer.resume=auto")
-    start, pending = fresh.state.maybe_resume(fresh.roles, controller=fresh.controller)
-    assert start == 1 and pending is None
+    start, ahead = fresh.state.maybe_resume(fresh.roles, controller=fresh.controller)
+    assert start == 1 and len(ahead) == 0
     for n, p in fresh.roles.actor.runner.named_parameters():
         torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0, msg=n)
     assert fresh.state.sampler.state_dict() == sampler and fresh.state.kl_ctrl.state_dict() == kl
