@@ -102,17 +102,20 @@ def test_resume_gives_identical_metrics(tmp_path, nproc, dtype):
 
 @pytest.mark.distributed
 def test_grpo_split_async_controller_four_ranks(tmp_path):
-    """Split placement (actor+rollout | ref+reward), one-step-off async rollout and the batch
-    controller together: batch k+1 is generated while batch k is scored and trained."""
-    res = launch(tmp_path, 4, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "placement.mode=split",
-                 "trainer.async_rollout=true", "controller.enabled=true", "trainer.experiment_name=grpo_split")
+    """Split placement (actor+rollout | ref+reward), batches generated two steps ahead (trainer.max_staleness=2)
+    and the batch controller together: batches k+1.. k+2 are generated while batch k is scored and trained, and
+    the version gap of the trained samples climbs to 2 and stays there."""
+    res = launch(tmp_path, 4, "conf/grpo_tiny.yaml", "trainer.total_steps=4", "placement.mode=split",
+                 "trainer.max_staleness=2", "controller.enabled=true", "trainer.experiment_name=grpo_split")
     _ok(res)
     assert "device plan: split placement over 4 ranks" in res.stdout
     plan = json.loads((tmp_path / "grpo_split" / "plan.json").read_text())
     assert plan["groups"]["actor"]["ranks"] == [0, 1] and plan["groups"]["ref"]["ranks"] == [2, 3]
     assert "critic" not in plan["groups"]
     rows = metrics(tmp_path / "grpo_split")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert [r["async/batches_ahead"] for r in rows] == [2, 2, 1, 0]
     assert "timing_s/old_log_prob" not in rows[0]  # async: behaviour log-probs, no recompute
     assert rows[0]["controller/micro_batch_tokens"] > 0  # decided at every step boundary
 
