@@ -39,7 +39,7 @@ class Completion:
     prompt_ids: list[int]
     token_ids: list[int]  # the stop/EOS token that ended a "stop" completion is included
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "abort" (step API: stopped by the caller)
     error: str | None = None
 
 
@@ -116,6 +116,39 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         """Re-create what sleep() freed."""
+        ...
+
+
+class SteppingEngine(RolloutEngine, Protocol):
+    """An engine the caller drives one iteration at a time (agent loops, partial rollouts): requests are
+    added while it runs, step() advances every running request by one prefill or decode step and returns
+    the requests that finished, abort() stops one and returns its tokens so far. `generate()` is a loop
+    over these. Under TP every rank makes the same calls in the same order.
+
+        rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, n=1))
+        while engine.has_unfinished():
+            for c in engine.step():   # Completion.prompt_index is the request id
+                ...                   # e.g. add a follow-up request with c.prompt_ids + c.token_ids + obs
+        engine.settle()               # no device work in flight: weights may be swapped here
+    """
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue `params.n` samples of `prompt`; returns the request id (a bad one finishes as "error")."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """Advance the engine one iteration; completions of the requests whose every sample finished."""
+        ...
+
+    def abort(self, request_id: int) -> list[Completion]:
+        """Stop a request, free its KV; its samples so far (finish_reason "abort" where still running)."""
+        ...
+
+    def settle(self) -> list[Completion]:
+        """Finish the step in flight so no device work is pending; what finished in it."""
+        ...
+
+    def has_unfinished(self) -> bool:
         ...
 
 

@@ -45,6 +45,15 @@ class NativeEngine:
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same keys
         self._source: LlamaForCausalLM | None = None
         self.asleep = False
+        # step-API state: the scheduler of the requests in flight (None when idle), their sequences by
+        # request id, the ids that finished a sample since the last report, the decode step in flight
+        self._sched: Scheduler | None = None
+        self._requests: dict[int, list[Sequence]] = {}
+        self._finished: set[int] = set()
+        self._ready: list[Completion] = []
+        self._pending: tuple[list[Sequence], object] | None = None
+        self._updates: dict[int, tuple] = {}
+        self._next_request = self._next_seq = 0
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0}
 
     @classmethod
@@ -75,6 +84,8 @@ class NativeEngine:
     def sleep(self) -> None:
         if self.asleep:
             return
+        if self.has_unfinished():
+            raise RuntimeError("sleep() with unfinished requests: step them to the end or abort them first")
         if not self.config.free_memory_on_sleep:  # keep everything resident: wake_up has nothing to redo
             self.asleep = True
             return
@@ -104,75 +115,155 @@ class NativeEngine:
 
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        if self.asleep:
-            raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
-        self.runner.finish_loading()
+        """The batch call: every request added, then the engine stepped until all finished."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() while step-API requests are unfinished: step or abort them first")
         params = expand_sampling(sampling, len(prompts))
+        index = {self.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(prompts, params))}
         results: dict[int, list[Completion]] = {}
-        sched = Scheduler(num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,
-                          max_model_len=self.config.max_model_len, granule=self.config.block_size,
-                          slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
-                          min_admit=int(self.config.min_admit_fraction * self.runner.num_slots))
-        seqs: list[Sequence] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            prompt = [int(t) for t in prompt]
-            err = check_request(prompt, p, max_model_len=self.config.max_model_len,
-                                vocab_size=self.model_config.vocab_size)
-            if err is not None:
-                results[i] = error_completions(i, prompt, p, err)
-                continue
-            # unseeded requests draw their seed here, in request order, so every TP rank agrees
-            seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            for j in range(p.n):
-                seq = Sequence(len(seqs), i, j, prompt, p, request_key(seed, j))
-                seqs.append(seq)
-                sched.add(seq)
-        self._run(sched)
-        for s in seqs:
-            results.setdefault(s.prompt_index, []).append(
-                Completion(s.prompt_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason))
-        return [c for i in range(len(prompts)) for c in results[i]]
+        while self.has_unfinished():
+            for c in self.step():
+                c.prompt_index = index[c.prompt_index]
+                results.setdefault(c.prompt_index, []).append(c)
+        return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
 
-    def _run(self, sched: Scheduler) -> None:
-        """Prefill-first continuous batching. Decode is pipelined one step ahead: while step k runs, step
-        k+1 is already enqueued (its inputs are produced on the device by step k), so host bookkeeping
-        overlaps the GPU. A sequence that finishes at step k costs one discarded row in step k+1."""
-        updates: dict[int, tuple] = {}  # decode rows to (re)write before the next launch
-        pending: tuple[list[Sequence], object] | None = None
-        while sched.has_work() or pending is not None:
-            t0 = time.perf_counter()
-            if pending is None:
+    # ---- step API (rollout/base.py: SteppingEngine) ----
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue `params.n` samples of `prompt`; usable while the engine runs (between step() calls).
+        Returns the request id that its completions carry as `Completion.prompt_index`. A bad request
+        comes back as "error" completions from the next step()."""
+        if self.asleep:
+            raise RuntimeError("add_request on a sleeping engine: call wake_up() (and update_weights) first")
+        if self._sched is None:
+            self.runner.finish_loading()
+            self._sched = Scheduler(
+                num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.config.max_model_len, granule=self.config.block_size,
+                slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
+                min_admit=int(self.config.min_admit_fraction * self.runner.num_slots))
+        rid = self._next_request
+        self._next_request += 1
+        prompt = [int(t) for t in prompt]
+        err = check_request(prompt, params, max_model_len=self.config.max_model_len,
+                            vocab_size=self.model_config.vocab_size)
+        if err is not None:
+            self._ready.extend(error_completions(rid, prompt, params, err))
+            return rid
+        # unseeded requests draw their seed here, in request order, so every TP rank agrees
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seqs = [Sequence(self._next_seq + j, rid, j, prompt, params, request_key(seed, j)) for j in range(params.n)]
+        self._next_seq += params.n
+        self._requests[rid] = seqs
+        for seq in seqs:
+            self._sched.add(seq)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        """True while an added request has completions that step() has not returned yet."""
+        return bool(self._requests or self._ready)
+
+    def step(self) -> list[Completion]:
+        """One engine iteration (a prefill, or one decode step); returns the completions of the requests
+        that finished in it, each request's `n` samples together. Decode stays pipelined one step ahead,
+        so a decode step may still be in flight on return: call settle() before swapping weights."""
+        ready, self._ready = self._ready, []
+        if self._sched is not None and (self._sched.has_work() or self._pending is not None):
+            self._iterate(self._sched)
+        return ready + self._collect_finished()
+
+    def settle(self) -> list[Completion]:
+        """Wait for the decode step in flight (if any) and apply its tokens; afterwards no device work is
+        pending, so update_weights() may run before the next step(). Returns what finished."""
+        if self._pending is not None:
+            seqs, handle = self._pending
+            self._pending = None
+            self._apply_decode(self._sched, seqs, handle)
+        ready, self._ready = self._ready, []
+        return ready + self._collect_finished()
+
+    def abort(self, request_id: int) -> list[Completion]:
+        """Stop a request now and free its slots; returns its samples as they stand (tokens and log-probs
+        sampled so far; finish_reason "abort" for those still running). Unknown or finished ids: []."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return []
+        for s in seqs:
+            if s.finish_reason is None:
+                if self._sched.release(s):  # was running: its device row must stop advancing
+                    self._updates[s.slot] = _PAD
+                s.finish_reason = "abort"
+        return [_completion(s) for s in seqs]
+
+    def _collect_finished(self) -> list[Completion]:
+        done = [rid for rid in self._finished if rid in self._requests]
+        self._finished.clear()
+        out = []
+        for rid in done:
+            seqs = self._requests[rid]
+            if all(s.finish_reason is not None for s in seqs):
+                del self._requests[rid]
+                out.extend(_completion(s) for s in seqs)
+            else:
+                self._finished.add(rid)  # samples still running: report the request when all are done
+        if not self._requests and not self._ready:
+            self._idle()
+        return out
+
+    def _idle(self) -> None:
+        """No request left: wait out a step still in flight (rows that all finished) and leave every device
+        row inactive for whatever comes next."""
+        if self._pending is not None:
+            seqs, handle = self._pending
+            self._pending = None
+            self._apply_decode(self._sched, seqs, handle)
+        if self._sched is not None:
+            self.runner.set_rows(self._updates)
+            self._updates.clear()
+            self._sched = None
+
+    def _iterate(self, sched: Scheduler) -> None:
+        """One iteration of prefill-first continuous batching. Decode is pipelined one step ahead: while
+        step k runs, step k+1 is already enqueued (its inputs are produced on the device by step k), so
+        host bookkeeping overlaps the GPU. A sequence that finishes at step k costs one discarded row in
+        step k+1."""
+        t0 = time.perf_counter()
+        updates = self._updates  # decode rows to (re)write before the next launch
+        if self._pending is None:
+            step = sched.schedule()
+            if isinstance(step, PrefillBatch):
+                tokens, logprobs = self.runner.prefill(step)
+                for s in sched.update(step.seqs, tokens, logprobs):
+                    self._finished.add(s.prompt_index)
+                for s in step.seqs:
+                    updates[s.slot] = _PAD if s.finish_reason else _row(s)
+                self.stats["prefill_steps"] += 1
+                self.stats["prefill_s"] += time.perf_counter() - t0
+                return
+            moves = sched.compaction()
+            if moves:
+                # the KV of positions [0, length - 1) is in the cache; the last token is written next step
+                self.runner.move_slots(moves, lengths=[sched.running[dst].length - 1 for _, dst in moves])
+                for src, dst in moves:
+                    updates[src], updates[dst] = _PAD, _row(sched.running[dst])
+                self.stats["slot_moves"] += len(moves)
                 step = sched.schedule()
-                if isinstance(step, PrefillBatch):
-                    tokens, logprobs = self.runner.prefill(step)
-                    sched.update(step.seqs, tokens, logprobs)
-                    for s in step.seqs:
-                        updates[s.slot] = _PAD if s.finish_reason else _row(s)
-                    self.stats["prefill_steps"] += 1
-                    self.stats["prefill_s"] += time.perf_counter() - t0
-                    continue
-                moves = sched.compaction()
-                if moves:
-                    # the KV of positions [0, length - 1) is in the cache; the last token is written next step
-                    self.runner.move_slots(moves, lengths=[sched.running[dst].length - 1 for _, dst in moves])
-                    for src, dst in moves:
-                        updates[src], updates[dst] = _PAD, _row(sched.running[dst])
-                    self.stats["slot_moves"] += len(moves)
-                    step = sched.schedule()
-                pending = (step.seqs, self._launch(step, updates))
-            seqs, handle = pending
-            pending = None
-            if not sched.can_admit() and not sched.needs_compaction():
-                ahead = [s for s in seqs if s.finish_reason is None and not sched.surely_finishes_next(s)]
-                if ahead:
-                    pending = (ahead, self._launch(sched.decode_batch(ahead, lookahead=1), updates))
-            tokens, logprobs = self.runner.collect(handle)
-            live = [s for s in seqs if s.finish_reason is None]  # rows that finished a step ago are discarded
-            for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
-                updates[s.slot] = _PAD
-            self.stats["decode_steps"] += 1
-            self.stats["decode_s"] += time.perf_counter() - t0
-        self.runner.set_rows(updates)  # leave every row inactive for the next generate()
+            self._pending = (step.seqs, self._launch(step, updates))
+        seqs, handle = self._pending
+        self._pending = None
+        if not sched.can_admit() and not sched.needs_compaction():
+            ahead = [s for s in seqs if s.finish_reason is None and not sched.surely_finishes_next(s)]
+            if ahead:
+                self._pending = (ahead, self._launch(sched.decode_batch(ahead, lookahead=1), updates))
+        self._apply_decode(sched, seqs, handle)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _apply_decode(self, sched: Scheduler, seqs: list[Sequence], handle) -> None:
+        tokens, logprobs = self.runner.collect(handle)
+        live = [s for s in seqs if s.finish_reason is None]  # rows that finished (or aborted) are discarded
+        for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
+            self._updates[s.slot] = _PAD
+            self._finished.add(s.prompt_index)
 
     def _launch(self, step: DecodeBatch, updates: dict[int, tuple]):
         self.runner.set_shared_prompts(Scheduler.shared_prompts(step.seqs))
@@ -182,6 +273,10 @@ class NativeEngine:
 
 
 _PAD = ((0, 0, 0, 0, 0), (0.0, 1.0))  # inactive row: greedy on token 0 at position 0 of a free slot
+
+
+def _completion(s: Sequence) -> Completion:
+    return Completion(s.prompt_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason)
 
 
 def _row(seq: Sequence) -> tuple[tuple[int, ...], tuple[float, float]]:

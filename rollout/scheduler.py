@@ -178,6 +178,15 @@ class Scheduler:
             moves.append((src, dst))
         return moves
 
+    def release(self, seq: Sequence) -> bool:
+        """Drop `seq` (an abort): out of the queue, or out of its slot, which is freed. True if it ran."""
+        if seq.slot >= 0 and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            heapq.heappush(self._free, seq.slot)
+            return True
+        self.waiting = deque(s for s in self.waiting if s is not seq)
+        return False
+
     def finish_check(self, seq: Sequence) -> str | None:
         tok, p = seq.token_ids[-1], seq.params
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
