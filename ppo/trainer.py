@@ -117,8 +117,12 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
     def old_logp_source(self) -> str:
         """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step."""
+        from ppo.algos.rollout_correction import resolve_mode
+
         s, update = self.settings, self.settings.roles.actor_update
-        return old_logp_source(max_staleness=s.loop.max_staleness, ppo_epochs=update.epochs,
+        k = s.loop.max_staleness
+        return old_logp_source(max_staleness=k, rollout_correction=resolve_mode(
+                                   s.loop.advantages.rollout_correction, max_staleness=k), ppo_epochs=update.epochs,
                                mini_batch_size=update.mini_batch_size, samples=s.data.batch_size * s.generation.n,
                                kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 

@@ -151,12 +151,6 @@ def _validate_algorithm_variants(cfg: Config) -> None:
     """DAPO / GSPO / Dr. GRPO / rollout-correction keys: each acts in this setting, or is refused."""
     a, r = cfg.algorithm, cfg.rollout
     default = AlgorithmConfig()
-    if a.rollout_correction not in ("auto", "none") and cfg.trainer.max_staleness:
-        raise UserError(f"algorithm.rollout_correction={a.rollout_correction} needs the trainer's log-probs at the "
-                        f"weights that generated the batch, which trainer.max_staleness="
-                        f"{cfg.trainer.max_staleness} never computes (its PPO "
-                        f"ratio divides by the engine's log-probs directly); set algorithm.rollout_correction=auto "
-                        f"or none")
     mode = resolved_rollout_correction(cfg)
     if "tis" not in mode and a.rollout_is_cap != default.rollout_is_cap:
         raise UserError(f"algorithm.rollout_is_cap={a.rollout_is_cap} acts only with algorithm.rollout_correction=tis "

@@ -95,7 +95,7 @@ def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, 
             lay = (tp, pp, dp)
             train = role in TRAINED
             secs = model_pass_s(w, cal, role, m, layout=lay, train=train)
-            if role == "actor" and not (w.is_async or w.fused_old_logp):
+            if role == "actor" and w.old_logp_forward:
                 secs += model_pass_s(w, cal, role, m, layout=lay, train=False)
             if role == "critic":
                 secs += model_pass_s(w, cal, role, m, layout=lay, train=False)

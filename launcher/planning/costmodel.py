@@ -135,6 +135,7 @@ class Workload:
     share_prompts: bool = False
     fused_old_logp: bool = False  # one epoch, one mini-batch, no in-reward KL: the update's forward serves
     is_async: bool = False
+    decoupled: bool = False  # async with a rollout correction: the proximal policy's log-probs are computed
     uses_gae: bool = True
     ac: dict = field(default_factory=dict)  # role -> activation checkpointing (none | full | selective)
     micro_batch_tokens: dict = field(default_factory=dict)  # role -> max tokens per micro-batch
@@ -170,6 +171,10 @@ class Workload:
             return self.prompts * (prompt + self.n * response)
         return self.samples * (prompt + response)
 
+    @property
+    def old_logp_forward(self) -> bool:
+        """The actor's forward before the update runs (ppo.roles.step_plan.old_logp_source: "recompute")."""
+        return not (self.fused_old_logp or (self.is_async and not self.decoupled))
 
 def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = None,
                    response_len: int | None = None, is_async: bool | None = None) -> Workload:
@@ -181,8 +186,12 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     is_async = cfg.trainer.max_staleness > 0 if is_async is None else is_async
     samples = cfg.data.batch_size * cfg.rollout.n
     ref = uses_ref(cfg)
-    fused = old_logp_source(max_staleness=int(is_async), ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
-                            samples=samples, kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref) == "fused"
+    from ppo.algos.rollout_correction import resolve_mode
+
+    correction = resolve_mode(cfg.algorithm.rollout_correction, max_staleness=int(is_async))
+    source = old_logp_source(max_staleness=int(is_async), rollout_correction=correction, ppo_epochs=a.ppo_epochs,
+                             mini_batch_size=a.mini_batch_size, samples=samples,
+                             kl_penalty_with_ref=cfg.algorithm.use_kl_penalty and ref)
     data = data_prompt_lengths(cfg) if prompt_len is None else None
     rm, rm_micro_batch_tokens = None, 0
     if cfg.reward.model is not None:
@@ -197,7 +206,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         longest_prompt=data and data[1],
         response_len=response_len or cfg.rollout.max_response_length,
         ppo_epochs=a.ppo_epochs, critic_epochs=cfg.critic.ppo_epochs,
-        share_prompts=cfg.trainer.share_prompts and a.pp == 1 and cfg.ref.pp == 1, fused_old_logp=fused,
+        share_prompts=cfg.trainer.share_prompts and a.pp == 1 and cfg.ref.pp == 1,
+        fused_old_logp=source == "fused", decoupled=is_async and source != "behaviour",
         is_async=is_async, uses_gae=cfg.algorithm.name == "ppo",
         ac={"actor": a.activation_checkpointing, "critic": cfg.critic.activation_checkpointing},
         micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,

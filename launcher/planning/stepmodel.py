@@ -165,7 +165,7 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     }
     owner = {"gen": "actor", "reshard": "actor", "old_log_prob": "actor", "ref": "ref", "values": "critic",
              "reward": "reward", "update_actor": "actor", "update_critic": "critic"}
-    if not (w.is_async or w.fused_old_logp):
+    if w.old_logp_forward:
         stages["old_log_prob"] = model_pass_s(w, cal, "actor", w.actor, layout=c.layout("actor"), train=False)
     for role, stage in (("ref", "ref"), ("critic", "values"), ("reward", "reward")):
         m = _role_model(w, role)
@@ -211,5 +211,5 @@ def useful_flops(w: Workload) -> float:
         n_params_ref=w.actor.n_matmul if w.ref else None, n_params_rm=w.actor.n_matmul if w.reward_model else None,
         trained_tokens=trained, generated_tokens=w.samples * w.response_len,
         prefill_tokens=w.samples * w.prompt_len // max(1, w.n), ppo_epochs=w.ppo_epochs,
-        old_logp_forward=not (w.is_async or w.fused_old_logp),
+        old_logp_forward=w.old_logp_forward,
         policy_tokens=w.tokens("actor") if w.share_prompts else None)

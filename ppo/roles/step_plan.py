@@ -6,18 +6,22 @@ from __future__ import annotations
 OLD_LOGP_SOURCES = ("recompute", "fused", "behaviour")
 
 
-def old_logp_source(*, max_staleness: int, ppo_epochs: int, mini_batch_size: int, samples: int,
-                    kl_penalty_with_ref: bool) -> str:
-    """Where a step's old log-probs (the PPO ratio's denominators) come from:
+def old_logp_source(*, max_staleness: int, rollout_correction: str, ppo_epochs: int, mini_batch_size: int,
+                    samples: int, kl_penalty_with_ref: bool) -> str:
+    """Where a step's old log-probs (the PPO ratio's denominators) come from (rollout_correction: the resolved
+    algorithm.rollout_correction, ppo.algos.rollout_correction.resolve_mode):
 
-    "behaviour": batches generated ahead (trainer.max_staleness >= 1), the engine's log-probs recorded at
-        generation: the PPO ratio is taken against the policy that sampled (K steps off-policy at most);
+    "behaviour": batches generated ahead (trainer.max_staleness >= 1) and no rollout correction: the engine's
+        log-probs recorded at generation, so the PPO ratio is taken against the policy that sampled (K steps
+        off-policy at most). With a correction the batch trains by decoupled PPO instead: the ratio against
+        the trainer's current weights (the proximal policy, "fused" or "recompute" below) and the correction's
+        weights pi_proximal / pi_behaviour on each token;
     "fused": one epoch over one mini-batch (mini_batch_size 0 or >= the step's samples) and no
         in-reward KL penalty against a reference, so the old log-probs would be the update's own
         forward bit for bit: that forward serves both (ratio == 1 by construction);
     "recompute": a forward of the actor over the batch before the update.
     """
-    if max_staleness:
+    if max_staleness and rollout_correction == "none":
         return "behaviour"
     if ppo_epochs == 1 and (mini_batch_size == 0 or mini_batch_size >= samples) and not kl_penalty_with_ref:
         return "fused"

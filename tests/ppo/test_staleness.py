@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ppo.world import tiny_run, world_of_one
+from tests.ppo.world import ROOT, tiny_run, world_of_one
 
 STEPS = 6
+SIGNAL = f"reward.function={ROOT}/tests/ppo/signal_rewards.py:digit_share"  # non-zero advantages untrained
 COMMON = ["trainer.save_final=false", "trainer.save_every_minutes=0", "trainer.keep_last=1"]
 
 
@@ -45,7 +46,7 @@ def _record_ledger(trainer, ledger: dict[int, list]) -> None:
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_versions_are_the_generating_weights_and_the_gap_stays_within_k(world, tmp_path, k):
-    t = _trainer(tmp_path, k, config="conf/ppo_tiny.yaml")  # (a critic's baseline: every update moves the actor)
+    t = _trainer(tmp_path, k, SIGNAL, config="conf/ppo_tiny.yaml")  # (a reward with signal: updates move the actor)
     weights, generated, rows = [], [], []
     generate = t.roles.rollout.generate
 
@@ -114,3 +115,17 @@ def test_preemptions_and_a_crash_train_every_prompt_exactly_once(world, tmp_path
     a, b = dict(straight.roles.actor.runner.named_parameters()), dict(t.roles.actor.runner.named_parameters())
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_rollout_correction_trains_stale_batches_by_decoupled_ppo(world, tmp_path):
+    """K = 2 with algorithm.rollout_correction=tis: the ratio is taken against the trainer's current weights (the
+    proximal policy; recomputed here, PPO's KL penalty needs it) and each token weighted by min(pi_prox / pi_behav,
+    cap). Fresh batches (step 0) see engine and trainer agree; stale ones see the drift of 1 and 2 updates."""
+    t = _trainer(tmp_path, 2, "algorithm.rollout_correction=tis", "actor.optim.lr=0.01", SIGNAL,
+                 config="conf/ppo_tiny.yaml")
+    assert t.old_logp_source() == "recompute"
+    rows = [t.step(step) for step in range(4)]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert rows[0]["rollout_corr/logprob_diff_max"] < 1e-4 and rows[0]["rollout/logprob_diff_max"] < 1e-4
+    for r in rows[1:]:  # the proximal policy moved away from the behaviour policy; the ratio's KL sees it
+        assert r["rollout/logprob_diff_max"] > 1e-3 and r["rollout_corr/k3_kl"] > 0

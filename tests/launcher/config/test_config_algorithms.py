@@ -27,10 +27,11 @@ def test_variants_load():
 def test_auto_rollout_correction_follows_async():
     assert resolved_rollout_correction(load_config(None, [])) == "tis"
     assert resolved_rollout_correction(load_config(None, ["trainer.max_staleness=1"])) == "none"
-
+    # batches generated ahead with a correction: decoupled PPO (the trainer's log-probs as the proximal policy)
+    assert resolved_rollout_correction(load_config(None, ["trainer.max_staleness=2",
+                                                          "algorithm.rollout_correction=tis"])) == "tis"
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["trainer.max_staleness=1", "algorithm.rollout_correction=tis"], "trainer.max_staleness=1 never computes"),
     (["algorithm.rollout_correction=none", "algorithm.rollout_is_cap=3"], "rollout_is_cap"),
     (["algorithm.rollout_correction=tis", "algorithm.rollout_mask_threshold=1.2"], "rollout_mask_threshold"),
     (["algorithm.rollout_is_cap=0.5"], "must be > 1"),
