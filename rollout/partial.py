@@ -1,0 +1,159 @@
+"""Partial rollouts over a stepping engine (rollout/base.py SteppingEngine): groups of samples that keep
+decoding across weight updates, each token tagged with the weight version that sampled it, and
+over-provisioning (more groups in flight than a batch needs; the first complete groups are taken, the others
+continue).
+
+    rollouts = PartialRollouts(engine, version=0)
+    for prompt, params in requests:
+        rollouts.add_group(prompt, params)               # n samples of one prompt (a GRPO group)
+    done = rollouts.run_until(groups=8)                  # the first 8 groups whose samples all finished
+    rollouts.swap_weights(new_named_tensors, version=1)  # between decode steps; the rest continue under v1
+    for trajectory in done[0]:
+        trajectory.token_ids, trajectory.logprobs, trajectory.versions   # [R] each, versions per token
+
+A swap recomputes the KV of every sample in flight under the new weights: the engine is settled (no decode
+step in flight), each unfinished sample is aborted and re-added as a continuation (its prompt plus the tokens
+it has so far), whose prefill writes the KV with the new weights. A token's behaviour log-prob is therefore
+exactly the log-prob of the version named beside it, given the whole prefix: what a trainer recomputes with
+that version's weights. Keeping the old KV instead (no re-prefill; the tokens after the swap attend to keys
+and values of the old weights, a mixture no trainer can reproduce) is not offered.
+
+A continuation draws from its own seed (the group's seed, the sample and the swap count), so a run with the
+same swaps is reproducible; it is not the token stream an uninterrupted sample would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from rollout.base import Completion, SamplingParams
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One sample of a group across weight versions."""
+
+    group: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-probs, one per token
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
+    finish_reason: str | None = None  # None while in flight; else the engine's ("stop", "length", "error")
+    error: str | None = None
+
+    def extend(self, c: Completion, *, version: int) -> None:
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.versions += [version] * len(c.token_ids)
+
+
+@dataclass(slots=True)
+class _Group:
+    params: SamplingParams
+    samples: list[Trajectory]
+    swaps: int = 0  # how many swaps its unfinished samples went through (their continuations' seeds)
+
+
+class PartialRollouts:
+    """Groups in flight on one engine. Under TP every rank makes the same calls in the same order (as the
+    engine requires). `version`: the version of the weights the engine holds now."""
+
+    def __init__(self, engine, *, version: int = 0):
+        self.engine, self.version = engine, version
+        self.groups: dict[int, _Group] = {}
+        self._requests: dict[int, tuple[int, int | None]] = {}  # request id -> (group, sample or None: all)
+        self._complete: list[int] = []  # groups whose samples all finished, in the order they did
+        self._next_group = 0
+        self.stats = {"swaps": 0, "recomputed_tokens": 0, "aborted_samples": 0}
+
+    def add_group(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue params.n samples of `prompt` as one group; returns the group id."""
+        gid = self._next_group
+        self._next_group += 1
+        self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt)) for j in range(params.n)])
+        self._requests[self.engine.add_request(prompt, params)] = (gid, None)
+        return gid
+
+    def in_flight(self) -> int:
+        """Groups with a sample still decoding."""
+        return sum(any(t.finish_reason is None for t in g.samples) for g in self.groups.values())
+
+    def step(self) -> list[list[Trajectory]]:
+        """One engine iteration; the groups complete since the last report (handed over: no longer held)."""
+        self._absorb(self.engine.step())
+        return self._take_complete(len(self._complete))
+
+    def run_until(self, *, groups: int) -> list[list[Trajectory]]:
+        """Step until `groups` groups are complete (or none is left in flight); the first complete ones, in
+        the order they finished. The groups beyond `groups` that finished in the same iteration stay here,
+        complete, for the next call."""
+        done = self._take_complete(groups)
+        while len(done) < groups and self.engine.has_unfinished():
+            self._absorb(self.engine.step())
+            done += self._take_complete(groups - len(done))
+        return done
+
+    def swap_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load new weights between decode steps; every sample in flight continues under them, its KV
+        recomputed (module docstring). named_tensors: as the engine's update_weights takes them."""
+        self._absorb(self.engine.settle())
+        live = []
+        for rid in list(self._requests):
+            live += self._absorb(self.engine.abort(rid), aborting=True)
+        # nothing left in flight: settle() idles the engine, so the next request finishes loading the new
+        # weights (the native engine folds the norms into the projections then, rollout.fold_norms)
+        self._absorb(self.engine.settle())
+        self.engine.update_weights(named_tensors)
+        self.version = version
+        self.stats["swaps"] += 1
+        for gid in sorted({t.group for t in live}):
+            self.groups[gid].swaps += 1
+        for t in live:
+            g = self.groups[t.group]
+            left = g.params.max_tokens - len(t.token_ids)
+            if left <= 0:  # the cap was reached in the step the swap settled
+                t.finish_reason = "length"
+                if all(s.finish_reason is not None for s in g.samples):
+                    self._complete.append(t.group)
+                continue
+            seed = None if g.params.seed is None else hash((g.params.seed, t.sample_index, g.swaps)) % 2**62
+            cont = replace(g.params, n=1, max_tokens=left, seed=seed)
+            self.stats["recomputed_tokens"] += len(t.prompt_ids) + len(t.token_ids)
+            self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont)] = (t.group, t.sample_index)
+
+    def _absorb(self, completions: list[Completion], *, aborting: bool = False) -> list[Trajectory]:
+        """Fold completions into their trajectories. aborting: the samples cut off (returned, still in flight)."""
+        cut = []
+        for c in completions:
+            gid, sample = self._requests[c.prompt_index]
+            t = self.groups[gid].samples[c.sample_index if sample is None else sample]
+            if t.finish_reason is not None:  # finished before this request was aborted: already folded in
+                continue
+            t.extend(c, version=self.version)
+            if c.finish_reason == "abort":
+                self.stats["aborted_samples"] += 1
+                cut.append(t)
+            else:
+                t.finish_reason, t.error = c.finish_reason, c.error
+                if all(s.finish_reason is not None for s in self.groups[gid].samples):
+                    self._complete.append(gid)
+        for rid in {c.prompt_index for c in completions}:
+            if aborting or self._request_done(rid):
+                self._requests.pop(rid, None)
+        return cut
+
+    def _request_done(self, rid: int) -> bool:
+        gid, sample = self._requests[rid]
+        samples = self.groups[gid].samples
+        return all(t.finish_reason is not None for t in (samples if sample is None else [samples[sample]]))
+
+    def _take_complete(self, limit: int) -> list[list[Trajectory]]:
+        taken, self._complete = self._complete[:limit], self._complete[limit:]
+        return [self.groups.pop(gid).samples for gid in taken]
+
+
+__all__ = ["PartialRollouts", "Trajectory"]

@@ -1,0 +1,87 @@
+"""rollout/partial.py on the native engine (fp32, CPU): weights swapped mid-response give every token the
+behaviour log-prob the trainer computes with the weights of the version that sampled it, and
+over-provisioning hands over the first complete groups while the others continue across the swap."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rollout import NativeEngine, SamplingParams
+from rollout.partial import PartialRollouts
+from tests.rollout.test_engine import PROMPTS, config, peaked_model, trainer_logprobs
+
+
+def _versions():
+    """Three weight versions of one tiny model (a policy moving between updates)."""
+    torch.manual_seed(0)
+    first = peaked_model(layers=2)
+    out = [first]
+    for v in (1, 2):
+        nxt = copy.deepcopy(out[-1])
+        gen = torch.Generator().manual_seed(v)
+        with torch.no_grad():
+            for p in nxt.parameters():
+                p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+        out.append(nxt)
+    return out
+
+
+def _check_against_trainer(trajectory, models):
+    """Each token's behaviour log-prob == log_softmax of the version that sampled it over the whole prefix."""
+    versions = torch.tensor(trajectory.versions)
+    got = torch.tensor(trajectory.logprobs)
+    assert len(got) == len(trajectory.token_ids) == len(versions) and (versions.diff() >= 0).all()
+    for v in versions.unique().tolist():
+        want = trainer_logprobs(models[v], trajectory.prompt_ids, trajectory.token_ids, 1.0)
+        at = versions == v
+        torch.testing.assert_close(got[at], want[at], atol=1e-5, rtol=0)
+
+
+def _params(seed, *, n=2, max_tokens=14):
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True)
+
+
+def test_weights_swapped_mid_response_match_the_trainer_per_token_version():
+    models = _versions()
+    engine = NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=8))
+    rollouts = PartialRollouts(engine, version=0)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        rollouts.add_group(prompt, _params(i))
+    done = []
+    for version, steps in ((1, 5), (2, 4)):
+        for _ in range(steps):
+            done += rollouts.step()
+        rollouts.swap_weights(models[version].state_dict().items(), version=version)
+    while rollouts.in_flight():
+        done += rollouts.step()
+    assert sorted(g[0].group for g in done) == [0, 1, 2] and rollouts.stats["swaps"] == 2
+    spans = set()
+    for group in done:
+        for t in group:
+            assert t.finish_reason == "length" and len(t.token_ids) == 14
+            _check_against_trainer(t, models)
+            spans.add(tuple(sorted(set(t.versions))))
+    assert (0, 1, 2) in spans  # responses that span all three versions
+    assert rollouts.stats["recomputed_tokens"] > 0
+
+
+def test_over_provisioning_hands_over_the_first_complete_groups_and_the_rest_continue():
+    models = _versions()
+    engine = NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=8))
+    rollouts = PartialRollouts(engine, version=0)
+    caps = [3, 20, 5, 24]  # a heavy tail: two short groups, two long ones
+    for i, cap in enumerate(caps):
+        rollouts.add_group(PROMPTS[i], _params(10 + i, max_tokens=cap))
+    first = rollouts.run_until(groups=2)
+    assert [g[0].group for g in first] == [0, 2] and rollouts.in_flight() == 2  # the long ones still decode
+    assert all(t.versions == [0] * caps[t.group] for g in first for t in g)
+    rollouts.swap_weights(models[1].state_dict().items(), version=1)  # the update between two trainer steps
+    second = rollouts.run_until(groups=2)
+    assert sorted(g[0].group for g in second) == [1, 3] and rollouts.in_flight() == 0
+    for group in first + second:
+        for t in group:
+            assert len(t.token_ids) == caps[t.group]
+            _check_against_trainer(t, models)
+    assert all(set(t.versions) == {0, 1} for g in second for t in g)  # partial rollouts: two versions each
