@@ -55,6 +55,7 @@ class Trajectory:
 class _Group:
     params: SamplingParams
     samples: list[Trajectory]
+    admitted: int  # the weight version when the group was added (its oldest token's)
     swaps: int = 0  # how many swaps its unfinished samples went through (their continuations' seeds)
 
 
@@ -74,7 +75,8 @@ class PartialRollouts:
         """Queue params.n samples of `prompt` as one group; returns the group id."""
         gid = self._next_group
         self._next_group += 1
-        self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt)) for j in range(params.n)])
+        self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt)) for j in range(params.n)],
+                                  admitted=self.version)
         self._requests[self.engine.add_request(prompt, params)] = (gid, None)
         return gid
 
@@ -87,15 +89,20 @@ class PartialRollouts:
         self._absorb(self.engine.step())
         return self._take_complete(len(self._complete))
 
-    def run_until(self, *, groups: int) -> list[list[Trajectory]]:
-        """Step until `groups` groups are complete (or none is left in flight); the first complete ones, in
-        the order they finished. The groups beyond `groups` that finished in the same iteration stay here,
-        complete, for the next call."""
-        done = self._take_complete(groups)
-        while len(done) < groups and self.engine.has_unfinished():
+    def run_until(self, *, groups: int, due_before: int | None = None) -> list[list[Trajectory]]:
+        """Step until `groups` groups are complete (or none is left in flight) and hand them over: the due
+        groups first (admitted at a version below `due_before`: the call waits for them, which is how a
+        staleness bound K is kept, due_before = the trainer's version - K + 1), then the others in the order
+        they finished. Complete groups beyond `groups` stay here for the next call."""
+        def due() -> list[int]:
+            return [] if due_before is None else [gid for gid, g in self.groups.items() if g.admitted < due_before]
+
+        while self.engine.has_unfinished() and (
+                len(self._complete) < groups or any(gid not in self._complete for gid in due()[:groups])):
             self._absorb(self.engine.step())
-            done += self._take_complete(groups - len(done))
-        return done
+        first = [gid for gid in due() if gid in self._complete][:groups]
+        self._complete = first + [gid for gid in self._complete if gid not in first]
+        return self._take_complete(groups)
 
     def swap_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Load new weights between decode steps; every sample in flight continues under them, its KV

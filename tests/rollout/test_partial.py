@@ -85,3 +85,17 @@ def test_over_provisioning_hands_over_the_first_complete_groups_and_the_rest_con
             assert len(t.token_ids) == caps[t.group]
             _check_against_trainer(t, models)
     assert all(set(t.versions) == {0, 1} for g in second for t in g)  # partial rollouts: two versions each
+
+
+def test_due_groups_are_waited_for_and_handed_over_first():
+    """run_until(due_before=v): a group admitted before version v is waited for and comes first, although a
+    younger one finished earlier (the staleness bound kept by waiting, not by dropping)."""
+    models = _versions()
+    rollouts = PartialRollouts(NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=8)))
+    old = rollouts.add_group(PROMPTS[0], _params(1, max_tokens=24))
+    short = rollouts.add_group(PROMPTS[1], _params(2, max_tokens=3))
+    assert [g[0].group for g in rollouts.run_until(groups=1)] == [short]
+    rollouts.swap_weights(models[1].state_dict().items(), version=1)
+    young = rollouts.add_group(PROMPTS[2], _params(3, max_tokens=3))
+    assert [g[0].group for g in rollouts.run_until(groups=1, due_before=1)] == [old]
+    assert [g[0].group for g in rollouts.run_until(groups=1)] == [young] and rollouts.in_flight() == 0
