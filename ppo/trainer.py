@@ -89,7 +89,9 @@ class PPOTrainer:
         self.profiler = StepProfiler(loop.profile_steps, out_dir=self.run_dir / "profile", rank=self.rank,
                                      device=self.device)
         # trainer.max_staleness: the batches generated ahead (restored by fit() on resume)
-        self.ahead = BatchesAhead(max_staleness=loop.max_staleness)
+        # (none with partial rollouts: rollout.batches_in_flight keeps prompts in flight instead)
+        self.ahead_bound = 0 if loop.batches_in_flight > 1 else loop.max_staleness
+        self.ahead = BatchesAhead(max_staleness=self.ahead_bound)
         self.gc_pauses = GcPauses()  # the collector's stalls of this rank's host, per step (host/gc_s)
         self.metrics = StepMetrics(plan=self.plan, rank=self.rank, device=self.device, model_config=model_config,
                                    gc_pauses=self.gc_pauses, n=settings.generation.n,
@@ -261,9 +263,27 @@ class PPOTrainer:
         exp, gen, rewards, sampling_m = self.ahead.pop(), Generation([]), None, {}
         if exp is None and self.loop.advantages.filter_groups:
             exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
+        elif exp is None and self.loop.batches_in_flight > 1:
+            exp, gen = self.generate_partial(step, timer)
         elif exp is None:
             exp, gen = self.generate(step, timer, version=step)
         return exp, gen, rewards, sampling_m
+
+    def generate_partial(self, step: int, timer: StageTimer) -> tuple[Experience, Generation]:
+        """rollout.batches_in_flight > 1: the first step draws that many batches of prompts, every later step one
+        (replacing the data.batch_size groups trained); the actor ranks train the first complete groups, those
+        admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial)."""
+        b = self.settings.data.batch_size
+        draws = self.loop.batches_in_flight if step == 0 else 1  # step 0 is never resumed into
+        batch = [dict(row, index=row["index"] + d * b) for d in range(draws) for row in self.state.next_prompts()]
+        gen = Generation([])
+        if self.roles.rollout is not None:
+            with timer("gen"):
+                gen = self.roles.rollout.generate_partial(batch, step=step, seed=self.settings.run.seed, version=step,
+                                                          quota=b // self.plan.gen_dp,
+                                                          due_before=step - self.loop.max_staleness + 1)
+            timer.carve("gen", "reshard", gen.reshard_s)
+        return Experience(share_samples(gen.samples)), gen
 
     def reference_route(self, old_logp: str) -> ReferenceRoute:
         """How the reference's log-probs reach the update. They feed only the loss unless they shape the rewards
@@ -405,7 +425,7 @@ class PPOTrainer:
         """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
         loop = self.loop
         start, self.ahead = self.state.maybe_resume(self.roles, controller=self.controller,
-                                                    max_staleness=loop.max_staleness)
+                                                    max_staleness=self.ahead_bound)
         if start == 0 and loop.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
                                   run_dir=self.run_dir)

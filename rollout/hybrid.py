@@ -190,6 +190,27 @@ class HybridEngine:
         prompts: this rank's generation replica's share of the batch (split by groups.gen_dp_rank),
         the same on every rank of groups.gen_tp_group, which decode together.
         """
+        return self._cycle(lambda: self.engine.generate(prompts, sampling))
+
+    def generate_partial(self, rollouts, *, version: int, new_groups: list[tuple[list[int], object, object]],
+                         groups: int, due_before: int | None) -> HybridResult:
+        """The cycle with partial rollouts (rollout.partial.PartialRollouts over this engine): the suspended
+        samples continue under the weights of `version` (their KV recomputed), `new_groups` (prompt, sampling
+        params, tag) join them, and the first `groups` complete groups come back as the completions (lists of
+        Trajectory; the due ones first, see run_until); the rest are suspended again before the engine sleeps.
+        The same calls on every rank of a generation replica."""
+        def run():
+            rollouts.resume(version=version)
+            for prompt, params, tag in new_groups:
+                rollouts.add_group(prompt, params, tag=tag)
+            done = rollouts.run_until(groups=groups, due_before=due_before)
+            rollouts.suspend()
+            return done
+
+        return self._cycle(run)
+
+    def _cycle(self, run) -> HybridResult:
+        """wake -> weights -> run() (the generation) -> sleep, with the training state released around it."""
         cuda = self.device.type == "cuda"
         self._t0 = time.perf_counter()
         self.memory_log.clear()
@@ -212,7 +233,7 @@ class HybridEngine:
         self.engine.update_weights(self._gen.items())
         self._record("update_weights")
         t = time.perf_counter()
-        completions = self.engine.generate(prompts, sampling)
+        completions = run()
         generate_s = time.perf_counter() - t
         self._record("generate")
         self.engine.sleep()

@@ -25,7 +25,7 @@ same swaps is reproducible; it is not the token stream an uninterrupted sample w
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -44,6 +44,7 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
     finish_reason: str | None = None  # None while in flight; else the engine's ("stop", "length", "error")
     error: str | None = None
+    tag: object = None  # the caller's, given to add_group (e.g. the prompt's data row)
 
     def extend(self, c: Completion, *, version: int) -> None:
         self.token_ids += c.token_ids
@@ -69,13 +70,13 @@ class PartialRollouts:
         self._requests: dict[int, tuple[int, int | None]] = {}  # request id -> (group, sample or None: all)
         self._complete: list[int] = []  # groups whose samples all finished, in the order they did
         self._next_group = 0
-        self.stats = {"swaps": 0, "recomputed_tokens": 0, "aborted_samples": 0}
+        self.stats = {"swaps": 0, "recomputed_tokens": 0, "aborted_samples": 0, "sampled_tokens": 0}
 
-    def add_group(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue params.n samples of `prompt` as one group; returns the group id."""
+    def add_group(self, prompt: list[int], params: SamplingParams, *, tag: object = None) -> int:
+        """Queue params.n samples of `prompt` as one group (each trajectory carries `tag`); returns the group id."""
         gid = self._next_group
         self._next_group += 1
-        self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt)) for j in range(params.n)],
+        self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt), tag=tag) for j in range(params.n)],
                                   admitted=self.version)
         self._requests[self.engine.add_request(prompt, params)] = (gid, None)
         return gid
@@ -107,16 +108,28 @@ class PartialRollouts:
     def swap_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Load new weights between decode steps; every sample in flight continues under them, its KV
         recomputed (module docstring). named_tensors: as the engine's update_weights takes them."""
+        self.suspend()
+        self.engine.update_weights(named_tensors)
+        self.resume(version=version)
+
+    def suspend(self) -> None:
+        """Stop every sample in flight, keeping its tokens: the engine is left idle (it may sleep, and its
+        weights may change); resume() continues them."""
         self._absorb(self.engine.settle())
-        live = []
         for rid in list(self._requests):
-            live += self._absorb(self.engine.abort(rid), aborting=True)
+            self._absorb(self.engine.abort(rid), aborting=True)
         # nothing left in flight: settle() idles the engine, so the next request finishes loading the new
         # weights (the native engine folds the norms into the projections then, rollout.fold_norms)
         self._absorb(self.engine.settle())
-        self.engine.update_weights(named_tensors)
+
+    def resume(self, *, version: int) -> None:
+        """Continue every suspended sample on the engine, whose weights are now `version`'s: each is re-added as
+        its prompt plus its tokens so far (the prefill recomputes its KV)."""
+        if self._requests:
+            raise RuntimeError("resume() with samples still in flight: suspend() first")
         self.version = version
         self.stats["swaps"] += 1
+        live = [t for g in self.groups.values() for t in g.samples if t.finish_reason is None]
         for gid in sorted({t.group for t in live}):
             self.groups[gid].swaps += 1
         for t in live:
@@ -132,6 +145,24 @@ class PartialRollouts:
             self.stats["recomputed_tokens"] += len(t.prompt_ids) + len(t.token_ids)
             self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont)] = (t.group, t.sample_index)
 
+    def state_dict(self) -> dict:
+        """The groups held (suspended or complete), in plain containers (a checkpoint's weights_only load);
+        only while suspended: nothing may be in flight on the engine."""
+        if self._requests:
+            raise RuntimeError("state_dict() with samples in flight: suspend() first")
+        return {"version": self.version, "next_group": self._next_group, "complete": list(self._complete),
+                "groups": [{"id": gid, "params": asdict(g.params), "admitted": g.admitted, "swaps": g.swaps,
+                            "samples": [asdict(t) for t in g.samples]} for gid, g in self.groups.items()],
+                "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict()'s groups (suspended: resume() continues them)."""
+        self.version, self._next_group = state["version"], state["next_group"]
+        self._complete, self.stats = list(state["complete"]), dict(state["stats"])
+        self.groups = {g["id"]: _Group(SamplingParams(**g["params"]), [Trajectory(**t) for t in g["samples"]],
+                                       admitted=g["admitted"], swaps=g["swaps"]) for g in state["groups"]}
+        self._requests = {}
+
     def _absorb(self, completions: list[Completion], *, aborting: bool = False) -> list[Trajectory]:
         """Fold completions into their trajectories. aborting: the samples cut off (returned, still in flight)."""
         cut = []
@@ -141,6 +172,7 @@ class PartialRollouts:
             if t.finish_reason is not None:  # finished before this request was aborted: already folded in
                 continue
             t.extend(c, version=self.version)
+            self.stats["sampled_tokens"] += len(c.token_ids)
             if c.finish_reason == "abort":
                 self.stats["aborted_samples"] += 1
                 cut.append(t)

@@ -186,6 +186,11 @@ class RolloutRoleConfig:
     top_k: int = -1  # sample among the k most likely tokens; -1: off
     top_p: float = 1.0  # nucleus sampling mass; 1: off
     max_response_length: int = 16  # tokens generated per response at most
+    # over-provisioning with partial rollouts (needs a staleness bound, the trainer section's max_staleness >= 1,
+    # and the native engine): this many batches of prompts in flight; each step trains the first data.batch_size
+    # complete groups (those admitted K steps ago first), the others continue next step under the new weights,
+    # their KV recomputed; 1: off
+    batches_in_flight: int = 1
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
     # share of the free GPU memory the KV cache may take when the engine wakes; unset: 0.9 while the engine's memory

@@ -135,6 +135,15 @@ def validate_config(cfg: Config) -> None:
         # a random-initialised reward model only makes sense next to a random-initialised policy (benchmarks)
         raise UserError("reward.model needs reward.model.path (a *ForSequenceClassification directory) beside "
                         "model.path")
+    if r.batches_in_flight < 1:
+        raise UserError(f"rollout.batches_in_flight({r.batches_in_flight}) must be >= 1 (1: no over-provisioning)")
+    if r.batches_in_flight > 1 and cfg.trainer.max_staleness < 1:
+        raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} trains groups whose tokens span weight "
+                        f"versions, which needs a staleness bound: set trainer.max_staleness >= 1 (the oldest "
+                        f"token of a trained group is at most that many steps old)")
+    if r.batches_in_flight > 1 and r.engine != "native":
+        raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
+                        f"(rollout.engine=native); {r.engine} only generates whole batches")
     if r.engine == "vllm":
         _validate_vllm(cfg)
     for pool in cfg.placement.pools:

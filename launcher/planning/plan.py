@@ -253,6 +253,10 @@ def validate_batch(cfg: Config, plan: DevicePlan) -> None:
         if samples % dp:
             raise UserError(f"data.batch_size({cfg.data.batch_size}) x rollout.n({cfg.rollout.n}) = {samples} samples "
                             f"must split evenly over {name}={dp}; use a batch size that is a multiple of {dp}")
+    if cfg.rollout.batches_in_flight > 1 and cfg.data.batch_size % plan.gen_dp:
+        raise UserError(f"rollout.batches_in_flight: each generation replica trains the same number of groups a "
+                        f"step; data.batch_size({cfg.data.batch_size}) must be a multiple of the rollout's "
+                        f"gen_dp({plan.gen_dp})")
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:

@@ -78,8 +78,9 @@ class StepMetrics:
         m.update(self.flop_metrics(exp, m, old_logp_forward=old_logp == "recompute"))
         for key in set().union(*(p["gen"] for p in parts)):
             vals = [p["gen"][key] for p in parts if key in p["gen"]]
-            # bytes received add up over the actor ranks; peaks are the worst rank's
-            m[key] = sum(vals) if key == "reshard/bytes_received" else max(vals)
+            # bytes received and tokens sampled (reported by each replica's leader) add up over the actor ranks;
+            # peaks are the worst rank's
+            m[key] = sum(vals) if key in ("reshard/bytes_received", "async/generated_tokens") else max(vals)
         peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
         if peaks:
             m["mem/peak_gb"] = max(peaks)

@@ -114,6 +114,7 @@ class RolloutRole:
                                    offload_optimizer_while_generating=settings.offload_optimizer_while_generating,
                                    optimizer=actor.optimizer, gen_dtype=settings.dtype,
                                    logger=logging.getLogger("hybridrl"))
+        self.partial = None  # rollout.partial.PartialRollouts: the groups in flight (rollout.batches_in_flight > 1)
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
@@ -148,6 +149,50 @@ class RolloutRole:
                                       ground_truth=row.get("ground_truth"), info=sample_info(row),
                                       version=version))
         return out
+
+    def generate_partial(self, batch: list[dict], *, step: int, seed: int, version: int, quota: int,
+                         due_before: int | None) -> Generation:
+        """Over-provisioned partial rollouts (rollout.partial; collective over the actor ranks): this replica's
+        share of `batch` joins the groups it has in flight, all continue under the weights of `version`, and the
+        first `quota` complete groups (the due ones first: admitted before version due_before) come back as
+        samples numbered by replica (prompt index gen_dp_rank x quota + i); the others stay in flight, suspended,
+        for the next call. A sample's version is its oldest token's."""
+        from rollout.partial import PartialRollouts
+
+        r = self.settings
+        if self.partial is None:
+            self.partial = PartialRollouts(self.engine, version=version)
+        new = [(row["prompt_ids"], SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                                  max_tokens=r.max_response_length, n=r.n,
+                                                  seed=request_seed(seed, step, row["index"])), row)
+               for row in self.my_prompts(batch)]
+        sampled = self.partial.stats["sampled_tokens"]
+        cycle = self.hybrid.generate_partial(self.partial, version=version, new_groups=new, groups=quota,
+                                             due_before=due_before)
+        out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
+        if self.gen_tp_rank != 0:
+            return out
+        # tokens sampled in this cycle, all by `version` (summed over the replicas' leaders)
+        out.metrics["async/generated_tokens"] = float(self.partial.stats["sampled_tokens"] - sampled)
+        for i, group in enumerate(cycle.completions):
+            index = self.gen_dp_rank * quota + i
+            for t in group:
+                row = t.tag
+                if t.finish_reason == "error":
+                    raise RuntimeError(f"generation failed for prompt {row['index']} of step {step}: {t.error}")
+                out.samples.append(Sample(uid=index * r.n + t.sample_index, prompt_index=index,
+                                          prompt_ids=list(t.prompt_ids), response_ids=list(t.token_ids),
+                                          behaviour_logprobs=list(t.logprobs), finish_reason=t.finish_reason,
+                                          ground_truth=row.get("ground_truth"), info=sample_info(row),
+                                          version=min(t.versions, default=version)))
+        return out
+
+    def restore_partial(self, state: dict) -> None:
+        """The groups in flight of a checkpoint (rollout.partial.PartialRollouts.state_dict), suspended."""
+        from rollout.partial import PartialRollouts
+
+        self.partial = PartialRollouts(self.engine)
+        self.partial.load_state_dict(state)
 
     def settle_memory(self, train_peak: int) -> tuple[bool, str]:
         """rollout.free_memory_on_sleep unset, after the first step: this rank's vote on keeping the engine resident

@@ -257,8 +257,11 @@ def load_worker_state(worker, state: dict) -> None:
 
 
 def roles_state(roles) -> dict:
-    return {name: worker_state(w) for name in ("actor", "critic")
-            if (w := getattr(roles, name)) is not None}
+    """This rank's workers, and the rollout's groups in flight (rollout.batches_in_flight > 1)."""
+    state = {name: worker_state(w) for name in ("actor", "critic") if (w := getattr(roles, name)) is not None}
+    if roles.rollout is not None and roles.rollout.partial is not None:
+        state["rollout"] = {"partial": roles.rollout.partial.state_dict()}
+    return state
 
 
 def load_roles_state(roles, state: dict) -> None:
@@ -267,7 +270,10 @@ def load_roles_state(roles, state: dict) -> None:
         if worker is None:
             raise RuntimeError(f"checkpoint holds {name} state but this rank hosts no {name}: "
                                "resume with the same placement and world size")
-        load_worker_state(worker, st)
+        if name == "rollout":
+            worker.restore_partial(st["partial"])
+        else:
+            load_worker_state(worker, st)
 
 
 EXPORTED_ROLES = {"actor": "ForCausalLM", "critic": "ForSequenceClassification"}

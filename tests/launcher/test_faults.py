@@ -61,9 +61,12 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
 
 @pytest.mark.distributed
 def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
-    """With batches generated two steps ahead (trainer.max_staleness=2): the checkpoint of step 2 holds the
-    batches of steps 3 and 4 and the sampler past them; the restart trains each prompt once (the rows equal)."""
-    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=auto", "trainer.max_staleness=2",
+    """Over-provisioned partial rollouts on two generation replicas (rollout.batches_in_flight=2,
+    trainer.max_staleness=1): each rank's checkpoint of step 2 holds its replica's groups in flight, the shared
+    state the sampler past them; the restart trains each prompt once (the rows and the weights equal). The
+    batches generated ahead (max_staleness without batches_in_flight) restart alike: tests/ppo/test_staleness.py."""
+    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=auto", "trainer.max_staleness=1",
+              "rollout.batches_in_flight=2", "rollout.max_response_length=8",
               f"reward.function={FAULTS}:task_reward_with_fault"]
     _ok(launch(tmp_path, "straight", *common))
     # rank 1 is killed in step 4's reward stage, after step 3's metrics row: the restart resumes from step_2,
@@ -74,7 +77,7 @@ def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
     assert (tmp_path / "fired-SIGKILL").exists() and "exitcode: -9" in res.stderr
     assert "resumed from" in (run / "logs" / "rank_0.log").read_text()
     _same_run(rows(tmp_path / "straight"), rows(run))
-    assert [r["async/staleness_max"] for r in rows(run)] == [0, 1, 2, 2]
+    assert all(r["async/staleness_max"] <= 1 for r in rows(run))
     assert [r["step"] for r in map(json.loads, (run / "metrics.superseded.jsonl").read_text().splitlines())] == [3]
     a = load_file(tmp_path / "straight" / "checkpoints" / "step_4" / "actor" / "model.safetensors")
     b = load_file(run / "checkpoints" / "step_4" / "actor" / "model.safetensors")

@@ -129,3 +129,59 @@ def test_a_rollout_correction_trains_stale_batches_by_decoupled_ppo(world, tmp_p
     assert rows[0]["rollout_corr/logprob_diff_max"] < 1e-4 and rows[0]["rollout/logprob_diff_max"] < 1e-4
     for r in rows[1:]:  # the proximal policy moved away from the behaviour policy; the ratio's KL sees it
         assert r["rollout/logprob_diff_max"] > 1e-3 and r["rollout_corr/k3_kl"] > 0
+
+
+def _record_partial(trainer, spans: list) -> None:
+    """spans += the versions each delivered trajectory's tokens came from (rollout.partial's groups)."""
+    hybrid = trainer.roles.rollout.hybrid
+    run = hybrid.generate_partial
+
+    def recorded(*args, **kw):
+        out = run(*args, **kw)
+        spans.extend(sorted(set(t.versions)) for g in out.completions for t in g)
+        return out
+
+    hybrid.generate_partial = recorded
+
+
+def test_over_provisioned_partial_rollouts_keep_the_bound_and_train_each_prompt_once(world, tmp_path):
+    """rollout.batches_in_flight=2 at K=1 (responses up to 12 tokens, so groups finish at different steps): each
+    step trains the first complete groups, the rest continue under the next weights; no trained token is more
+    than one version old, every prompt drawn is trained once (the rest still in flight at the end), and a run
+    preempted after step 2 and resumed trains the same prompts with the same final weights."""
+    common = ["rollout.batches_in_flight=2", "rollout.max_response_length=12", "data.batch_size=4", SIGNAL]
+    straight, ledger, spans = _trainer(tmp_path / "straight", 1, *common), {}, []
+    _record_ledger(straight, ledger)
+    _record_partial(straight, spans)
+    drawn = []
+    draw = straight.state.next_prompts
+    straight.state.next_prompts = lambda: [drawn.append((tuple(r["prompt_ids"]), r["ground_truth"])) or r
+                                           for r in draw()]
+    rows = []
+    log = straight.state.log_metrics
+    straight.state.log_metrics = lambda m: rows.append(m) or log(m)
+    assert straight.fit() is None
+    assert all(r["async/staleness_max"] <= 1 for r in rows) and max(r["async/staleness_max"] for r in rows) == 1
+    assert [0, 1] in spans or [1, 2] in spans  # some responses were sampled by two versions
+    assert straight.roles.rollout.partial.stats["recomputed_tokens"] > 0
+    n = straight.settings.generation.n
+    trained = [p for step in sorted(ledger) for p in ledger[step][::n]]  # one entry per group (sorted: n alike)
+    assert len(drawn) == (STEPS + 1) * 4 and len(trained) == STEPS * 4
+    left = list(drawn)
+    for p in trained:  # each trained group consumes one drawn prompt: none twice, none that was not drawn
+        left.remove(p)
+    assert all(r["async/generated_tokens"] > 0 for r in rows)
+
+    run, resumed = tmp_path / "stopped", {}
+    t = _trainer(run, 1, *common, "trainer.resume=auto")
+    _record_ledger(t, resumed)
+    t.stop_requested = _StopAfter(t, 2)
+    assert t.fit() == "SIGTERM" and t.roles.rollout.partial.in_flight()  # groups held, suspended:
+    assert not t.roles.rollout.engine.has_unfinished()  # nothing decoding (the checkpoint holds them)
+    t = _trainer(run, 1, *common, "trainer.resume=auto")
+    _record_ledger(t, resumed)
+    assert t.fit() is None
+    assert resumed == ledger
+    a, b = dict(straight.roles.actor.runner.named_parameters()), dict(t.roles.actor.runner.named_parameters())
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)

@@ -122,3 +122,12 @@ def test_one_validator_covers_every_role_and_shape(overrides, shape, needle):
     assert needle in str(e.value)
     # a tied model pipelines, trained or frozen: the stages sum their copies' gradients (parallel/pipeline.py)
     _plan("conf/ppo_tiny.yaml", 4, "actor.pp=2", "ref.pp=2", model=dataclasses.replace(TINY, tie_word_embeddings=True))
+
+
+def test_over_provisioning_needs_the_prompts_to_split_over_the_generation_replicas():
+    # 3 prompts x 2 samples split over dp 2, but each replica trains whole groups: 3 prompts do not split
+    cfg = load_config("conf/grpo_tiny.yaml", ["data.batch_size=3", "rollout.n=2", "trainer.max_staleness=1",
+                                              "rollout.batches_in_flight=2"])
+    plan = compute_plan(cfg, world_size=2, model=TINY)
+    with pytest.raises(UserError, match=r"data.batch_size\(3\) must be a multiple of the rollout's gen_dp\(2\)"):
+        validate_batch(cfg, plan)
