@@ -6,6 +6,8 @@
 Modes (each a set of overrides on the same config):
     colocated-sync              every role on every GPU, on-policy
     colocated-async             ... one step off-policy (no old-log-prob recompute)
+    colocated-partial           ... two batches of prompts in flight, partial rollouts at staleness 1
+                                (rollout.batches_in_flight=2; its gain needs responses of unequal length)
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
     split-async+controller      ... with the NVML feedback batch controller
@@ -24,6 +26,7 @@ from bench.ppo_step import run_workload
 MODES = {
     "colocated-sync": ["placement.mode=colocated", "trainer.max_staleness=0"],
     "colocated-async": ["placement.mode=colocated", "trainer.max_staleness=1"],
+    "colocated-partial": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2"],
     "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
     "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
     "split-async+controller": ["placement.mode=split", "trainer.max_staleness=1", "controller.enabled=true"],
