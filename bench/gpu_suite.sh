@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail partial adamw train gen reshard grpo grpo_long recipe ppo placement
+#   parts: env tests megatron attn tail partial heavy_tail adamw train gen reshard grpo grpo_long recipe ppo placement
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -43,6 +43,8 @@ for p in "${parts[@]}"; do
                 tests/parallel/test_megatron_gpu.py tests/ppo/test_trainer_megatron.py ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
     tail) run decode_tail "${T_TAIL:-90}" python3 -m bench.decode_tail --batches 32,64,256 ;;
+    heavy_tail) run heavy_tail_sync "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-sync
+      run heavy_tail_partial "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial ;;
     partial) run partial_rollouts "${T_PARTIAL:-540}" python3 -m bench.partial_rollouts --model llama-1b \
       --prompts 32 --n 8 --prompt-len 128 --max-tokens 4096 --steps 6 --warmup 1 --over 2 --max-staleness 1 ;;
     adamw) for case in masters:bf16 masters:fp32 bf16:bf16; do  # layout:grads

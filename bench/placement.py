@@ -39,7 +39,7 @@ def _fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--nproc", type=int, default=2)
@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{_fmt(r['samples_per_s_no_compile'], '.1f')}")
     from bench.common import git_commit, git_tree
 
-    print(json.dumps({"bench": "placement", "config": args.config, "nproc": args.nproc,
-                      "overrides": args.overrides, "git_commit": git_commit(), "git_tree": git_tree(), "rows": rows}))
+    out = {"bench": "placement", "config": args.config, "nproc": args.nproc, "overrides": args.overrides,
+           "git_commit": git_commit(), "git_tree": git_tree(), "rows": rows}
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -116,6 +116,9 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            # engine vs trainer mismatch (algorithm.rollout_correction) and DAPO sampling, step means
            "rollout_corr": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("rollout_corr/")},
            "dapo": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("dapo/")},
+           # trainer.max_staleness: the version gap (its max over every step), tokens sampled per step
+           "staleness_max": max((r["async/staleness_max"] for r in rows if "async/staleness_max" in r), default=None),
+           "async": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("async/")},
            # extremes over every step (warm-up included): exactly 1.0 when the update is on-policy
            "actor_ratio_min": min((r["actor/ratio_min"] for r in rows if "actor/ratio_min" in r), default=None),
            "actor_ratio_max": max((r["actor/ratio_max"] for r in rows if "actor/ratio_max" in r), default=None),

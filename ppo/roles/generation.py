@@ -25,6 +25,17 @@ def sample_info(row: dict) -> dict:
             "extra_info": row.get("extra_info", {})}
 
 
+def response_cap(row: dict, max_response_length: int) -> int:
+    """The prompt's response budget: its data row's `max_response_length` column when it has one (a per-prompt
+    cap, e.g. a benchmark's heavy-tailed lengths), never above rollout.max_response_length."""
+    cap = row.get("columns", {}).get("max_response_length")
+    if cap is None:
+        return max_response_length
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or int(cap) != cap or cap < 1:
+        raise ValueError(f"prompt {row.get('index')}: column max_response_length={cap!r} must be a positive integer")
+    return min(int(cap), max_response_length)
+
+
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
     """Per-request sampling seed: independent of the layout, so runs reproduce on any plan."""
     h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}".encode(), digest_size=8).digest()
@@ -133,7 +144,7 @@ class RolloutRole:
         temperature = r.temperature if temperature is None else temperature
         rows = self.my_prompts(batch)
         sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
-                                   max_tokens=r.max_response_length, n=n,
+                                   max_tokens=response_cap(row, r.max_response_length), n=n,
                                    seed=request_seed(seed, step, row["index"])) for row in rows]
         cycle = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
         out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
@@ -163,7 +174,7 @@ class RolloutRole:
         if self.partial is None:
             self.partial = PartialRollouts(self.engine, version=version)
         new = [(row["prompt_ids"], SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                                  max_tokens=r.max_response_length, n=r.n,
+                                                  max_tokens=response_cap(row, r.max_response_length), n=r.n,
                                                   seed=request_seed(seed, step, row["index"])), row)
                for row in self.my_prompts(batch)]
         sampled = self.partial.stats["sampled_tokens"]

@@ -81,3 +81,18 @@ def test_replicas_take_contiguous_prompt_shares(trainer):
         assert shares == [[0, 1, 2, 3], [4, 5, 6]]
     finally:
         rollout.gen_dp, rollout.gen_dp_rank = saved
+
+
+def test_a_data_row_caps_its_response_length(trainer):
+    from ppo.roles.generation import response_cap
+
+    assert response_cap({"columns": {}}, 16) == 16 and response_cap({}, 16) == 16
+    assert response_cap({"columns": {"max_response_length": 3}}, 16) == 3
+    assert response_cap({"columns": {"max_response_length": 99}}, 16) == 16  # never above rollout's
+    with pytest.raises(ValueError, match="max_response_length=0 must be a positive integer"):
+        response_cap({"index": 5, "columns": {"max_response_length": 0}}, 16)
+    rollout = trainer.roles.rollout
+    batch = [dict(row, columns={"max_response_length": 1 + row["index"] % 2}) for row in trainer.state.next_prompts()]
+    gen = rollout.generate(batch, step=0, seed=1)
+    assert gen.samples and all(len(s.response_ids) <= 1 + s.prompt_index % 2 for s in gen.samples)
+    assert any(len(s.response_ids) == 2 for s in gen.samples)
