@@ -236,7 +236,7 @@ class PPOTrainer:
         #    deferred reference forward may still run meanwhile (host work)
         with timer("adv", sync=False):
             ref = self.reference_logprobs(exp, merged, ref_pass, route=route, timer=timer)
-            batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host)
+            batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host, step=step)
         batch.ref_logp = ref.get()  # deferred: waited for (and merged) now, or left on the device for the update
         adv_metrics.update(sampling_m)
         if self.loop.max_staleness:
@@ -369,16 +369,18 @@ class PPOTrainer:
         return min(1.0, torch.cuda.max_memory_reserved(self.device) / total)
 
     def compute_advantages(self, exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, old_logp: str,
-                           ref_logp: torch.Tensor | None = None) -> tuple[StepBatch, dict[str, float]]:
+                           ref_logp: torch.Tensor | None = None, step: int = 0) -> tuple[StepBatch, dict[str, float]]:
         """ppo.batch.step_batch.compute_step_batch with this run's settings; the KL the in-reward penalty observed
         moves the run's KL controller here. ref_logp: [B, R] the reference's log-probs when they are here
-        already. -> (the step's batch, metrics)."""
+        already; step: the step training (the tokens' version gaps). -> (the step's batch, metrics)."""
         a = self.loop.advantages
         kl_ctrl = self.state.kl_ctrl if a.use_kl_penalty else None
         batch, metrics, kl_seen = compute_step_batch(
             exp, merged, a=a, n=self.settings.generation.n,
             max_response_length=self.settings.generation.max_response_length,
-            kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp, ref_logp=ref_logp)
+            kl_coef=None if kl_ctrl is None else kl_ctrl.value, old_logp=old_logp, ref_logp=ref_logp,
+            # (only where the split is computed: the recomputed old log-probs of decoupled PPO)
+            token_staleness=exp.token_staleness(step) if self.loop.max_staleness and old_logp == "recompute" else None)
         if kl_seen is not None:
             kl_ctrl.update(kl_seen, n_steps=len(exp.samples))
         return batch, metrics

@@ -29,7 +29,8 @@ class Sample:
     finish_reason: str
     ground_truth: str | None = None
     info: dict | None = None  # the prompt's data_source, extra_info and other data columns (for rewards)
-    version: int = 0  # the policy version (steps the actor had trained) whose weights generated it
+    version: int = 0  # the policy version (steps the actor had trained) whose weights generated it (its oldest token's)
+    token_versions: list[int] | None = None  # per response token, when they differ (a partial rollout); else None
 
     @property
     def length(self) -> int:
@@ -69,6 +70,12 @@ class Experience:
         units = prompt_groups([s.prompt_ids for s in self.samples])
         return units, [len(self.samples[u[0]].prompt_ids) + sum(len(self.samples[i].response_ids) for i in u)
                        for u in units]
+
+    def token_staleness(self, step: int) -> torch.Tensor:
+        """[B, R] each response token's version gap at `step` (0-based): step - the version that sampled it."""
+        return self.stack({s.uid: step - torch.tensor(s.token_versions if s.token_versions is not None
+                                                      else [s.version] * len(s.response_ids), dtype=torch.float32)
+                           for s in self.samples})
 
     def behaviour_logprobs(self) -> torch.Tensor:
         # (numpy converts a list of floats ~3x faster than torch.tensor: 256 x 1024 of them in ~8 ms)

@@ -114,13 +114,16 @@ def overlong_penalties(exp: Experience, a: AdvantageSettings, *, max_len: int) -
 
 def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor]], *, a: AdvantageSettings, n: int,
                        max_response_length: int, kl_coef: float | None, old_logp: str,
-                       ref_logp: torch.Tensor | None = None) -> tuple[StepBatch, dict[str, float], float | None]:
+                       ref_logp: torch.Tensor | None = None, token_staleness: torch.Tensor | None = None
+                       ) -> tuple[StepBatch, dict[str, float], float | None]:
     """The step's batch for the updates (mask, scores, advantages, and old_logp, rollout_logp, values, returns,
     ref_logp, actor_mask as the step has them), the step's advantage metrics, and the KL the in-reward penalty
     observed (None without one), which the caller feeds to its KL controller: this function changes nothing
     outside it. n: samples per prompt; kl_coef: the KL penalty's coefficient this step (algorithm.use_kl_penalty);
     old_logp: the step's old_logp_source (fused: no old log-probs yet); ref_logp: [B, R] the reference's
-    log-probs when they are here before the advantages (the KL penalty and the KL metric read them)."""
+    log-probs when they are here before the advantages (the KL penalty and the KL metric read them);
+    token_staleness: [B, R] each token's version gap (trainer.max_staleness >= 1): with recomputed old log-probs
+    the engine-vs-trainer metrics are also given per gap g, rollout_corr/staleness_<g>/<key>."""
     mask = exp.response_mask()
     scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
     token_rewards = algos.scores_to_token_rewards(scores, mask)
@@ -147,6 +150,8 @@ def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor
         diff = (b.rollout_logp - b.old_logp).abs() * mask
         metrics["rollout/logprob_diff_max"] = float(diff.max())
         metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp_min(1))
+        if token_staleness is not None:
+            metrics.update(staleness_split(b.old_logp, b.rollout_logp, mask, token_staleness))
     if merged.get("entropy"):
         metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
     kl_seen = None
@@ -202,3 +207,16 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     m = mask.float()
     var_r = algos.masked_var(returns, m)
     return float(1 - algos.masked_var(returns - values, m) / var_r.clamp_min(1e-8))
+
+
+def staleness_split(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                    token_staleness: torch.Tensor) -> dict[str, float]:
+    """The rollout-correction metrics (ppo.algos.rollout_correction) over the tokens of each version gap g:
+    rollout_corr/staleness_<g>/{kl, k3_kl, ratio_mean, logprob_diff_max}. All [B, R]; mask: the response tokens."""
+    from ppo.algos.rollout_correction import compute_rollout_correction
+
+    out = {}
+    for g in sorted({int(v) for v in token_staleness[mask].tolist()}):
+        _, m = compute_rollout_correction(train_logp, rollout_logp, mask & (token_staleness == g), mode="none")
+        out.update({f"rollout_corr/staleness_{g}/{k}": m[k] for k in ("kl", "k3_kl", "ratio_mean", "logprob_diff_max")})
+    return out

@@ -195,7 +195,8 @@ class RolloutRole:
                                           prompt_ids=list(t.prompt_ids), response_ids=list(t.token_ids),
                                           behaviour_logprobs=list(t.logprobs), finish_reason=t.finish_reason,
                                           ground_truth=row.get("ground_truth"), info=sample_info(row),
-                                          version=min(t.versions, default=version)))
+                                          version=min(t.versions, default=version),
+                                          token_versions=list(t.versions) if len(set(t.versions)) > 1 else None))
         return out
 
     def restore_partial(self, state: dict) -> None:

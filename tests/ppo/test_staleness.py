@@ -129,6 +129,12 @@ def test_a_rollout_correction_trains_stale_batches_by_decoupled_ppo(world, tmp_p
     assert rows[0]["rollout_corr/logprob_diff_max"] < 1e-4 and rows[0]["rollout/logprob_diff_max"] < 1e-4
     for r in rows[1:]:  # the proximal policy moved away from the behaviour policy; the ratio's KL sees it
         assert r["rollout/logprob_diff_max"] > 1e-3 and r["rollout_corr/k3_kl"] > 0
+    # the same metrics split by the tokens' version gap (a batch ahead has one gap; partial rollouts mix them)
+    for step, r in enumerate(rows):
+        split = {k.split("/")[1] for k in r if k.startswith("rollout_corr/staleness_")}
+        assert split == {f"staleness_{min(step, 2)}"}, (step, split)
+        assert r[f"rollout_corr/staleness_{min(step, 2)}/logprob_diff_max"] == pytest.approx(
+            r["rollout/logprob_diff_max"], abs=1e-6)
 
 
 def _record_partial(trainer, spans: list) -> None:

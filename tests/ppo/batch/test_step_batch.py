@@ -89,3 +89,17 @@ def test_the_reference_rows_drive_the_kl_metric_and_penalty():
                                        old_logp="recompute")
     assert b.ref_logp is None and "actor/kl" not in m and kl_seen is None
     assert m["rollout/logprob_diff_max"] >= 0 and b.rollout_logp is not None
+
+
+def test_rollout_correction_metrics_split_by_the_tokens_version_gap():
+    from ppo.batch.step_batch import staleness_split
+
+    train = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    rollout = torch.tensor([[-1.0, -2.5, -3.0], [-2.0, -1.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    gaps = torch.tensor([[0.0, 1.0, 1.0], [0.0, 2.0, 0.0]])
+    m = staleness_split(train, rollout, mask, gaps)
+    assert {k.split("/")[1] for k in m} == {"staleness_0", "staleness_1", "staleness_2"}  # the padding's 0 is not one
+    assert m["rollout_corr/staleness_0/logprob_diff_max"] == pytest.approx(1.0)  # tokens (0,0) and (1,0)
+    assert m["rollout_corr/staleness_1/kl"] == pytest.approx((-0.5 + 0.0) / 2)  # mean(rollout - train)
+    assert m["rollout_corr/staleness_2/ratio_mean"] == pytest.approx(1.0)
