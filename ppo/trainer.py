@@ -128,19 +128,20 @@ class PPOTrainer:
                                mini_batch_size=update.mini_batch_size, samples=s.data.batch_size * s.generation.n,
                                kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 
-    def generate(self, step: int, timer: StageTimer, *, version: int, index_offset: int = 0
+    def generate(self, step: int, timer: StageTimer, *, version: int | None = None, index_offset: int = 0
                  ) -> tuple[Experience, Generation]:
         """Draw the next prompts for step `step`'s batch, generate them on the actor ranks with the weights of
-        policy version `version` (the step now running), share the samples with every rank. Returns the batch
-        and this rank's generation report (empty off the actor ranks). index_offset numbers the prompts of a
-        further generation round of the same step apart."""
+        policy version `version` (the step now running; default `step`: generated in its own step), share the
+        samples with every rank. Returns the batch and this rank's generation report (empty off the actor
+        ranks). index_offset numbers the prompts of a further generation round of the same step apart."""
         batch = self.state.next_prompts()
         if index_offset:
             batch = [dict(row, index=row["index"] + index_offset) for row in batch]
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
-                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed, version=version)
+                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed,
+                                                  version=step if version is None else version)
             timer.carve("gen", "reshard", gen.reshard_s)  # gen is decoding; reshard its own stage
         return Experience(share_samples(gen.samples)), gen
 
