@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.lora import LoRASpec, add_adapters, freeze_base
+from models.lora import LoRASpec, adapters_disabled, add_adapters, freeze_base
 
 
 def _place(mod: nn.Linear, a: torch.Tensor, b: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
@@ -50,3 +50,66 @@ def apply_lora(model: nn.Module, spec: LoRASpec, *, seed: int = 0) -> list[str]:
     names = add_adapters(model, spec, seed=seed, place=_place)
     freeze_base(model)
     return names
+
+
+def load_adapters(runner, adapters: dict[str, torch.Tensor]) -> None:
+    """Full adapter tensors {"<module>.lora_A": [r, in], ...} (e.g. models.lora.read_peft_adapter's) into
+    `runner`'s adapters, each rank keeping its own slice of a DTensor; every adapter of the runner must be given
+    (a pipeline stage takes the names it holds)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from models.lora import is_adapter_name
+
+    mine = {n: p for n, p in runner.named_parameters() if is_adapter_name(n)}
+    missing = sorted(set(mine) - set(adapters))
+    if missing:
+        raise ValueError(f"the adapter lacks {len(missing)} of this model's adapter tensors, e.g. {missing[0]}")
+    with torch.no_grad():
+        for n, p in mine.items():
+            t = adapters[n].to(torch.float32)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"adapter tensor {n} has shape {tuple(t.shape)}, the model's is {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                t = distribute_tensor(t.to(p.to_local().device), p.device_mesh, p.placements).to_local()
+                p.to_local().copy_(t)
+            else:
+                p.copy_(t)
+
+
+def merge_into_base(runner) -> None:
+    """Fold every adapter into its base weight (W <- W + scale * B @ A) and restart it at B = 0: the model computes
+    the same policy, whose base is now the trained one (a LoRA actor's SFT warm-up becomes its reference's
+    weights). Collective over the runner's mesh like training_shards."""
+    from torch.distributed.tensor import DTensor
+
+    from models.lora import merged_weight
+
+    with torch.no_grad():
+        for mod in runner.lora_modules.values():
+            w = merged_weight(mod)
+            dst = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
+            dst.copy_(w.to_local() if isinstance(w, DTensor) else w)
+            (mod.lora_B.to_local() if isinstance(mod.lora_B, DTensor) else mod.lora_B).zero_()
+
+
+class AdaptersOffRunner:
+    """A LoRA runner seen as its base model: the reference of a LoRA actor, with no second copy of the weights.
+
+    Its forward runs the actor's runner with every adapter off; it trains nothing (`parameters()` is empty) and
+    everything else is the actor runner's (modules, heads, layout)."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def forward(self, batches, *, reduce):
+        with adapters_disabled(self._runner.modules):
+            return self._runner.forward(batches, reduce=reduce)
+
+    def forward_backward(self, batches, *, loss_fn):
+        raise RuntimeError("the adapters-off reference of a LoRA actor is never trained")
+
+    def parameters(self) -> list:
+        return []
