@@ -345,6 +345,20 @@ class NativeRunner:
                 delta = mine[f"{name}.lora_B"].float() @ mine[f"{name}.lora_A"].float()
                 mine[f"{name}.weight"] = (w.float() + delta * mod.lora_scale).to(w.dtype)
             mine = {n: t for n, t in mine.items() if not is_adapter_name(n)}
+        return self._on_exporter(mine)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{"<module>.lora_A" / ".lora_B": full CPU tensor} of the LoRA adapters on the exporter rank (empty
+        without adapters), None elsewhere; collective like export_state_dict, gathering the adapters only."""
+        from models.lora import is_adapter_name
+        from parallel.loading import full_state_dict
+
+        return self._on_exporter({hf_name(k): v for m in self.modules
+                                  for k, v in full_state_dict(m, only=is_adapter_name).items()})
+
+    def _on_exporter(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """This stage's full tensors -> every stage's on the exporter rank (pp rank 0 of dp 0, tp 0), None
+        elsewhere."""
         if self.pp_group is None:
             return mine if self.is_exporter else None
         _, dp_idx, tp_idx = self.mesh.get_coordinate()
@@ -356,14 +370,6 @@ class NativeRunner:
         if not self.is_exporter:
             return None
         return {k: v for part in parts for k, v in part.items()}
-
-    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """{"<module>.lora_A" / ".lora_B": full CPU tensor} of the LoRA adapters on the exporter rank (empty
-        without adapters), None elsewhere; collective like export_state_dict."""
-        from models.lora import is_adapter_name
-
-        sd = self.export_state_dict(merge_adapters=False)
-        return None if sd is None else {n: t for n, t in sd.items() if is_adapter_name(n)}
 
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
                         stream_from_host: bool = False):

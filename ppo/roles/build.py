@@ -121,6 +121,7 @@ class Roles:
     critic: CriticWorker | None = None
     reward: object | None = None
     rollout: object | None = None
+    base_model_path: str | None = None  # model.path: a LoRA actor's adapter directory names it as its base
     idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
 
     @property
@@ -274,7 +275,7 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     from ppo.data.rewards import RewardManager, load_reward_function
 
     b, plan, groups = settings.build, placement.plan, placement.groups
-    roles = Roles(settings.roles, model_config=model_config)
+    roles = Roles(settings.roles, model_config=model_config, base_model_path=b.model_path)
     rank, seed, device = placement.rank, settings.run.seed, placement.device
     dtype = model_dtype(b.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

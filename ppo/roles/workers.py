@@ -443,3 +443,16 @@ def export_hf(worker, path, *, architecture: str) -> bool:
         return False
     save_tensors(sd, worker.runner.model_config, path, architecture=architecture)
     return True
+
+
+def export_peft_adapter(worker, path, *, base_model: str | None) -> bool:
+    """Write a LoRA worker's adapters as a PEFT adapter directory at `path` (adapter_config.json +
+    adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, path)` loads it). Collective over the
+    worker's group; the exporter rank writes. Returns whether this rank wrote."""
+    from models.lora import save_peft_adapter
+
+    sd = worker.runner.adapter_state_dict()
+    if sd is None:
+        return False
+    save_peft_adapter(sd, worker.spec.lora, path, base_model=base_model)
+    return True

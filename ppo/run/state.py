@@ -268,6 +268,7 @@ def load_roles_state(roles, state: dict) -> None:
 
 
 EXPORTED_ROLES = {"actor": "ForCausalLM", "critic": "ForSequenceClassification"}
+ADAPTER_ROLE = "actor_adapter"  # a LoRA actor's PEFT adapter directory beside its merged actor/
 
 
 def export_weights(roles, out: Path) -> list[str]:
@@ -278,4 +279,10 @@ def export_weights(roles, out: Path) -> list[str]:
 
     mine = [name for name, arch in EXPORTED_ROLES.items()
             if (w := getattr(roles, name)) is not None and export_hf(w, out / name, architecture=arch)]
+    actor = roles.actor
+    if actor is not None and actor.spec.lora is not None:  # a LoRA actor: its adapters as a PEFT directory too
+        from ppo.roles.workers import export_peft_adapter
+
+        if export_peft_adapter(actor, out / ADAPTER_ROLE, base_model=roles.base_model_path):
+            mine.append(ADAPTER_ROLE)
     return sorted({r for part in all_gather_objects(mine) for r in part})
