@@ -74,6 +74,16 @@ def resolve_targets(targets) -> tuple[str, ...]:
     return tuple(t for t in LINEAR_NAMES if t in targets)
 
 
+def adapter_param_count(cfg, spec: LoRASpec) -> int:
+    """Parameters of `spec`'s adapters on a model of `cfg` (models.config.ModelConfig): r x (in + out) per
+    adapted projection and layer."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return cfg.num_hidden_layers * sum(spec.rank * sum(shapes[m]) for m in spec.modules)
+
+
 def _lora_forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     out = F.linear(x, mod.weight, mod.bias)
     if not mod.lora_enabled:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from parallel.dims import ParallelDims
 from models.lora import LoRASpec
+from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
 from parallel.master_weights import attach_main_grads

@@ -13,8 +13,8 @@ from tests.ppo.test_trainer import _ok, launch, metrics
 
 # a dense reward moves the policy from the first step; two epochs: the old log-probs are recomputed, so the
 # engine's are compared with them
-LORA = [f"reward.function={Path(__file__).parent / 'dense_rewards.py'}:digit_fraction", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2", "trainer.save_every=1",
-        "actor.ppo_epochs=2"]
+LORA = [f"reward.function={Path(__file__).parent / 'dense_rewards.py'}:digit_fraction", "actor.lora.rank=4",
+        "actor.lora.alpha=8", "actor.optim.lr=1e-2", "trainer.save_every=1", "actor.ppo_epochs=2"]
 
 
 def _same(a: list[dict], b: list[dict]) -> None:
