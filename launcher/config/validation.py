@@ -123,9 +123,9 @@ def validate_config(cfg: Config) -> None:
         raise UserError("actor.offload_optimizer=true keeps the optimizer states in host memory all the time, so "
                         "actor.offload_optimizer_while_generating=true (move them there while generating) has nothing "
                         "to move; set actor.offload_optimizer_while_generating=false")
+    _validate_lora(cfg)  # first: a LoRA actor on megatron is refused for its LoRA, whatever the device
     for role in MODEL_ROLES:
         _validate_megatron_role(cfg, role)
-    _validate_lora(cfg)
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
         raise UserError(f"trainer.resume={t.resume!r}: no such checkpoint directory (use never, auto or a path)")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
