@@ -89,8 +89,10 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
 
 
 def _allow_per_layer_recompiles(model: nn.Module) -> None:
-    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager
-    n = len(model.model.layers) + 8
+    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager. LoRA
+    # adapters switched off (the reference's forward: models.lora.adapters_disabled) are a second entry per layer
+    lora = any(hasattr(m, "lora_A") for m in model.model.layers.modules())
+    n = len(model.model.layers) * (2 if lora else 1) + 8
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), n))
