@@ -268,7 +268,6 @@ def load_roles_state(roles, state: dict) -> None:
 
 
 EXPORTED_ROLES = {"actor": "ForCausalLM", "critic": "ForSequenceClassification"}
-ADAPTER_ROLE = "actor_adapter"  # a LoRA actor's PEFT adapter directory beside its merged actor/
 
 
 def export_weights(roles, out: Path) -> list[str]:
@@ -282,6 +281,7 @@ def export_weights(roles, out: Path) -> list[str]:
     actor = roles.actor
     if actor is not None and actor.spec.lora is not None:  # a LoRA actor: its adapters as a PEFT directory too
         from ppo.roles.workers import export_peft_adapter
+        from ppo.run.checkpoint import ADAPTER_ROLE
 
         if export_peft_adapter(actor, out / ADAPTER_ROLE, base_model=roles.base_model_path):
             mine.append(ADAPTER_ROLE)

@@ -60,9 +60,15 @@ def test_lora_grpo_resumes_exactly_and_exports_a_peft_adapter(tmp_path):
         torch.testing.assert_close(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
 
+    # the adapter out of the run's newest checkpoint, as a user exports it
+    from launcher.export import export_checkpoint
+
+    out = export_checkpoint(tmp_path / "straight", tmp_path / "exported", role="actor_adapter")
+    assert read_peft_adapter(out)[1].keys() == adapters.keys()
+
     # continue from the exported adapter: the first step's policy is the one the adapter holds
     _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=1", "trainer.experiment_name=cont",
                "trainer.sft_warmup_steps=0", f"model.path={tmp_path / 'straight' / 'sft_warmup'}",
-               "model.tokenizer=builtin:char", f"actor.lora.init_from={ckpt / 'actor_adapter'}", *LORA))
+               "model.tokenizer=builtin:char", f"actor.lora.init_from={out}", *LORA))
     cont = metrics(tmp_path / "cont")
     assert cont[0]["actor/kl"] != 0.0  # the adapters start non-zero: the policy is not the base
