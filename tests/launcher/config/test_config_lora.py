@@ -31,7 +31,7 @@ def test_lora_refusals(overrides, needle):
 
 
 def test_lora_refused_on_megatron():
-    pytest.importorskip("megatron.core")
+    # refused for its LoRA before the megatron checks (which import megatron-core and need CUDA)
     with pytest.raises(UserError, match="the megatron backend has no LoRA adapters"):
         load_config("conf/grpo_tiny.yaml", ["actor.lora.rank=8", "actor.backend=megatron", "ref.backend=megatron",
                                             "trainer.share_prompts=false"])
