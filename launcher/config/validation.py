@@ -255,8 +255,8 @@ def _validate_lora(cfg: Config) -> None:
             raise UserError(msg)
     if uses_ref(cfg):
         r = cfg.ref
-        differ = [f"ref.{k}={getattr(r, k)} vs actor.{k}={getattr(a, k)}"
-                  for k in ("tp", "pp", "dp", "backend", "pp_microbatches", "pp_schedule", "pp_stages_per_rank")
+        keys = ("tp", "pp", "dp", "backend", "compile", "pp_microbatches", "pp_schedule", "pp_stages_per_rank")
+        differ = [f"ref.{k}={getattr(r, k)} vs actor.{k}={getattr(a, k)}" for k in keys
                   if getattr(r, k) != getattr(a, k)]
         if differ:
             raise UserError(f"actor.lora: the reference is the actor's base with its adapters off (no second model), "
