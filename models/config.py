@@ -241,6 +241,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-14b": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
 }
 
 

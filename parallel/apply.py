@@ -29,8 +29,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from models.lora import LoRASpec
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
+from parallel.lora import apply_lora
 from parallel.master_weights import attach_main_grads
 from parallel.pipeline import PipelineRunner, build_stages
 from parallel.runner import LocalRunner, ModelRunner
@@ -87,8 +89,10 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
 
 
 def _allow_per_layer_recompiles(model: nn.Module) -> None:
-    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager
-    n = len(model.model.layers) + 8
+    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager. LoRA
+    # adapters switched off (the reference's forward: models.lora.adapters_disabled) are a second entry per layer
+    lora = any(hasattr(m, "lora_A") for m in model.model.layers.modules())
+    n = len(model.model.layers) * (2 if lora else 1) + 8
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), n))
@@ -124,9 +128,11 @@ def _should_fsdp(dims: ParallelDims, fsdp: bool | None) -> bool:
 
 def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool, dynamic: bool | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 loss_parallel: bool, fsdp: bool | None) -> nn.Module:
+                 loss_parallel: bool, fsdp: bool | None, lora: LoRASpec | None = None,
+                 lora_seed: int = 0) -> nn.Module:
     sharded = _should_fsdp(dims, fsdp)
-    if param_dtype is not None and not sharded:
+    if param_dtype is not None and (not sharded or lora is not None):
+        # (a LoRA base is frozen: stored in the compute dtype under FSDP too, with no fp32 sharded masters)
         # mixed precision with nothing to shard: 16-bit weights, fp32 main grads and masters in the optimizer
         # (parallel/master_weights.py); the RoPE frequencies stay fp32 (LlamaModel._apply)
         if reduce_dtype not in (None, torch.float32):
@@ -134,6 +140,8 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
         model.to(param_dtype)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
+    if lora is not None:  # after TP (adapters placed like their base weights), before AC, compile and FSDP
+        apply_lora(model, lora, seed=lora_seed)
     if compile and ac == "full":
         apply_compile_then_full_ac(model, dynamic=dynamic)
     else:
@@ -165,6 +173,8 @@ def parallelize_model(
     pp_schedule: str = "1f1b",
     stages_per_rank: int = 1,
     attn_factory: Callable | None = None,
+    lora: LoRASpec | None = None,
+    lora_seed: int = 0,
 ) -> ModelRunner:
     """Apply PP/TP/AC/compile/FSDP to `model` for this rank's coordinate in `mesh`.
 
@@ -176,7 +186,8 @@ def parallelize_model(
     param_dtype (e.g. bf16 for an fp32 model) asks for mixed precision: with FSDP, its fp32 sharded parameters
     and param_dtype compute copies; without (dp = 1), the model is cast to param_dtype with fp32 main grads, and
     the runner's optimizer keeps the fp32 masters (parallel/master_weights.py). fsdp None: on when dp > 1.
-    dynamic: torch.compile's (see apply_compile).
+    dynamic: torch.compile's (see apply_compile). lora: LoRA adapters on the targeted projections, the base
+    frozen in its compute dtype (parallel/lora.py); lora_seed: their A's initialisation (the same on every rank).
     """
     got = tuple(mesh.mesh_dim_names or ())
     if got != ("pp", "dp", "tp") or tuple(mesh.shape) != (dims.pp, dims.dp, dims.tp):
@@ -187,7 +198,7 @@ def parallelize_model(
                         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
                         intermediate_size=cfg.intermediate_size, stages_per_rank=stages_per_rank)
     local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic, param_dtype=param_dtype,
-                 reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp)
+                 reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp, lora=lora, lora_seed=lora_seed)
     if dims.pp == 1:
         return LocalRunner(_apply_local(model, **local), mesh=mesh, attn_factory=attn_factory)
     if n_microbatches is None:

@@ -14,6 +14,7 @@ TP plan in parallel/tensor_parallel.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -75,8 +76,10 @@ def load_sharded_weights(model: nn.Module, path: str | os.PathLike, *, strict: b
     return names
 
 
-def full_state_dict(model: nn.Module, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """{HF name: full tensor} of this rank's module (a pipeline stage gives only its names).
+def full_state_dict(model: nn.Module, *, device: str | torch.device = "cpu",
+                    only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """{HF name: full tensor} of this rank's module (a pipeline stage gives only its names); `only(name)`
+    picks some of them (e.g. LoRA adapters).
 
     Collective over every mesh the parameters live on: all ranks of those meshes must call
     it, in the same order. Tied weights appear once (under the embedding's name).
@@ -84,6 +87,8 @@ def full_state_dict(model: nn.Module, *, device: str | torch.device = "cpu") -> 
     _reshard_fsdp(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().to(device)
     return out

@@ -51,6 +51,7 @@ The `ModelRunner` protocol, precisely:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -118,7 +119,8 @@ class ModelRunner(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
     def parameters(self) -> list[nn.Parameter]: ...
     def training_shards(self) -> dict[str, torch.Tensor]: ...
-    def export_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+    def export_state_dict(self, *, merge_adapters: bool = True) -> dict[str, torch.Tensor] | None: ...
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None: ...
     def build_optimizer(self, *, lr: float, betas: tuple[float, float], weight_decay: float,
                         stream_from_host: bool = False): ...
     def optimizer_step(self, optimizer, *, max_norm: float) -> float: ...
@@ -300,17 +302,63 @@ class NativeRunner:
             for name, p in mod.named_parameters(remove_duplicate=False):  # tied head: both names, one tensor
                 t = p.to_local() if isinstance(p, DTensor) else p
                 out[hf_name(name)] = t.detach()
+        if self.lora_modules:
+            out = self._merge_adapters(out)
         return out
 
-    def export_state_dict(self) -> dict[str, torch.Tensor] | None:
+    @functools.cached_property
+    def lora_modules(self) -> dict[str, nn.Module]:
+        """{HF module name: adapted linear layer} of this rank's LoRA adapters (models/lora.py); empty without."""
+        from models.lora import adapted_linears
+
+        return {hf_name(n): m for mod in self.modules for n, m in adapted_linears(mod)}
+
+    def _merge_adapters(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The generation engine's weights of a LoRA model: each adapted weight merged (W + scale * B @ A, on the
+        trainer's device, in this rank's layout), the adapter tensors left out. Collective over the layout's mesh
+        (DTensor gathers an FSDP-sharded A)."""
+        from models.lora import is_adapter_name, merged_weight
+
+        out = {n: t for n, t in shards.items() if not is_adapter_name(n)}
+        for name, mod in self.lora_modules.items():
+            w = merged_weight(mod)
+            out[f"{name}.weight"] = w.to_local() if hasattr(w, "to_local") else w
+        return out
+
+    def export_state_dict(self, *, merge_adapters: bool = True) -> dict[str, torch.Tensor] | None:
         """{HF name: full CPU tensor} of the whole model on the exporter rank, None elsewhere.
 
         Collective over the runner's group: each stage's tensors are gathered over dp/tp
-        (DTensor.full_tensor), then the stages of the (dp 0, tp 0) ranks meet on pp rank 0.
+        (DTensor.full_tensor), then the stages of the (dp 0, tp 0) ranks meet on pp rank 0. With LoRA
+        adapters: the policy as a plain Hugging Face model (each adapted weight merged, W + scale * B @ A in
+        fp32, the adapters left out); merge_adapters=False: the base weights and the "<module>.lora_A/B"
+        tensors as they are.
         """
         from parallel.loading import full_state_dict
 
         mine = {hf_name(k): v for m in self.modules for k, v in full_state_dict(m).items()}
+        if merge_adapters and self.lora_modules:
+            from models.lora import is_adapter_name
+
+            for name, mod in self.lora_modules.items():
+                w = mine[f"{name}.weight"]
+                delta = mine[f"{name}.lora_B"].float() @ mine[f"{name}.lora_A"].float()
+                mine[f"{name}.weight"] = (w.float() + delta * mod.lora_scale).to(w.dtype)
+            mine = {n: t for n, t in mine.items() if not is_adapter_name(n)}
+        return self._on_exporter(mine)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{"<module>.lora_A" / ".lora_B": full CPU tensor} of the LoRA adapters on the exporter rank (empty
+        without adapters), None elsewhere; collective like export_state_dict, gathering the adapters only."""
+        from models.lora import is_adapter_name
+        from parallel.loading import full_state_dict
+
+        return self._on_exporter({hf_name(k): v for m in self.modules
+                                  for k, v in full_state_dict(m, only=is_adapter_name).items()})
+
+    def _on_exporter(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """This stage's full tensors -> every stage's on the exporter rank (pp rank 0 of dp 0, tp 0), None
+        elsewhere."""
         if self.pp_group is None:
             return mine if self.is_exporter else None
         _, dp_idx, tp_idx = self.mesh.get_coordinate()

@@ -106,6 +106,17 @@ class RewardSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRASettings:
+    """actor.lora with rank > 0 (models.lora.LoRASpec's fields, and a PEFT adapter directory to start from)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    init_from: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RoleBuildSettings:
     """What ppo.roles.build_roles needs beyond the placement, the run's seed and the reward: models' sources,
     layouts, optimizers."""
@@ -117,6 +128,7 @@ class RoleBuildSettings:
     layouts: dict[str, WorkerLayout]  # role -> layout, for actor, ref, critic, reward
     actor_optim: OptimizerSettings
     critic_optim: OptimizerSettings
+    actor_lora: LoRASettings | None = None  # None: full-parameter training
 
 
 @dataclass(frozen=True, slots=True)

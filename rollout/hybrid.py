@@ -48,12 +48,13 @@ class HybridResult:
     generate_s: float  # the engine's generate (decoding)
     reshard: ReshardStats  # bytes this rank received, its peak staging bytes
     peak_bytes: int  # the cycle's memory peak: the largest MemoryRecord.peak of memory_log
+    engine_bytes: int = 0  # the weights this rank handed the engine (a LoRA actor's: merged on the trainer's device)
 
     def metrics(self) -> dict[str, float]:
         """The cycle's metrics under docs/design.md's keys (this rank's)."""
         return {"reshard/bytes_received": float(self.reshard.bytes_received),
                 "reshard/peak_staging_bytes": float(self.reshard.peak_staging_bytes),
-                "mem/hybrid_peak_gb": self.peak_bytes / 1e9}
+                "reshard/engine_bytes": float(self.engine_bytes), "mem/hybrid_peak_gb": self.peak_bytes / 1e9}
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -230,6 +231,7 @@ class HybridEngine:
         self._record("gather")
         self.engine.wake_up()
         self._record("wake_up")
+        engine_bytes = sum(t.numel() * t.element_size() for t in self._gen.values())
         self.engine.update_weights(self._gen.items())
         self._record("update_weights")
         t = time.perf_counter()
@@ -245,4 +247,4 @@ class HybridEngine:
         self._restore_training_state()
         self._record("restore_training")
         return HybridResult(completions, reshard_s=reshard_s, generate_s=generate_s, reshard=stats,
-                            peak_bytes=max(r.peak for r in self.memory_log))
+                            peak_bytes=max(r.peak for r in self.memory_log), engine_bytes=engine_bytes)

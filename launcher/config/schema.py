@@ -100,6 +100,18 @@ class OptimConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor (models/lora.py): the base frozen, the optimizer over the adapters only."""
+
+    rank: int = 0  # adapter rank r; 0: off (full-parameter training)
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input in the update's forward (actor.tp = 1 only)
+    # PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    init_from: str | None = None  # a PEFT adapter directory to continue from (its r, alpha and targets must match)
+
+
+@dataclass
 class ActorConfig(ParallelConfig):
     # recompute activations in the backward: none | full | selective; unset: the cheapest setting that fits the
     # GPU (launcher.planning.fit)
@@ -126,6 +138,8 @@ class ActorConfig(ParallelConfig):
     # the optimizer states go to pinned host memory while the rollout generates on the actor's GPUs and come back
     # before the update (rollout/hybrid.py); refused beside offload_optimizer=true (they live there already)
     offload_optimizer_while_generating: bool = False
+    # LoRA adapters (rank > 0): the reference is the actor's base with its adapters off (no second model)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from launcher.config.schema import (
     resolved_rollout_correction,
     reward_is_model,
     role_section,
+    uses_ref,
 )
 from launcher.errors import UserError
 
@@ -124,6 +125,7 @@ def validate_config(cfg: Config) -> None:
         raise UserError("actor.offload_optimizer=true keeps the optimizer states in host memory all the time, so "
                         "actor.offload_optimizer_while_generating=true (move them there while generating) has nothing "
                         "to move; set actor.offload_optimizer_while_generating=false")
+    _validate_lora(cfg)  # first: a LoRA actor on megatron is refused for its LoRA, whatever the device
     for role in MODEL_ROLES:
         _validate_megatron_role(cfg, role)
     if t.resume not in ("never", "auto") and not Path(t.resume).exists():
@@ -225,6 +227,60 @@ def _validate_vllm(cfg: Config) -> None:
     if not r.fold_norms:
         raise UserError("rollout.fold_norms=false turns off a native-engine feature; vLLM runs its own fused norms: "
                         "leave it at true with rollout.engine=vllm")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """actor.lora: its keys act only with rank > 0; the layouts where adapters run (native backend; a reference
+    that is the actor's own base, so it shares the actor's ranks and layout); an init_from adapter that fits."""
+    from models.lora import read_peft_adapter, resolve_targets
+
+    lo, a = cfg.actor.lora, cfg.actor
+    default = type(lo)()
+    if lo.rank < 0:
+        raise UserError(f"actor.lora.rank({lo.rank}) must be >= 0 (0: full-parameter training)")
+    if lo.rank == 0:
+        for key in ("alpha", "dropout", "target_modules", "init_from"):
+            if getattr(lo, key) != getattr(default, key):
+                raise UserError(f"actor.lora.{key}={getattr(lo, key)!r} acts only with LoRA on; set actor.lora.rank>0 "
+                                f"(e.g. 16) or remove actor.lora.{key}")
+        return
+    try:
+        targets = resolve_targets(list(lo.target_modules))
+    except ValueError as e:
+        raise UserError(f"actor.lora.target_modules: {e}") from None
+    checks = [
+        (lo.alpha > 0, f"actor.lora.alpha({lo.alpha}) must be > 0 (the adapters' scale is alpha / rank)"),
+        (0 <= lo.dropout < 1, f"actor.lora.dropout({lo.dropout}) must be in [0, 1)"),
+        (a.backend == "native", "actor.lora needs actor.backend=native: the megatron backend has no LoRA adapters; "
+                                "set actor.backend=native or actor.lora.rank=0"),
+        (lo.dropout == 0 or a.tp == 1, f"actor.lora.dropout={lo.dropout} with actor.tp={a.tp}: the tensor-parallel "
+                                       "ranks would draw different masks of one input; set actor.lora.dropout=0 "
+                                       "or actor.tp=1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    if uses_ref(cfg):
+        r = cfg.ref
+        keys = ("tp", "pp", "dp", "backend", "compile", "pp_microbatches", "pp_schedule", "pp_stages_per_rank")
+        differ = [f"ref.{k}={getattr(r, k)} vs actor.{k}={getattr(a, k)}" for k in keys
+                  if getattr(r, k) != getattr(a, k)]
+        if differ:
+            raise UserError(f"actor.lora: the reference is the actor's base with its adapters off (no second model), "
+                            f"so it runs in the actor's layout; {', '.join(differ)}: remove the ref layout keys")
+        if cfg.placement.mode != "colocated":
+            raise UserError(f"actor.lora with a reference: placement.mode={cfg.placement.mode} would place the "
+                            f"reference on other ranks, but it is the actor's own base; use placement.mode=colocated")
+    if lo.init_from is not None:
+        try:
+            spec, _ = read_peft_adapter(lo.init_from)
+        except (ValueError, OSError, KeyError) as e:
+            raise UserError(f"actor.lora.init_from={lo.init_from!r}: {e}") from None
+        mine = (lo.rank, float(lo.alpha), tuple(sorted(targets)))
+        theirs = (spec.rank, spec.alpha, tuple(sorted(spec.modules)))
+        if mine != theirs:
+            raise UserError(f"actor.lora.init_from={lo.init_from!r} holds r={spec.rank}, alpha={spec.alpha}, targets "
+                            f"{list(theirs[2])}; set actor.lora.rank/alpha/target_modules to match")
 
 
 def _validate_megatron_role(cfg: Config, role: str) -> None:

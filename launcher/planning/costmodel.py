@@ -146,6 +146,9 @@ class Workload:
     offload_optimizer_while_generating: bool = False  # actor.offload_optimizer_while_generating
     frozen_bytes_per_param: int = FROZEN_BYTES_PER_PARAM
     offload_optimizer: tuple[str, ...] = ()  # roles whose Adam moments live in host memory (<role>.offload_optimizer)
+    # actor.lora: the actor's adapter parameters (0: full-parameter training); its base is stored frozen and the
+    # reference is that base with adapters off (no weights of its own)
+    lora_params: int = 0
 
     @property
     def samples(self) -> int:
@@ -216,7 +219,17 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         free_memory_on_sleep=cfg.rollout.free_memory_on_sleep,
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,
         frozen_bytes_per_param=FROZEN_BYTES_PER_PARAM if cfg.model.dtype == "float32" else BF16,
-        offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer))
+        offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer),
+        lora_params=_lora_params(cfg, model))
+
+
+def _lora_params(cfg, model) -> int:
+    lo = cfg.actor.lora
+    if lo.rank <= 0:
+        return 0
+    from models.lora import LoRASpec, adapter_param_count
+
+    return adapter_param_count(model, LoRASpec(rank=lo.rank, alpha=lo.alpha, target_modules=tuple(lo.target_modules)))
 
 
 def data_prompt_lengths(cfg) -> tuple[int, int] | None:

@@ -109,7 +109,13 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
         per_param = TRAINED_BYTES_PER_PARAM if train else w.frozen_bytes_per_param
         if role in w.offload_optimizer:
             per_param -= OFFLOADED_BYTES_PER_PARAM  # Adam's moments in host memory
-        items[f"{role}_states"] = m.n_params * per_param / (tp * pp * dp) / 1e9
+        if w.lora_params and role == "actor":  # a frozen base and trained adapters
+            states = m.n_params * w.frozen_bytes_per_param + w.lora_params * per_param
+        elif w.lora_params and role == "ref":  # the actor's base with its adapters off: no weights of its own
+            states = 0.0
+        else:
+            states = m.n_params * per_param
+        items[f"{role}_states"] = states / (tp * pp * dp) / 1e9
         act = max(act, _activation_gb(w, cal, role, m, c.layout(role), train=train))
     items["activations"] = act
     slots = 0

@@ -28,7 +28,7 @@ from ppo.roles.workers import (
     score_heads,
     to_host,
 )
-from ppo.settings import PPOSettings, RolesSettings, WorkerLayout
+from ppo.settings import LoRASettings, PPOSettings, RolesSettings, WorkerLayout
 
 
 def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: int):
@@ -121,7 +121,13 @@ class Roles:
     critic: CriticWorker | None = None
     reward: object | None = None
     rollout: object | None = None
+    base_model_path: str | None = None  # model.path: a LoRA actor's adapter directory names it as its base
     idle_engine: object | None = None  # rollout.engine=vllm on a rank without the rollout role (never generates)
+
+    @property
+    def ref_is_actor_base(self) -> bool:
+        """The reference is a LoRA actor's base with its adapters off (parallel.lora.AdaptersOffRunner)."""
+        return self.ref is not None and self.actor is not None and self.ref.runner.modules is self.actor.runner.modules
 
     # -- plans: the same partition for the old-log-prob recompute and the update
     def actor_plan(self, exp, max_tokens: int):
@@ -187,12 +193,19 @@ class Roles:
         against it)."""
         if self.actor is not None:
             self._sft_actor(state, steps=steps, max_tokens=max_tokens)
+            if self.actor.runner.lora_modules:
+                # LoRA: the warmed-up policy becomes the base (the reference is the base with adapters off), and RL
+                # starts fresh adapters (B = 0) with fresh moments
+                from parallel.lora import merge_into_base
+
+                merge_into_base(self.actor.runner)
+                self.actor.optimizer.state.clear()
         self.load_reference(self._export_actor(run_dir), critic_trunk=True)
 
     def load_reference(self, path, *, critic_trunk: bool) -> None:
         """Reference (and optionally the critic's trunk) from an HF directory, e.g. the SFT warm-up's;
         on resume only the reference is reloaded (the critic comes back from the checkpoint)."""
-        if self.ref is not None:
+        if self.ref is not None and not self.ref_is_actor_base:  # a LoRA actor's base is its reference already
             self.ref.runner.load_hf_weights(path, strict=False)
         if self.critic is not None and critic_trunk:  # trunk only: the value head keeps its init
             self.critic.runner.load_hf_weights(path, strict=False)
@@ -231,6 +244,28 @@ class Roles:
         return path
 
 
+def _lora(lora: LoRASettings, *, seed: int):
+    """(models.lora.LoRASpec, its initialisation seed, the init_from adapter's tensors or None)."""
+    from models.lora import LoRASpec, read_peft_adapter
+
+    spec = LoRASpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+    return spec, seed, read_peft_adapter(lora.init_from)[1] if lora.init_from else None
+
+
+def _adapters_off_reference(actor: PolicyWorker | None, placement: Placement, *, temperature: float,
+                            pad_id: int) -> PolicyWorker:
+    """A LoRA actor's reference: the actor's own runner with its adapters off (no second model). The plan must
+    put it on the actor's ranks in the actor's layout (launcher.config.validation._validate_lora)."""
+    from parallel.lora import AdaptersOffRunner
+
+    groups = placement.plan.groups
+    if actor is None or groups["ref"].ranks != groups["actor"].ranks:
+        raise RuntimeError(f"actor.lora: the reference is the actor's base, but the plan puts it on ranks "
+                           f"{groups['ref'].ranks} and the actor on {groups['actor'].ranks}")
+    return PolicyWorker(None, actor.spec, temperature=temperature, pad_id=pad_id, trainable=False,
+                        runner=AdaptersOffRunner(actor.runner))
+
+
 def build_roles(settings: PPOSettings, placement: Placement, *, model_config: ModelConfig, tokenizer,
                 total_steps: int) -> Roles:
     """Construct the workers of every role this rank hosts. settings.build gives the models' sources,
@@ -240,7 +275,7 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     from ppo.data.rewards import RewardManager, load_reward_function
 
     b, plan, groups = settings.build, placement.plan, placement.groups
-    roles = Roles(settings.roles, model_config=model_config)
+    roles = Roles(settings.roles, model_config=model_config, base_model_path=b.model_path)
     rank, seed, device = placement.rank, settings.run.seed, placement.device
     dtype = model_dtype(b.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -250,9 +285,13 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
                      stream_optimizer_from_host=b.actor_optim.stream_from_host)
+        if b.actor_lora is not None:
+            spec.lora, spec.lora_seed, spec.lora_init = _lora(b.actor_lora, seed=seed)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
                                    optim=b.actor_optim, total_steps=total_steps)
-    if "ref" in here:
+    if "ref" in here and b.actor_lora is not None:
+        roles.ref = _adapters_off_reference(roles.actor, placement, temperature=temperature, pad_id=pad_id)
+    elif "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)

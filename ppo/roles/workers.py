@@ -56,6 +56,9 @@ class WorkerSpec:
     # FSDP2 even at dp = 1 (an optimizer streamed from host memory streams FSDP's fp32 parameter shards); otherwise
     # mixed precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
     fsdp_masters: bool = False
+    lora: object = None  # models.lora.LoRASpec: adapters on the model, the base frozen (the actor's, native only)
+    lora_seed: int = 0  # the adapters' A initialisation
+    lora_init: dict | None = None  # full adapter tensors to start from (actor.lora.init_from's)
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -87,7 +90,8 @@ def build_optimizer(runner: ModelRunner, optim: OptimizerSettings, *, total_step
 class ShardedWorker:
     """Common plumbing: coordinates in the group, DP sharding, micro-batching, packing, the update loop."""
 
-    def __init__(self, model: nn.Module, spec: WorkerSpec):
+    def __init__(self, model: nn.Module | None, spec: WorkerSpec, *, runner: ModelRunner | None = None):
+        """runner: an existing runner to drive instead of building one of `model` (a LoRA actor's reference)."""
         self.spec = spec
         mesh, dims = spec.mesh, spec.dims
         self.pp_idx, self.dp_idx, self.tp_idx = mesh.get_coordinate()
@@ -96,7 +100,7 @@ class ShardedWorker:
         self.tp_group = mesh.get_group("tp")
         self.device = spec.device
         param_dtype = spec.dtype if spec.dtype != torch.float32 else None
-        self.runner: ModelRunner = build_runner(
+        self.runner: ModelRunner = runner or build_runner(
             # dynamic=None: the second packed length recompiles once, making only the changed dims dynamic.
             # dynamic=True (shape-generic from the start, no recompile) measured 9% slower updates on an
             # H200 (bench/results/grpo_a_dynamic_h200.json), so a warm-up step pays the recompile instead.
@@ -105,7 +109,11 @@ class ShardedWorker:
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention,
-            fsdp=True if spec.fsdp_masters else None)
+            fsdp=True if spec.fsdp_masters else None, lora=spec.lora, lora_seed=spec.lora_seed)
+        if runner is None and spec.lora_init is not None:
+            from parallel.lora import load_adapters
+
+            load_adapters(self.runner, spec.lora_init)
         self.share_prompts = spec.share_prompts
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None
@@ -245,9 +253,10 @@ def _reduce_metric(key: str, acc: float | None, v: float) -> float:
 class PolicyWorker(ShardedWorker):
     """Actor (trainable) or reference (frozen) policy: log-probs of responses, PPO updates."""
 
-    def __init__(self, model: nn.Module, spec: WorkerSpec, *, temperature: float, pad_id: int,
-                 trainable: bool, optim: OptimizerSettings | None = None, total_steps: int = 1):
-        super().__init__(model, spec)
+    def __init__(self, model: nn.Module | None, spec: WorkerSpec, *, temperature: float, pad_id: int,
+                 trainable: bool, optim: OptimizerSettings | None = None, total_steps: int = 1,
+                 runner: ModelRunner | None = None):
+        super().__init__(model, spec, runner=runner)
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
         self.trainable = trainable
@@ -433,4 +442,17 @@ def export_hf(worker, path, *, architecture: str) -> bool:
     if sd is None:
         return False
     save_tensors(sd, worker.runner.model_config, path, architecture=architecture)
+    return True
+
+
+def export_peft_adapter(worker, path, *, base_model: str | None) -> bool:
+    """Write a LoRA worker's adapters as a PEFT adapter directory at `path` (adapter_config.json +
+    adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, path)` loads it). Collective over the
+    worker's group; the exporter rank writes. Returns whether this rank wrote."""
+    from models.lora import save_peft_adapter
+
+    sd = worker.runner.adapter_state_dict()
+    if sd is None:
+        return False
+    save_peft_adapter(sd, worker.spec.lora, path, base_model=base_model)
     return True

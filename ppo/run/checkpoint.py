@@ -13,6 +13,7 @@ Layout of a complete checkpoint:
     step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...)
     step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
     step_N/<role>/model*.safetensors  full weights in HF names, sharded like save_pretrained
+    step_N/actor_adapter/           a LoRA actor's PEFT adapter directory (its actor/ holds the merged weights)
 
 Protocol (all ranks call `save_checkpoint`): rank 0 clears debris of an earlier crashed save;
 barrier; every rank creates `step_N.tmp-staging/` and writes and fsyncs its files there;
@@ -55,6 +56,8 @@ MANIFEST = "COMPLETE"
 FORMAT_VERSION = 2  # 2: files carry {"size", "sha256"} (1: sizes only, still readable)
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
+
+ADAPTER_ROLE = "actor_adapter"  # a LoRA actor's adapters: adapter_config.json + adapter_model.safetensors
 
 class CheckpointError(Exception):
     """A checkpoint that is damaged (a file missing, truncated or with other content than the

@@ -287,4 +287,11 @@ def export_weights(roles, out: Path) -> list[str]:
 
     mine = [name for name, arch in EXPORTED_ROLES.items()
             if (w := getattr(roles, name)) is not None and export_hf(w, out / name, architecture=arch)]
+    actor = roles.actor
+    if actor is not None and actor.spec.lora is not None:  # a LoRA actor: its adapters as a PEFT directory too
+        from ppo.roles.workers import export_peft_adapter
+        from ppo.run.checkpoint import ADAPTER_ROLE
+
+        if export_peft_adapter(actor, out / ADAPTER_ROLE, base_model=roles.base_model_path):
+            mine.append(ADAPTER_ROLE)
     return sorted({r for part in all_gather_objects(mine) for r in part})

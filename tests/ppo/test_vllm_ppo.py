@@ -48,3 +48,18 @@ def test_split_async_then_resume(tmp_path):
     rows = metrics(tmp_path / "split")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "timing_s/old_log_prob" not in rows[0]  # one step off: the behaviour log-probs are vLLM's
+
+
+@pytest.mark.extended
+def test_lora_actor_on_vllm(tmp_path):
+    """A LoRA actor's merged weights reach vLLM at every update: on-policy log-probs equal while the policy moves
+    away from its base (the reference)."""
+    from pathlib import Path
+
+    reward = Path(__file__).parent / "dense_rewards.py"
+    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=3", *VLLM, "actor.lora.rank=4",
+               "actor.lora.alpha=8", "actor.optim.lr=1e-2", "actor.ppo_epochs=2", "trainer.save_every=0",
+               f"reward.function={reward}:digit_fraction", "trainer.experiment_name=lora"))
+    rows = metrics(tmp_path / "lora")
+    _on_policy(rows)
+    assert rows[-1]["actor/kl"] != 0.0

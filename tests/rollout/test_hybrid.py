@@ -106,6 +106,7 @@ def _body(rank, world):
         assert res.peak_bytes == max(r.peak for r in hybrid.memory_log) > 0
         assert res.metrics() == {"reshard/bytes_received": float(res.reshard.bytes_received),
                                  "reshard/peak_staging_bytes": float(res.reshard.peak_staging_bytes),
+                                 "reshard/engine_bytes": float(res.engine_bytes),
                                  "mem/hybrid_peak_gb": res.peak_bytes / 1e9}
         out[f"tp_fsdp_gen{gen_tp}"] = res.reshard.bytes_received
     # a step after two round trips equals the step without them (optimizer offload/restore exact)

@@ -139,6 +139,32 @@ def test_memory_rejects_what_cannot_fit():
     assert est.reject is not None and "GB per GPU > 100 GB" in est.reject and "actor_states 160.0" in est.reject
 
 
+def test_lora_memory_by_hand():
+    """actor.lora: the base frozen (4 bytes/param at fp32), 16 bytes per adapter parameter, no reference weights."""
+    from launcher.planning.stepmodel import pool_memory
+
+    cand = _cand("colocated", [(("actor", "rollout", "ref", "reward"), 1)])
+    full, _, _ = pool_memory(_workload(critic=None), CAL, cand, 0)
+    lora, _, _ = pool_memory(_workload(critic=None, lora_params=10**7), CAL, cand, 0)
+    assert full["actor_states"] == 16.0 and full["ref_states"] == 4.0
+    assert lora["actor_states"] == pytest.approx(4.0 + 0.16) and lora["ref_states"] == 0.0
+
+
+def test_lora_workload_counts_the_adapters():
+    from launcher.config.load import load_config
+    from launcher.planning.costmodel import build_workload
+    from models.config import preset_config
+    from models.lora import LoRASpec, adapter_param_count
+
+    cfg = load_config(str(ROOT / "conf" / "grpo_tiny.yaml"),
+                      ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,down_proj]"])
+    model = preset_config("tiny")
+    w = build_workload(cfg, model=model)
+    # q_proj 64 -> 64, down_proj 176 -> 64, four layers: 4 x 8 x (128 + 240)
+    spec = LoRASpec(rank=8, alpha=16, target_modules=("q_proj", "down_proj"))
+    assert w.lora_params == adapter_param_count(model, spec) == 4 * 8 * (128 + 240)
+
+
 def test_calibration_file_is_derived_from_the_committed_micro_benchmarks():
     from bench.calibrate import derive
 

@@ -54,3 +54,13 @@ def test_offload_while_generating_keeps_the_optimizer_on_the_gpu_in_the_step():
     cfg, lines = _fit("bench_grpo_7b.yaml", "trainer.device=cuda", "actor.offload_optimizer_while_generating=true")
     assert cfg.actor.offload_optimizer is False
     assert not any(line.startswith("actor.offload_optimizer=") for line in lines)
+
+
+def test_a_14b_lora_actor_fits_one_gpu_where_full_parameters_cannot():
+    """conf/bench_grpo_qwen3_14b_lora.yaml: the frozen bf16 base, fp32 adapters and no reference weights fit one
+    H200; the same run at full parameters (16 bytes/param of training state: 236 GB) is rejected by the plan."""
+    cfg = load_config(str(ROOT / "conf" / "bench_grpo_qwen3_14b_lora.yaml"))
+    lora = compute_plan(cfg, world_size=1, model=resolve_model_config(cfg)).predicted
+    assert lora["reject"] is None and lora["peak_gb"] < 139
+    cfg.actor.lora.rank = 0
+    assert compute_plan(cfg, world_size=1, model=resolve_model_config(cfg)).predicted["reject"] is not None
