@@ -32,17 +32,19 @@ from models.config import ModelConfig
 class RouterTrace:
     """Routing of one forward over N tokens (the flattened [B, T] rows), per MoE layer index.
 
-    replay: layer -> [N, k] expert ids the layer must use (replayed from the rollout engine); a row of -1 (no
-      record, e.g. the last sampled token, which the engine never ran) keeps the router's own choice.
+    recorded: layer -> [N, k] expert ids the rollout engine chose; a row of -1 means no record (e.g. the last
+      sampled token, which the engine never ran). replay: the layer uses the recorded experts (rows of -1 keep
+      the router's own choice); either way the router's own choice is compared with them (`mismatched`).
     keep_choice: record each layer's experts in `chosen` ([N, k] int32, the ids the layer used).
     keep_logits: record each layer's router logits in `logits` ([N, E]; parity tests).
     aux_stats: layer -> (tokens routed per expert [E] fp32, router probabilities summed over tokens [E] fp32,
       differentiable), always kept (two [E] vectors a layer): the load-balancing loss reads them.
-    mismatched / compared: over (token, layer) pairs with a replayed row, how many the router alone would have
-      routed to another expert set (device scalars; compared counts the pairs).
+    mismatched / compared: over (token, layer) pairs with a recorded row, how many the router alone routes to
+      another expert set than the record (device scalars; compared counts the pairs).
     """
 
-    replay: dict[int, torch.Tensor] | None = None
+    recorded: dict[int, torch.Tensor] | None = None
+    replay: bool = False
     keep_choice: bool = False
     keep_logits: bool = False
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -135,11 +137,12 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if trace is not None:
-            replay = trace.replay.get(self.layer_idx) if trace.replay else None
-            if replay is not None:
-                trace._count_mismatch(ids, replay)
-                ids = torch.where(replay >= 0, replay.to(ids.dtype), ids)
-                top = probs.gather(1, ids)
+            recorded = trace.recorded.get(self.layer_idx) if trace.recorded else None
+            if recorded is not None:
+                trace._count_mismatch(ids, recorded)
+                if trace.replay:  # the engine's experts, weighted by this router's probabilities of them
+                    ids = torch.where(recorded >= 0, recorded.to(ids.dtype), ids)
+                    top = probs.gather(1, ids)
             counts = torch.zeros(probs.shape[1], dtype=torch.float32, device=x.device)
             counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float32, device=x.device))
             trace.aux_stats[self.layer_idx] = (counts, probs.sum(0), probs.shape[0])

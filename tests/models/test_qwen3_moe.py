@@ -134,13 +134,17 @@ def test_replay_uses_the_given_experts_and_counts_mismatches():
     layer = model.config.moe_layers[0]
     forced = (own.chosen[layer] + 1) % model.config.num_experts  # every token's experts changed
     forced[-1] = -1  # no record: the router's own choice
-    replayed = RouterTrace(replay={layer: forced}, keep_choice=True)
+    replayed = RouterTrace(recorded={layer: forced}, replay=True, keep_choice=True)
     with torch.no_grad():
         model(ids, routing=replayed)
     assert torch.equal(replayed.chosen[layer][:-1], forced[:-1].to(torch.int32))
     assert torch.equal(replayed.chosen[layer][-1], own.chosen[layer][-1])
     assert int(replayed.mismatched) == 9 and int(replayed.compared) == 9
-    same = RouterTrace(replay={layer: own.chosen[layer].flip(-1)})  # same sets, other order: no mismatch
+    compared = RouterTrace(recorded={layer: forced}, keep_choice=True)  # replay off: own choice, counted
+    with torch.no_grad():
+        model(ids, routing=compared)
+    assert torch.equal(compared.chosen[layer], own.chosen[layer]) and int(compared.mismatched) == 9
+    same = RouterTrace(recorded={layer: own.chosen[layer].flip(-1)}, replay=True)  # same sets, other order: no mismatch
     with torch.no_grad():
         model(ids, routing=same)
     assert int(same.mismatched) == 0 and int(same.compared) == 10
