@@ -117,6 +117,7 @@ class RoleBuildSettings:
     layouts: dict[str, WorkerLayout]  # role -> layout, for actor, ref, critic, reward
     actor_optim: OptimizerSettings
     critic_optim: OptimizerSettings
+    router_replay: bool = False  # a mixture of experts: actor and reference forwards use the engine's experts
 
 
 @dataclass(frozen=True, slots=True)

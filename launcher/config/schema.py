@@ -126,6 +126,10 @@ class ActorConfig(ParallelConfig):
     # the optimizer states go to pinned host memory while the rollout generates on the actor's GPUs and come back
     # before the update (rollout/hybrid.py); refused beside offload_optimizer=true (they live there already)
     offload_optimizer_while_generating: bool = False
+    # a mixture-of-experts policy (Qwen3-MoE): the actor's and the reference's forwards (old log-probs, reference,
+    # update) route each token to the experts the rollout engine chose for it (routing replay); needs the native
+    # rollout engine, which records them
+    router_replay: bool = False
 
 
 @dataclass

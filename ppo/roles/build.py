@@ -47,8 +47,9 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 
 def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
-          frozen: bool = False, stream_optimizer_from_host: bool = False) -> WorkerSpec:
+          frozen: bool = False, stream_optimizer_from_host: bool = False, router_replay: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
+                      router_replay=router_replay,
                       fsdp_masters=stream_optimizer_from_host and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
                       pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
@@ -249,12 +250,13 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
         spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
-                     stream_optimizer_from_host=b.actor_optim.stream_from_host)
+                     stream_optimizer_from_host=b.actor_optim.stream_from_host, router_replay=b.router_replay)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
                                    optim=b.actor_optim, total_steps=total_steps)
     if "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
+        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True,
+                     router_replay=b.router_replay)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)

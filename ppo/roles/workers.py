@@ -27,7 +27,7 @@ from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batch.experience import Experience
 from ppo.batch.micro_batches import plan_micro_batches
-from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, unpack_responses
+from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, pack_routing, unpack_responses
 from ppo.batch.step_batch import DeviceRows, StepBatch
 from ppo.settings import OptimizerSettings
 
@@ -56,6 +56,8 @@ class WorkerSpec:
     # FSDP2 even at dp = 1 (an optimizer streamed from host memory streams FSDP's fp32 parameter shards); otherwise
     # mixed precision at dp = 1 is bf16 weights with fp32 main grads and masters (parallel/master_weights.py)
     fsdp_masters: bool = False
+    # a mixture of experts: the forwards use the experts the rollout engine recorded (actor.router_replay)
+    router_replay: bool = False
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -107,6 +109,8 @@ class ShardedWorker:
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention,
             fsdp=True if spec.fsdp_masters else None)
         self.share_prompts = spec.share_prompts
+        self.router_replay = spec.router_replay
+        self.moe = bool(getattr(model.config, "is_moe", False))
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
@@ -158,8 +162,19 @@ class ShardedWorker:
         a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
         needs every shape up front, like the pipeline schedule, simply packs them all first)."""
         packs = LazyList(len(mbs), lambda k: self._pack(exp, mbs[k], pad_id))
-        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
-                                                                 packs[k].layout))
+        return packs, LazyList(len(mbs), lambda k: MicroBatch(
+            packs[k].input_ids, packs[k].position_ids, packs[k].layout, routing=self._routing(exp, mbs[k], packs[k]),
+            replay=self.router_replay))
+
+    def _routing(self, exp: Experience, mb: list[int], packed) -> torch.Tensor | None:
+        """A mixture of experts' recorded experts at each packed position (ppo.batch.packing.pack_routing), when
+        the engine recorded them for every sample of the micro-batch; None otherwise (and for dense models)."""
+        samples = [exp.samples[i] for i in mb]
+        if not self.moe or any(s.routed_experts is None for s in samples):
+            return None
+        return exp.derive(("routing", tuple(mb), self.share_prompts, str(self.device)), lambda: pack_routing(
+            [s.prompt_ids for s in samples], [s.routed_experts for s in samples], num_tokens=packed.num_tokens,
+            share_prompts=self.share_prompts, device=self.device))
 
     def _enqueue_forwards(self, exp: Experience, plan: list[list[list[int]]], pad_id: int,
                           reduce) -> list[tuple[list[int], object]]:
