@@ -77,3 +77,13 @@ def test_a_run_at_learning_rate_0_does_not_pass_the_check(tmp_path):
     steps: the two windows; with the policy frozen the reward is stationary, more steps change nothing)."""
     rows = _run(tmp_path, "conf/ppo_tiny.yaml", "trainer.total_steps=20", "actor.optim.lr=0")
     assert not learns(rows), f"reward rose by {reward_rise(rows):.3f} with the actor frozen"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_grpo_with_a_mixture_of_experts_policy_learns(tmp_path):
+    """The tiny Qwen3-MoE (8 experts, top-2, its load-balancing loss in the actor's) with routing replay."""
+    rows = _run(tmp_path, "conf/grpo_tiny.yaml", "model.preset=tiny-qwen3-moe", "actor.router_replay=true",
+                "trainer.total_steps=60", "data.batch_size=32", "trainer.sft_warmup_steps=70")
+    assert learns(rows), f"reward rose by {reward_rise(rows):.3f} < {MARGIN}"
+    assert all("actor/aux_loss" in r and "actor/router_mismatch" in r for r in rows)
