@@ -81,29 +81,52 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # rows [0, I): gate, [I, 2I): up
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids [N, k] expert ids, weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [N, H]."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, align: int | None = None
+                ) -> torch.Tensor:
+        """x [N, H], ids [N, k] expert ids, weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [N, H].
+
+        The N * k (token, expert) rows are grouped by expert, each group starting at a multiple of `align` rows
+        (zero rows between: CUDA's bf16 grouped GEMM backward needs groups of 8-row multiples; default 8 on CUDA,
+        1 elsewhere). Everything stays on the device (no host sync: graph-capturable)."""
         n, k = ids.shape
         num_experts = self.gate_up_proj.shape[0]
-        flat = ids.reshape(-1)
+        align = (GROUP_ALIGN if x.is_cuda else 1) if align is None else align
+        flat = ids.reshape(-1).to(torch.int64)
         order = flat.argsort(stable=True)  # assignments grouped by expert (token order inside each group)
         token = order // k
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)  # no host sync: the grouped GEMM reads group ends on device
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         xs = x.index_select(0, token)
+        if align > 1:
+            padded = (counts + align - 1) // align * align
+            ends = padded.cumsum(0)
+            # row of each sorted assignment: its group's padded start + its rank inside the group
+            rank = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            row = (ends - padded)[flat[order]] + rank
+            rows = flat.numel() + num_experts * (align - 1)  # a bound known on the host
+            xs = x.new_zeros(rows, x.shape[1]).index_copy(0, row, xs)
+        else:
+            ends = counts.cumsum(0)
+        ends = ends.to(torch.int32)
         h = _grouped_linear(xs, self.gate_up_proj, ends)
         gate, up = h.chunk(2, dim=-1)
         y = _grouped_linear(F.silu(gate) * up, self.down_proj, ends)
+        if align > 1:
+            y = y.index_select(0, row)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+# rows each expert group is padded to on CUDA: the bf16 grouped GEMM's weight gradient contracts over a group's
+# rows, whose stride must be a multiple of 16 bytes (8 bf16 elements)
+GROUP_ALIGN = 8
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows [ends[e-1], ends[e]) of x [M, in] times w[e]^T ([E, out, in]) -> [M, out]."""
     if grouped_mm_supported(x):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
-    out = x.new_empty(x.shape[0], w.shape[1])
+    out = x.new_zeros(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):  # one host sync a call; only off the grouped-GEMM path
         if end > start:

@@ -148,3 +148,25 @@ def test_replay_uses_the_given_experts_and_counts_mismatches():
     with torch.no_grad():
         model(ids, routing=same)
     assert int(same.mismatched) == 0 and int(same.compared) == 10
+
+
+def test_expert_groups_padded_to_aligned_rows_give_the_same_outputs_and_gradients():
+    """The CUDA layout (each expert's rows start at a multiple of 8, zero rows between) run on the CPU."""
+    from models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(ModelConfig.from_hf({**TINY, "model_type": "qwen3_moe"}))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(13, 32, requires_grad=True)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(13)])
+    weights = torch.rand(13, 2)
+    outs = []
+    for align in (1, 8):
+        y = experts(x, ids, weights, align=align)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, 32)).sum(), [x, *experts.parameters()])
+        outs.append((y, grads))
+    (y1, g1), (y8, g8) = outs
+    assert (y1 - y8).abs().max() < 1e-6
+    assert all((a - b).abs().max() < 1e-6 for a, b in zip(g1, g8))
