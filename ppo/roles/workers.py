@@ -169,8 +169,10 @@ class ShardedWorker:
     def _routing(self, exp: Experience, mb: list[int], packed) -> torch.Tensor | None:
         """A mixture of experts' recorded experts at each packed position (ppo.batch.packing.pack_routing), when
         the engine recorded them for every sample of the micro-batch; None otherwise (and for dense models)."""
+        if not self.moe:
+            return None
         samples = [exp.samples[i] for i in mb]
-        if not self.moe or any(s.routed_experts is None for s in samples):
+        if any(s.routed_experts is None for s in samples):
             return None
         return exp.derive(("routing", tuple(mb), self.share_prompts, str(self.device)), lambda: pack_routing(
             [s.prompt_ids for s in samples], [s.routed_experts for s in samples], num_tokens=packed.num_tokens,

@@ -1,6 +1,8 @@
 """The native engine decoding a tiny Qwen3-MoE (fp32, CPU): behaviour log-probs equal the trainer's forward, and
 each completion's recorded experts equal the trainer's router choice on the same tokens."""
 
+import copy
+
 import pytest
 import torch
 
@@ -50,3 +52,36 @@ def test_dense_engine_records_no_experts():
     model = build_model(preset_config("tiny", num_hidden_layers=1), seed=0)
     out = NativeEngine.from_model(model, config=config()).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert out[0].routed_experts is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compile_", [False, True], ids=["graphs", "graphs+compile"])
+def test_moe_bf16_cuda_graphs_record_experts_the_trainer_replays(moe_model, compile_):
+    """The GPU decode path of a mixture of experts (bf16 grouped GEMMs inside CUDA graphs, the experts copied out
+    of each graphed step): the records replay exactly in the trainer, whose own router mostly agrees."""
+    from tests.rollout.test_engine_gpu import PARAMS, PROMPTS as GPU_PROMPTS, _trainer_logprobs
+    from tests.rollout.test_engine_gpu import _config as gpu_config
+
+    model = copy.deepcopy(moe_model).to("cuda", torch.bfloat16)
+    engine = NativeEngine.from_model(model, config=gpu_config(compile=compile_))
+    outs = engine.generate(GPU_PROMPTS, PARAMS)
+    runner = engine.runner
+    assert len(runner.graphs) > 0 and runner.graph_error is None
+    assert getattr(runner._decode, "error", None) is None
+    layers = model.config.moe_layers
+    agree = total = 0
+    for c in outs:
+        ran = torch.tensor([c.prompt_ids + c.token_ids[:-1]], device="cuda")
+        rec = c.routed_experts.to("cuda")
+        replay = RouterTrace(recorded={layer: rec[:, j] for j, layer in enumerate(layers)}, replay=True,
+                             keep_choice=True)
+        with torch.no_grad():
+            model(ran, routing=replay)
+        for j, layer in enumerate(layers):
+            assert torch.equal(replay.chosen[layer], rec[:, j].int())
+        agree += int(replay.compared) - int(replay.mismatched)
+        total += int(replay.compared)
+        assert (_trainer_logprobs(model, c, PARAMS[c.prompt_index].temperature)
+                - torch.tensor(c.logprobs)).abs().max() < 0.25  # bf16, as the dense engine's GPU test
+    assert agree / total >= 0.9, f"trainer's own router agreed on {agree}/{total} routings"
