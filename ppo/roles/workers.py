@@ -396,6 +396,7 @@ class CriticWorker(ShardedWorker):
     def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim: OptimizerSettings,
                  total_steps: int):
         super().__init__(model, spec)
+        self.moe = False  # the engine recorded the policy's routing, not this trunk's: the critic routes itself
         self.pad_id = pad_id
         self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         self.grad_clip = optim.grad_clip
