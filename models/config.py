@@ -80,7 +80,8 @@ class ModelConfig:
         if self.model_type == "qwen3_moe":
             self._validate_moe()
         elif self.num_experts:
-            raise ModelConfigError(f"num_experts={self.num_experts} needs model_type qwen3_moe (got {self.model_type!r})")
+            raise ModelConfigError(f"num_experts={self.num_experts} needs model_type qwen3_moe "
+                                   f"(got {self.model_type!r})")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim({self.head_dim}) must be even for rotary embeddings")
         if self.rope_scaling is not None:

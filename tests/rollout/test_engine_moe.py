@@ -60,7 +60,8 @@ def test_dense_engine_records_no_experts():
 def test_moe_bf16_cuda_graphs_record_experts_the_trainer_replays(moe_model, compile_):
     """The GPU decode path of a mixture of experts (bf16 grouped GEMMs inside CUDA graphs, the experts copied out
     of each graphed step): the records replay exactly in the trainer, whose own router mostly agrees."""
-    from tests.rollout.test_engine_gpu import PARAMS, PROMPTS as GPU_PROMPTS, _trainer_logprobs
+    from tests.rollout.test_engine_gpu import PARAMS, _trainer_logprobs
+    from tests.rollout.test_engine_gpu import PROMPTS as GPU_PROMPTS
     from tests.rollout.test_engine_gpu import _config as gpu_config
 
     model = copy.deepcopy(moe_model).to("cuda", torch.bfloat16)
