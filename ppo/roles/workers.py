@@ -216,9 +216,10 @@ class ShardedWorker:
         mb_loss(packed, hidden [1, T, H], mb_batch (the micro-batch's rows of `batch`, [B_k, R] on the device),
         denom) -> (loss, metrics); denom is the mini-batch's global count of batch.mask that `agg` normalises by
         (tokens or sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
-        their max / min) and grad_norm (meaningful on owner ranks)."""
+        their max / min; router_mismatch over the micro-batches before the first optimizer step, where the policy
+        is still the one that generated) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
-        count = 0
+        count = unmoved = 0
         self.optimizer_steps_in_update = 0
         for _ in range(epochs):
             for mbs in plan:
@@ -233,9 +234,12 @@ class ShardedWorker:
 
                 metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
                 for m in metrics_list:
+                    if self.optimizer_steps_in_update:  # the engine's routing is compared with its own policy's only
+                        m = {k2: v for k2, v in m.items() if k2 != "router_mismatch"}
                     for k2, v in m.items():
                         sums[k2] = _reduce_metric(k2, sums.get(k2), float(v))
                     count += 1
+                    unmoved += "router_mismatch" in m
                 t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
                 if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
@@ -245,7 +249,10 @@ class ShardedWorker:
                 sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
                     metrics_list)
                 self.optimizer_steps_in_update += 1
-        return {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+        out = {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+        if "router_mismatch" in sums:
+            out["router_mismatch"] = sums["router_mismatch"] / unmoved
+        return out
 
 
 def _reduce_metric(key: str, acc: float | None, v: float) -> float:
