@@ -136,11 +136,12 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs here: on the CPU (any float dtype), on CUDA in bf16 on Hopper or newer."""
+    """torch._grouped_mm runs here: on the CPU (any float dtype eagerly; bf16 under torch.compile, whose fake-tensor
+    check of the op takes bf16 only), on CUDA in bf16 on Hopper or newer."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return True
+        return x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
