@@ -118,6 +118,7 @@ class RoleBuildSettings:
     actor_optim: OptimizerSettings
     critic_optim: OptimizerSettings
     router_replay: bool = False  # a mixture of experts: actor and reference forwards use the engine's experts
+    router_aux_loss_coef: float | None = None  # a mixture of experts: the actor's load-balancing weight (None: model's)
 
 
 @dataclass(frozen=True, slots=True)

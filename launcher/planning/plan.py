@@ -132,10 +132,16 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
     """What a mixture-of-experts policy (Qwen3-MoE) can run, refused before launch otherwise: the native training
     backend with data parallelism (FSDP) only (its experts are neither tensor- nor pipeline-parallel, and there is
     no expert parallelism yet), the native rollout engine at generation tp 1 (it records the experts for routing
-    replay); and actor.router_replay only with such a policy."""
+    replay); and actor.router_replay / router_aux_loss_coef only with such a policy."""
     if cfg.actor.router_replay and not model.is_moe:
         raise UserError(f"actor.router_replay=true replays a mixture of experts' routing, and the model "
                         f"({model.model_type}) has no experts; set actor.router_replay=false")
+    coef = cfg.actor.router_aux_loss_coef
+    if coef is not None and not model.is_moe:
+        raise UserError(f"actor.router_aux_loss_coef={coef} weighs a mixture of experts' load-balancing loss, and the "
+                        f"model ({model.model_type}) has no experts; remove actor.router_aux_loss_coef")
+    if coef is not None and coef < 0:
+        raise UserError(f"actor.router_aux_loss_coef({coef}) must be >= 0 (0: no load-balancing loss)")
     if not model.is_moe:
         return
     what = f"the model is a mixture of experts ({model.num_experts} experts, top-{model.num_experts_per_tok})"

@@ -4,7 +4,7 @@ and the loss functions the updates use. The trainer composes these objects (docs
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -249,6 +249,8 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     here = set(plan.roles_of(rank))
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        if b.router_aux_loss_coef is not None:  # actor.router_aux_loss_coef over config.json's (exports carry it)
+            model.config = model.model.config = replace(model.config, router_aux_loss_coef=b.router_aux_loss_coef)
         spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
                      stream_optimizer_from_host=b.actor_optim.stream_from_host, router_replay=b.router_replay)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,

@@ -16,6 +16,7 @@ replay, 60 steps 0.184 / 0.166.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -84,8 +85,12 @@ def test_a_run_at_learning_rate_0_does_not_pass_the_check(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_grpo_with_a_mixture_of_experts_policy_learns(tmp_path):
-    """The tiny Qwen3-MoE (8 experts, top-2, its load-balancing loss in the actor's) with routing replay."""
+    """The tiny Qwen3-MoE (8 experts, top-2) with routing replay and its load-balancing loss in the actor's, weighted
+    by actor.router_aux_loss_coef (the exported checkpoint's config.json carries it)."""
     rows = _run(tmp_path, "conf/grpo_tiny.yaml", "model.preset=tiny-qwen3-moe", "actor.router_replay=true",
-                "trainer.total_steps=60", "data.batch_size=32", "trainer.sft_warmup_steps=70")
+                "actor.router_aux_loss_coef=0.01", "trainer.total_steps=60", "data.batch_size=32",
+                "trainer.sft_warmup_steps=70", "trainer.save_final=true")
     assert learns(rows), f"reward rose by {reward_rise(rows):.3f} < {MARGIN}"
     assert all("actor/aux_loss" in r and "actor/router_mismatch" in r for r in rows)
+    exported = json.loads((tmp_path / "grpo_tiny" / "checkpoints" / "step_60" / "actor" / "config.json").read_text())
+    assert exported["router_aux_loss_coef"] == 0.01

@@ -30,6 +30,11 @@ def test_moe_with_data_parallelism_plans_and_replay_needs_experts():
     with pytest.raises(UserError, match=r"actor.router_replay=true .* \(llama\) has no experts; set "
                                         r"actor.router_replay=false"):
         compute_plan(cfg, world_size=2, model=preset_config("tiny"))
+    dense = load_config("conf/grpo_tiny.yaml", ["actor.router_aux_loss_coef=0.01"])
+    with pytest.raises(UserError, match=r"actor.router_aux_loss_coef=0.01 .* no experts; remove"):
+        compute_plan(dense, world_size=2, model=preset_config("tiny"))
+    with pytest.raises(UserError, match=r"actor.router_aux_loss_coef\(-1.0\) must be >= 0"):
+        compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.router_aux_loss_coef=-1.0"]), world_size=2, model=MOE)
 
 
 def test_megatron_backend_is_refused_for_moe():
