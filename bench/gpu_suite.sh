@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail partial heavy_tail adamw train gen reshard grpo grpo_long recipe ppo placement lora
+#   parts: env tests megatron attn tail partial heavy_tail adamw train gen reshard grpo grpo_long recipe ppo placement lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -72,6 +72,11 @@ for p in "${parts[@]}"; do
         model.path="$fx/model" "data.train_files=[$fx/data/train.parquet]" "data.val_files=[]" \
         trainer.val_before_train=false trainer.test_freq=0 trainer.total_epochs=0 \
         trainer.total_steps="${RECIPE_STEPS:-5}" ${EXTRA:-} ;;
+    moe)  # GRPO (a) with Qwen3-30B-A3B's layers cut to 6 (conf/bench_grpo_moe.yaml), then its decode vs the roofline
+      run grpo_moe "${T_MOE:-540}" python3 -m bench.placement --config conf/bench_grpo_moe.yaml --nproc 1 --warmup 2 \
+        --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+      run generate_moe "${T_GEN_MOE:-400}" python3 -m bench.generate --model qwen3-30b-a3b-6l --prompt-len 128 \
+        --new-tokens 256 --engine native --batches 32,256 --native-variants auto,auto+compile ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
     placement)  # one process and one time limit per mode: a slow mode cannot cost the others their numbers
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do

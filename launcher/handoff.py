@@ -122,7 +122,8 @@ def build_role_settings(cfg: Config) -> RoleBuildSettings:
         share_prompts=cfg.trainer.share_prompts,
         # a rule reward has no layout section: the plain layout (it builds no model)
         layouts={role: layout(sec) if (sec := role_section(cfg, role)) else WorkerLayout() for role in MODEL_ROLES},
-        actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic), actor_lora=_lora(cfg.actor.lora))
+        actor_optim=_optimizer(cfg.actor), critic_optim=_optimizer(cfg.critic), actor_lora=_lora(cfg.actor.lora),
+        router_replay=cfg.actor.router_replay, router_aux_loss_coef=cfg.actor.router_aux_loss_coef)
 
 
 def _lora(lo) -> LoRASettings | None:

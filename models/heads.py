@@ -59,8 +59,12 @@ class _ScoredTrunk(nn.Module):
         self.model = LlamaModel(cfg)
         self.score: nn.Linear | None = nn.Linear(cfg.hidden_size, width, bias=False)
 
-    def hidden_states(self, input_ids, position_ids=None, *, attn: AttentionBackend | None = None) -> torch.Tensor:
-        return self.model(input_ids, position_ids, attn=attn)
+    def hidden_states(self, input_ids, position_ids=None, *, attn: AttentionBackend | None = None,
+                      routing=None) -> torch.Tensor:
+        """routing: a mixture-of-experts trunk's models.moe.RouterTrace (its load-balancing statistics)."""
+        if routing is None:
+            return self.model(input_ids, position_ids, attn=attn)
+        return self.model(input_ids, position_ids, attn=attn, routing=routing)
 
     def _scores(self, input_ids, position_ids, attn) -> torch.Tensor:
         """[B, T] ids (or [B, T, H] hidden on later pipeline stages) -> [B, T, width] fp32."""

@@ -6,6 +6,12 @@
 `load_tensors` reads only the requested tensors, and of each only the requested slice, through
 `safe_open(...).get_slice`, so a TP/PP rank never reads (or holds) the whole model.
 
+Mixture-of-experts checkpoints (Qwen3-MoE) hold one tensor per expert (`mlp.experts.<e>.gate_proj.weight`,
+`up_proj`, `down_proj`), as the Hub and vLLM have them; the model keeps each layer's experts stacked
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], transformers 5's in-memory names).
+`tensor_shapes` and `load_tensors` show a checkpoint under the stacked names (a slice reads only its experts'
+tensors), and `save_tensors` writes stacked tensors back one per expert.
+
 Tied embeddings (Qwen2-0.5B style): checkpoints hold no `lm_head.weight`. A full model shares one
 parameter; a pipeline stage that has `lm_head` but no `embed_tokens` holds its own copy, which
 `load_tensors` fills from `model.embed_tokens.weight` when config.json says the weights are tied.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -69,8 +76,48 @@ def checkpoint_index(path: str | os.PathLike) -> dict[str, Path]:
     return index
 
 
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def stacked_experts(names: Iterable[str]) -> dict[str, list[list[str]]]:
+    """Per-expert checkpoint names -> {stacked name: for each expert in order, the names it stacks}
+    (gate_up_proj: [gate, up] rows of expert e; down_proj: [down])."""
+    found: dict[str, dict[int, dict[str, str]]] = {}
+    for n in names:
+        if m := _EXPERT.match(n):
+            found.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = n
+    out = {}
+    for prefix, experts in found.items():
+        order = [experts[e] for e in range(len(experts))]
+        if sorted(experts) != list(range(len(experts))) or any(len(x) != 3 for x in order):
+            raise ModelConfigError(f"{prefix}: experts {sorted(experts)[:8]} ... are not 0..{len(experts) - 1} each "
+                                   "with gate_proj, up_proj and down_proj")
+        out[f"{prefix}.gate_up_proj"] = [[x["gate_proj"], x["up_proj"]] for x in order]
+        out[f"{prefix}.down_proj"] = [[x["down_proj"]] for x in order]
+    return out
+
+
+def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked expert tensors -> one tensor per expert under the checkpoint's names (other tensors as they are)."""
+    out = {}
+    for name, t in tensors.items():
+        m = _STACKED.match(name)
+        if m is None or t.dim() != 3:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if m[2] == "down_proj":
+                out[f"{m[1]}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{m[1]}.{e}.gate_proj.weight"], out[f"{m[1]}.{e}.up_proj.weight"] = gate, up
+    return out
+
+
 def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Name -> full shape of every tensor in the checkpoint (reads headers only)."""
+    """Name -> full shape of every tensor in the checkpoint (reads headers only); per-expert tensors appear
+    stacked (see the module docstring)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint_index(path).items():
         by_file.setdefault(file, []).append(name)
@@ -78,6 +125,11 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
+    for stacked, parts in stacked_experts(shapes).items():
+        rows = sum(shapes[n][0] for n in parts[0])
+        shapes[stacked] = (len(parts), rows, *shapes[parts[0][0]][1:])
+        for n in (n for part in parts for n in part):
+            del shapes[n]
     return shapes
 
 
@@ -106,6 +158,11 @@ def load_tensors(
     root = Path(path)
     index = checkpoint_index(root)
     wanted = list(index) if names is None else list(dict.fromkeys(names))
+    stacked = stacked_experts(index) if names is not None else {}
+    out: dict[str, torch.Tensor] = {}
+    for name in [n for n in wanted if n in stacked and n not in index]:
+        out[name] = _load_stacked(root, stacked[name], slices, name, dtype=dtype, device=device)
+        wanted.remove(name)
     source = {n: n for n in wanted if n in index}
     if LM_HEAD in wanted and LM_HEAD not in index and EMBED in index and _tied(root):
         source[LM_HEAD] = EMBED
@@ -118,7 +175,6 @@ def load_tensors(
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(index[source[name]], []).append(name)
-    out: dict[str, torch.Tensor] = {}
     for file, file_names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in file_names:
@@ -129,6 +185,22 @@ def load_tensors(
                     t = t.to(dtype)
                 out[name] = t.to(device)
     return out
+
+
+def _load_stacked(root: Path, parts: list[list[str]], slices: SliceFn | None, name: str, *,
+                  dtype: torch.dtype | None, device) -> torch.Tensor:
+    """One stacked expert tensor [E, rows, cols] (of it, the part `slices` selects), reading only the experts
+    in the slice's first dimension."""
+    first = load_tensors(root, names=parts[0])
+    shape = (len(parts), sum(t.shape[0] for t in first.values()), *next(iter(first.values())).shape[1:])
+    idx = slices(name, shape) if slices is not None else None
+    experts = range(len(parts))[idx[0]] if idx is not None else range(len(parts))
+    names = [n for e in experts for n in parts[e]]
+    tensors = load_tensors(root, names=names, dtype=dtype)
+    t = torch.stack([torch.cat([tensors[n] for n in parts[e]]) for e in experts])
+    if idx is not None:
+        t = t[(slice(None), *idx[1:])]
+    return t.to(device)
 
 
 # ---------------------------------------------------------------- loading into models
@@ -187,10 +259,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         for name in hard_missing:
             init_weights(model.get_submodule(name.rpartition(".")[0]))
     index = checkpoint_index(path)
+    stacked = stacked_experts(index)
     by_file: dict[Path, list[str]] = {}
     for name in own:
         if name in shapes:  # a tied head's stage copy lives under the embedding's name on disk
-            by_file.setdefault(index[name if name in index else EMBED], []).append(name)
+            on_disk = name if name in index else stacked[name][0][0] if name in stacked else EMBED
+            by_file.setdefault(index[on_disk], []).append(name)
     with torch.no_grad():
         for names in by_file.values():  # one shard at a time: host memory peaks at one file, not the model
             for name, t in load_tensors(path, names=names).items():
@@ -288,6 +362,7 @@ def save_tensors(
                 "(or untie the config); refusing to write a checkpoint that silently drops one copy"
             )
         del cpu[LM_HEAD]  # HF tied checkpoints carry the embedding only
+    cpu = {n: t.contiguous() for n, t in unstack_experts(cpu).items()}  # one tensor per expert on disk
     shards = _plan_shards(cpu, max_shard_size_bytes)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"

@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3 dense, Mistral) with Hugging Face parameter names.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3 dense, Qwen3-MoE, Mistral) with Hugging Face parameter names.
+
+Qwen3-MoE layers carry models/moe.py's SparseMoeBlock as `mlp`; a `routing` RouterTrace passed to the forward
+(like `attn`) replays and records their expert choices. Dense models never see it.
 
 Single-device definition; parallel/ applies TP/PP/FSDP to it. Every tensor-parallel
 sensitive reshape uses -1 for the head count, so a DTensor-sharded q/k/v projection
@@ -26,6 +29,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.document_layout import DocumentLayout, gather_dense, gather_keys
+from models.moe import GroupedExperts, RouterTrace, SparseMoeBlock
 
 
 class AttentionBackend(Protocol):
@@ -351,12 +355,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.sparse = cfg.is_moe_layer(layer_idx)  # Qwen3-MoE: this layer's MLP is a mixture of experts
+        self.mlp = SparseMoeBlock(cfg, layer_idx) if self.sparse else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                routing: RouterTrace | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        if self.sparse and routing is not None:  # an MoE layer's forward with a trace (dense models pass none)
+            return x + self.mlp(self.post_attention_layernorm(x), routing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -391,8 +399,10 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         attn: AttentionBackend | None = None,
+        routing: RouterTrace | None = None,
     ) -> torch.Tensor:
-        """x: token ids [B, T] (first stage) or hidden states [B, T, H] -> hidden [B, T, H]."""
+        """x: token ids [B, T] (first stage) or hidden states [B, T, H] -> hidden [B, T, H]. routing: an MoE
+        model's RouterTrace over the B * T tokens (replayed experts in, choices and load statistics out)."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, t = h.shape[:2]
         if position_ids is None:
@@ -400,8 +410,12 @@ class LlamaModel(nn.Module):
         if attn is None:
             attn = causal_attention
         cos, sin = rotary_cos_sin(self.inv_freq, position_ids, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, attn)
+        if routing is None:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, attn)
+        else:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, attn, routing)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -424,11 +438,13 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids, position_ids=None, *, attn=None) -> torch.Tensor:
-        return self.model(input_ids, position_ids, attn=attn)
+    def hidden_states(self, input_ids, position_ids=None, *, attn=None, routing=None) -> torch.Tensor:
+        if routing is None:
+            return self.model(input_ids, position_ids, attn=attn)
+        return self.model(input_ids, position_ids, attn=attn, routing=routing)
 
-    def forward(self, input_ids, position_ids=None, *, attn=None) -> torch.Tensor:
-        h = self.model(input_ids, position_ids, attn=attn)
+    def forward(self, input_ids, position_ids=None, *, attn=None, routing=None) -> torch.Tensor:
+        h = self.hidden_states(input_ids, position_ids, attn=attn, routing=routing)
         return self.lm_head(h) if self.lm_head is not None else h
 
 
@@ -443,6 +459,11 @@ def init_weights(model: nn.Module, *, std: float = 0.02, seed: int | None = None
             if getattr(mod, "bias", None) is not None:
                 with torch.no_grad():
                     mod.bias.zero_()
+        elif isinstance(mod, GroupedExperts):
+            for p in (mod.gate_up_proj, mod.down_proj):
+                w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                with torch.no_grad():
+                    p.copy_(w)
         elif isinstance(mod, RMSNorm):
             with torch.no_grad():
                 mod.weight.fill_(1.0)

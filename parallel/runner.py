@@ -74,6 +74,38 @@ class MicroBatch:
     input_ids: torch.Tensor  # [1, T] token ids (read by the first stage only)
     position_ids: torch.Tensor  # [1, T] restarting at 0 per document (every stage: RoPE and masks)
     layout: Any = None  # the packer's models.document_layout.DocumentLayout of position_ids, if it made one
+    # a mixture of experts: the rollout engine's experts of each token [T, L_moe, k] (-1: none recorded), and
+    # whether the forward must use them (routing replay) or only compare its own choice with them
+    routing: torch.Tensor | None = None
+    replay: bool = False
+
+
+def router_trace(model_config, mb: MicroBatch):
+    """The models.moe.RouterTrace of one micro-batch's forward (None for a dense model): the engine's recorded
+    experts per MoE layer, replayed when mb.replay, and the load-balancing statistics."""
+    if not getattr(model_config, "is_moe", False):
+        return None
+    from models.moe import RouterTrace
+
+    recorded = None
+    if mb.routing is not None:
+        recorded = {layer: mb.routing[:, j] for j, layer in enumerate(model_config.moe_layers)}
+    return RouterTrace(recorded=recorded, replay=mb.replay)
+
+
+def add_router_loss(model_config, trace, loss: torch.Tensor, metrics: dict, *, scale: float):
+    """loss + router_aux_loss_coef * the load-balancing loss * scale (1 / micro-batches: their mean), and the
+    routing metrics: aux_loss, and router_mismatch (the fraction of (token, MoE layer) routings where the
+    trainer's router alone chooses other experts than the engine recorded) where the engine recorded any."""
+    aux = trace.aux_loss(model_config.num_experts)
+    if aux is None:
+        return loss, metrics
+    metrics = {**metrics, "aux_loss": aux.detach()}
+    if trace.compared is not None:
+        metrics["router_mismatch"] = trace.mismatched / trace.compared.clamp(min=1)
+    if model_config.router_aux_loss_coef:
+        loss = loss + model_config.router_aux_loss_coef * scale * aux
+    return loss, metrics
 
 
 def attention_for(attn_factory: Callable | None, mb: MicroBatch):
@@ -89,11 +121,14 @@ LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, dict]
 
 
 def forward_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                   attn=None) -> torch.Tensor:
-    """[B, T] ids -> final-normed hidden [B, T, H], run through `model.__call__` (FSDP/compile hooks fire)."""
+                   attn=None, routing=None) -> torch.Tensor:
+    """[B, T] ids -> final-normed hidden [B, T, H], run through `model.__call__` (FSDP/compile hooks fire).
+    routing: a mixture of experts' models.moe.RouterTrace (None: a dense model's call, unchanged)."""
     saved = model.__dict__.get("forward")
     model.forward = model.hidden_states
     try:
+        if routing is not None:
+            return model(input_ids, position_ids, attn=attn, routing=routing)
         return model(input_ids, position_ids, attn=attn)
     finally:
         if saved is not None:
@@ -461,18 +496,24 @@ class LocalRunner(NativeRunner):
     def module(self) -> nn.Module:
         return self.modules[0]
 
-    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
-        return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attention_for(self.attn_factory, mb))
+    def _hidden(self, mb: MicroBatch, trace=None) -> torch.Tensor:
+        return forward_hidden(self.modules[0], mb.input_ids, mb.position_ids, attn=attention_for(self.attn_factory, mb),
+                              routing=trace)
 
     @torch.no_grad()
     def forward(self, batches: Sequence[MicroBatch], *, reduce: ReduceFn) -> list:
-        return [reduce(self._hidden(mb), k) for k, mb in enumerate(batches)]
+        cfg = self.model_config
+        return [reduce(self._hidden(mb, router_trace(cfg, mb)), k) for k, mb in enumerate(batches)]
 
     def forward_backward(self, batches: Sequence[MicroBatch], *, loss_fn: LossFn) -> list[dict]:
         out = []
+        cfg = self.model_config
         for k, mb in enumerate(batches):
             gradients_synced(self.modules[0], k == len(batches) - 1)  # reduce-scatter once, after the last
-            loss, metrics = split_loss(loss_fn(self._hidden(mb), k))
+            trace = router_trace(cfg, mb)
+            loss, metrics = split_loss(loss_fn(self._hidden(mb, trace), k))
+            if trace is not None:  # a mixture of experts: its load-balancing loss joins the actor's
+                loss, metrics = add_router_loss(cfg, trace, loss, metrics, scale=1.0 / len(batches))
             loss.backward()
             out.append(metrics)
         return out

@@ -129,6 +129,8 @@ class RoleBuildSettings:
     actor_optim: OptimizerSettings
     critic_optim: OptimizerSettings
     actor_lora: LoRASettings | None = None  # None: full-parameter training
+    router_replay: bool = False  # a mixture of experts: actor and reference forwards use the engine's experts
+    router_aux_loss_coef: float | None = None  # a mixture of experts: the actor's load-balancing weight (None: model's)
 
 
 @dataclass(frozen=True, slots=True)

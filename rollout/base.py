@@ -41,6 +41,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "error" | "abort" (step API: stopped by the caller)
     error: str | None = None
+    # a mixture of experts (native engine): the experts each token the engine ran went to, [P + R - 1, L_moe, k]
+    # int16 (prompt tokens, then every response token but the last, which was sampled and never run)
+    routed_experts: torch.Tensor | None = None
 
 
 DECODE_ATTENTION = ("auto", "triton", "sdpa", "sdpa-efficient", "sdpa-cudnn", "bmm")  # RolloutConfig.decode_attention

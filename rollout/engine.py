@@ -231,7 +231,11 @@ class NativeEngine:
         if self._pending is None:
             step = sched.schedule()
             if isinstance(step, PrefillBatch):
-                tokens, logprobs = self.runner.prefill(step)
+                tokens, logprobs, routes = self.runner.prefill(step)
+                if routes is not None:  # a mixture of experts: each sequence's tokens so far, run anew
+                    for r, row in enumerate(step.rows):
+                        for s in row:
+                            s.routes = [routes[r, : s.length]]
                 for s in sched.update(step.seqs, tokens, logprobs):
                     self._finished.add(s.prompt_index)
                 for s in step.seqs:
@@ -259,8 +263,11 @@ class NativeEngine:
         self.stats["decode_s"] += time.perf_counter() - t0
 
     def _apply_decode(self, sched: Scheduler, seqs: list[Sequence], handle) -> None:
-        tokens, logprobs = self.runner.collect(handle)
+        tokens, logprobs, routes = self.runner.collect(handle)
         live = [s for s in seqs if s.finish_reason is None]  # rows that finished (or aborted) are discarded
+        if routes is not None:  # the experts of the token each live row ran (its last one so far)
+            for s in live:
+                s.routes.append(routes[s.slot: s.slot + 1])
         for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
             self._updates[s.slot] = _PAD
             self._finished.add(s.prompt_index)
@@ -276,7 +283,15 @@ _PAD = ((0, 0, 0, 0, 0), (0.0, 1.0))  # inactive row: greedy on token 0 at posit
 
 
 def _completion(s: Sequence) -> Completion:
-    return Completion(s.prompt_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason)
+    return Completion(s.prompt_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason,
+                      routed_experts=_routed_experts(s))
+
+
+def _routed_experts(seq: Sequence) -> torch.Tensor | None:
+    """[P + R - 1, L_moe, k]: the experts of every token the engine ran for `seq` (None for a dense model)."""
+    if not seq.routes:
+        return None
+    return torch.cat(seq.routes)[: seq.length - 1]
 
 
 def _row(seq: Sequence) -> tuple[tuple[int, ...], tuple[float, float]]:

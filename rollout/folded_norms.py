@@ -35,7 +35,7 @@ except ImportError:  # CPU-only installs: scaled_silu_mul keeps its torch formul
 def foldable(layer: DecoderLayer) -> bool:
     """Whether r can move past the layer's q/k/v and gate/up GEMMs: no biases after them, no q/k norms."""
     a = layer.self_attn
-    return a.q_proj.bias is None and a.q_norm is None
+    return a.q_proj.bias is None and a.q_norm is None and not layer.sparse
 
 
 def fold_weight(weight: torch.Tensor, gamma: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ intermediate and vocab divided by tp), tensor-parallel through explicit collecti
 All-reduce after o_proj and down_proj (row parallel), a vocab-parallel embedding; the runner
 all-gathers the local-vocab logits so every rank samples the same token (no DTensor: too slow and not
 graph-capturable). Weights arrive by Hugging Face name as this rank's shard (parallel/sharding.py).
-q/k/v and gate/up run as one GEMM each (FusedQKVAttention / FusedGateUpMLP, the HF-named parameters
+A mixture of experts' layers run their models/moe.py blocks as they are (stacked experts, grouped GEMMs;
+rollout tp 1 only). q/k/v and gate/up run as one GEMM each (FusedQKVAttention / FusedGateUpMLP, the HF-named parameters
 being views of the fused weight), reusing llama.py's RoPE; Qwen3's per-head q/k norms (replicated
 under TP) run once over the fused q|k heads, before RoPE. With fold_norms the layers carry their RMSNorm
 weights inside those fused weights and run no norm kernel (rollout/folded_norms.py).
@@ -148,11 +149,14 @@ def fuse_projections(model: LlamaForCausalLM, *, device, dtype, fold_norms: bool
         if fold:
             layer.__class__ = FoldedDecoderLayer
         projs = (a.q_proj, a.k_proj, a.v_proj)
-        a.__class__, m.__class__ = FusedQKVAttention, FusedGateUpMLP
+        a.__class__ = FusedQKVAttention
         a.qkv_split = [lin.out_features for lin in projs]
         a.qkv_bias = None
-        members = [(a, "qkv_weight", [lin.weight for lin in projs], layer.input_layernorm.weight),
-                   (m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight], layer.post_attention_layernorm.weight)]
+        members = [(a, "qkv_weight", [lin.weight for lin in projs], layer.input_layernorm.weight)]
+        if not layer.sparse:  # a mixture of experts' gate and up projections are stacked already
+            m.__class__ = FusedGateUpMLP
+            members.append((m, "gate_up_weight", [m.gate_proj.weight, m.up_proj.weight],
+                            layer.post_attention_layernorm.weight))
         if projs[0].bias is not None:
             members.append((a, "qkv_bias", [lin.bias for lin in projs], None))
         for mod, attr, params, norm in members:
@@ -164,6 +168,9 @@ def fuse_projections(model: LlamaForCausalLM, *, device, dtype, fold_norms: bool
 
 def build_local_model(cfg: ModelConfig, *, tp: int, tp_rank: int, tp_group, device, dtype) -> LlamaForCausalLM:
     """LlamaForCausalLM holding rank tp_rank's shards (uninitialised weights; load them by name)."""
+    if cfg.is_moe and tp > 1:
+        raise ValueError(f"rollout tp({tp}) > 1 with a mixture of experts: the native engine runs experts whole on "
+                         "each rank; use rollout tp 1 (validation refuses this before launch)")
     for name, size in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads",
                        cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size),
                        ("vocab_size", cfg.vocab_size)):

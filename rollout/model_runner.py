@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.llama import rotary_cos_sin
+from models.moe import RouterTrace
 from rollout import triton_sampling
 from rollout.base import RolloutConfig
 from rollout.kv_cache import (
@@ -46,6 +47,7 @@ class DecodeHandle:
     buf: torch.Tensor  # host [2 * slots] float64: tokens [:num_rows], then logprobs
     num_rows: int
     event: object | None  # torch.cuda.Event on CUDA
+    routes: torch.Tensor | None = None  # host [num_rows, L_moe, k]: a mixture of experts' step experts
 
 
 def any_filtered(seqs: list[Sequence]) -> bool:
@@ -92,6 +94,8 @@ class EngineModelRunner:
         self.fused = fuse_projections(self.model, device=self.device, dtype=dtype, fold_norms=config.fold_norms) \
             if config.fuse_projections else []
         self.fused_of = {id(p): g for g in self.fused for p in g.members}
+        # a mixture of experts: each step records the experts of every token it runs (Completion.routed_experts)
+        self.moe_layers = cfg.moe_layers if cfg.is_moe else []
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.name_of = {id(p): n for n, p in self.params.items()}
         # rollout.fold_norms: norm weights folded into projections (rollout/folded_norms.py); what was loaded
@@ -181,6 +185,10 @@ class EngineModelRunner:
         # two host buffers: step k's result is read while step k+1 (launched before) runs
         pin = self.device.type == "cuda"
         self._host_out = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        if self.moe_layers:  # each decode row's experts [L_moe, k], written by the (graphed) step, copied out
+            shape = (slots, len(self.moe_layers), self.cfg.num_experts_per_tok)
+            self.routes_out = torch.zeros(shape, dtype=torch.int16, device=self.device)
+            self._host_routes = [torch.zeros(shape, dtype=torch.int16, pin_memory=pin) for _ in range(2)]
         self._flip = 0
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
@@ -198,6 +206,7 @@ class EngineModelRunner:
         self.graphs.clear()
         self.graph_pool = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
+        self.routes_out = self._host_routes = None
         self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
         self._prefix_groups = None
         if drop_weights:
@@ -293,10 +302,18 @@ class EngineModelRunner:
             dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def _routes(self, trace: RouterTrace | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The experts a forward's MoE layers chose, [*shape, L_moe, k] int16 (None for a dense model)."""
+        if trace is None:
+            return None
+        return torch.stack([trace.chosen[layer] for layer in self.moe_layers], dim=1).to(torch.int16).view(
+            *shape, len(self.moe_layers), -1)
+
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float]]:
+    def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float], torch.Tensor | None]:
         """Run the prompts (plus any tokens already generated) of each row; sample the next token of
-        every sequence. Returns tokens, logprobs in batch.seqs order."""
+        every sequence. Returns tokens, logprobs in batch.seqs order, and (a mixture of experts) the host
+        [rows, padded_len, L_moe, k] experts of each row's tokens, else None."""
         ids = torch.zeros(len(batch.rows), batch.padded_len, dtype=torch.int64)
         last = []
         for r, row in enumerate(batch.rows):
@@ -307,7 +324,7 @@ class EngineModelRunner:
         # inputs up through pinned memory without a host sync (a pageable copy waits for the stream)
         rows = self._upload(torch.tensor([r for r, row in enumerate(batch.rows) for _ in row]))
         slots = self._upload(torch.tensor([s.slot for s in seqs]))
-        logits = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
+        logits, routes = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
         f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))
         i = self._upload(torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs]))
         filtered = any_filtered(seqs)
@@ -317,16 +334,22 @@ class EngineModelRunner:
             tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
                              positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
-        return [int(t) for t in out[0]], out[1].tolist()
+        return [int(t) for t in out[0]], out[1].tolist(), None if routes is None else routes.cpu()
 
     def _prefill_fn(self, ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-                    last: torch.Tensor) -> torch.Tensor:
-        """Right-padded prompt rows ids [Np, T] -> K/V written to `slots` (row rows[i] for slot i) and the
-        logits [len(slots), V] of each sequence's last prompt token; what torch.compile sees for prefill."""
+                    last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded prompt rows ids [Np, T] -> K/V written to `slots` (row rows[i] for slot i), the
+        logits [len(slots), V] of each sequence's last prompt token and (a mixture of experts) the rows'
+        experts [Np, T, L_moe, k]; what torch.compile sees for prefill."""
         n, t = ids.shape
         pos = torch.arange(t, device=ids.device).expand(n, t)
-        h = self.model.hidden_states(ids, pos, attn=PrefillAttention(self.cache, slots=slots, rows=rows))
-        return self._logits(h[torch.arange(n, device=ids.device), last])[rows]
+        attn = PrefillAttention(self.cache, slots=slots, rows=rows)
+        trace = RouterTrace(keep_choice=True) if self.moe_layers else None
+        if trace is None:
+            h = self.model.hidden_states(ids, pos, attn=attn)
+        else:
+            h = self.model.hidden_states(ids, pos, attn=attn, routing=trace)
+        return self._logits(h[torch.arange(n, device=ids.device), last])[rows], self._routes(trace, (n, t))
 
     # ---- decode: device-resident rows, advanced inside the graph ----
     def set_rows(self, rows: dict[int, tuple[tuple[int, ...], tuple[float, float]]]) -> None:
@@ -397,7 +420,12 @@ class EngineModelRunner:
             rope = (cos[:, 0, 0], sin[:, 0, 0])
         attn = DecodeAttention(cache, positions=pos, kv_index=kv_index, mode=mode, rope=rope, prefix=prefix,
                                scales=scales)
-        return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
+        if not self.moe_layers:
+            return self._logits(self.model.hidden_states(ids[:, None], pos[:, None], attn=attn)[:, 0])
+        trace = RouterTrace(keep_choice=True)  # the rows' experts into the static buffer the step copies out
+        h = self.model.hidden_states(ids[:, None], pos[:, None], attn=attn, routing=trace)
+        self.routes_out[: ids.shape[0]].copy_(self._routes(trace, (ids.shape[0],)))
+        return self._logits(h[:, 0])
 
     def _decode_step(self, b: int, kv_len: int, filtered: bool) -> None:
         """One graph-capturable decode over cache rows [0, b): reads the static rows, writes self.out[:2b]
@@ -473,20 +501,26 @@ class EngineModelRunner:
                 torch.cuda.synchronize(self.device)
                 self._decode_step(*step)
         buf = self._host_out[self._flip]
+        routes = None
+        if self.moe_layers:  # the step's experts per row, beside its tokens (same async copy discipline)
+            routes = self._host_routes[self._flip][:num_rows]
+            routes.copy_(self.routes_out[:num_rows], non_blocking=True)
         self._flip ^= 1
         buf[: 2 * num_rows].copy_(self.out[: 2 * num_rows], non_blocking=True)  # contiguous: truly async
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return DecodeHandle(buf, num_rows, event)
+        return DecodeHandle(buf, num_rows, event, routes)
 
-    def collect(self, handle: DecodeHandle) -> tuple[list[int], list[float]]:
-        """Wait for a launched step; tokens and logprobs of rows [0, num_rows) (padding rows included)."""
+    def collect(self, handle: DecodeHandle) -> tuple[list[int], list[float], torch.Tensor | None]:
+        """Wait for a launched step; tokens and logprobs of rows [0, num_rows) (padding rows included) and (a
+        mixture of experts) each row's experts [num_rows, L_moe, k] for the token it ran, else None."""
         if handle.event is not None:
             handle.event.synchronize()
         b = handle.num_rows
-        return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist()
+        routes = None if handle.routes is None else handle.routes.clone()  # the buffer is reused two steps on
+        return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist(), routes
 
     def _capture(self, key: tuple, step: tuple[int, int, bool]) -> None:
         """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once.

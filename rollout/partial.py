@@ -45,11 +45,16 @@ class Trajectory:
     finish_reason: str | None = None  # None while in flight; else the engine's ("stop", "length", "error")
     error: str | None = None
     tag: object = None  # the caller's, given to add_group (e.g. the prompt's data row)
+    # a mixture of experts: the experts of every token run, [P + R - 1, L_moe, k]; a continuation re-runs the whole
+    # prefix, so its completion's records (the latest weights') cover the trajectory so far
+    routed_experts: torch.Tensor | None = None
 
     def extend(self, c: Completion, *, version: int) -> None:
         self.token_ids += c.token_ids
         self.logprobs += c.logprobs
         self.versions += [version] * len(c.token_ids)
+        if c.routed_experts is not None:
+            self.routed_experts = c.routed_experts
 
 
 @dataclass(slots=True)

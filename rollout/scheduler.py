@@ -34,6 +34,7 @@ class Sequence:
     slot: int = -1
     finish_reason: str | None = None
     prefill_row: int = -1  # sequences admitted in one prefill row hold identical KV for their prompt
+    routes: list = field(default_factory=list)  # a mixture of experts: [n, L_moe, k] expert ids of the tokens run
 
     @property
     def length(self) -> int:

@@ -140,6 +140,13 @@ class ActorConfig(ParallelConfig):
     offload_optimizer_while_generating: bool = False
     # LoRA adapters (rank > 0): the reference is the actor's base with its adapters off (no second model)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # a mixture-of-experts policy (Qwen3-MoE): the actor's and the reference's forwards (old log-probs, reference,
+    # update) route each token to the experts the rollout engine chose for it (routing replay); needs the native
+    # rollout engine, which records them
+    router_replay: bool = False
+    # a mixture-of-experts policy: the load-balancing loss's weight in the actor's loss; unset: the model's
+    # router_aux_loss_coef (config.json; Qwen3-30B-A3B 0.001); 0 turns it off
+    router_aux_loss_coef: float | None = None
 
 
 @dataclass

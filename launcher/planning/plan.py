@@ -128,11 +128,50 @@ def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig
             raise UserError(f"{role}.backend=megatron: {role}.{name}({k}) must divide {what}({n})")
 
 
+def validate_moe(cfg: Config, model: ModelConfig) -> None:
+    """What a mixture-of-experts policy (Qwen3-MoE) can run, refused before launch otherwise: the native training
+    backend with data parallelism (FSDP) only (its experts are neither tensor- nor pipeline-parallel, and there is
+    no expert parallelism yet), the native rollout engine at generation tp 1 (it records the experts for routing
+    replay); and actor.router_replay / router_aux_loss_coef only with such a policy."""
+    if cfg.actor.router_replay and not model.is_moe:
+        raise UserError(f"actor.router_replay=true replays a mixture of experts' routing, and the model "
+                        f"({model.model_type}) has no experts; set actor.router_replay=false")
+    coef = cfg.actor.router_aux_loss_coef
+    if coef is not None and not model.is_moe:
+        raise UserError(f"actor.router_aux_loss_coef={coef} weighs a mixture of experts' load-balancing loss, and the "
+                        f"model ({model.model_type}) has no experts; remove actor.router_aux_loss_coef")
+    if coef is not None and coef < 0:
+        raise UserError(f"actor.router_aux_loss_coef({coef}) must be >= 0 (0: no load-balancing loss)")
+    if not model.is_moe:
+        return
+    what = f"the model is a mixture of experts ({model.num_experts} experts, top-{model.num_experts_per_tok})"
+    for role in ("actor", "ref", "critic"):
+        sec = role_section(cfg, role)
+        if sec is None or (role != "actor" and role not in active_roles(cfg)):
+            continue
+        if sec.backend == "megatron":
+            raise UserError(f"{role}.backend=megatron: {what}, and megatron-core's MoE layers are not wired yet; use "
+                            f"{role}.backend=native")
+        if sec.tp > 1 or sec.pp > 1:
+            raise UserError(f"{role}.tp={sec.tp}, {role}.pp={sec.pp}: {what}, whose experts the native backend runs "
+                            f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP shards them)")
+    if cfg.rollout.engine != "native":
+        raise UserError(f"rollout.engine={cfg.rollout.engine}: {what}; the native engine decodes it and records the "
+                        "experts for routing replay: use rollout.engine=native")
+    if cfg.rollout.gen_tp > 1:
+        raise UserError(f"rollout.gen_tp={cfg.rollout.gen_tp}: {what}, whose experts the native engine runs whole; "
+                        "use rollout.gen_tp=1")
+    if cfg.placement.mode == "auto":
+        raise UserError(f"placement.mode=auto: {what}, and the cost model has no MoE layouts yet; use colocated or "
+                        "split")
+
+
 def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                  reward_model: ModelConfig | None = None) -> DevicePlan:
     """Assign ranks to roles and validate every layout. Raises UserError with the numbers."""
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
+    validate_moe(cfg, model)
     if cfg.placement.mode == "auto":
         return auto_plan(cfg, world_size=world_size, model=model, reward_model=reward_model)
     roles = active_roles(cfg)

@@ -31,6 +31,8 @@ class Sample:
     info: dict | None = None  # the prompt's data_source, extra_info and other data columns (for rewards)
     version: int = 0  # the policy version (steps the actor had trained) whose weights generated it (its oldest token's)
     token_versions: list[int] | None = None  # per response token, when they differ (a partial rollout); else None
+    # a mixture of experts: the engine's experts of each token it ran, [P + R - 1, L_moe, k] (routing replay)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

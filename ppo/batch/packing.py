@@ -124,6 +124,22 @@ def pack_prompt_responses(prompts: Sequence[Sequence[int]], responses: Sequence[
                      pad_to_multiple=pad_to_multiple, device=device)
 
 
+def pack_routing(prompts: Sequence[Sequence[int]], routes: Sequence[torch.Tensor], *, num_tokens: int,
+                 share_prompts: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The rollout engine's experts at every position of pack_prompt_responses(prompts, responses, ...)'s row:
+    [num_tokens, L_moe, k], -1 where it recorded none (each sequence's last token, which it sampled and never
+    ran, and the padding). routes[i]: sample i's Completion.routed_experts [P_i + R_i - 1, L_moe, k]; sharing
+    prompts, a group's prompt positions take its first sample's records (as the row holds its first prompt)."""
+    pieces = []
+    for i, (prompt, rec) in enumerate(zip(prompts, routes)):
+        first = not share_prompts or i == 0 or prompts[i] != prompts[i - 1]
+        pieces += [rec if first else rec[len(prompt):], torch.full((1, *rec.shape[1:]), -1, dtype=rec.dtype)]
+    row = torch.cat(pieces)
+    if row.shape[0] < num_tokens:
+        row = torch.cat([row, torch.full((num_tokens - row.shape[0], *row.shape[1:]), -1, dtype=row.dtype)])
+    return row.to(device, non_blocking=True)
+
+
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Runs of consecutive indices whose prompts are identical (a GRPO group's n samples)."""
     groups: list[list[int]] = []

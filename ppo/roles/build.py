@@ -4,7 +4,7 @@ and the loss functions the updates use. The trainer composes these objects (docs
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,8 +47,9 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 
 def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
-          frozen: bool = False, stream_optimizer_from_host: bool = False) -> WorkerSpec:
+          frozen: bool = False, stream_optimizer_from_host: bool = False, router_replay: bool = False) -> WorkerSpec:
     return WorkerSpec(mesh=handle.mesh, dims=handle.dims, device=placement.device, dtype=dtype, frozen=frozen,
+                      router_replay=router_replay,
                       fsdp_masters=stream_optimizer_from_host and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,
                       pp_microbatches=layout.pp_microbatches, pp_schedule=layout.pp_schedule,
@@ -283,8 +284,10 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     here = set(plan.roles_of(rank))
     if "actor" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
+        if b.router_aux_loss_coef is not None:  # actor.router_aux_loss_coef over config.json's (exports carry it)
+            model.config = model.model.config = replace(model.config, router_aux_loss_coef=b.router_aux_loss_coef)
         spec = _spec(b.layouts["actor"], groups["actor"], placement, dtype, share_prompts=b.share_prompts,
-                     stream_optimizer_from_host=b.actor_optim.stream_from_host)
+                     stream_optimizer_from_host=b.actor_optim.stream_from_host, router_replay=b.router_replay)
         if b.actor_lora is not None:
             spec.lora, spec.lora_seed, spec.lora_init = _lora(b.actor_lora, seed=seed)
         roles.actor = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=True,
@@ -293,7 +296,8 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
         roles.ref = _adapters_off_reference(roles.actor, placement, temperature=temperature, pad_id=pad_id)
     elif "ref" in here:
         model = _build(LlamaForCausalLM, model_config, path=b.model_path, device=device, seed=seed)
-        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True)
+        spec = _spec(b.layouts["ref"], groups["ref"], placement, dtype, share_prompts=b.share_prompts, frozen=True,
+                     router_replay=b.router_replay)
         roles.ref = PolicyWorker(model, spec, temperature=temperature, pad_id=pad_id, trainable=False)
     if "critic" in here:
         model = _build(LlamaForValue, model_config, path=b.critic_path or b.model_path, device=device, seed=seed)

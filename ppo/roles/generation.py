@@ -158,7 +158,7 @@ class RolloutRole:
                                       prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
                                       behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
                                       ground_truth=row.get("ground_truth"), info=sample_info(row),
-                                      version=version))
+                                      version=version, routed_experts=c.routed_experts))
         return out
 
     def generate_partial(self, batch: list[dict], *, step: int, seed: int, version: int, quota: int,
@@ -196,7 +196,8 @@ class RolloutRole:
                                           behaviour_logprobs=list(t.logprobs), finish_reason=t.finish_reason,
                                           ground_truth=row.get("ground_truth"), info=sample_info(row),
                                           version=min(t.versions, default=version),
-                                          token_versions=list(t.versions) if len(set(t.versions)) > 1 else None))
+                                          token_versions=list(t.versions) if len(set(t.versions)) > 1 else None,
+                                          routed_experts=t.routed_experts))
         return out
 
     def restore_partial(self, state: dict) -> None:

@@ -27,7 +27,7 @@ from parallel.runner import MicroBatch, ModelRunner
 from parallel.vocab_parallel import vocab_parallel_token_logprobs
 from ppo.batch.experience import Experience
 from ppo.batch.micro_batches import plan_micro_batches
-from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, unpack_responses
+from ppo.batch.packing import gather_response_logprobs, pack_prompt_responses, pack_routing, unpack_responses
 from ppo.batch.step_batch import DeviceRows, StepBatch
 from ppo.settings import OptimizerSettings
 
@@ -59,6 +59,8 @@ class WorkerSpec:
     lora: object = None  # models.lora.LoRASpec: adapters on the model, the base frozen (the actor's, native only)
     lora_seed: int = 0  # the adapters' A initialisation
     lora_init: dict | None = None  # full adapter tensors to start from (actor.lora.init_from's)
+    # a mixture of experts: the forwards use the experts the rollout engine recorded (actor.router_replay)
+    router_replay: bool = False
 
 
 def _lr_lambda(*, warmup: int, total: int, schedule: str, min_ratio: float):
@@ -115,6 +117,8 @@ class ShardedWorker:
 
             load_adapters(self.runner, spec.lora_init)
         self.share_prompts = spec.share_prompts
+        self.router_replay = spec.router_replay
+        self.moe = bool(getattr(model.config, "is_moe", False))
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
@@ -166,8 +170,21 @@ class ShardedWorker:
         a runner that walks the micro-batches in order packs k + 1 while the GPU still runs k (one that
         needs every shape up front, like the pipeline schedule, simply packs them all first)."""
         packs = LazyList(len(mbs), lambda k: self._pack(exp, mbs[k], pad_id))
-        return packs, LazyList(len(mbs), lambda k: MicroBatch(packs[k].input_ids, packs[k].position_ids,
-                                                                 packs[k].layout))
+        return packs, LazyList(len(mbs), lambda k: MicroBatch(
+            packs[k].input_ids, packs[k].position_ids, packs[k].layout, routing=self._routing(exp, mbs[k], packs[k]),
+            replay=self.router_replay))
+
+    def _routing(self, exp: Experience, mb: list[int], packed) -> torch.Tensor | None:
+        """A mixture of experts' recorded experts at each packed position (ppo.batch.packing.pack_routing), when
+        the engine recorded them for every sample of the micro-batch; None otherwise (and for dense models)."""
+        if not self.moe:
+            return None
+        samples = [exp.samples[i] for i in mb]
+        if any(s.routed_experts is None for s in samples):
+            return None
+        return exp.derive(("routing", tuple(mb), self.share_prompts, str(self.device)), lambda: pack_routing(
+            [s.prompt_ids for s in samples], [s.routed_experts for s in samples], num_tokens=packed.num_tokens,
+            share_prompts=self.share_prompts, device=self.device))
 
     def _enqueue_forwards(self, exp: Experience, plan: list[list[list[int]]], pad_id: int,
                           reduce) -> list[tuple[list[int], object]]:
@@ -207,9 +224,10 @@ class ShardedWorker:
         mb_loss(packed, hidden [1, T, H], mb_batch (the micro-batch's rows of `batch`, [B_k, R] on the device),
         denom) -> (loss, metrics); denom is the mini-batch's global count of batch.mask that `agg` normalises by
         (tokens or sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
-        their max / min) and grad_norm (meaningful on owner ranks)."""
+        their max / min; router_mismatch over the micro-batches before the first optimizer step, where the policy
+        is still the one that generated) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
-        count = 0
+        count = unmoved = 0
         self.optimizer_steps_in_update = 0
         for _ in range(epochs):
             for mbs in plan:
@@ -224,9 +242,12 @@ class ShardedWorker:
 
                 metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
                 for m in metrics_list:
+                    if self.optimizer_steps_in_update:  # the engine's routing is compared with its own policy's only
+                        m = {k2: v for k2, v in m.items() if k2 != "router_mismatch"}
                     for k2, v in m.items():
                         sums[k2] = _reduce_metric(k2, sums.get(k2), float(v))
                     count += 1
+                    unmoved += "router_mismatch" in m
                 t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
                 if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
@@ -236,7 +257,10 @@ class ShardedWorker:
                 sums["optimizer_step_s"] = sums.get("optimizer_step_s", 0.0) + (time.perf_counter() - t) * len(
                     metrics_list)
                 self.optimizer_steps_in_update += 1
-        return {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+        out = {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
+        if "router_mismatch" in sums:
+            out["router_mismatch"] = sums["router_mismatch"] / unmoved
+        return out
 
 
 def _reduce_metric(key: str, acc: float | None, v: float) -> float:
@@ -388,6 +412,7 @@ class CriticWorker(ShardedWorker):
     def __init__(self, model: nn.Module, spec: WorkerSpec, *, pad_id: int, optim: OptimizerSettings,
                  total_steps: int):
         super().__init__(model, spec)
+        self.moe = False  # the engine recorded the policy's routing, not this trunk's: the critic routes itself
         self.pad_id = pad_id
         self.optimizer, self.scheduler = build_optimizer(self.runner, optim, total_steps=total_steps)
         self.grad_clip = optim.grad_clip

@@ -9,11 +9,13 @@ a reward to compare).
 Measured rises (last 10 minus first 10 steps' mean reward; a mean of 10 steps has a standard deviation of about
 0.02 here), trainer.seed 42 / 1 (2026-12-04): PPO 60 steps 0.156 / 0.197; GRPO (32 prompts x 4) 60 steps
 0.157 / 0.120; GRPO with trainer.max_staleness=2 (batches trained two steps after the policy that sampled them,
-the PPO ratio against the engine's log-probs) 0.138 at seed 42; the control, 20 steps at actor lr 0, 0.003 / -0.008.
+the PPO ratio against the engine's log-probs) 0.138 at seed 42; the control, 20 steps at actor lr 0, 0.003 / -0.008;
+GRPO with the tiny Qwen3-MoE, routing replay and actor.router_aux_loss_coef=0.01, 60 steps 0.232 / 0.178.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -77,3 +79,17 @@ def test_a_run_at_learning_rate_0_does_not_pass_the_check(tmp_path):
     steps: the two windows; with the policy frozen the reward is stationary, more steps change nothing)."""
     rows = _run(tmp_path, "conf/ppo_tiny.yaml", "trainer.total_steps=20", "actor.optim.lr=0")
     assert not learns(rows), f"reward rose by {reward_rise(rows):.3f} with the actor frozen"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_grpo_with_a_mixture_of_experts_policy_learns(tmp_path):
+    """The tiny Qwen3-MoE (8 experts, top-2) with routing replay and its load-balancing loss in the actor's, weighted
+    by actor.router_aux_loss_coef (the exported checkpoint's config.json carries it)."""
+    rows = _run(tmp_path, "conf/grpo_tiny.yaml", "model.preset=tiny-qwen3-moe", "actor.router_replay=true",
+                "actor.router_aux_loss_coef=0.01", "trainer.total_steps=60", "data.batch_size=32",
+                "trainer.sft_warmup_steps=70", "trainer.save_final=true")
+    assert learns(rows), f"reward rose by {reward_rise(rows):.3f} < {MARGIN}"
+    assert all("actor/aux_loss" in r and "actor/router_mismatch" in r for r in rows)
+    exported = json.loads((tmp_path / "grpo_tiny" / "checkpoints" / "step_60" / "actor" / "config.json").read_text())
+    assert exported["router_aux_loss_coef"] == 0.01

@@ -1,0 +1,45 @@
+"""A mixture-of-experts policy's layouts that the native backend and engine cannot run, and actor.router_replay on
+a dense model, are refused before launch with the fix (UserError: exit 2)."""
+
+import pytest
+
+from launcher.config.load import load_config
+from launcher.errors import UserError
+from launcher.planning.plan import compute_plan
+from models.config import preset_config
+
+MOE = preset_config("tiny-qwen3-moe")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.tp=2"], r"actor.tp=2, actor.pp=1: the model is a mixture of experts .* use actor.tp=1"),
+    (["ref.pp=2", "trainer.share_prompts=false"], r"ref.tp=1, ref.pp=2: .* use ref.tp=1 and ref.pp=1"),
+    (["rollout.gen_tp=2"], r"rollout.gen_tp=2: .* use rollout.gen_tp=1"),
+    (["placement.mode=auto"], r"placement.mode=auto: .* use colocated or split"),
+])
+def test_moe_layouts_the_native_backend_cannot_run_are_refused(overrides, message):
+    cfg = load_config("conf/grpo_tiny.yaml", overrides)
+    with pytest.raises(UserError, match=message):
+        compute_plan(cfg, world_size=4, model=MOE)
+
+
+def test_moe_with_data_parallelism_plans_and_replay_needs_experts():
+    cfg = load_config("conf/grpo_tiny.yaml", ["actor.router_replay=true"])
+    plan = compute_plan(cfg, world_size=2, model=MOE)
+    assert plan.groups["actor"].dp == 2
+    with pytest.raises(UserError, match=r"actor.router_replay=true .* \(llama\) has no experts; set "
+                                        r"actor.router_replay=false"):
+        compute_plan(cfg, world_size=2, model=preset_config("tiny"))
+    dense = load_config("conf/grpo_tiny.yaml", ["actor.router_aux_loss_coef=0.01"])
+    with pytest.raises(UserError, match=r"actor.router_aux_loss_coef=0.01 .* no experts; remove"):
+        compute_plan(dense, world_size=2, model=preset_config("tiny"))
+    with pytest.raises(UserError, match=r"actor.router_aux_loss_coef\(-1.0\) must be >= 0"):
+        compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.router_aux_loss_coef=-1.0"]), world_size=2, model=MOE)
+
+
+def test_megatron_backend_is_refused_for_moe():
+    pytest.importorskip("megatron.core")
+    cfg = load_config("conf/grpo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu"])
+    with pytest.raises(UserError, match=r"ref.backend=megatron: the model is a mixture of experts .* use "
+                                        r"ref.backend=native"):
+        compute_plan(cfg, world_size=2, model=MOE)
