@@ -155,6 +155,10 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
         if sec.tp > 1 or sec.pp > 1:
             raise UserError(f"{role}.tp={sec.tp}, {role}.pp={sec.pp}: {what}, whose experts the native backend runs "
                             f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP shards them)")
+    if cfg.actor.lora.rank > 0:
+        raise UserError(f"actor.lora.rank={cfg.actor.lora.rank}: {what}; LoRA adapters are placed on linear modules, "
+                        f"and the experts are stacked tensors with no adapter support yet: train it at full "
+                        f"parameters (actor.lora.rank=0)")
     if cfg.rollout.engine != "native":
         raise UserError(f"rollout.engine={cfg.rollout.engine}: {what}; the native engine decodes it and records the "
                         "experts for routing replay: use rollout.engine=native")

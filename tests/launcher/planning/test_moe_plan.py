@@ -16,6 +16,7 @@ MOE = preset_config("tiny-qwen3-moe")
     (["ref.pp=2", "trainer.share_prompts=false"], r"ref.tp=1, ref.pp=2: .* use ref.tp=1 and ref.pp=1"),
     (["rollout.gen_tp=2"], r"rollout.gen_tp=2: .* use rollout.gen_tp=1"),
     (["placement.mode=auto"], r"placement.mode=auto: .* use colocated or split"),
+    (["actor.lora.rank=8"], r"actor.lora.rank=8: .* stacked tensors with no adapter support yet"),
 ])
 def test_moe_layouts_the_native_backend_cannot_run_are_refused(overrides, message):
     cfg = load_config("conf/grpo_tiny.yaml", overrides)
