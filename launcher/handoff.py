@@ -14,6 +14,7 @@ from launcher.config.schema import MODEL_ROLES, Config, resolved_rollout_correct
 from ppo.algos.core_algos import PolicyLossSettings
 from ppo.settings import (
     AdvantageSettings,
+    AgentSettings,
     ControllerSettings,
     DataSettings,
     GenerationSettings,
@@ -69,7 +70,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,
         settle_residency=r.free_memory_on_sleep is None,
         dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-        vllm=vllm)
+        vllm=vllm, agent=AgentSettings(**dataclasses.asdict(cfg.agent)))
     return PPOSettings(run=build_run_settings(cfg), data=build_data_settings(cfg), reward=build_reward_settings(cfg),
                        roles=roles, generation=generation, build=build_role_settings(cfg),
                        loop=build_loop_settings(cfg))

@@ -43,6 +43,20 @@ class RolesSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """The agent loops the rollout runs (ppo/agents; docs/agents.md): the loop of rows without an agent_name
+    column, the tools and loop files, and the tool loop's limits."""
+
+    default: str = "single_turn"
+    tools_file: str | None = None
+    loop_file: str | None = None
+    max_turns: int = 4
+    max_tool_response_tokens: int = 256
+    tool_timeout_s: float = 30.0
+    tool_workers: int = 8
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationSettings:
     engine_kind: str  # rollout.factory's engine name
     engine: RolloutConfig  # the engine's own config (its token budget is the batch controller's to move)
@@ -60,6 +74,7 @@ class GenerationSettings:
     # rollout.free_memory_on_sleep unset: the engine frees its memory on sleep until the first step's peaks show
     # whether it fits beside training (ppo.roles.generation.RolloutRole.settle_memory)
     settle_residency: bool = False
+    agent: AgentSettings = AgentSettings()
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ class MemoryRecord:
 class HybridResult:
     """One generate cycle on this rank: the completions and what the cycle cost."""
 
-    completions: list  # rollout.base.Completion, one per (prompt, sample)
+    completions: object  # what run()'s work returned; generate(): rollout.base.Completion, one per (prompt, sample)
     reshard_s: float  # the gather of the generation shard (the weight transfer), synchronized
     generate_s: float  # the engine's generate (decoding)
     reshard: ReshardStats  # bytes this rank received, its peak staging bytes
@@ -209,6 +209,11 @@ class HybridEngine:
             return done
 
         return self._cycle(run)
+
+    def run(self, work) -> HybridResult:
+        """The cycle around `work(engine)`, which generates with the awake engine (its generate, or its step
+        API: ppo/agents/driver.py); HybridResult.completions is what work returns. Collective as generate()."""
+        return self._cycle(lambda: work(self.engine))
 
     def _cycle(self, run) -> HybridResult:
         """wake -> weights -> run() (the generation) -> sleep, with the training state released around it."""

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "ppo", "rollout", "parallel", "models")
 LAYERS = {name: i for i, name in enumerate(PACKAGES)}  # an import may point to its own layer or a later one
 # inside ppo: a wing may import itself and the wings after it; settings.py is a leaf everyone may read
-PPO_WINGS = ("trainer", "control", "metrics", "run", "roles", "batch", "data", "settings", "algos")
+PPO_WINGS = ("trainer", "control", "metrics", "run", "roles", "agents", "batch", "data", "settings", "algos")
 
 
 def module_name(path: Path) -> str:

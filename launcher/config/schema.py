@@ -234,6 +234,19 @@ class RolloutRoleConfig:
 
 
 @dataclass
+class AgentConfig:
+    # the loop of rows without an agent_name column: single_turn (plain generation), tool (needs
+    # agent.tools_file) or a name in agent.loop_file's AGENT_LOOPS
+    default: str = "single_turn"
+    tools_file: str | None = None  # Python file with TOOLS = [functions or classes]: enables the "tool" loop
+    loop_file: str | None = None  # Python file with AGENT_LOOPS = {name: generator function}: your own loops
+    max_turns: int = 4  # tool loop: assistant turns per trajectory at most
+    max_tool_response_tokens: int = 256  # tool loop: tokens of one tool response at most (cut and counted)
+    tool_timeout_s: float = 30.0  # a tool call running longer answers an error observation
+    tool_workers: int = 8  # threads running tool calls (other trajectories keep decoding meanwhile)
+
+
+@dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet; empty: the synthetic task
     val_files: list[str] = field(default_factory=list)  # JSONL / Parquet validation prompts; empty: no validation
@@ -332,6 +345,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function or reward model
     rollout: RolloutRoleConfig = field(default_factory=RolloutRoleConfig)  # generation
     data: DataConfig = field(default_factory=DataConfig)  # prompts
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn agent loops and tools (docs/agents.md)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and KL
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # which ranks host which roles
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # GPU monitor

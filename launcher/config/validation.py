@@ -148,6 +148,7 @@ def validate_config(cfg: Config) -> None:
                         f"(rollout.engine=native); {r.engine} only generates whole batches")
     if r.engine == "vllm":
         _validate_vllm(cfg)
+    _validate_agent(cfg)
     for pool in cfg.placement.pools:
         for role in pool.roles:
             if role not in ROLES:
@@ -199,6 +200,49 @@ def _validate_algorithm_variants(cfg: Config) -> None:
     if not a.norm_adv_by_std and a.name != "grpo":
         raise UserError(f"algorithm.norm_adv_by_std=false acts only with algorithm.name=grpo (Dr. GRPO); "
                         f"{a.name} does not divide by a group std")
+
+
+def _validate_agent(cfg: Config) -> None:
+    """Agent loops: the files import and define what they must, the default loop exists, the limits are sane.
+    Loop and tool files need the native engine's step API (vLLM generates single turns only)."""
+    from ppo.agents.loop import AgentLoopError
+    from ppo.agents.registry import build_registry
+
+    g = cfg.agent
+    for ok, msg in ((g.max_turns >= 1, f"agent.max_turns({g.max_turns}) must be >= 1"),
+                    (g.max_tool_response_tokens >= 1,
+                     f"agent.max_tool_response_tokens({g.max_tool_response_tokens}) must be >= 1"),
+                    (g.tool_timeout_s > 0, f"agent.tool_timeout_s({g.tool_timeout_s}) must be > 0 seconds"),
+                    (g.tool_workers >= 1, f"agent.tool_workers({g.tool_workers}) must be >= 1")):
+        if not ok:
+            raise UserError(msg)
+    if (g.tools_file or g.loop_file) and cfg.rollout.batches_in_flight > 1:
+        raise UserError(f"rollout.batches_in_flight={cfg.rollout.batches_in_flight} (partial rollouts) continues "
+                        "single responses across weight swaps; agent loops (agent.tools_file / agent.loop_file) do not "
+                        "run there yet: set rollout.batches_in_flight=1")
+    if (g.tools_file or g.loop_file) and cfg.rollout.engine == "vllm":
+        raise UserError("agent.tools_file / agent.loop_file run multi-turn loops, which need the native engine's step "
+                        "API (requests added while it decodes); set rollout.engine=native")
+    if not g.tools_file:
+        tool_keys = [k for k, v, d in (("agent.max_turns", g.max_turns, 4),
+                                       ("agent.max_tool_response_tokens", g.max_tool_response_tokens, 256),
+                                       ("agent.tool_timeout_s", g.tool_timeout_s, 30.0),
+                                       ("agent.tool_workers", g.tool_workers, 8)) if v != d]
+        if tool_keys:
+            raise UserError(f"{tool_keys[0]} acts only with agent.tools_file, which is not set; set "
+                            f"agent.tools_file=tools.py or remove {tool_keys[0]}")
+    try:
+        registry = build_registry(default=g.default, tools_file=g.tools_file, loop_file=g.loop_file,
+                                  max_turns=g.max_turns, max_tool_response_tokens=g.max_tool_response_tokens)
+    except AgentLoopError as e:
+        raise UserError(str(e)) from None
+    if g.default not in registry.loops:
+        raise UserError(f"agent.default={g.default!r} is not a loop: the loops are {sorted(registry.loops)} "
+                        "(agent.tools_file adds 'tool', agent.loop_file its AGENT_LOOPS)")
+    if g.default == "tool" and cfg.trainer.sft_warmup_steps and registry.sft_turns is None:
+        raise UserError(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps} with agent.default=tool trains on "
+                        f"tool-use demonstrations: define SFT_TURNS(prompt, answer) -> [assistant turn texts] in "
+                        f"{g.tools_file}, or set trainer.sft_warmup_steps=0")
 
 
 def _validate_vllm(cfg: Config) -> None:

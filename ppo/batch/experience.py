@@ -33,6 +33,12 @@ class Sample:
     token_versions: list[int] | None = None  # per response token, when they differ (a partial rollout); else None
     # a mixture of experts: the engine's experts of each token it ran, [P + R - 1, L_moe, k] (routing replay)
     routed_experts: torch.Tensor | None = None
+    # multi-turn trajectories (ppo/agents): response_ids holds sampled and observation (tool) tokens; loss_mask
+    # marks the sampled ones (None: every response token was sampled); text: what the reward reads (None: the
+    # response decoded); agent: the trajectory's counts (turns, tool_calls, tool_errors, truncated_observations)
+    loss_mask: list[int] | None = None
+    text: str | None = None
+    agent: dict | None = None
 
     @property
     def length(self) -> int:
@@ -60,9 +66,15 @@ class Experience:
         return max(1, max(len(s.response_ids) for s in self.samples))
 
     def response_mask(self) -> torch.Tensor:
+        """[B, R] bool: the response tokens the policy sampled. Every loss, advantage, KL, entropy and rollout
+        correction term reads this mask, so observation tokens of multi-turn trajectories count in none."""
         r = self.max_response_len
         lens = torch.tensor([len(s.response_ids) for s in self.samples])
-        return torch.arange(r)[None] < lens[:, None]
+        mask = torch.arange(r)[None] < lens[:, None]
+        for i, s in enumerate(self.samples):
+            if s.loss_mask is not None:
+                mask[i, : len(s.loss_mask)] &= torch.tensor(s.loss_mask, dtype=torch.bool)
+        return mask
 
     def prompt_units(self) -> tuple[list[list[int]], list[int]]:
         """Runs of consecutive samples sharing a prompt (a GRPO group) and the tokens each packs to

@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TASK_KINDS = ("add", "copy", "reverse", "random")
+TASK_KINDS = ("add", "mul", "copy", "reverse", "random")
 
 
 @dataclass(slots=True, frozen=True)
 class Task:
-    """kind: add (two numbers of `digits` digits -> their sum), copy / reverse (a digit string of
+    """kind: add (two numbers of `digits` digits -> their sum), mul (two numbers of exactly `digits` digits ->
+    their product: beyond a tiny model alone, the agent demo's calculator task, conf/agent_tool_tiny.yaml), copy / reverse (a digit string of
     length `digits` -> itself / reversed), random (a random letter string of exactly `digits`
     characters, answer its first character: fixed-length prompts for throughput benchmarks)."""
 
@@ -37,6 +38,10 @@ class Task:
         if self.kind == "add":
             a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
             return {"prompt": f"{a}+{b}=", "ground_truth": str(a + b)}
+        if self.kind == "mul":  # operands of exactly `digits` digits: every prompt has one shape
+            lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
+            a, b = rng.randrange(lo, 10 ** self.digits), rng.randrange(lo, 10 ** self.digits)
+            return {"prompt": f"{a}*{b}=", "ground_truth": str(a * b)}
         if self.kind == "random":
             s = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.digits - 1))
             return {"prompt": s + "=", "ground_truth": s[0]}
@@ -78,7 +83,7 @@ DEFAULT_TASK = "reverse:3"
 DEMO_RECIPE = {"task": DEFAULT_TASK, "sft_steps": 45, "sft_batch_size": 64, "sft_lr": 3e-3,
                "prompts_per_step": 32, "samples_per_prompt": 4, "rl_lr": 3e-4, "ppo_epochs": 2,
                "max_new_tokens": 6, "grad_clip": 1.0}
-_DEFAULT_DIGITS = {"add": 2, "copy": 3, "reverse": 3, "random": 128}
+_DEFAULT_DIGITS = {"add": 2, "mul": 3, "copy": 3, "reverse": 3, "random": 128}
 _MAX_DIGITS = {"random": 65536}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
@@ -41,25 +42,36 @@ class Tokenizer(Protocol):
 class CharTokenizer:
     """One id per printable ASCII character (plus tab and newline), after 4 specials.
 
-    ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then the characters: 101 ids in all, so it fits the
-    'tiny' preset (vocab 512; pad 0, bos 1, eos 2 as there). No chat template: chat messages are
-    joined by the caller.
+    ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then the characters, then one id per hermes tool tag
+    (<tool_call>, </tool_call>, <tool_response>, </tool_response>: a tool call costs a tiny model two
+    tokens of markup, not 23): 105 ids in all, so it fits the 'tiny' preset (vocab 512; pad 0, bos 1,
+    eos 2 as there). No chat template: chat messages are joined by the caller.
     """
 
     SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+    TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
     def __init__(self) -> None:
         chars = "".join(chr(c) for c in range(32, 127)) + "\t\n"
         self._id = {c: i + len(self.SPECIALS) for i, c in enumerate(chars)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2, 3
-        self.vocab_size = len(self.SPECIALS) + len(chars)
+        tags = len(self.SPECIALS) + len(chars)
+        self._tag_id = {t: tags + i for i, t in enumerate(self.TOOL_TAGS)}
+        self.vocab_size = tags + len(self.TOOL_TAGS)
         self.chat_template: str | None = None
         self.add_bos = False
         # decode tables, id -> text ("" past the vocab: a model's vocab may be larger than this tokenizer's)
-        self._text = {False: list(self.SPECIALS) + list(chars), True: [""] * len(self.SPECIALS) + list(chars)}
+        self._text = {False: list(self.SPECIALS) + list(chars) + list(self.TOOL_TAGS),
+                      True: [""] * len(self.SPECIALS) + list(chars) + list(self.TOOL_TAGS)}
 
     def encode(self, text: str) -> list[int]:
-        return [self._id.get(c, self.unk_token_id) for c in text]
+        if "<tool_" not in text and "</tool_" not in text:  # the common case: one id per character
+            return [self._id.get(c, self.unk_token_id) for c in text]
+        out: list[int] = []
+        for part in _TAG_SPLIT.split(text):
+            tag = self._tag_id.get(part)
+            out.extend([tag] if tag is not None else [self._id.get(c, self.unk_token_id) for c in part])
+        return out
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         text = self._text[bool(skip_special_tokens)]
@@ -68,6 +80,9 @@ class CharTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         raise TokenizerError("builtin:char has no chat template; give prompts as plain text")
+
+
+_TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in CharTokenizer.TOOL_TAGS) + ")")
 
 
 def _token_text(v: Any) -> str | None:

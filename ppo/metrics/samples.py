@@ -55,6 +55,9 @@ class SampleLog:
                         "response": self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
                         "score": float(scores[i]), "ground_truth": _plain(s.ground_truth),
                         "response_length": len(s.response_ids), "finish_reason": s.finish_reason})
+            if s.agent is not None:  # a multi-turn trajectory: the response above is the whole conversation
+                out[-1].update(turns=s.agent["turns"], tool_calls=s.agent["tool_calls"],
+                               tool_errors=s.agent["tool_errors"], reward_text=s.text)
         return out
 
     def write(self, step: int, samples, scores, *, tensorboard=None) -> list[dict[str, Any]]:

@@ -60,6 +60,7 @@ class StepMetrics:
                                "response_length/clip_frac": float(sum(s.finish_reason == "length"
                                                                       for s in exp.samples) / len(exp.samples))}
         m.update(adv_metrics)
+        m.update(agent_metrics(exp))
         for key, prefix in (("actor", "actor/"), ("critic", "critic/")):
             vals = [p[key] for p in parts if p[key]]
             for k in (vals[0] if vals else {}):
@@ -123,3 +124,20 @@ class StepMetrics:
             out["perf/mfu/actor"] = useful_utilization(flops["update_actor"], actor_s,
                                                        n_gpus=len(roles["actor"].ranks), peak_flops=self.peak_flops)
         return out
+
+
+def agent_metrics(exp: Experience) -> dict[str, float]:
+    """agent/* over the step's agent trajectories (none: {}): turns and tool calls per trajectory, the tool
+    errors and cut tool responses of the step, the share of trajectories a limit cut, and the sampled vs
+    observation tokens per trajectory (response_length/* counts sampled tokens only)."""
+    runs = [s for s in exp.samples if s.agent is not None]
+    if not runs:
+        return {}
+    k = len(runs)
+    total = {key: sum(s.agent[key] for s in runs) for key in runs[0].agent}
+    return {"agent/turns_mean": total["turns"] / k, "agent/tool_calls_mean": total["tool_calls"] / k,
+            "agent/tool_errors": float(total["tool_errors"]),
+            "agent/truncated_observations": float(total["truncated_observations"]),
+            "agent/truncated_frac": sum(s.finish_reason == "length" for s in runs) / k,
+            "agent/sampled_tokens_mean": total["sampled_tokens"] / k,
+            "agent/observation_tokens_mean": total["observation_tokens"] / k}

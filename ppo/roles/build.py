@@ -83,6 +83,8 @@ class RuleReward:
         return out
 
     def _text(self, s: Sample) -> str:
+        if s.text is not None:  # an agent loop's final text (e.g. the last turn's answer)
+            return s.text
         ids = s.response_ids
         eos = self.tokenizer.eos_token_id
         if ids and eos is not None and ids[-1] == eos:
@@ -224,8 +226,10 @@ class Roles:
 
         for i in range(steps):
             pairs = state.sft_batch(i)
+            # the tool loop's demonstrations where the run trains one (tool responses masked), else the pairs
+            examples = self.rollout.demonstrations(pairs) if self.rollout is not None else [(*x, None) for x in pairs]
             exp = Experience([Sample(uid=j, prompt_index=j, prompt_ids=p, response_ids=r, behaviour_logprobs=[],
-                                     finish_reason="stop") for j, (p, r) in enumerate(pairs)])
+                                     finish_reason="stop", loss_mask=m) for j, (p, r, m) in enumerate(examples)])
             m = self.actor.update(exp, self.actor_plan(exp, max_tokens),
                                   StepBatch(mask=exp.response_mask()), epochs=1, loss_fn=nll, with_entropy=False,
                                   step_scheduler=False)

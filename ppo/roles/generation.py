@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ppo.agents.driver import Start, ToolPool, drive, tp_tool_sync
+from ppo.agents.loop import AgentTask, single_turn
+from ppo.agents.registry import build_registry
 from ppo.batch.experience import Sample, all_gather_objects
 from ppo.settings import GenerationSettings
 from rollout.base import SamplingParams
@@ -53,6 +56,21 @@ class Generation:
     samples: list[Sample]
     reshard_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def trajectory_sample(row: dict, sample: int, n: int, traj, *, agent: bool, version: int = 0) -> Sample:
+    """A trajectory as the step's Sample (uid = prompt index * n + sample). Its loss mask is kept only where
+    it has observation tokens (Trajectory.loss_mask None: every response token sampled); agent: keep its counts;
+    version: the policy version of the weights that generated it."""
+    sampled = sum(end - start for start, end in traj.turns)
+    counts = {"turns": len(traj.turns), "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
+              "truncated_observations": traj.truncated_observations, "sampled_tokens": sampled,
+              "observation_tokens": len(traj.response_ids) - sampled} if agent else None
+    return Sample(uid=row["index"] * n + sample, prompt_index=row["index"], prompt_ids=list(row["prompt_ids"]),
+                  response_ids=traj.response_ids, behaviour_logprobs=traj.logprobs,
+                  finish_reason=traj.finish_reason, ground_truth=row.get("ground_truth"), info=sample_info(row),
+                  loss_mask=traj.loss_mask, text=traj.text, agent=counts, version=version,
+                  routed_experts=traj.routed_experts)
 
 
 def build_rollout_groups(plan):
@@ -120,6 +138,11 @@ class RolloutRole:
         self.engine = build_rollout_engine(settings.engine_kind, model_config, config=replace(settings.engine),
                                            tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
                                            eos_token_ids=eos, vllm=settings.vllm)
+        a = settings.agent
+        self.agents = build_registry(default=a.default, tools_file=a.tools_file, loop_file=a.loop_file,
+                                     max_turns=a.max_turns, max_tool_response_tokens=a.max_tool_response_tokens)
+        # tool calls run on generation-TP rank 0 only; the other ranks of its group receive their results
+        self.tools = ToolPool(workers=a.tool_workers, timeout_s=a.tool_timeout_s, run_here=self.gen_tp_rank == 0)
         self.hybrid = HybridEngine(actor.runner, self.engine, train_layout=train, gen_layout=gen, groups=groups,
                                    bucket_bytes=settings.bucket_bytes,
                                    offload_optimizer_while_generating=settings.offload_optimizer_while_generating,
@@ -143,22 +166,47 @@ class RolloutRole:
         n = r.n if n is None else n
         temperature = r.temperature if temperature is None else temperature
         rows = self.my_prompts(batch)
-        sampling = [SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
-                                   max_tokens=response_cap(row, r.max_response_length), n=n,
-                                   seed=request_seed(seed, step, row["index"])) for row in rows]
-        cycle = self.hybrid.generate([row["prompt_ids"] for row in rows], sampling)
+        limit = self.engine.config.max_model_len
+        starts = [Start(self.agents.pick(row), AgentTask(row["prompt_ids"], row, self.tokenizer,
+                                                         response_cap(row, r.max_response_length), limit), request_seed(seed, step, row["index"]),
+                        key=(i, j), sample=j) for i, row in enumerate(rows) for j in range(n)]
+        base = SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p)
+        cycle = self.hybrid.run(lambda engine: drive(engine, starts, sampling=base, tools=self.tools,
+                                                     sync=tp_tool_sync(self.groups.gen_tp_group)))
+        trajectories, stats = cycle.completions
         out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
+        if any(s.loop is not single_turn for s in starts):
+            out.metrics["agent/decode_steps_during_tools"] = float(stats.steps_during_tools)
+            out.metrics["agent/tool_wait_s"] = stats.tool_wait_s
         if self.gen_tp_rank != 0:
             return out
-        for c in cycle.completions:
-            row = rows[c.prompt_index]
-            if c.finish_reason == "error":
-                raise RuntimeError(f"generation failed for prompt {row['index']}: {c.error}")
-            out.samples.append(Sample(uid=row["index"] * n + c.sample_index, prompt_index=row["index"],
-                                      prompt_ids=list(row["prompt_ids"]), response_ids=list(c.token_ids),
-                                      behaviour_logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-                                      ground_truth=row.get("ground_truth"), info=sample_info(row),
-                                      version=version, routed_experts=c.routed_experts))
+        for start, traj in zip(starts, trajectories):
+            row = rows[start.key[0]]
+            if traj.finish_reason == "error":
+                raise RuntimeError(f"generation failed for prompt {row['index']}: {traj.error}")
+            out.samples.append(trajectory_sample(row, start.sample, n, traj, agent=start.loop is not single_turn,
+                                                 version=version))
+        return out
+
+    def demonstrations(self, pairs: list[tuple[list[int], list[int]]]
+                       ) -> list[tuple[list[int], list[int], list[int] | None]]:
+        """The warm-up's (prompt, response, loss mask) examples of (prompt ids, answer ids + eos) pairs: with a
+        tools file's SFT_TURNS and the tool loop as agent.default, each pair becomes the loop's own trajectory
+        (calls and answer trained on, the real tool responses masked); otherwise the pairs as they are."""
+        from ppo.agents.demonstrations import demonstration
+
+        a, tok = self.settings.agent, self.tokenizer
+        if a.default != "tool" or self.agents.sft_turns is None:
+            return [(p, r, None) for p, r in pairs]
+        loop, out = self.agents.loops["tool"], []
+        for prompt, answer in pairs:
+            eos = tok.eos_token_id
+            text = tok.decode(answer[:-1] if answer and answer[-1] == eos else answer)
+            turns = self.agents.sft_turns(tok.decode(prompt, skip_special_tokens=True), text)
+            traj = demonstration(loop, prompt_ids=prompt, turns=turns, tokenizer=tok, tools=self.tools,
+                                 max_response_tokens=self.settings.max_response_length,
+                                 max_total_tokens=self.engine.config.max_model_len)
+            out.append((list(prompt), traj.response_ids, traj.loss_mask))
         return out
 
     def generate_partial(self, batch: list[dict], *, step: int, seed: int, version: int, quota: int,

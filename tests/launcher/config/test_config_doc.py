@@ -45,7 +45,7 @@ def test_cli_section_and_errors(capsys):
     out = capsys.readouterr().out
     assert "actor.optim.betas" in out and "actor.ppo_epochs" not in out
     assert main(["data", "rolout"]) == 2
-    assert "no config keys under 'rolout'; sections: actor, algorithm" in capsys.readouterr().err
+    assert "no config keys under 'rolout'; sections: actor, agent, algorithm" in capsys.readouterr().err
     proc = subprocess.run([sys.executable, "-m", "launcher.config", "data"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "data.train_files" in proc.stdout

@@ -1,0 +1,38 @@
+"""The agent section: files that fail to import, unknown loops, tool keys without tools and vLLM are refused
+before launch (UserError: exit code 2), with the file and the fix."""
+
+import pytest
+
+from launcher.config.load import load_config
+from launcher.errors import UserError
+
+
+def refused(*overrides):
+    with pytest.raises(UserError) as e:
+        load_config(None, list(overrides))
+    return str(e.value)
+
+
+def test_agent_files_and_keys_are_checked_before_launch(tmp_path):
+    broken = tmp_path / "tools.py"
+    broken.write_text("raise RuntimeError('no network here')\n")
+    assert "agent.tools_file" in (msg := refused(f"agent.tools_file={broken}")) and "no network here" in msg
+    assert "no file" in refused(f"agent.loop_file={tmp_path / 'missing.py'}")
+    assert "agent.default='tool' is not a loop" in refused("agent.default=tool")
+    assert "acts only with agent.tools_file" in refused("agent.max_turns=3")
+    tools = tmp_path / "ok.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
+    cfg = load_config(None, [f"agent.tools_file={tools}", "agent.default=tool", "agent.max_turns=3"])
+    assert cfg.agent.max_turns == 3
+    assert "agent.max_turns(0) must be >= 1" in refused(f"agent.tools_file={tools}", "agent.max_turns=0")
+    assert "define SFT_TURNS" in refused(f"agent.tools_file={tools}", "agent.default=tool",
+                                         "trainer.sft_warmup_steps=5")
+
+
+def test_multi_turn_loops_need_the_native_engine(tmp_path, monkeypatch):
+    import launcher.config.validation as validation
+
+    monkeypatch.setattr(validation, "_validate_vllm", lambda cfg: None)  # vLLM itself is not installed here
+    tools = tmp_path / "ok.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
+    assert "rollout.engine=native" in refused("rollout.engine=vllm", f"agent.tools_file={tools}")
