@@ -167,9 +167,10 @@ class RolloutRole:
         temperature = r.temperature if temperature is None else temperature
         rows = self.my_prompts(batch)
         limit = self.engine.config.max_model_len
-        starts = [Start(self.agents.pick(row), AgentTask(row["prompt_ids"], row, self.tokenizer,
-                                                         response_cap(row, r.max_response_length), limit), request_seed(seed, step, row["index"]),
-                        key=(i, j), sample=j) for i, row in enumerate(rows) for j in range(n)]
+        tasks = [AgentTask(row["prompt_ids"], row, self.tokenizer, response_cap(row, r.max_response_length), limit)
+                 for row in rows]
+        starts = [Start(self.agents.pick(row), task, request_seed(seed, step, row["index"]), key=(i, j), sample=j)
+                  for i, (row, task) in enumerate(zip(rows, tasks)) for j in range(n)]
         base = SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p)
         cycle = self.hybrid.run(lambda engine: drive(engine, starts, sampling=base, tools=self.tools,
                                                      sync=tp_tool_sync(self.groups.gen_tp_group)))

@@ -36,3 +36,5 @@ def test_multi_turn_loops_need_the_native_engine(tmp_path, monkeypatch):
     tools = tmp_path / "ok.py"
     tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
     assert "rollout.engine=native" in refused("rollout.engine=vllm", f"agent.tools_file={tools}")
+    assert "set rollout.batches_in_flight=1" in refused("rollout.batches_in_flight=2", "trainer.max_staleness=1",
+                                                       f"agent.tools_file={tools}")
