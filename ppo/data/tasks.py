@@ -24,8 +24,8 @@ TASK_KINDS = ("add", "mul", "copy", "reverse", "random")
 class Task:
     """kind: add (two numbers of `digits` digits -> their sum), mul (two numbers of exactly `digits` digits ->
     their product: beyond a tiny model alone, the agent demo's calculator task, conf/agent_tool_tiny.yaml),
-    copy / reverse (a digit string of length `digits` -> itself / reversed), random (a random letter string of exactly `digits`
-    characters, answer its first character: fixed-length prompts for throughput benchmarks)."""
+    copy / reverse (a digit string of length `digits` -> itself / reversed), random (a random letter string of
+    exactly `digits` characters, answer its first character: fixed-length prompts for throughput benchmarks)."""
 
     kind: str
     digits: int
