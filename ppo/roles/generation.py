@@ -51,7 +51,8 @@ class Generation:
 
     reshard_s: seconds of the weight gather (a stage of its own in timing_s/, the rest of the call is
     decoding); metrics: the hybrid engine's reshard/bytes_received, reshard/peak_staging_bytes,
-    reshard/engine_bytes (the weights handed to the engine per update) and mem/hybrid_peak_gb (this rank's; rollout.hybrid.HybridResult.metrics)."""
+    reshard/engine_bytes (the weights handed to the engine per update) and mem/hybrid_peak_gb (this rank's;
+    rollout.hybrid.HybridResult.metrics)."""
 
     samples: list[Sample]
     reshard_s: float = 0.0
