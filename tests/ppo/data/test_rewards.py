@@ -110,7 +110,7 @@ def test_builtin_reward_functions():
     assert task_fn("321", "321") == 1.0 and task_fn("123", "321") == 0.0
     assert load_reward_function("builtin:task:add")("7", "7", prompt="3+4=") == 1.0
     with pytest.raises(RewardFunctionError, match="built-in tasks"):
-        load_reward_function("builtin:task:mul")
+        load_reward_function("builtin:task:div")
     with pytest.raises(RewardFunctionError, match="builtin:task:<task>"):
         load_reward_function("builtin:gsm8k")
 
@@ -216,7 +216,7 @@ def test_tasks_generate_and_reward():
     assert get_task("reverse:3").partial_reward("123", "124") == pytest.approx(2 / 3)
     assert get_task("reverse:3").partial_reward("12", "123") == pytest.approx(2 / 3)
     assert task_reward_fn("copy:3")("555", "555") == 1.0
-    for bad, msg in (("mul", "built-in tasks"), ("add:x", "integer"), ("copy:0", "1..12")):
+    for bad, msg in (("div", "built-in tasks"), ("add:x", "integer"), ("copy:0", "1..12")):
         with pytest.raises(ValueError, match=msg):
             get_task(bad)
 
