@@ -83,7 +83,8 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     from launcher.planning.fit import fit_memory
     from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
-    from launcher.rundir import prepare_run_dir, write_atomic
+    from launcher.runlock import job_id, restart_count
+    from launcher.rundir import prepare_run_dir, resume_of_attempt, write_atomic
     from launcher.watchdog import Watchdog, clear_alarm
 
     t = cfg.trainer
@@ -111,11 +112,14 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
 
         def prepare():
             nonlocal lock
-            path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite)
+            resume = resume_of_attempt(t.runs_dir, t.experiment_name, resume=t.resume)
+            path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=resume, overwrite=t.overwrite)
             clear_alarm(path)  # before the broadcast: no rank watches yet
-            return path
+            return path, resume
 
-        run_dir = _rank0_then_broadcast(prepare, rank=env.rank)
+        run_dir, resume = _rank0_then_broadcast(prepare, rank=env.rank)
+        restarted = resume != t.resume
+        t.resume = resume  # a restarted attempt of this job continues its run (launcher.rundir.resume_of_attempt)
 
         def on_tick() -> None:  # the watchdog thread, every few seconds
             stop.poll_file()
@@ -130,6 +134,10 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
             write_atomic(run_dir / "plan.json", plan.to_json())
             logger.info("run directory %s, backend %s on %s", run_dir, env.backend, env.device)
+            if restarted:
+                logger.warning("attempt %d of job %s (restarted by torchrun or requeued by Slurm): continuing its "
+                               "run from the newest intact checkpoint (trainer.resume=auto)", restart_count(),
+                               job_id())
             logger.info("\n%s", plan.table())
             for line in auto_choices:
                 logger.info("auto: %s", line)

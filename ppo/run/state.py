@@ -193,7 +193,7 @@ class TrainState:
         if path is None:
             if self.rank == 0:
                 self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
-            supersede_metrics(self.run_dir, step=0, rank=self.rank)
+            supersede_metrics(self.run_dir, step=-1, rank=self.rank)  # the fresh start writes every row again
             return 0, fresh
         check_world_size(path, world_size=world)
         per_rank, shared = load_checkpoint(path, rank=self.rank)

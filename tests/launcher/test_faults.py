@@ -65,7 +65,8 @@ def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
     trainer.max_staleness=1): each rank's checkpoint of step 2 holds its replica's groups in flight, the shared
     state the sampler past them; the restart trains each prompt once (the rows and the weights equal). The
     batches generated ahead (max_staleness without batches_in_flight) restart alike: tests/ppo/test_staleness.py."""
-    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=auto", "trainer.max_staleness=1",
+    # no trainer.resume=auto: the restarted attempt continues its own run by itself (a fresh launch would not)
+    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.max_staleness=1",
               "rollout.batches_in_flight=2", "rollout.max_response_length=8",
               f"reward.function={FAULTS}:task_reward_with_fault"]
     _ok(launch(tmp_path, "straight", *common))
