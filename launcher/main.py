@@ -186,9 +186,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ppo.data.tokenizer import TokenizerError
     from ppo.run.checkpoint import CheckpointError
     from ppo.run.resume import ResumeError
+    from ppo.trainer import NonFiniteStepsError
 
     return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError,
-            CheckpointError, ResumeError, RewardFailureError)
+            CheckpointError, ResumeError, RewardFailureError, NonFiniteStepsError)
 
 
 def main(argv: list[str] | None = None) -> int:

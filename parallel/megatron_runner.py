@@ -300,14 +300,30 @@ class MegatronRunner:
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to max_norm (global norm over the role group, inside megatron's step), Adam on the fp32
         master shards, gather the updated parameters (not lazily: a reshard next reads them), zero the
-        gradient buffers. Returns the pre-clip grad norm."""
+        gradient buffers. Returns the pre-clip grad norm; NaN without stepping when a gradient anywhere in the
+        role group is not finite (megatron checks only under a loss scaler: agreed here by one all-reduce)."""
+        if not self._grads_finite():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return float("nan")
         self.optimizer.config.clip_grad = max_norm
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("megatron optimizer skipped the step (non-finite gradients)")
+        if not ok:  # a loss scaler's inf check (not used: bf16/fp32), the same skip
+            grad_norm = float("nan")
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(grad_norm) if grad_norm is not None else 0.0
+
+    def _grads_finite(self) -> bool:
+        """Every rank's DDP gradient buffers finite, agreed over the optimizer's grad-stats group (one pass over
+        the buffers and one all-reduce)."""
+        buffers = [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
+        device = buffers[0].grad_data.device if buffers else torch.device("cpu")
+        ok = torch.ones((), device=device)
+        for b in buffers:
+            ok = ok * torch.isfinite(b.grad_data).all()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.optimizer.get_grad_stats_parallel_group())
+        return bool(ok > 0)
 
     # ---- around generation (hybrid engine)
     def release_gradients(self) -> None:

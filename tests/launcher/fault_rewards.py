@@ -54,3 +54,8 @@ def hangs_on_even_samples(response, ground_truth, sample_id=0):
     if sample_id % 2 == 0:
         time.sleep(3600)
     return _task(response, ground_truth)
+
+
+def length_parity(response, ground_truth, **extra):
+    """A score with signal from the first step (the untrained tiny model rarely answers right)."""
+    return float(len(response) % 2)
