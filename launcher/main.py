@@ -17,6 +17,7 @@ run directory; the PPO loop runs; the process group is destroyed also on failure
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -163,8 +164,8 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
                 monitor.stop()
         clean = True
         if stopped is not None:
-            print(f"rank {env.rank}: stopped early ({stopped}) with a checkpoint; exit {EXIT_PREEMPTED}: relaunch "
-                  f"with trainer.resume=auto to continue", file=sys.stderr)
+            _report(f"rank {env.rank}: stopped early ({stopped}) with a checkpoint; exit {EXIT_PREEMPTED}: relaunch "
+                    f"with trainer.resume=auto to continue")
             return EXIT_PREEMPTED
         return 0
     finally:
@@ -175,6 +176,14 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         stop.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report(message: str) -> None:
+    """A stop reason: on stderr, and in this rank's log file in the run directory (when it exists by now)."""
+    from launcher.log import log_to_files
+
+    log_to_files(logging.ERROR, message)
+    print(message, file=sys.stderr, flush=True)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -205,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         from ppo.run.checkpoint import CheckpointError
 
         if rank == 0 or isinstance(e, CheckpointError):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _report(f"error: {e}")
         else:  # mostly the same error as rank 0's: torchrun ends this rank while it waits once rank 0 has exited
+            from launcher.log import log_to_files
+
+            log_to_files(logging.ERROR, f"error: {e}")
             time.sleep(PEER_EXIT_GRACE_S)
             print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return UserError.exit_code
@@ -221,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HYBRIDRL_TRACEBACK") or not logger.handlers:
             traceback.print_exc()
         where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
-              f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)",
-              file=sys.stderr, flush=True)
+        _report(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
+                f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)")
         if world_size > 1:
             time.sleep(FAILED_RANK_EXIT_GRACE_S)
         return 1

@@ -572,7 +572,11 @@ def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_
     trainer = PPOTrainer(settings=settings, placement=placement, run_dir=run_dir,
                          model_config=model_config, monitor=monitor, heartbeat=heartbeat,
                          stop_requested=stop_requested)
-    stopped = trainer.fit()
+    try:
+        stopped = trainer.fit()
+    finally:
+        if hasattr(trainer.roles.reward, "close"):
+            trainer.roles.reward.close()
     if placement.rank == 0 and stopped is None:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))
     if dist.is_initialized():

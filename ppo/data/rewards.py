@@ -250,6 +250,19 @@ def failure_error(*, step: int, failed: int, num_samples: int, limit: float, fun
         + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
 
 
+def build_reward_manager(spec: str, *, default_score: float, timeout_s: float | None, signature: str,
+                         logger: logging.Logger | None = None) -> RewardManager:
+    """The reward.function's manager: a user function is called in a worker process
+    (ppo.data.reward_worker), a built-in rule in this one (cheap, and it does nothing a worker guards against)."""
+    worker = None
+    if not spec.startswith("builtin:"):
+        from ppo.data.reward_worker import RewardWorker
+
+        worker = RewardWorker(spec, signature=signature)
+    return RewardManager(load_reward_function(spec), default_score=default_score, logger=logger,
+                         timeout_s=timeout_s, signature=signature, worker=worker)
+
+
 class RewardManager:
     """Scores batches with a user function; a sample whose call raises (or returns a non-number /
     NaN, or runs past timeout_s) gets `default_score` and is counted as failed (the trainer reports
@@ -266,8 +279,11 @@ class RewardManager:
     """
 
     def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
-                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto"):
-        self.fn = fn
+                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto",
+                 worker=None):
+        """worker: a ppo.data.reward_worker.RewardWorker serving the same function in a child process (user
+        functions: build_reward_manager); None calls fn in this process (built-in rules)."""
+        self.fn, self.worker = fn, worker
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
         self.logger = logger or _log
@@ -296,45 +312,62 @@ class RewardManager:
         return call_reward(self.call, self.fn, s.response, s.ground_truth, prompt=s.prompt,
                            sample_id=s.sample_id, extra=s.extra)
 
-    def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
-        scores: list[float] = []
-        extras: list[dict[str, float]] = []
-        failures: dict[Any, str] = {}
+    def _outcomes(self, samples: list[RewardSample]) -> Iterable[tuple[float, dict[str, float]] | Exception]:
+        """One outcome per sample, in order: (score, extras) or the exception of its failed call."""
+        if self.worker is not None:
+            yield from self.worker.score([(s.response, s.ground_truth, s.prompt, s.sample_id, s.extra)
+                                          for s in samples], timeout_s=self.timeout_s,
+                                         max_timeouts_in_a_row=MAX_TIMEOUTS_IN_A_ROW)
+            return
         timeouts_in_a_row = 0
         for s in samples:
-            if not isinstance(s, RewardSample):
-                s = RewardSample(*s)
             if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
-                scores.append(self.default_score)
-                failures[s.sample_id] = (f"not called: the reward function timed out on {timeouts_in_a_row} samples "
-                                         f"in a row in this batch")
+                yield RewardTimeout(f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                    f"in a row in this batch")
                 continue
             try:
-                value, extra = self._call_bounded(s)
-                scores.append(value)
-                extras.append(extra)
+                yield self._call_bounded(s)
                 timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
                 timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
+                yield e
+
+    def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
+        samples = [s if isinstance(s, RewardSample) else RewardSample(*s) for s in samples]
+        scores: list[float] = []
+        extras: list[dict[str, float]] = []
+        failures: dict[Any, str] = {}
+        for s, out in zip(samples, self._outcomes(samples)):
+            if isinstance(out, Exception):
                 scores.append(self.default_score)
                 extras.append({})
-                failures[s.sample_id] = f"{type(e).__name__}: {e}"
-                self._log_if_new(e, s)
+                failures[s.sample_id] = f"{getattr(out, 'kind', type(out).__name__)}: {out}"
+                if not str(out).startswith("not called"):
+                    self._log_if_new(out, s)
+            else:
+                scores.append(out[0])
+                extras.append(out[1])
         self.total_failed += len(failures)
         self.total_scored += len(scores)
         return RewardResult(scores=scores, num_failed=len(failures), failures=failures, extras=extras)
 
+    def close(self) -> None:
+        """Stop the worker process (and whatever the function forked), if any."""
+        if self.worker is not None:
+            self.worker.close()
+
     def _log_if_new(self, e: Exception, s: RewardSample) -> None:
         tb = traceback.extract_tb(e.__traceback__)
-        where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?"
-        key = (type(e).__name__, where)
+        where = getattr(e, "where", None) or (f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?")
+        kind = getattr(e, "kind", type(e).__name__)
+        key = (kind, where)
         if key in self.errors:
             return
-        self.errors[key] = (f"{type(e).__name__}: {e} (at {where}; first on sample {s.sample_id}, response "
+        self.errors[key] = (f"{kind}: {e} (at {where}; first on sample {s.sample_id}, response "
                             f"{s.response[:200]!r}, ground truth {str(s.ground_truth)[:100]!r})")
-        self.logger.warning("reward function failed: %s; the sample scores reward.default_score=%s (further "
+        self.logger.warning("reward function %s failed: %s; the sample scores reward.default_score=%s (further "
                             "failures with this error are counted in reward/failed, not logged)",
-                            self.errors[key], self.default_score)
+                            getattr(self.fn, "__qualname__", self.fn), self.errors[key], self.default_score)
 
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""

@@ -122,6 +122,18 @@ def test_reward_raising_on_every_sample_stops_with_a_clear_error(tmp_path):
     assert res.returncode == 2
     assert "step 1: the reward function" in res.stderr and "failed on 8 of 8 samples" in res.stderr
     assert "ValueError: cannot parse" in res.stderr and "Traceback" not in res.stderr
+    assert "failed on 8 of 8 samples" in (tmp_path / "raises" / "logs" / "rank_0.log").read_text()  # the stop reason
+
+
+def test_reward_calling_os_exit_or_sys_exit_is_a_counted_failure(tmp_path):
+    """os._exit(0) / sys.exit(3) in the reward function ended the job silently with exit 0 (or killed the workers
+    with no message): now each call is a failed sample, named, and the run trains on."""
+    res = launch(tmp_path, "exits", "trainer.total_steps=2", f"reward.function={FAULTS}:exits_on_odd_samples", nproc=0)
+    _ok(res)
+    assert [(r["step"], r["reward/failed"]) for r in rows(tmp_path / "exits")] == [(1, 4), (2, 4)]
+    log = (tmp_path / "exits" / "logs" / "rank_0.log").read_text()
+    assert "WorkerDied: the reward function ended its worker process (exit code 0" in log
+    assert "SystemExit: 3" in log and "exits_on_odd_samples failed" in log
 
 
 def test_hanging_reward_is_timed_out_and_counted_and_timed_checkpoints(tmp_path):
