@@ -1,6 +1,7 @@
 """A user reward function called in a child process, where it cannot take the trainer down or move it.
 
-    worker = RewardWorker("my_rewards.py:score", signature="auto")
+    manager = build_reward_manager("my_rewards.py:score", default_score=0.0, timeout_s=30, signature="auto")
+    worker = RewardWorker("my_rewards.py:score", signature="auto")    # what the manager calls through
     for i, outcome in worker.score(samples, timeout_s=30):   # in sample order, one outcome per sample
         ...  # (value, extras), or a RewardCallFailed naming what happened
     worker.close()                                          # also kills whatever the function forked
@@ -34,6 +35,17 @@ from typing import Any
 # the child's environment carries this, so a function (or a test's fault injector) can tell where it runs
 WORKER_ENV = "HYBRIDRL_REWARD_WORKER"
 START_TIMEOUT_S = 120.0  # spawning the child and importing the user's file
+
+
+def build_reward_manager(spec: str, *, default_score: float, timeout_s: float | None, signature: str,
+                         logger=None):
+    """The reward.function's ppo.data.rewards.RewardManager: a user function called through a RewardWorker, a
+    built-in rule (`builtin:*`) in this process (cheap, and it does nothing a worker guards against)."""
+    from ppo.data.rewards import RewardManager, load_reward_function
+
+    worker = None if spec.startswith("builtin:") else RewardWorker(spec, signature=signature)
+    return RewardManager(load_reward_function(spec), default_score=default_score, logger=logger,
+                         timeout_s=timeout_s, signature=signature, worker=worker)
 
 
 class RewardCallFailed(Exception):

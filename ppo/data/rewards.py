@@ -250,19 +250,6 @@ def failure_error(*, step: int, failed: int, num_samples: int, limit: float, fun
         + (f" (+{len(errors) - 5} more in logs/rank_*.log)" if len(errors) > 5 else ""))
 
 
-def build_reward_manager(spec: str, *, default_score: float, timeout_s: float | None, signature: str,
-                         logger: logging.Logger | None = None) -> RewardManager:
-    """The reward.function's manager: a user function is called in a worker process
-    (ppo.data.reward_worker), a built-in rule in this one (cheap, and it does nothing a worker guards against)."""
-    worker = None
-    if not spec.startswith("builtin:"):
-        from ppo.data.reward_worker import RewardWorker
-
-        worker = RewardWorker(spec, signature=signature)
-    return RewardManager(load_reward_function(spec), default_score=default_score, logger=logger,
-                         timeout_s=timeout_s, signature=signature, worker=worker)
-
-
 class RewardManager:
     """Scores batches with a user function; a sample whose call raises (or returns a non-number /
     NaN, or runs past timeout_s) gets `default_score` and is counted as failed (the trainer reports
@@ -282,7 +269,7 @@ class RewardManager:
                  logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto",
                  worker=None):
         """worker: a ppo.data.reward_worker.RewardWorker serving the same function in a child process (user
-        functions: build_reward_manager); None calls fn in this process (built-in rules)."""
+        functions: ppo.data.reward_worker.build_reward_manager); None calls fn in this process (built-in rules)."""
         self.fn, self.worker = fn, worker
         self.timeout_s = timeout_s
         self.default_score = float(default_score)

@@ -281,7 +281,7 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     layouts and optimizers, settings.reward the reward role, settings.run the seed; the updates, losses and
     generation read settings.roles and settings.generation. total_steps: the run's steps (the learning-rate
     schedules' length)."""
-    from ppo.data.rewards import build_reward_manager
+    from ppo.data.reward_worker import build_reward_manager
 
     b, plan, groups = settings.build, placement.plan, placement.groups
     roles = Roles(settings.roles, model_config=model_config, base_model_path=b.model_path)

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from ppo.data.rewards import RewardSample, build_reward_manager
+from ppo.data.reward_worker import build_reward_manager
+from ppo.data.rewards import RewardSample
 
 NASTY = '''
 import os, signal, subprocess, sys, time
