@@ -39,6 +39,7 @@ from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
 from ppo.roles.placement import Placement
 from ppo.roles.step_plan import old_logp_source, ref_beside_actor
 from ppo.roles.workers import PendingResults
+from ppo.run.checkpoint import seal_directory, verify_sealed
 from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
 
@@ -441,7 +442,10 @@ class PPOTrainer:
         if start == 0 and loop.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
                                   run_dir=self.run_dir)
+            if self.rank == 0:  # the reference a resume reloads: checked like a checkpoint's files
+                seal_directory(self.run_dir / "sft_warmup")
         elif loop.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
+            verify_sealed(self.run_dir / "sft_warmup")
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
         if self.state.val_dataset is not None and loop.val_before_train and start == 0:
             self.state.log_metrics({"step": 0, **self.validate(0)})
