@@ -82,7 +82,13 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
     from launcher.log import add_file_log, setup_logging
     from launcher.planning.fit import fit_memory
-    from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
+    from launcher.planning.plan import (
+        compute_plan,
+        resolve_model_config,
+        resolve_reward_model_config,
+        validate_batch,
+        validate_context,
+    )
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.runlock import job_id, restart_count
     from launcher.rundir import prepare_run_dir, resume_of_attempt, write_atomic
@@ -102,6 +108,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         c, world_size=world_size, model=model_cfg, reward_model=rm_cfg).predicted)]
     plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)
     validate_batch(cfg, plan)
+    validate_context(cfg, model_cfg)
     device = resolve_device(cfg.trainer.device)
 
     env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
