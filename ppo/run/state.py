@@ -134,7 +134,8 @@ class TrainState:
             return
         if self._wandb is None:
             self._wandb = wandb.init(project=self.run.wandb_project, name=self.run.experiment_name,
-                                     config=self.run.config_record, dir=str(self.run_dir))
+                                     config=self.run.config_record, dir=str(self.run_dir),
+                                     **wandb_resume_args(self.run_dir, resumed_at=self.resumed_at))
         if self._wandb:
             wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
 
@@ -212,6 +213,25 @@ class TrainState:
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
         self.resumed_at = int(shared["step"])
         return self.resumed_at, ahead
+
+
+WANDB_ID = "wandb_id"
+
+
+def wandb_resume_args(run_dir: Path, *, resumed_at: int) -> dict:
+    """wandb.init's arguments that make every attempt of a run one W&B run without doubled rows: the first attempt
+    draws the run id and keeps it in <run>/wandb_id; a later attempt (a restart, a resume) rewinds that run's
+    history to the step it resumed from (W&B's resume_from="<id>?_step=<step>"), so the steps it re-runs replace
+    the rows the earlier attempt logged after its last checkpoint, as metrics.jsonl's are superseded."""
+    path = run_dir / WANDB_ID
+    if path.exists():
+        run_id = path.read_text().strip()
+        return {"resume_from": f"{run_id}?_step={resumed_at}"}
+    import secrets
+
+    run_id = secrets.token_hex(8)
+    path.write_text(run_id + "\n")
+    return {"id": run_id, "resume": "allow"}
 
 
 def total_steps(run: RunSettings, batches_per_epoch: int) -> int:
