@@ -1,5 +1,5 @@
 """The run directory `runs/<experiment_name>/`: config.yaml, plan.json, metrics.jsonl, util.jsonl,
-checkpoints/, logs/, heartbeat/, LOCK, attempts.jsonl, PNG reports. Created by rank 0 only; a finished run is
+checkpoints/, logs/, heartbeat/, LOCK, attempts.jsonl, prompts.jsonl (the prompt ledger), PNG reports. Created by rank 0 only; a finished run is
 never overwritten and a live one (launcher/runlock.py) is never touched.
 
     resume = resume_of_attempt(runs_dir, name, resume=cfg.trainer.resume)   # "auto" for a restarted attempt
@@ -113,13 +113,15 @@ def prepare_run_dir(runs_dir: str, name: str, *, resume: str, overwrite: bool) -
 
 
 def _set_aside_rows_of_a_failed_start(path: Path) -> None:
-    """A start that failed before step 1 may have left a step-0 validation row: the fresh run writes its own,
-    so the old one moves to metrics.superseded.jsonl (never two rows of one step)."""
-    metrics = path / "metrics.jsonl"
-    if metrics.exists() and metrics.stat().st_size:
-        with open(path / "metrics.superseded.jsonl", "a") as f:
-            f.write(metrics.read_text())
-        metrics.unlink()
+    """A start that failed before step 1 may have left a step-0 validation row or a draw of prompts in the
+    ledger: the fresh run writes its own, so the old ones move to <name>.superseded.jsonl (never two rows of one
+    step)."""
+    for name in ("metrics.jsonl", "prompts.jsonl"):
+        rows = path / name
+        if rows.exists() and rows.stat().st_size:
+            with open(path / name.replace(".jsonl", ".superseded.jsonl"), "a") as f:
+                f.write(rows.read_text())
+            rows.unlink()
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -137,7 +137,7 @@ class PPOTrainer:
         policy version `version` (the step now running; default `step`: generated in its own step), share the
         samples with every rank. Returns the batch and this rank's generation report (empty off the actor
         ranks). index_offset numbers the prompts of a further generation round of the same step apart."""
-        batch = self.state.next_prompts()
+        batch = self.state.next_prompts(step if version is None else version)
         if index_offset:
             batch = [dict(row, index=row["index"] + index_offset) for row in batch]
         gen = Generation([])
@@ -286,7 +286,8 @@ class PPOTrainer:
         admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial)."""
         b = self.settings.data.batch_size
         draws = self.loop.batches_in_flight if step == 0 else 1  # step 0 is never resumed into
-        batch = [dict(row, index=row["index"] + d * b) for d in range(draws) for row in self.state.next_prompts()]
+        batch = [dict(row, index=row["index"] + d * b) for d in range(draws)
+                 for row in self.state.next_prompts(step)]
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):

@@ -20,6 +20,9 @@ from ppo.algos import core_algos as algos
 from ppo.settings import DataSettings, KLControlSettings, RewardSettings, RunSettings
 
 
+LEDGER = "prompts.jsonl"  # the prompt ledger: one row per draw of prompts (step, epoch, dataset rows)
+
+
 class TrainState:
     def __init__(self, run: RunSettings, data: DataSettings, *, total_steps: int, run_dir: Path, rank: int,
                  tokenizer, dataset, sampler, kl_ctrl, layout: dict | None = None, val_dataset=None):
@@ -74,9 +77,15 @@ class TrainState:
                    layout=layout, val_dataset=val_dataset)
 
     # ------------------------------------------------------------------ data
-    def next_prompts(self) -> list[dict]:
-        """The step's prompts, identical on every rank: [{index, prompt_ids, ground_truth}]."""
+    def next_prompts(self, step: int) -> list[dict]:
+        """The next prompts, drawn while (0-based) `step` runs, identical on every rank: [{index, prompt_ids,
+        ground_truth}]. Rank 0 records the draw in the prompt ledger (<run>/prompts.jsonl: the 1-based step it was
+        drawn in, the epoch, the dataset rows); a resume at step k supersedes the draws made after k."""
         idx = self.sampler.next_batch()
+        if self.rank == 0:
+            with open(self.run_dir / LEDGER, "a") as f:
+                f.write(json.dumps({"step": step + 1, "epoch": self.sampler.epoch, "rows": [int(j) for j in idx]})
+                        + "\n")
         return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
 
     def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
@@ -195,6 +204,7 @@ class TrainState:
             if self.rank == 0:
                 self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
             supersede_metrics(self.run_dir, step=-1, rank=self.rank)  # the fresh start writes every row again
+            supersede_metrics(self.run_dir, step=-1, rank=self.rank, name=LEDGER)
             return 0, fresh
         check_world_size(path, world_size=world)
         per_rank, shared = load_checkpoint(path, rank=self.rank)
@@ -211,6 +221,9 @@ class TrainState:
         saved = shared["ahead"] if "ahead" in shared else [shared["pending"]] if shared.get("pending") else []
         ahead = BatchesAhead.from_state(saved, max_staleness=max_staleness)
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
+        # the draws made after the checkpoint are drawn again (those before it are trained, or held by it: batches
+        # generated ahead, groups in flight)
+        supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank, name=LEDGER)
         self.resumed_at = int(shared["step"])
         return self.resumed_at, ahead
 

@@ -25,7 +25,7 @@ def test_request_seed_is_stable_and_distinct():
 
 def test_generate_reports_samples_timings_and_metrics(trainer):
     rollout = trainer.roles.rollout
-    batch = trainer.state.next_prompts()
+    batch = trainer.state.next_prompts(0)
     gen = rollout.generate(batch, step=0, seed=1)
     assert isinstance(gen, Generation)
     n = trainer.settings.generation.n
