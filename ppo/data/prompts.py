@@ -206,6 +206,10 @@ class PromptDataset:
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens (longest %d)",
                            source, dropped, len(rows), max_prompt_length, longest)
+        if nulls := [r.index for r in records if r.ground_truth is None]:
+            logger.warning("%s: %d of %d rows have a null ground truth (rows %s%s): a rule reward scores their "
+                           "responses against None", source, len(nulls), len(records), nulls[:5],
+                           " ..." if len(nulls) > 5 else "")
         if not records:
             raise DataError(f"{source}: no usable prompts ({len(rows)} rows, {dropped} longer than "
                             f"max_prompt_length={max_prompt_length}); raise data.max_prompt_length")

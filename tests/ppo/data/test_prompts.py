@@ -232,3 +232,12 @@ def test_bad_files_and_empty_prompts_are_data_errors_naming_file_and_row(tmp_pat
     (tmp_path / "e.jsonl").write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "", "ground_truth": "1"}\n')
     with pytest.raises(DataError, match=r"e.jsonl row 1, column 'prompt': the prompt is empty"):
         PromptDataset.from_file(str(tmp_path / "e.jsonl"), tokenizer=tok)
+
+
+def test_null_ground_truths_are_counted_in_a_warning(tmp_path, caplog):
+    tok = load_tokenizer("builtin:char")
+    rows = [{"prompt": f"{i}+1=", "reward_model": {"ground_truth": None if i % 2 else str(i + 1)}} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "n.parquet")
+    with caplog.at_level(logging.WARNING):
+        PromptDataset.from_file(str(tmp_path / "n.parquet"), tokenizer=tok)
+    assert any("3 of 6 rows have a null ground truth (rows [1, 3, 5])" in m for m in caplog.messages), caplog.messages
