@@ -112,7 +112,8 @@ def _first_attempt_trained(tmp_path):
 def test_a_restarted_attempt_continues_its_run_and_a_fresh_launch_refuses(tmp_path, monkeypatch, launcher):
     from launcher.rundir import resume_of_attempt
 
-    first = {"torchrun-standalone": dict(run_id="uuid-1", restarts=0), "torchrun-plain": dict(run_id="none", restarts=0),
+    first = {"torchrun-standalone": dict(run_id="uuid-1", restarts=0),
+             "torchrun-plain": dict(run_id="none", restarts=0),
              "slurm-requeue": dict(slurm="77", slurm_restarts=0)}[launcher]
     again = {**first, **({"slurm_restarts": 1} if "slurm" in first else {"restarts": 1})}
     _attempt(monkeypatch, **first)

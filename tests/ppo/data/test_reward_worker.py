@@ -88,8 +88,8 @@ def test_a_function_that_fails_to_load_in_the_worker_is_a_reward_function_error(
     from ppo.data.reward_calls import RewardFunctionError
     from ppo.data.reward_worker import RewardWorker
 
-    (tmp_path / "bad.py").write_text("import os\nif os.environ.get('HYBRIDRL_REWARD_WORKER'):\n    raise ImportError('x')\n"
-                                     "def f(response, ground_truth):\n    return 1.0\n")
+    (tmp_path / "bad.py").write_text("import os\nif os.environ.get('HYBRIDRL_REWARD_WORKER'):\n"
+                                     "    raise ImportError('x')\ndef f(response, ground_truth):\n    return 1.0\n")
     w = RewardWorker(f"{tmp_path}/bad.py:f")
     with pytest.raises(RewardFunctionError, match="in its worker process: RewardFunctionError: importing"):
         list(w.score([("r", "g", "p", 0, {})], timeout_s=5, max_timeouts_in_a_row=3))
