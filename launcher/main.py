@@ -90,8 +90,8 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         validate_context,
     )
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
-    from launcher.runlock import job_id, restart_count
     from launcher.rundir import prepare_run_dir, resume_of_attempt, write_atomic
+    from launcher.runlock import job_id, restart_count
     from launcher.watchdog import Watchdog, clear_alarm
 
     t = cfg.trainer

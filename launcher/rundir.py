@@ -1,6 +1,6 @@
 """The run directory `runs/<experiment_name>/`: config.yaml, plan.json, metrics.jsonl, util.jsonl,
-checkpoints/, logs/, heartbeat/, LOCK, attempts.jsonl, prompts.jsonl (the prompt ledger), PNG reports. Created by rank 0 only; a finished run is
-never overwritten and a live one (launcher/runlock.py) is never touched.
+checkpoints/, logs/, heartbeat/, LOCK, attempts.jsonl, prompts.jsonl (the prompt ledger), PNG reports. Created
+by rank 0 only; a finished run is never overwritten and a live one (launcher/runlock.py) is never touched.
 
     resume = resume_of_attempt(runs_dir, name, resume=cfg.trainer.resume)   # "auto" for a restarted attempt
     path, lock = prepare_run_dir(runs_dir, name, resume=resume, overwrite=False)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from ppo.algos import core_algos as algos
 from ppo.settings import DataSettings, KLControlSettings, RewardSettings, RunSettings
 
-
 LEDGER = "prompts.jsonl"  # the prompt ledger: one row per draw of prompts (step, epoch, dataset rows)
 
 

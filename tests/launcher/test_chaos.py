@@ -73,10 +73,18 @@ class Driver(threading.Thread):
     def _alive(self) -> bool:
         return self.agent.poll() is None
 
+    def _attempts(self) -> int:
+        try:
+            return len((self.run_dir / "attempts.jsonl").read_text().splitlines())
+        except OSError:
+            return 0
+
     def run(self) -> None:
-        after = 0
+        after, attempts = 0, 1
         for event in self.events:
-            while self._alive() and (_last_step(self.run_dir) <= after or len(_ranks(self.agent.pid)) < 2):
+            # the next attempt runs (a preempted one finishes its step before it exits) and trained past `after`
+            while self._alive() and (self._attempts() < attempts or _last_step(self.run_dir) <= after
+                                     or len(_ranks(self.agent.pid)) < 2):
                 time.sleep(0.05)
             if not self._alive() or _last_step(self.run_dir) >= STEPS - 20:
                 return
@@ -96,7 +104,7 @@ class Driver(threading.Thread):
             step = _last_step(self.run_dir)
             os.kill(self.rng.choice(ranks), signal.SIGTERM if event == "sigterm" else signal.SIGKILL)
             self.done.append((event, step, staging))
-            after = step
+            after, attempts = step, self._attempts() + 1
 
 
 def _ledger(run: Path) -> list[dict]:
