@@ -224,6 +224,10 @@ class RewardTimeout(TimeoutError):
     """A reward call ran past reward.timeout_s (raised from SIGALRM inside the call)."""
 
 
+class RewardNotCalled(Exception):
+    """A sample failed without a call: the function timed out on MAX_TIMEOUTS_IN_A_ROW samples before it."""
+
+
 # after this many timeouts in a row the rest of the batch is failed without calling: a function that
 # hangs on every sample costs 3 timeouts per step, not batch x timeout_s
 MAX_TIMEOUTS_IN_A_ROW = 3
@@ -309,8 +313,8 @@ class RewardManager:
         timeouts_in_a_row = 0
         for s in samples:
             if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
-                yield RewardTimeout(f"not called: the reward function timed out on {timeouts_in_a_row} samples "
-                                    f"in a row in this batch")
+                yield RewardNotCalled(f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                      f"in a row in this batch")
                 continue
             try:
                 yield self._call_bounded(s)
@@ -328,9 +332,12 @@ class RewardManager:
             if isinstance(out, Exception):
                 scores.append(self.default_score)
                 extras.append({})
-                failures[s.sample_id] = f"{getattr(out, 'kind', type(out).__name__)}: {out}"
-                if not str(out).startswith("not called"):
-                    self._log_if_new(out, s)
+                kind = getattr(out, "kind", type(out).__name__)
+                if isinstance(out, RewardNotCalled) or kind == "NotCalled":
+                    failures[s.sample_id] = str(out)  # counted; the timeouts before it were logged
+                    continue
+                failures[s.sample_id] = f"{kind}: {out}"
+                self._log_if_new(out, s)
             else:
                 scores.append(out[0])
                 extras.append(out[1])

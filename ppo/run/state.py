@@ -82,6 +82,7 @@ class TrainState:
         drawn in, the epoch, the dataset rows); a resume at step k supersedes the draws made after k."""
         idx = self.sampler.next_batch()
         if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / LEDGER, "a") as f:
                 f.write(json.dumps({"step": step + 1, "epoch": self.sampler.epoch, "rows": [int(j) for j in idx]})
                         + "\n")
