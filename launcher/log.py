@@ -34,5 +34,15 @@ def add_file_log(logger: logging.Logger, log_dir: Path, *, rank: int, fmt: loggi
     logger.addHandler(fh)
 
 
+def log_to_files(level: int, message: str) -> None:
+    """`message` into the run directory's log files only (logs/rank_<r>.log; none before the run directory
+    exists): a stop reason printed on stderr lands in the log too, without printing it twice."""
+    logger = get_logger()
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, (), None)
+    for h in logger.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
 def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)

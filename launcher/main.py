@@ -17,6 +17,7 @@ run directory; the PPO loop runs; the process group is destroyed also on failure
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -81,9 +82,16 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
     from launcher.log import add_file_log, setup_logging
     from launcher.planning.fit import fit_memory
-    from launcher.planning.plan import compute_plan, resolve_model_config, resolve_reward_model_config, validate_batch
+    from launcher.planning.plan import (
+        compute_plan,
+        resolve_model_config,
+        resolve_reward_model_config,
+        validate_batch,
+        validate_context,
+    )
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
-    from launcher.rundir import prepare_run_dir, write_atomic
+    from launcher.rundir import prepare_run_dir, resume_of_attempt, write_atomic
+    from launcher.runlock import job_id, restart_count
     from launcher.watchdog import Watchdog, clear_alarm
 
     t = cfg.trainer
@@ -100,6 +108,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         c, world_size=world_size, model=model_cfg, reward_model=rm_cfg).predicted)]
     plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)
     validate_batch(cfg, plan)
+    validate_context(cfg, model_cfg)
     device = resolve_device(cfg.trainer.device)
 
     env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
@@ -111,11 +120,14 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
 
         def prepare():
             nonlocal lock
-            path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=t.resume, overwrite=t.overwrite)
+            resume = resume_of_attempt(t.runs_dir, t.experiment_name, resume=t.resume)
+            path, lock = prepare_run_dir(t.runs_dir, t.experiment_name, resume=resume, overwrite=t.overwrite)
             clear_alarm(path)  # before the broadcast: no rank watches yet
-            return path
+            return path, resume
 
-        run_dir = _rank0_then_broadcast(prepare, rank=env.rank)
+        run_dir, resume = _rank0_then_broadcast(prepare, rank=env.rank)
+        restarted = resume != t.resume
+        t.resume = resume  # a restarted attempt of this job continues its run (launcher.rundir.resume_of_attempt)
 
         def on_tick() -> None:  # the watchdog thread, every few seconds
             stop.poll_file()
@@ -130,6 +142,10 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
             write_atomic(run_dir / "plan.json", plan.to_json())
             logger.info("run directory %s, backend %s on %s", run_dir, env.backend, env.device)
+            if restarted:
+                logger.warning("attempt %d of job %s (restarted by torchrun or requeued by Slurm): continuing its "
+                               "run from the newest intact checkpoint (trainer.resume=auto)", restart_count(),
+                               job_id())
             logger.info("\n%s", plan.table())
             for line in auto_choices:
                 logger.info("auto: %s", line)
@@ -155,8 +171,8 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
                 monitor.stop()
         clean = True
         if stopped is not None:
-            print(f"rank {env.rank}: stopped early ({stopped}) with a checkpoint; exit {EXIT_PREEMPTED}: relaunch "
-                  f"with trainer.resume=auto to continue", file=sys.stderr)
+            _report(f"rank {env.rank}: stopped early ({stopped}) with a checkpoint; exit {EXIT_PREEMPTED}: relaunch "
+                    f"with trainer.resume=auto to continue")
             return EXIT_PREEMPTED
         return 0
     finally:
@@ -169,6 +185,14 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
             dist.destroy_process_group()
 
 
+def _report(message: str) -> None:
+    """A stop reason: on stderr, and in this rank's log file in the run directory (when it exists by now)."""
+    from launcher.log import log_to_files
+
+    log_to_files(logging.ERROR, message)
+    print(message, file=sys.stderr, flush=True)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Each layer's own bad-input errors: they exit with 2 and a message, never a traceback."""
     from models.config import ModelConfigError
@@ -178,9 +202,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ppo.data.tokenizer import TokenizerError
     from ppo.run.checkpoint import CheckpointError
     from ppo.run.resume import ResumeError
+    from ppo.trainer import NonFiniteStepsError
 
     return (UserError, ModelConfigError, TopologyError, DataError, RewardFunctionError, TokenizerError,
-            CheckpointError, ResumeError, RewardFailureError)
+            CheckpointError, ResumeError, RewardFailureError, NonFiniteStepsError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         from ppo.run.checkpoint import CheckpointError
 
         if rank == 0 or isinstance(e, CheckpointError):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _report(f"error: {e}")
         else:  # mostly the same error as rank 0's: torchrun ends this rank while it waits once rank 0 has exited
+            from launcher.log import log_to_files
+
+            log_to_files(logging.ERROR, f"error: {e}")
             time.sleep(PEER_EXIT_GRACE_S)
             print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return UserError.exit_code
@@ -212,9 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HYBRIDRL_TRACEBACK") or not logger.handlers:
             traceback.print_exc()
         where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
-              f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)",
-              file=sys.stderr, flush=True)
+        _report(f"rank {rank}: failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
+                f"{where.lineno}; full traceback in the run directory's logs/rank_{rank}.log)")
         if world_size > 1:
             time.sleep(FAILED_RANK_EXIT_GRACE_S)
         return 1

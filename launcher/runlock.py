@@ -32,8 +32,29 @@ class RunLocked(UserError):
 
 
 def job_id() -> str | None:
-    """The id shared by every attempt of this job: the Slurm job (kept by a requeue) or torchrun's run id."""
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    """The id shared by every attempt of this job: the Slurm job (kept by a requeue), torchrun's run id
+    (--rdzv-id, a fresh uuid under --standalone), or, when torchrun runs without one (its default id "none",
+    shared by every plain torchrun), the torchrun agent itself: the parent of every attempt it restarts."""
+    if slurm := os.environ.get("SLURM_JOB_ID"):
+        return slurm
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return f"torchrun-agent:{socket.gethostname()}:{os.getppid()}"
+    return None
+
+
+def restart_count() -> int:
+    """How often this job was restarted before this attempt: torchrun's restarts (--max-restarts) plus Slurm's
+    requeues. 0 for a fresh launch."""
+    total = 0
+    for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        try:
+            total += int(os.environ.get(var) or 0)
+        except ValueError:
+            pass
+    return total
 
 
 def _pid_alive(pid: int) -> bool:

@@ -50,8 +50,14 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         raise ModelConfigError(
             f"no {CONFIG_FILE} in {path}: point at a Hugging Face model directory (config.json + *.safetensors)"
         )
-    with open(file) as f:
-        return ModelConfig.from_hf(json.load(f))
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{file} is not valid JSON ({e}); restore it from the model's source") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{file} holds a JSON {type(raw).__name__}, not an object of config fields")
+    return ModelConfig.from_hf(raw)
 
 
 def checkpoint_index(path: str | os.PathLike) -> dict[str, Path]:

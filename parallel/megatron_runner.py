@@ -300,14 +300,33 @@ class MegatronRunner:
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to max_norm (global norm over the role group, inside megatron's step), Adam on the fp32
         master shards, gather the updated parameters (not lazily: a reshard next reads them), zero the
-        gradient buffers. Returns the pre-clip grad norm."""
+        gradient buffers. Returns the pre-clip grad norm; NaN without stepping when a gradient anywhere in the
+        role group is not finite (megatron checks only under a loss scaler: agreed here over the role's groups)."""
+        if not self._grads_finite():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return float("nan")
         self.optimizer.config.clip_grad = max_norm
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("megatron optimizer skipped the step (non-finite gradients)")
+        if not ok:  # a loss scaler's inf check (not used: bf16/fp32), the same skip
+            grad_norm = float("nan")
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(grad_norm) if grad_norm is not None else 0.0
+
+    def _grads_finite(self) -> bool:
+        """Every rank's DDP gradient buffers finite, agreed over the role's tp x pp x dp ranks (one pass over the
+        buffers; a MIN over each group in turn is the MIN over their product; a stage without parameters has
+        no buffers and agrees with the others)."""
+        buffers = [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
+        device = buffers[0].grad_data.device if buffers else next(self.gpt.parameters()).device
+        ok = torch.ones((), device=device)
+        for b in buffers:
+            ok = ok * torch.isfinite(b.grad_data).all()
+        for group in (self.pgc.tp, self.pgc.pp, self.pgc.dp):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        return bool(ok > 0)
 
     # ---- around generation (hybrid engine)
     def release_gradients(self) -> None:

@@ -426,7 +426,8 @@ class NativeRunner:
 
     def optimizer_step(self, optimizer, *, max_norm: float) -> float:
         """Clip to a global grad norm over every shard (dp/tp DTensors, pp stages), then step. `optimizer` is
-        build_optimizer's (a ShardLocalAdamW: it applies the clip coefficient in its update)."""
+        build_optimizer's (a ShardLocalAdamW: it applies the clip coefficient in its update). A non-finite norm
+        skips the step: the norm is reduced over every rank of the model's groups, so every rank skips it."""
         params, grads = [], []
         for p in self.parameters():
             if (g := grad_of(p)) is not None:
@@ -437,6 +438,8 @@ class NativeRunner:
             twice = self._counted_twice()  # a tied weight's pipeline copy: same gradient as the first stage's
             norm = self._grad_norm([g for p, g in zip(params, grads) if p is not twice])
             coef = min(1.0, max_norm / (norm + 1e-6))
+        if not math.isfinite(norm):
+            return norm  # NaN / inf gradients: weights and optimizer state untouched
         optimizer.step(grad_scale=coef)  # the clip inside the update (on CUDA no pass of its own)
         return norm
 

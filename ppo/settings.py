@@ -218,6 +218,7 @@ class LoopSettings:
     log_samples_count: int
     profile_steps: tuple[int, ...]  # 1-based steps run under torch.profiler (ppo.metrics.profiling)
     gc_freeze: bool  # freeze the objects alive after warm-up out of Python's full collections (ppo.metrics.host_gc)
+    max_nonfinite_steps: int = 3  # non-finite steps in a row (not applied) that stop the run (NonFiniteStepsError)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
 from ppo.roles.placement import Placement
 from ppo.roles.step_plan import old_logp_source, ref_beside_actor
 from ppo.roles.workers import PendingResults
+from ppo.run.checkpoint import seal_directory, verify_sealed
 from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
 
@@ -104,6 +105,8 @@ class PPOTrainer:
             if (a.pp_idx, a.dp_idx, a.tp_idx) != (r.pp_idx, r.dp_idx, r.tp_idx):
                 raise RuntimeError(f"rank {self.rank}: the actor's mesh coordinates {(a.pp_idx, a.dp_idx, a.tp_idx)} "
                                    f"differ from the reference's {(r.pp_idx, r.dp_idx, r.tp_idx)} on the same ranks")
+        self.first_nonfinite: str | None = None  # this rank's first non-finite quantity of the step, or None
+        self.nonfinite_in_a_row = 0
         self.controller = None
         c = loop.controller
         if c.enabled:
@@ -134,7 +137,7 @@ class PPOTrainer:
         policy version `version` (the step now running; default `step`: generated in its own step), share the
         samples with every rank. Returns the batch and this rank's generation report (empty off the actor
         ranks). index_offset numbers the prompts of a further generation round of the same step apart."""
-        batch = self.state.next_prompts()
+        batch = self.state.next_prompts(step if version is None else version)
         if index_offset:
             batch = [dict(row, index=row["index"] + index_offset) for row in batch]
         gen = Generation([])
@@ -243,9 +246,16 @@ class PPOTrainer:
         if self.loop.max_staleness:
             adv_metrics.update(staleness_metrics(exp, step=step, generated=generated, ahead=len(self.ahead)))
         self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
-        # 4. updates: actor and critic groups (concurrent when placed apart)
-        actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
-        critic_m = self.update_critic(exp, batch, timer)
+        # 4. updates: actor and critic groups (concurrent when placed apart); none on non-finite advantages (the
+        #    same on every rank: a function of the merged batch)
+        self.first_nonfinite = nonfinite_inputs(batch)
+        actor_m = critic_m = None
+        if self.first_nonfinite is None:
+            actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
+            critic_m = self.update_critic(exp, batch, timer)
+            self.first_nonfinite = next((f"{name}: {w.first_nonfinite}" for name, w in
+                                         (("actor", self.roles.actor), ("critic", self.roles.critic))
+                                         if w is not None and w.first_nonfinite is not None), None)
         timer.times["step"] = time.perf_counter() - t_step
         if self.sample_log is not None and self.sample_log.due(step):
             self.sample_log.write(step, exp.samples, batch.scores, tensorboard=self.state.tensorboard())
@@ -276,7 +286,8 @@ class PPOTrainer:
         admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial)."""
         b = self.settings.data.batch_size
         draws = self.loop.batches_in_flight if step == 0 else 1  # step 0 is never resumed into
-        batch = [dict(row, index=row["index"] + d * b) for d in range(draws) for row in self.state.next_prompts()]
+        batch = [dict(row, index=row["index"] + d * b) for d in range(draws)
+                 for row in self.state.next_prompts(step)]
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
@@ -432,7 +443,10 @@ class PPOTrainer:
         if start == 0 and loop.sft_warmup_steps:
             self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
                                   run_dir=self.run_dir)
+            if self.rank == 0:  # the reference a resume reloads: checked like a checkpoint's files
+                seal_directory(self.run_dir / "sft_warmup")
         elif loop.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
+            verify_sealed(self.run_dir / "sft_warmup")
             self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
         if self.state.val_dataset is not None and loop.val_before_train and start == 0:
             self.state.log_metrics({"step": 0, **self.validate(0)})
@@ -454,13 +468,20 @@ class PPOTrainer:
                 metrics.update(gpu)
             if self.controller is not None:
                 self.control(metrics)
+            stop, timed, nonfinite = self.at_step_end()
+            self.count_nonfinite(step, nonfinite, metrics)
             self.state.log_metrics(metrics)
+            if self.nonfinite_in_a_row >= loop.max_nonfinite_steps:
+                raise NonFiniteStepsError(f"{self.nonfinite_in_a_row} steps in a row (up to step {step + 1}) had "
+                                          f"non-finite values and were not applied (trainer.max_nonfinite_steps="
+                                          f"{loop.max_nonfinite_steps}); the last: {nonfinite}. The run stops with "
+                                          f"its last checkpoint untouched; look for NaN/inf in the data, rewards or "
+                                          f"learning rate, or lower the learning rate")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
             last = step + 1 == self.total_steps
             periodic = loop.save_every and (step + 1) % loop.save_every == 0
-            stop, timed = self.at_step_end()
             if (last and loop.save_final) or periodic or timed or stop:
                 if self.heartbeat is not None:
                     self.heartbeat.set_stage("checkpoint", step)
@@ -496,17 +517,49 @@ class PPOTrainer:
             self.log.info("gc: after step %d, %d objects frozen out of full collections (%.3f s)",
                           step + 1, frozen, seconds)
 
-    def at_step_end(self) -> tuple[str | None, bool]:
+    def at_step_end(self) -> tuple[str | None, bool, str | None]:
         """Agreed by every rank (one tiny all-reduce): (why to stop, or None; whether the
-        time-based checkpoint, trainer.save_every_minutes, is due)."""
+        time-based checkpoint, trainer.save_every_minutes, is due; the step's first non-finite quantity, any
+        rank's, or None when the whole step was applied)."""
         reason = self.stop_requested() if self.stop_requested is not None else None
         minutes = self.loop.save_every_minutes
         due = minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
-        flags = torch.tensor([float(reason is not None), float(due)], device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        flags = torch.tensor([float(reason is not None), float(due), float(self.first_nonfinite is not None)],
+                             device=self.device)
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
-        return stop, bool(flags[1] > 0)
+        nonfinite = None
+        if flags[2] > 0:  # rare: every rank learns what was not finite, and where
+            seen = all_gather_objects(self.first_nonfinite) if multi else [self.first_nonfinite]
+            nonfinite = next(f"rank {r}: {s}" for r, s in enumerate(seen) if s is not None)
+        return stop, bool(flags[1] > 0), nonfinite
+
+    def count_nonfinite(self, step: int, nonfinite: str | None, metrics: dict[str, float]) -> None:
+        """train/nonfinite_skipped (1: some or all of the step's update was not applied) and the run of such steps
+        in a row, which trainer.max_nonfinite_steps bounds."""
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        if self.rank == 0:
+            metrics["train/nonfinite_skipped"] = float(nonfinite is not None)
+            if nonfinite:
+                self.log.warning("step %d: non-finite %s: not applied (%d in a row, trainer.max_nonfinite_steps=%d)",
+                                 step + 1, nonfinite, self.nonfinite_in_a_row, self.loop.max_nonfinite_steps)
+
+
+class NonFiniteStepsError(RuntimeError):
+    """trainer.max_nonfinite_steps steps in a row were not applied (non-finite loss, gradient norm or advantages);
+    the launcher exits with code 2, the last checkpoint untouched."""
+
+
+def nonfinite_inputs(batch: StepBatch) -> str | None:
+    """The first of the update's inputs holding NaN or inf ("advantages", "returns", ...), or None."""
+    for name in ("scores", "advantages", "returns"):
+        t = getattr(batch, name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            return f"{name} ({bad} of {t.numel()} values NaN or inf); the actor and critic updates skipped"
+    return None
 
 
 def _step_keys(stage: str, results: dict) -> dict:
@@ -524,7 +577,11 @@ def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_
     trainer = PPOTrainer(settings=settings, placement=placement, run_dir=run_dir,
                          model_config=model_config, monitor=monitor, heartbeat=heartbeat,
                          stop_requested=stop_requested)
-    stopped = trainer.fit()
+    try:
+        stopped = trainer.fit()
+    finally:
+        if hasattr(trainer.roles.reward, "close"):
+            trainer.roles.reward.close()
     if placement.rank == 0 and stopped is None:
         logging.getLogger("hybridrl").info("done: %s", json.dumps({"run_dir": str(run_dir)}))
     if dist.is_initialized():
@@ -532,4 +589,4 @@ def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_
     return stopped
 
 
-__all__ = ["PPOTrainer", "run_training"]
+__all__ = ["NonFiniteStepsError", "PPOTrainer", "run_training"]

@@ -12,6 +12,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if "chaos" not in (config.getoption("markexpr") or ""):  # minutes: only when asked for (make test-chaos)
+        skip_chaos = pytest.mark.skip(reason="the chaos run: make test-chaos (pytest -m chaos)")
+        for item in items:
+            if "chaos" in item.keywords:
+                item.add_marker(skip_chaos)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on the GPU machine)")

@@ -27,6 +27,9 @@ class TrainerConfig:
     preempt_grace_s: float = 100.0  # SIGTERM/SIGINT: finish the step and save within this, else exit 75 anyway
     watchdog_timeout_s: float = 180.0  # a rank silent this long makes every rank exit naming it; 0: off
     on_damaged_checkpoint: str = "stop"  # resume=auto and the newest checkpoint is damaged: stop | fallback
+    # a step whose loss, gradient norm or advantages are not finite is not applied (train/nonfinite_skipped); this
+    # many such steps in a row stop the run (exit 2), the last checkpoint untouched
+    max_nonfinite_steps: int = 3
     save_final: bool = True  # false: no checkpoint after the last step (benchmarks: ~12 GB a 1B PPO run)
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted)
     export_hf: str = "final"  # final | every_save: Hugging Face directories of actor and critic in checkpoints

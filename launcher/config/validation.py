@@ -4,7 +4,9 @@ what the schema's types express. Topology is checked by launcher.planning.plan.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ def validate_config(cfg: Config) -> None:
             close = difflib.get_close_matches(str(v), choices, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"{key}={v!r} is not one of {', '.join(choices)}{hint}")
+    _validate_numbers(cfg)
     t, r = cfg.trainer, cfg.rollout
     checks = [
         (t.total_steps >= 1, f"trainer.total_steps({t.total_steps}) must be >= 1"),
@@ -66,6 +69,8 @@ def validate_config(cfg: Config) -> None:
         (r.val_temperature >= 0, f"rollout.val_temperature({r.val_temperature}) must be >= 0 (0: greedy)"),
         (t.save_every >= 0, f"trainer.save_every({t.save_every}) must be >= 0 (0: no step-based checkpoints)"),
         (t.save_every_minutes >= 0, f"trainer.save_every_minutes({t.save_every_minutes}) must be >= 0 (0: off)"),
+        (t.max_nonfinite_steps >= 1, f"trainer.max_nonfinite_steps({t.max_nonfinite_steps}) must be >= 1 (non-finite "
+                                     f"steps in a row that stop the run)"),
         (all(isinstance(x, int) and x >= 1 for x in t.profile_steps),
          f"trainer.profile_steps({list(t.profile_steps)}) must list step numbers >= 1 (e.g. [3]; []: off)"),
         (t.dist_timeout_s > 0, f"trainer.dist_timeout_s({t.dist_timeout_s}) must be > 0 seconds: it bounds how "
@@ -157,6 +162,28 @@ def validate_config(cfg: Config) -> None:
                 raise UserError(f"placement.pools: unknown role {role!r}{hint}; roles: {', '.join(ROLES)}")
         if pool.size < 1:
             raise UserError(f"placement.pools: size must be >= 1, got {pool.size} for roles {pool.roles}")
+
+
+def _walk(node: Any, prefix: str = ""):
+    """(dotted key, value) of every leaf of the config tree (dataclasses and lists of them)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _walk(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, list | tuple):
+        for i, item in enumerate(node):
+            yield from _walk(item, f"{prefix[:-1]}[{i}].")
+    else:
+        yield prefix[:-1], node
+
+
+def _validate_numbers(cfg: Config) -> None:
+    """No key holds nan or inf (lr=nan would train nothing and log nothing), and every micro-batch token budget is
+    >= 1 (0 packs no sample and never ends)."""
+    for key, v in _walk(cfg):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{key}={v} is not a finite number")
+        if key.endswith("max_tokens_per_micro_batch") and isinstance(v, int) and v < 1:
+            raise UserError(f"{key}({v}) must be >= 1 tokens (the budget of one packed micro-batch)")
 
 
 def _validate_algorithm_variants(cfg: Config) -> None:

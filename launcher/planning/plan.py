@@ -302,6 +302,16 @@ def validate_batch(cfg: Config, plan: DevicePlan) -> None:
                         f"gen_dp({plan.gen_dp})")
 
 
+def validate_context(cfg: Config, model: ModelConfig) -> None:
+    """The longest sample (the longest kept prompt and a full response) fits the model's context: beyond
+    max_position_embeddings its positions were never trained (or its rotary table ends)."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if longest > model.max_position_embeddings:
+        raise UserError(f"data.max_prompt_length({cfg.data.max_prompt_length}) + rollout.max_response_length"
+                        f"({cfg.rollout.max_response_length}) = {longest} tokens exceeds the model's context "
+                        f"(max_position_embeddings={model.max_position_embeddings}); shorten either")
+
+
 def resolve_model_config(cfg: Config) -> ModelConfig:
     """The actor's shape: config.json of model.path, or the preset."""
     from models.config import ModelConfigError, preset_config

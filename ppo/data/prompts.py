@@ -73,9 +73,15 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         raise DataError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet") or os.path.isdir(path):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:  # a CSV or JSONL named .parquet, a truncated copy
+            raise DataError(f"dataset file {path!r} is not a readable Parquet file ({str(e).splitlines()[0]}); a "
+                            f"truncated download, or another format with a .parquet name (use .jsonl for JSON "
+                            f"lines)") from None
     if path.endswith((".jsonl", ".json")):
         rows = []
         with open(path, "rb") as f:
@@ -174,6 +180,9 @@ class PromptDataset:
                 text = render_prompt(prompt, tokenizer)
             except DataError as e:
                 raise DataError(f"{source} row {n}, column {prompt_key!r}: {e} ({prompt!r:.80})") from None
+            if not text.strip():
+                raise DataError(f"{source} row {n}, column {prompt_key!r}: the prompt is empty ({prompt!r:.80}); "
+                                f"remove the row or fill in its prompt")
             parsed.append((n, prompt, text, gt, row))
         texts = [p[2] for p in parsed]
         # HF tokenizers encode a whole list in parallel (Rust threads): 100k prompts in seconds
@@ -197,6 +206,10 @@ class PromptDataset:
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens (longest %d)",
                            source, dropped, len(rows), max_prompt_length, longest)
+        if nulls := [r.index for r in records if r.ground_truth is None]:
+            logger.warning("%s: %d of %d rows have a null ground truth (rows %s%s): a rule reward scores their "
+                           "responses against None", source, len(nulls), len(records), nulls[:5],
+                           " ..." if len(nulls) > 5 else "")
         if not records:
             raise DataError(f"{source}: no usable prompts ({len(rows)} rows, {dropped} longer than "
                             f"max_prompt_length={max_prompt_length}); raise data.max_prompt_length")

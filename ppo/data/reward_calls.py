@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,9 @@ REWARD_SIGNATURES = ("auto", "hybridrl", "verl")
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 # what every sample offers a hybridrl-convention function beyond (response, ground_truth)
 STANDARD_EXTRAS = ("prompt", "sample_id", "data_source", "extra_info", "response_length")
+# a score beyond this magnitude is a reward failure: the advantages are fp32 (max 3.4e38), a group's std squares
+# the scores (1e20 overflows), and one score of 1e7 beside 0/1 scores leaves the others no signal
+MAX_ABS_SCORE = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +128,12 @@ def call_reward(call: RewardCall, fn: Callable[..., Any], response: str, ground_
             raise TypeError(f"reward dict has no 'score' key (keys: {sorted(out)})")
         extras = {str(k): x for k, v in out.items() if k != "score" and (x := _numeric(v)) is not None}
         out = out["score"]
-    value = float(out)  # bools and numpy scalars are fine; strings / None raise here
+    if isinstance(out, str) or not (isinstance(out, numbers.Real) or getattr(out, "ndim", None) == 0):
+        raise TypeError(f"reward is a {type(out).__name__} ({str(out)[:50]!r}), not a number")
+    value = float(out)  # bools, numpy scalars and 0-d tensors are fine
     if not math.isfinite(value):
         raise ValueError(f"reward is {value}")
+    if abs(value) > MAX_ABS_SCORE:
+        raise ValueError(f"reward {value:g} is beyond +-{MAX_ABS_SCORE:g}: such a score overflows (or swamps) the "
+                         f"fp32 advantages; it is failed, not clamped")
     return value, extras

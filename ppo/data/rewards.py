@@ -224,6 +224,10 @@ class RewardTimeout(TimeoutError):
     """A reward call ran past reward.timeout_s (raised from SIGALRM inside the call)."""
 
 
+class RewardNotCalled(Exception):
+    """A sample failed without a call: the function timed out on MAX_TIMEOUTS_IN_A_ROW samples before it."""
+
+
 # after this many timeouts in a row the rest of the batch is failed without calling: a function that
 # hangs on every sample costs 3 timeouts per step, not batch x timeout_s
 MAX_TIMEOUTS_IN_A_ROW = 3
@@ -266,8 +270,11 @@ class RewardManager:
     """
 
     def __init__(self, fn: Callable[..., Any], *, default_score: float = 0.0,
-                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto"):
-        self.fn = fn
+                 logger: logging.Logger | None = None, timeout_s: float | None = None, signature: str = "auto",
+                 worker=None):
+        """worker: a ppo.data.reward_worker.RewardWorker serving the same function in a child process (user
+        functions: ppo.data.reward_worker.build_reward_manager); None calls fn in this process (built-in rules)."""
+        self.fn, self.worker = fn, worker
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
         self.logger = logger or _log
@@ -296,45 +303,65 @@ class RewardManager:
         return call_reward(self.call, self.fn, s.response, s.ground_truth, prompt=s.prompt,
                            sample_id=s.sample_id, extra=s.extra)
 
-    def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
-        scores: list[float] = []
-        extras: list[dict[str, float]] = []
-        failures: dict[Any, str] = {}
+    def _outcomes(self, samples: list[RewardSample]) -> Iterable[tuple[float, dict[str, float]] | Exception]:
+        """One outcome per sample, in order: (score, extras) or the exception of its failed call."""
+        if self.worker is not None:
+            yield from self.worker.score([(s.response, s.ground_truth, s.prompt, s.sample_id, s.extra)
+                                          for s in samples], timeout_s=self.timeout_s,
+                                         max_timeouts_in_a_row=MAX_TIMEOUTS_IN_A_ROW)
+            return
         timeouts_in_a_row = 0
         for s in samples:
-            if not isinstance(s, RewardSample):
-                s = RewardSample(*s)
             if timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
-                scores.append(self.default_score)
-                failures[s.sample_id] = (f"not called: the reward function timed out on {timeouts_in_a_row} samples "
-                                         f"in a row in this batch")
+                yield RewardNotCalled(f"not called: the reward function timed out on {timeouts_in_a_row} samples "
+                                      f"in a row in this batch")
                 continue
             try:
-                value, extra = self._call_bounded(s)
-                scores.append(value)
-                extras.append(extra)
+                yield self._call_bounded(s)
                 timeouts_in_a_row = 0
             except Exception as e:  # a user function must not be able to kill the run
                 timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, RewardTimeout) else 0
+                yield e
+
+    def score(self, samples: Iterable[RewardSample | tuple]) -> RewardResult:
+        samples = [s if isinstance(s, RewardSample) else RewardSample(*s) for s in samples]
+        scores: list[float] = []
+        extras: list[dict[str, float]] = []
+        failures: dict[Any, str] = {}
+        for s, out in zip(samples, self._outcomes(samples)):
+            if isinstance(out, Exception):
                 scores.append(self.default_score)
                 extras.append({})
-                failures[s.sample_id] = f"{type(e).__name__}: {e}"
-                self._log_if_new(e, s)
+                kind = getattr(out, "kind", type(out).__name__)
+                if isinstance(out, RewardNotCalled) or kind == "NotCalled":
+                    failures[s.sample_id] = str(out)  # counted; the timeouts before it were logged
+                    continue
+                failures[s.sample_id] = f"{kind}: {out}"
+                self._log_if_new(out, s)
+            else:
+                scores.append(out[0])
+                extras.append(out[1])
         self.total_failed += len(failures)
         self.total_scored += len(scores)
         return RewardResult(scores=scores, num_failed=len(failures), failures=failures, extras=extras)
 
+    def close(self) -> None:
+        """Stop the worker process (and whatever the function forked), if any."""
+        if self.worker is not None:
+            self.worker.close()
+
     def _log_if_new(self, e: Exception, s: RewardSample) -> None:
         tb = traceback.extract_tb(e.__traceback__)
-        where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?"
-        key = (type(e).__name__, where)
+        where = getattr(e, "where", None) or (f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else "?")
+        kind = getattr(e, "kind", type(e).__name__)
+        key = (kind, where)
         if key in self.errors:
             return
-        self.errors[key] = (f"{type(e).__name__}: {e} (at {where}; first on sample {s.sample_id}, response "
+        self.errors[key] = (f"{kind}: {e} (at {where}; first on sample {s.sample_id}, response "
                             f"{s.response[:200]!r}, ground truth {str(s.ground_truth)[:100]!r})")
-        self.logger.warning("reward function failed: %s; the sample scores reward.default_score=%s (further "
+        self.logger.warning("reward function %s failed: %s; the sample scores reward.default_score=%s (further "
                             "failures with this error are counted in reward/failed, not logged)",
-                            self.errors[key], self.default_score)
+                            getattr(self.fn, "__qualname__", self.fn), self.errors[key], self.default_score)
 
     def score_batch(self, samples: Iterable[RewardSample | tuple]) -> list[float]:
         """Just the scores of `score()` (failures logged and counted in total_failed all the same)."""

@@ -82,6 +82,10 @@ class RuleReward:
                 out.setdefault(f"reward/{k}", {})[s.uid] = torch.tensor(v)
         return out
 
+    def close(self) -> None:
+        """The reward worker process and what the function forked go (ppo.data.reward_worker)."""
+        self.manager.close()
+
     def _text(self, s: Sample) -> str:
         if s.text is not None:  # an agent loop's final text (e.g. the last turn's answer)
             return s.text
@@ -277,7 +281,7 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
     layouts and optimizers, settings.reward the reward role, settings.run the seed; the updates, losses and
     generation read settings.roles and settings.generation. total_steps: the run's steps (the learning-rate
     schedules' length)."""
-    from ppo.data.rewards import RewardManager, load_reward_function
+    from ppo.data.reward_worker import build_reward_manager
 
     b, plan, groups = settings.build, placement.plan, placement.groups
     roles = Roles(settings.roles, model_config=model_config, base_model_path=b.model_path)
@@ -316,9 +320,8 @@ def build_roles(settings: PPOSettings, placement: Placement, *, model_config: Mo
             spec = _spec(b.layouts["reward"], groups["reward"], placement, dtype, frozen=True)
             roles.reward = RewardModelWorker(model, spec, pad_id=pad_id, max_tokens=w.max_tokens_per_micro_batch)
         else:
-            manager = RewardManager(load_reward_function(w.function), default_score=w.default_score,
-                                    logger=logging.getLogger("hybridrl"), timeout_s=w.timeout_s,
-                                    signature=w.signature)
+            manager = build_reward_manager(w.function, default_score=w.default_score, timeout_s=w.timeout_s,
+                                           signature=w.signature, logger=logging.getLogger("hybridrl"))
             ranks = plan.groups["reward"].ranks
             roles.reward = RuleReward(manager, tokenizer=tokenizer, rank_in_group=ranks.index(rank),
                                       group_size=len(ranks))

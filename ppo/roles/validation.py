@@ -10,12 +10,14 @@ in {1, val_n}; a sample is solved when its score >= reward.pass_threshold:
     val/reward/mean  val/pass@k                          over every validation prompt
     val/<data_source>/reward/mean  val/<data_source>/pass@k   per data source
     val/reward/<key>/mean                                each numeric extra key of dict rewards
+    val/reward/failed                                    samples whose reward call failed (rule rewards)
 
 pass@k is the unbiased estimator of Chen et al. (2021) over the val_n samples of each prompt.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from math import comb
 
@@ -89,4 +91,12 @@ def run_validation(roles, dataset, *, step: int, seed: int, val_n: int, temperat
               for k, per_uid in merged.items() if k.startswith("reward/")}
     m = validation_metrics(groups, threshold=threshold, extras=extras)
     m["val/response_length/mean"] = float(torch.tensor([len(s.response_ids) for s in exp.samples]).float().mean())
+    if "reward_failed" in merged:  # a rule reward's failed calls score reward.default_score: counted, not hidden
+        failed = int(sum(float(v) for v in merged["reward_failed"].values()))
+        m["val/reward/failed"] = float(failed)
+        if failed:
+            logging.getLogger("hybridrl").warning(
+                "validation after step %d: the reward function failed on %d of %d samples (scored "
+                "reward.default_score; val/reward/failed; the errors are logged above)", step, failed,
+                len(exp.samples))
     return m

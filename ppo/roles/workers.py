@@ -122,6 +122,10 @@ class ShardedWorker:
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
+        # the last update's optimizer steps skipped for a non-finite gradient norm (the same on every rank of the
+        # model's groups: the norm is reduced over them) and the first non-finite quantity this rank saw, or None
+        self.nonfinite_skipped = 0
+        self.first_nonfinite: str | None = None
 
     @property
     def is_owner(self) -> bool:
@@ -228,7 +232,8 @@ class ShardedWorker:
         is still the one that generated) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
         count = unmoved = 0
-        self.optimizer_steps_in_update = 0
+        self.optimizer_steps_in_update = self.nonfinite_skipped = 0
+        self.first_nonfinite = None
         for _ in range(epochs):
             for mbs in plan:
                 packs, batches = self._packs(exp, mbs, pad_id)
@@ -250,6 +255,11 @@ class ShardedWorker:
                     unmoved += "router_mismatch" in m
                 t = time.perf_counter()
                 grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                if not math.isfinite(grad_norm):  # the runner did not step (every rank of the model alike)
+                    self.nonfinite_skipped += 1
+                    if self.first_nonfinite is None:
+                        self.first_nonfinite = _first_nonfinite(metrics_list, grad_norm,
+                                                                optimizer_step=self.optimizer_steps_in_update + 1)
                 if self.device.type == "cuda":  # the step's kernels (and an offloaded optimizer's copies) are done
                     torch.cuda.synchronize(self.device)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm * len(metrics_list)
@@ -261,6 +271,16 @@ class ShardedWorker:
         if "router_mismatch" in sums:
             out["router_mismatch"] = sums["router_mismatch"] / unmoved
         return out
+
+
+def _first_nonfinite(metrics_list: list[dict], grad_norm: float, *, optimizer_step: int) -> str:
+    """The first non-finite quantity of a skipped optimizer step: a micro-batch's loss (on the last pipeline
+    stage), else the gradient norm."""
+    for k, m in enumerate(metrics_list):
+        for key, v in m.items():
+            if key.endswith("loss") and not math.isfinite(float(v)):
+                return f"{key}={float(v)} in micro-batch {k + 1} of optimizer step {optimizer_step}"
+    return f"grad_norm={grad_norm} in optimizer step {optimizer_step}"
 
 
 def _reduce_metric(key: str, acc: float | None, v: float) -> float:

@@ -320,6 +320,24 @@ def _prune(root: Path, *, keep_last: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def seal_directory(path: str | os.PathLike) -> None:
+    """A manifest (every file's size and SHA-256) for a directory a resume reads beside the checkpoints: the SFT
+    warm-up's reference weights (`<run>/sft_warmup`). Rank 0, after the directory is written."""
+    p = Path(path)
+    _write_manifest(p, step=-1, world_size=0, roles=[p.name])
+    fsync_path(p)
+
+
+def verify_sealed(path: str | os.PathLike) -> None:
+    """Raise CheckpointError when a sealed directory's files differ from its manifest (a directory written before
+    directories were sealed has none: accepted)."""
+    p = Path(path)
+    if not (p / MANIFEST).exists():
+        return
+    if (reason := verify_checkpoint(p)) is not None:
+        raise CheckpointError(p, reason)
+
+
 # ---- load ----
 def load_checkpoint(path: str | os.PathLike, *, rank: int, map_location: str = "cpu") -> tuple[dict, dict]:
     """-> (this rank's per_rank_state, shared_state) of a complete checkpoint."""

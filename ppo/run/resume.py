@@ -126,13 +126,13 @@ def check_layout(path: Path, *, saved: dict | None, current: dict, world_size: i
                           f"the same placement and tp/pp settings, or start a new run from its exported weights")
 
 
-def supersede_metrics(run_dir: str | os.PathLike, *, step: int, rank: int) -> int:
+def supersede_metrics(run_dir: str | os.PathLike, *, step: int, rank: int, name: str = "metrics.jsonl") -> int:
     """Rank 0: rows of steps after `step` (written by the attempt that died before its next
-    checkpoint) move from metrics.jsonl to metrics.superseded.jsonl, so the re-run steps appear
-    once. Returns how many rows moved."""
+    checkpoint) move from metrics.jsonl (or another per-step log `name`, e.g. the prompt ledger) to
+    <stem>.superseded.jsonl, so the re-run steps appear once. Returns how many rows moved."""
     if rank != 0:
         return 0
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / name
     if not path.exists():
         return 0
     keep, moved = [], []
@@ -146,11 +146,11 @@ def supersede_metrics(run_dir: str | os.PathLike, *, step: int, rank: int) -> in
             continue
         (moved if row_step is not None and row_step > step else keep).append(line)
     if moved:
-        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+        aside = path.with_name(path.name.replace(".jsonl", ".superseded.jsonl"))
+        with open(aside, "a") as f:
             f.write("\n".join(moved) + "\n")
-        tmp = path.with_name(f"metrics.jsonl.tmp-{os.getpid()}")
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         tmp.write_text("".join(x + "\n" for x in keep))
         os.replace(tmp, path)
-        _log.info("resume at step %d: %d metrics rows of later steps moved to %s", step, len(moved),
-                  path.with_name("metrics.superseded.jsonl"))
+        _log.info("resume at step %d: %d %s rows of later steps moved to %s", step, len(moved), name, aside)
     return len(moved)

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from ppo.algos import core_algos as algos
 from ppo.settings import DataSettings, KLControlSettings, RewardSettings, RunSettings
 
+LEDGER = "prompts.jsonl"  # the prompt ledger: one row per draw of prompts (step, epoch, dataset rows)
+
 
 class TrainState:
     def __init__(self, run: RunSettings, data: DataSettings, *, total_steps: int, run_dir: Path, rank: int,
@@ -74,9 +76,16 @@ class TrainState:
                    layout=layout, val_dataset=val_dataset)
 
     # ------------------------------------------------------------------ data
-    def next_prompts(self) -> list[dict]:
-        """The step's prompts, identical on every rank: [{index, prompt_ids, ground_truth}]."""
+    def next_prompts(self, step: int) -> list[dict]:
+        """The next prompts, drawn while (0-based) `step` runs, identical on every rank: [{index, prompt_ids,
+        ground_truth}]. Rank 0 records the draw in the prompt ledger (<run>/prompts.jsonl: the 1-based step it was
+        drawn in, the epoch, the dataset rows); a resume at step k supersedes the draws made after k."""
         idx = self.sampler.next_batch()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / LEDGER, "a") as f:
+                f.write(json.dumps({"step": step + 1, "epoch": self.sampler.epoch, "rows": [int(j) for j in idx]})
+                        + "\n")
         return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
 
     def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
@@ -134,7 +143,8 @@ class TrainState:
             return
         if self._wandb is None:
             self._wandb = wandb.init(project=self.run.wandb_project, name=self.run.experiment_name,
-                                     config=self.run.config_record, dir=str(self.run_dir))
+                                     config=self.run.config_record, dir=str(self.run_dir),
+                                     **wandb_resume_args(self.run_dir, resumed_at=self.resumed_at))
         if self._wandb:
             wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
 
@@ -193,7 +203,8 @@ class TrainState:
         if path is None:
             if self.rank == 0:
                 self.log.info("trainer.resume=auto: no checkpoint in %s, starting fresh", self.run_dir)
-            supersede_metrics(self.run_dir, step=0, rank=self.rank)
+            supersede_metrics(self.run_dir, step=-1, rank=self.rank)  # the fresh start writes every row again
+            supersede_metrics(self.run_dir, step=-1, rank=self.rank, name=LEDGER)
             return 0, fresh
         check_world_size(path, world_size=world)
         per_rank, shared = load_checkpoint(path, rank=self.rank)
@@ -210,8 +221,30 @@ class TrainState:
         saved = shared["ahead"] if "ahead" in shared else [shared["pending"]] if shared.get("pending") else []
         ahead = BatchesAhead.from_state(saved, max_staleness=max_staleness)
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank)
+        # the draws made after the checkpoint are drawn again (those before it are trained, or held by it: batches
+        # generated ahead, groups in flight)
+        supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank, name=LEDGER)
         self.resumed_at = int(shared["step"])
         return self.resumed_at, ahead
+
+
+WANDB_ID = "wandb_id"
+
+
+def wandb_resume_args(run_dir: Path, *, resumed_at: int) -> dict:
+    """wandb.init's arguments that make every attempt of a run one W&B run without doubled rows: the first attempt
+    draws the run id and keeps it in <run>/wandb_id; a later attempt (a restart, a resume) rewinds that run's
+    history to the step it resumed from (W&B's resume_from="<id>?_step=<step>"), so the steps it re-runs replace
+    the rows the earlier attempt logged after its last checkpoint, as metrics.jsonl's are superseded."""
+    path = run_dir / WANDB_ID
+    if path.exists():
+        run_id = path.read_text().strip()
+        return {"resume_from": f"{run_id}?_step={resumed_at}"}
+    import secrets
+
+    run_id = secrets.token_hex(8)
+    path.write_text(run_id + "\n")
+    return {"id": run_id, "resume": "allow"}
 
 
 def total_steps(run: RunSettings, batches_per_epoch: int) -> int:

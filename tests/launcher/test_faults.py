@@ -65,7 +65,8 @@ def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
     trainer.max_staleness=1): each rank's checkpoint of step 2 holds its replica's groups in flight, the shared
     state the sampler past them; the restart trains each prompt once (the rows and the weights equal). The
     batches generated ahead (max_staleness without batches_in_flight) restart alike: tests/ppo/test_staleness.py."""
-    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=auto", "trainer.max_staleness=1",
+    # no trainer.resume=auto: the restarted attempt continues its own run by itself (a fresh launch would not)
+    common = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.max_staleness=1",
               "rollout.batches_in_flight=2", "rollout.max_response_length=8",
               f"reward.function={FAULTS}:task_reward_with_fault"]
     _ok(launch(tmp_path, "straight", *common))
@@ -79,6 +80,11 @@ def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
     _same_run(rows(tmp_path / "straight"), rows(run))
     assert all(r["async/staleness_max"] <= 1 for r in rows(run))
     assert [r["step"] for r in map(json.loads, (run / "metrics.superseded.jsonl").read_text().splitlines())] == [3]
+    # the prompt ledger: the dead attempt's draws after step_2 superseded, every draw once, the straight run's
+    ledger = lambda d: [json.loads(x) for x in (d / "prompts.jsonl").read_text().splitlines()]  # noqa: E731
+    assert ledger(run) == ledger(tmp_path / "straight")
+    drawn = [(r["epoch"], row) for r in ledger(run) for row in r["rows"]]
+    assert len(drawn) == len(set(drawn)) and [r["step"] for r in ledger(run)] == [1, 1, 2, 3, 4]  # 2 in flight
     a = load_file(tmp_path / "straight" / "checkpoints" / "step_4" / "actor" / "model.safetensors")
     b = load_file(run / "checkpoints" / "step_4" / "actor" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
@@ -121,6 +127,18 @@ def test_reward_raising_on_every_sample_stops_with_a_clear_error(tmp_path):
     assert res.returncode == 2
     assert "step 1: the reward function" in res.stderr and "failed on 8 of 8 samples" in res.stderr
     assert "ValueError: cannot parse" in res.stderr and "Traceback" not in res.stderr
+    assert "failed on 8 of 8 samples" in (tmp_path / "raises" / "logs" / "rank_0.log").read_text()  # the stop reason
+
+
+def test_reward_calling_os_exit_or_sys_exit_is_a_counted_failure(tmp_path):
+    """os._exit(0) / sys.exit(3) in the reward function ended the job silently with exit 0 (or killed the workers
+    with no message): now each call is a failed sample, named, and the run trains on."""
+    res = launch(tmp_path, "exits", "trainer.total_steps=2", f"reward.function={FAULTS}:exits_on_odd_samples", nproc=0)
+    _ok(res)
+    assert [(r["step"], r["reward/failed"]) for r in rows(tmp_path / "exits")] == [(1, 4), (2, 4)]
+    log = (tmp_path / "exits" / "logs" / "rank_0.log").read_text()
+    assert "WorkerDied: the reward function ended its worker process (exit code 0" in log
+    assert "SystemExit: 3" in log and "exits_on_odd_samples failed" in log
 
 
 def test_hanging_reward_is_timed_out_and_counted_and_timed_checkpoints(tmp_path):

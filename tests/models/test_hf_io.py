@@ -213,3 +213,14 @@ def test_save_tensors_merged_pipeline_stages_of_tied_model(tmp_path):
     with pytest.raises(ModelConfigError, match="all-reduce the tied weight's gradient"):
         save_tensors(merged, cfg, tmp_path / "m2")
     assert not (tmp_path / "m2").exists()
+
+
+@pytest.mark.parametrize("text,needle", [('{"hidden_size": 32,', "is not valid JSON"),
+                                         ("[1]", "holds a JSON list, not an object")])
+def test_malformed_config_json_is_a_model_config_error_naming_the_file(tmp_path, text, needle):
+    from models.config import ModelConfigError
+    from models.hf_io import read_config
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelConfigError, match=f"{tmp_path}/config.json {needle}"):
+        read_config(tmp_path)

@@ -394,3 +394,32 @@ def _reshard_body(rank, world):
 @_gpus(2)
 def test_reshard_tp2_to_tp1_from_megatron_actor():
     assert all(run_world(_reshard_body, 2, backend="nccl"))
+
+
+def _nonfinite_body(rank, world):
+    import math
+
+    from parallel.megatron_weights import megatron_hf_shards
+
+    cfg = _cfg()
+    runner, opt = _runner(_native(cfg), lr=1e-3)
+    mbs, targets = _batch(cfg, b=2)
+    out = []
+    for poison in (True, False):
+        before = {n: t.detach().clone() for n, t in megatron_hf_shards(runner.gpt, runner.pgc).items()}
+        runner.forward_backward(mbs, loss_fn=_nll(runner, targets))
+        if poison:  # one element of the DDP gradient buffer
+            runner.ddp.buffers[0].grad_data.view(-1)[0] = float("nan")
+        norm = runner.optimizer_step(opt, max_norm=1.0)
+        after = megatron_hf_shards(runner.gpt, runner.pgc)
+        out.append((math.isfinite(norm), any(not torch.equal(after[n], before[n]) for n in before),
+                    all(bool(torch.isfinite(t).all()) for t in after.values())))
+    return out
+
+
+@pytest.mark.gpu
+def test_a_nan_gradient_skips_the_distributed_optimizers_step():
+    """A NaN in the DDP gradient buffer: optimizer_step returns NaN without stepping (megatron itself checks only
+    under a loss scaler), the weights stay finite and unchanged; the next clean step trains."""
+    res = run_world(_nonfinite_body, 1, backend="nccl")[0]
+    assert res == [(False, False, True), (True, True, True)], res

@@ -161,8 +161,8 @@ def test_over_provisioned_partial_rollouts_keep_the_bound_and_train_each_prompt_
     _record_partial(straight, spans)
     drawn = []
     draw = straight.state.next_prompts
-    straight.state.next_prompts = lambda: [drawn.append((tuple(r["prompt_ids"]), r["ground_truth"])) or r
-                                           for r in draw()]
+    straight.state.next_prompts = lambda step: [drawn.append((tuple(r["prompt_ids"]), r["ground_truth"])) or r
+                                                for r in draw(step)]
     rows = []
     log = straight.state.log_metrics
     straight.state.log_metrics = lambda m: rows.append(m) or log(m)

@@ -188,13 +188,13 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
     from launcher.rundir import prepare_run_dir
 
     run, lock = prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
-    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a trained step (a step-0 validation row is none)
     lock.release()  # the run ended
     with pytest.raises(UserError, match="already holds a run"):
         prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=False)
     prepare_run_dir(str(tmp_path), "x", resume="never", overwrite=True)
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("x.old-")]
-    assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == "{}\n"
+    assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 @pytest.mark.distributed

@@ -189,6 +189,11 @@ def test_each_reward_kind_takes_its_own_keys():
     ("reward.timeout_s=-1", "reward.timeout_s(-1.0) must be >= 0"),
     ("trainer.watchdog_timeout_s=-5", "trainer.watchdog_timeout_s(-5.0) must be >= 0"),
     ("trainer.on_damaged_checkpoint=skip", "trainer.on_damaged_checkpoint='skip' is not one of stop, fallback"),
+    ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps(0) must be >= 1"),
+    ("actor.optim.lr=nan", "actor.optim.lr=nan is not a finite number"),
+    ("algorithm.gamma=inf", "algorithm.gamma=inf is not a finite number"),
+    ("actor.max_tokens_per_micro_batch=0", "actor.max_tokens_per_micro_batch(0) must be >= 1 tokens"),
+    ("ref.max_tokens_per_micro_batch=-1", "ref.max_tokens_per_micro_batch(-1) must be >= 1 tokens"),
 ])
 def test_reliability_keys_are_validated(override, needle):
     with pytest.raises(UserError) as e:

@@ -131,3 +131,13 @@ def test_over_provisioning_needs_the_prompts_to_split_over_the_generation_replic
     plan = compute_plan(cfg, world_size=2, model=TINY)
     with pytest.raises(UserError, match=r"data.batch_size\(3\) must be a multiple of the rollout's gen_dp\(2\)"):
         validate_batch(cfg, plan)
+
+
+def test_prompt_plus_response_beyond_the_models_context_is_refused_before_launch():
+    from launcher.planning.plan import resolve_model_config, validate_context
+
+    ok = load_config("conf/ppo_tiny.yaml", ["data.max_prompt_length=1000", "rollout.max_response_length=24"])
+    validate_context(ok, resolve_model_config(ok))  # 1024 = the tiny preset's context
+    cfg = load_config("conf/ppo_tiny.yaml", ["data.max_prompt_length=1000", "rollout.max_response_length=25"])
+    with pytest.raises(UserError, match=r"= 1025 tokens exceeds the model's context \(max_position_embeddings=1024\)"):
+        validate_context(cfg, resolve_model_config(cfg))

@@ -216,3 +216,28 @@ def test_non_utf8_file_and_non_text_prompt_name_file_line_and_row(tmp_path):
     ints.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": 7, "answer": "1"}\n')
     with pytest.raises(DataError, match=r"ints.jsonl row 1, column 'prompt': prompt must be a string .* got int \(7\)"):
         PromptDataset.from_files([str(ints)], tokenizer=tok, prompt_key="prompt", answer_key="answer")
+
+
+def test_bad_files_and_empty_prompts_are_data_errors_naming_file_and_row(tmp_path):
+    """Raw exceptions before (pyarrow's ArrowInvalid; an empty prompt reaching generation): now DataError (exit 2)
+    naming the file, and the row and column for an empty prompt."""
+    tok = load_tokenizer("builtin:char")
+    (tmp_path / "csv.parquet").write_text("prompt,ground_truth\n1+1=,2\n")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "ground_truth": "2"}] * 20), tmp_path / "good.parquet")
+    whole = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+    for name in ("csv.parquet", "cut.parquet"):
+        with pytest.raises(DataError, match=f"{name}' is not a readable Parquet file"):
+            PromptDataset.from_file(str(tmp_path / name), tokenizer=tok)
+    (tmp_path / "e.jsonl").write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "", "ground_truth": "1"}\n')
+    with pytest.raises(DataError, match=r"e.jsonl row 1, column 'prompt': the prompt is empty"):
+        PromptDataset.from_file(str(tmp_path / "e.jsonl"), tokenizer=tok)
+
+
+def test_null_ground_truths_are_counted_in_a_warning(tmp_path, caplog):
+    tok = load_tokenizer("builtin:char")
+    rows = [{"prompt": f"{i}+1=", "reward_model": {"ground_truth": None if i % 2 else str(i + 1)}} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "n.parquet")
+    with caplog.at_level(logging.WARNING):
+        PromptDataset.from_file(str(tmp_path / "n.parquet"), tokenizer=tok)
+    assert any("3 of 6 rows have a null ground truth (rows [1, 3, 5])" in m for m in caplog.messages), caplog.messages

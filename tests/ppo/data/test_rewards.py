@@ -276,3 +276,20 @@ def test_the_failure_stop_fires_at_the_fraction_and_names_the_errors():
     msg = str(err)
     assert msg.startswith("step 3: the reward function (r.py:score) failed on 6 of 8 samples (75%, ")
     assert "e0 | e1" not in msg and "ValueError: e4" in msg and "ValueError: e5" not in msg and "(+2 more" in msg
+
+
+@pytest.mark.parametrize("value", [1e300, -1e300, 1e30, 1e20, 1e7, float("inf"), float("-inf"), float("nan"),
+                                   "0.5", None, [1.0]])
+def test_huge_non_finite_or_non_number_scores_are_failures_never_numbers(value):
+    """A score that would overflow the fp32 advantages (1e300), swamp them (1e20-1e30, 1e7 beside 0/1 scores), or
+    is NaN / inf / not a number fails the sample (default_score, counted), never reaches the advantages."""
+    mgr = RewardManager(lambda response, ground_truth: value if response == "bad" else 1.0, default_score=0.0)
+    res = mgr.score([RewardSample("ok", "p", "good", "g"), RewardSample("b", "p", "bad", "g")])
+    assert res.scores == [1.0, 0.0] and res.num_failed == 1 and set(res.failures) == {"b"}
+
+
+def test_largest_accepted_score_is_max_abs_score():
+    from ppo.data.reward_calls import MAX_ABS_SCORE
+
+    mgr = RewardManager(lambda response, ground_truth: -MAX_ABS_SCORE)
+    assert mgr.score([RewardSample("a", "p", "r", "g")]).scores == [-MAX_ABS_SCORE]

@@ -25,7 +25,7 @@ def test_request_seed_is_stable_and_distinct():
 
 def test_generate_reports_samples_timings_and_metrics(trainer):
     rollout = trainer.roles.rollout
-    batch = trainer.state.next_prompts()
+    batch = trainer.state.next_prompts(0)
     gen = rollout.generate(batch, step=0, seed=1)
     assert isinstance(gen, Generation)
     n = trainer.settings.generation.n
@@ -92,7 +92,7 @@ def test_a_data_row_caps_its_response_length(trainer):
     with pytest.raises(ValueError, match="max_response_length=0 must be a positive integer"):
         response_cap({"index": 5, "columns": {"max_response_length": 0}}, 16)
     rollout = trainer.roles.rollout
-    batch = [dict(row, columns={"max_response_length": 1 + row["index"] % 2}) for row in trainer.state.next_prompts()]
+    batch = [dict(row, columns={"max_response_length": 1 + row["index"] % 2}) for row in trainer.state.next_prompts(0)]
     gen = rollout.generate(batch, step=0, seed=1)
     assert gen.samples and all(len(s.response_ids) <= 1 + s.prompt_index % 2 for s in gen.samples)
     assert any(len(s.response_ids) == 2 for s in gen.samples)

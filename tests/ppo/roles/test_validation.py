@@ -1,9 +1,11 @@
-"""ppo/roles/validation.py: pass@k against enumeration, metrics per data source; ppo/metrics/samples.py."""
+"""ppo/roles/validation.py: pass@k against enumeration, metrics per data source, reward failures counted
+(val/reward/failed); ppo/metrics/samples.py."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import pytest
 
@@ -72,3 +74,21 @@ def test_sample_log_writes_jsonl_console_and_tensorboard(tmp_path, caplog):
     assert sum("sample step 5 uid" in r.getMessage() for r in caplog.records) == 3
     tag, text, step = writer.texts[0]
     assert tag == "samples" and step == 5 and "toy\\|add" in text and text.count("\n") == 4
+
+
+def test_validation_reward_failures_are_counted(tmp_path, caplog):
+    """A reward failing on every validation sample was a plain val/reward/mean of reward.default_score; now it is
+    counted (val/reward/failed) and said in a WARNING, with the function's own error."""
+    from tests.ppo.world import tiny_run, world_of_one
+
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1)}) + "\n" for i in range(4)))
+    with world_of_one():
+        t = tiny_run(tmp_path, f"data.val_files={val}", "rollout.val_n=1",
+                     "reward.function=tests/launcher/fault_rewards.py:exits").trainer(tmp_path)
+        with caplog.at_level(logging.WARNING, logger="hybridrl"):
+            m = t.validate(0)
+        t.roles.reward.close()
+    assert m["val/reward/failed"] == 4.0 and m["val/reward/mean"] == 0.0
+    assert any("failed on 4 of 4 samples" in r.getMessage() for r in caplog.records)
+    assert any("SystemExit: 3" in r.getMessage() for r in caplog.records)  # the function's own error, named
