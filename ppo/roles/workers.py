@@ -118,7 +118,8 @@ class ShardedWorker:
             load_adapters(self.runner, spec.lora_init)
         self.share_prompts = spec.share_prompts
         self.router_replay = spec.router_replay
-        self.moe = bool(getattr(model.config, "is_moe", False))
+        # a given runner (a LoRA actor's reference) drives a dense model: LoRA on a mixture of experts is refused
+        self.moe = model is not None and bool(getattr(model.config, "is_moe", False))
         self.grad_clip = 1.0
         self.optimizer = self.scheduler = None
         self.optimizer_steps_in_update = 0  # an OOM retry of an update is safe only before its first step
