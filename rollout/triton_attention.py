@@ -89,6 +89,13 @@ if triton is not None:
         return tl.where(tl.abs(x) < 0.015625, small, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
+    def _quantize_rows(x):
+        """Rows x [R, D] over their absolute maximum / 448, rounded to e4m3 (still fp32), and the scales [R]."""
+        xf = x.to(tl.float32)
+        sc = tl.maximum(tl.max(tl.abs(xf), 1) / 448.0, 1e-30)
+        return _round_e4m3(xf / sc[:, None]), sc
+
+    @triton.jit
     def _store_row(row_ptr, scale_ptr, x, D: tl.constexpr, FP8: tl.constexpr):
         """Store one cache row x [D]: as is, or (FP8) over its absolute maximum / 448 with the scale beside it.
         Returns the row as stored (FP8: dequantized), which the token then attends as every later step will."""
@@ -317,11 +324,10 @@ if triton is not None:
         v = tl.load(v_ptr + r * s_vb + h * s_vh + tt[:, None] * s_vt + d[None, :], mask=ok, other=0.0)
         if FP8:  # each (token, head) row over its own absolute maximum / 448, the scale beside it
             s_dst = scale_ptr + slot * s_sb + h * s_sh + tt * s_st
-            k_sc = tl.maximum(tl.max(tl.abs(k.to(tl.float32)), 1) / 448.0, 1e-30)
-            v_sc = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), 1) / 448.0, 1e-30)
-            tl.store(dst, _round_e4m3(k.to(tl.float32) / k_sc[:, None]).to(cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(dst + s_cv, _round_e4m3(v.to(tl.float32) / v_sc[:, None]).to(cache_ptr.dtype.element_ty),
-                     mask=ok)
+            kq, k_sc = _quantize_rows(k)
+            vq, v_sc = _quantize_rows(v)
+            tl.store(dst, kq.to(cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + s_cv, vq.to(cache_ptr.dtype.element_ty), mask=ok)
             tl.store(s_dst, k_sc, mask=tt < t)
             tl.store(s_dst + s_sv, v_sc, mask=tt < t)
         else:
