@@ -8,7 +8,8 @@
 The workload is conf/bench_grpo_1b.yaml (GRPO, llama-1b shape, random weights, 32 prompts x 8 samples) with its
 prompts written to a JSONL file whose `max_response_length` column caps each prompt's responses (ppo/roles/
 generation.response_cap): caps drawn from a log-normal (median --median-tokens, sigma --sigma) clipped to
-[16, --max-tokens], since random weights never stop early. Each mode is a bench.placement mode run on it
+[16, --max-tokens] (3,967: the prompt and the longest response fill llama-1b's 4,096-token context), since random
+weights never stop early. Each mode is a bench.placement mode run on it
 (colocated-sync: every step waits for its longest response; colocated-partial: rollout.batches_in_flight=2 at
 trainer.max_staleness=1, the first complete groups trained, the rest continue). The issue's target: partial at
 >= 1.5x the samples/s of sync, async/staleness_max <= 1. Extra key=value overrides go to every run. The last
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=1024, help="rows of the prompt file")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=4096)
+    # llama-1b's context is 4,096 tokens: a 129-token prompt leaves responses up to 3,967 (the launcher refuses
+    # prompt + response lengths past the model's context)
+    ap.add_argument("--max-tokens", type=int, default=3967)
     ap.add_argument("--median-tokens", type=int, default=256)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
