@@ -321,10 +321,20 @@ class EngineModelRunner:
             ids[r, : len(toks)] = torch.tensor(toks)
             last.append(len(toks) - 1)
         seqs = batch.seqs
+        row_of, slot_of = [r for r, row in enumerate(batch.rows) for _ in row], [s.slot for s in seqs]
+        if self.config.compile:  # no size reaching the compiled prefill may be 1: Dynamo specialises it (a
+            # second whole-model compile mid-run, e.g. at an agent's next turn or a resumed partial rollout)
+            if len(batch.rows) == 1:  # one prompt row: a copy is run beside it, never written nor sampled
+                ids, last = ids.repeat(2, 1), last * 2
+            if len(seqs) == 1:  # one sequence: its row is written into its slot twice (the same K/V)
+                row_of, slot_of = row_of * 2, slot_of * 2
         # inputs up through pinned memory without a host sync (a pageable copy waits for the stream)
-        rows = self._upload(torch.tensor([r for r, row in enumerate(batch.rows) for _ in row]))
-        slots = self._upload(torch.tensor([s.slot for s in seqs]))
+        rows = self._upload(torch.tensor(row_of))
+        slots = self._upload(torch.tensor(slot_of))
         logits, routes = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
+        logits = logits[: len(seqs)]
+        if routes is not None:
+            routes = routes[: len(batch.rows)]
         f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))
         i = self._upload(torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs]))
         filtered = any_filtered(seqs)

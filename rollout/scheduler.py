@@ -59,8 +59,11 @@ class DecodeBatch:
 
 
 def batch_buckets(num_slots: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 32, then every 32, and num_slots."""
-    sizes = {b for b in (1, 2, 4, 8, 16, 32) if b < num_slots}
+    """Decode batch sizes that get a CUDA graph: 2, 4, 8, 16, 32, then every 32, and num_slots. No bucket of one
+    row (unless there is one slot): under rollout.compile Dynamo specialises a size of 1, so a one-row decode
+    would compile the whole model a second time in the middle of a run (~20-60 s on a GPU, seen in the partial
+    rollouts' tails); one padding row costs nothing measurable at decode sizes."""
+    sizes = {b for b in (2, 4, 8, 16, 32) if b < num_slots}
     sizes.update(range(64, num_slots, 32))
     sizes.add(num_slots)
     return sorted(sizes)

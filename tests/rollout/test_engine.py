@@ -298,9 +298,15 @@ def test_decode_kernel_timing_leaves_the_live_cache_alone(model):
 def test_compiled_prefill_and_decode_match_naive_greedy_across_shapes(model):
     """config.compile: one dynamic-shape graph each for prefill and decode; new prompt counts and
     lengths must neither change the result nor fall back to eager."""
+    from torch._dynamo.utils import counters
+
     engine = NativeEngine.from_model(model, config=config(compile=True))
-    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    for prompts in (PROMPTS, PROMPTS[1:4], [[5, 6, 7, 8, 9, 10, 11]] * 2):
-        outs = engine.generate(prompts, p)
-        assert [c.token_ids for c in outs] == [naive_greedy(model, q, 5) for q in prompts]
+    graphs = None
+    # one prompt, and one sequence, too: sizes of 1 (which Dynamo specialises) never reach the compiled graphs
+    for prompts, n in ((PROMPTS, 1), (PROMPTS[1:4], 1), ([[5, 6, 7, 8, 9, 10, 11]] * 2, 1), ([PROMPTS[2]], 1),
+                       ([PROMPTS[0]], 2)):
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=n))
+        assert [c.token_ids for c in outs] == [naive_greedy(model, q, 5) for q in prompts for _ in range(n)]
+        graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+    assert counters["stats"]["unique_graphs"] == graphs, "a new prompt count or length recompiled"
     assert engine.runner._decode.error is None and engine.runner._prefill.error is None

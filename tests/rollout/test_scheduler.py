@@ -17,8 +17,8 @@ def _seq(i, prompt_index, prompt_len, **params):
 
 def test_buckets():
     assert batch_buckets(1) == [1]
-    assert batch_buckets(5) == [1, 2, 4, 5]
-    assert batch_buckets(256)[:8] == [1, 2, 4, 8, 16, 32, 64, 96] and batch_buckets(256)[-1] == 256
+    assert batch_buckets(2) == [2] and batch_buckets(5) == [2, 4, 5]  # no one-row bucket: see batch_buckets
+    assert batch_buckets(256)[:8] == [2, 4, 8, 16, 32, 64, 96, 128] and batch_buckets(256)[-1] == 256
     for n in range(1, 5000):
         b = length_bucket(n, granule=64, cap=1 << 20)
         assert b >= n and b % 64 == 0 and (b - n < 64 or b - n <= n / 8)
@@ -69,8 +69,8 @@ def test_finish_reasons_free_slots_and_compaction():
     assert done == [seqs[3]] and seqs[3].finish_reason == "length"  # 10 + 2 tokens == max_model_len
     done = s.update([seqs[0], seqs[4]], [5, 5], [-1.0] * 2)
     assert done == [seqs[0]] and seqs[0].finish_reason == "length" and len(seqs[0].token_ids) == 3
-    assert s.schedule().num_rows == 2  # only seq 4 in slot 1 left: bucket 2 until compaction
-    assert s.compaction() == [(1, 0)] and seqs[4].slot == 0 and s.schedule().num_rows == 1
+    # only seq 4 in slot 1 left: the smallest bucket (2 rows) covers it, nothing to compact
+    assert s.schedule().num_rows == 2 and not s.needs_compaction() and s.compaction() == []
 
 
 def test_schedule_without_work_raises():
@@ -90,18 +90,18 @@ def test_check_request_messages():
 
 def test_pipelining_helpers():
     s = _sched(num_slots=4, max_model_len=20)
-    a, b = _seq(0, 0, 4, max_tokens=2), _seq(1, 1, 17, max_tokens=50)
-    s.add(a)
-    s.add(b)
-    s.update(s.schedule().seqs, [5, 5], [0.0, 0.0])  # a: 1 of 2 tokens, b: length 18 of 20
+    a, c, b = _seq(0, 0, 4, max_tokens=2), _seq(2, 2, 4, max_tokens=2), _seq(1, 1, 17, max_tokens=50)
+    for q in (a, c, b):
+        s.add(q)
+    s.update(s.schedule().seqs, [5, 5, 5], [0.0] * 3)  # a, c: 1 of 2 tokens, b: length 18 of 20
     assert s.surely_finishes_next(a) and not s.surely_finishes_next(b)
     s.update([b], [5], [0.0])
     assert s.surely_finishes_next(b)  # length 19: the next token reaches max_model_len
-    step = s.decode_batch([a, b], lookahead=1)
-    assert step.num_rows == 2 and step.kv_len == 32  # 19 + 1 in flight -> bucket of granule 16
+    step = s.decode_batch([a, c, b], lookahead=1)
+    assert step.num_rows == 4 and step.kv_len == 32  # slot 2 -> bucket 4; 19 + 1 in flight -> granule 16
     assert not s.can_admit() and not s.needs_compaction()
-    s.update([a], [5], [0.0])  # a finishes: slot 0 free, b alone in slot 1
-    assert s.needs_compaction()
+    s.update([a, c], [5, 5], [0.0] * 2)  # a and c finish: b alone in slot 2, past the smallest bucket (2)
+    assert s.needs_compaction() and s.compaction() == [(2, 0)] and s.decode_batch([b], lookahead=1).num_rows == 2
 
 
 def test_admissions_are_batched():
