@@ -148,6 +148,14 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} trains groups whose tokens span weight "
                         f"versions, which needs a staleness bound: set trainer.max_staleness >= 1 (the oldest "
                         f"token of a trained group is at most that many steps old)")
+    if cfg.trainer.stale_policy not in ("pace", "drop"):
+        raise UserError(f"trainer.stale_policy={cfg.trainer.stale_policy!r} must be pace or drop")
+    if cfg.trainer.stale_policy == "drop" and r.batches_in_flight < 2:
+        raise UserError(f"trainer.stale_policy=drop drops groups in flight that would be trained more than "
+                        f"trainer.max_staleness steps old; without partial rollouts (rollout.batches_in_flight="
+                        f"{r.batches_in_flight}) no group stays in flight across steps (batches generated ahead are "
+                        f"within the bound by construction), so nothing could be dropped: set "
+                        f"rollout.batches_in_flight >= 2 (and trainer.max_staleness >= 1) or trainer.stale_policy=pace")
     if r.batches_in_flight > 1 and r.engine != "native":
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
                         f"(rollout.engine=native); {r.engine} only generates whole batches")
