@@ -202,15 +202,17 @@ def _long_tail(trainer) -> None:
                                                                 else 2}) for r in draw(step)]
 
 
-def _partial_run(tmp_path, policy: str):
+def _partial_run(tmp_path, policy: str, *overrides: str, stop_after: int | None = None):
     t = _trainer(tmp_path, 1, "rollout.batches_in_flight=2", "rollout.max_response_length=12", "data.batch_size=4",
-                 f"trainer.stale_policy={policy}", SIGNAL)
+                 f"trainer.stale_policy={policy}", SIGNAL, *overrides)
     _long_tail(t)
     ledger, rows = {}, []
     _record_ledger(t, ledger)
     log = t.state.log_metrics
     t.state.log_metrics = lambda m: rows.append(m) or log(m)
-    assert t.fit() is None
+    if stop_after is not None:
+        t.stop_requested = _StopAfter(t, stop_after)
+    assert t.fit() == (None if stop_after is None else "SIGTERM")
     return t, ledger, rows
 
 
@@ -241,6 +243,14 @@ def test_dropping_stale_partial_rollouts_counts_them_and_records_each_prompt_onc
         left.remove(p)
     # the rest: still in flight when the run ended
     assert len(left) == len(t.roles.rollout.partial.groups) == rows[-1]["async/groups_in_flight"]
+
+    # preempted after step 3 (groups dropped before and after) and resumed: the same trained prompts, drops and
+    # draws (the ledger's superseded rows aside) as the straight run
+    run = tmp_path / "stopped"
+    _, first, _ = _partial_run(run, "drop", "trainer.resume=auto", stop_after=3)
+    _, second, _ = _partial_run(run, "drop", "trainer.resume=auto")
+    assert {**first, **second} == ledger
+    assert (run / "prompts.jsonl").read_text() == (tmp_path / "drop" / "prompts.jsonl").read_text()
 
     _, _, paced = _partial_run(tmp_path / "pace", "pace")
     assert all(r["async/dropped_groups"] == 0 and r["async/staleness_max"] <= 1 for r in paced)
