@@ -10,6 +10,7 @@ Modes (each a set of overrides on the same config):
                                 (rollout.batches_in_flight=2; its gain needs responses of unequal length)
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
+    split-async2                ... staleness bound 2: batches k+1 and k+2 generated ahead (issue 41 item 6)
     split-async+controller      ... with the NVML feedback batch controller
     auto-sync, auto-async       placement.mode=auto: the cost model's best plan (launcher/planning/autoplan.py)
 Each row: NVML utilization, useful utilization (counted FLOPs / time / peak), samples/s, tokens/s
@@ -29,6 +30,7 @@ MODES = {
     "colocated-partial": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2"],
     "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
     "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
+    "split-async2": ["placement.mode=split", "trainer.max_staleness=2"],
     "split-async+controller": ["placement.mode=split", "trainer.max_staleness=1", "controller.enabled=true"],
     "auto-sync": ["placement.mode=auto", "trainer.max_staleness=0"],
     "auto-async": ["placement.mode=auto", "trainer.max_staleness=1"],
