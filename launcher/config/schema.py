@@ -217,7 +217,8 @@ class RolloutRoleConfig:
     # over-provisioning with partial rollouts (needs a staleness bound, the trainer section's max_staleness >= 1,
     # and the native engine): this many batches of prompts in flight; each step trains the first data.batch_size
     # complete groups (those admitted K steps ago first), the others continue next step under the new weights,
-    # their KV recomputed; 1: off; above 2 only with trainer.stale_policy=drop (waiting cannot keep the bound)
+    # their KV recomputed; 1: off; above 2 only with the trainer section's stale_policy=drop (waiting cannot keep
+    # the bound)
     batches_in_flight: int = 1
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
