@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail partial heavy_tail adamw train gen agent reshard grpo grpo_long recipe ppo placement lora moe
+#   parts: env tests megatron attn tail partial heavy_tail adamw train gen agent reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
-#      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), T_<PART> (time limits, s; T_PLACEMENT is per mode).
+#      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), ASYNC2_STEPS (10), T_<PART> (time limits, s; T_PLACEMENT
+#      and T_ASYNC2 are per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -82,6 +83,12 @@ for p in "${parts[@]}"; do
       [ "$ngpu" -ge 2 ] && for m in ${PLACEMENT_MODES:-colocated-sync split-sync split-async split-async+controller}; do
         run "placement_b_${m/+/_}" "${T_PLACEMENT:-280}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
           --nproc 2 --warmup "${PLACEMENT_WARMUP:-2}" --modes "$m" ${EXTRA:-}
+      done ;;
+    async2)  # issue 41 item 6: PPO workload (b), split placement, synchronous vs staleness bound 1 vs 2 (2 GPUs).
+             # 10 steps (2 warm-up): the last K steps generate nothing; compare samples_per_s_steady
+      [ "$ngpu" -ge 2 ] && for m in split-sync split-async split-async2; do
+        run "async2_b_${m}" "${T_ASYNC2:-420}" python3 -m bench.placement --config conf/bench_ppo_1b.yaml \
+          --nproc 2 --warmup 2 --modes "$m" trainer.total_steps="${ASYNC2_STEPS:-10}" ${EXTRA:-}
       done ;;
     lora)  # issue 43: GRPO (a) with rank-64 all-linear LoRA, llama-7b (vs 20.0 samples/s full-parameter) and a
            # Qwen3-14B shape (impossible at full parameters), one H200 each; the full 7B run beside it: LORA_FULL=1

@@ -8,8 +8,10 @@ Modes (each a set of overrides on the same config):
     colocated-async             ... one step off-policy (no old-log-prob recompute)
     colocated-partial           ... two batches of prompts in flight, partial rollouts at staleness 1
                                 (rollout.batches_in_flight=2; its gain needs responses of unequal length)
+    colocated-partial-drop      ... the groups one step old not waited for but dropped (trainer.stale_policy=drop)
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
+    split-async2                ... staleness bound 2: batches k+1 and k+2 generated ahead (issue 41 item 6)
     split-async+controller      ... with the NVML feedback batch controller
     auto-sync, auto-async       placement.mode=auto: the cost model's best plan (launcher/planning/autoplan.py)
 Each row: NVML utilization, useful utilization (counted FLOPs / time / peak), samples/s, tokens/s
@@ -27,8 +29,11 @@ MODES = {
     "colocated-sync": ["placement.mode=colocated", "trainer.max_staleness=0"],
     "colocated-async": ["placement.mode=colocated", "trainer.max_staleness=1"],
     "colocated-partial": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2"],
+    "colocated-partial-drop": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2",
+                               "trainer.stale_policy=drop"],
     "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
     "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
+    "split-async2": ["placement.mode=split", "trainer.max_staleness=2"],
     "split-async+controller": ["placement.mode=split", "trainer.max_staleness=1", "controller.enabled=true"],
     "auto-sync": ["placement.mode=auto", "trainer.max_staleness=0"],
     "auto-async": ["placement.mode=auto", "trainer.max_staleness=1"],

@@ -96,6 +96,10 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "samples_per_s_no_compile": over_wall_time(clean, "perf/samples_per_s"),
            "placement": plan["mode"], "groups": {r: g["ranks"] for r, g in plan["groups"].items()},
            "samples_per_s": over_wall_time(measured, "perf/samples_per_s"),
+           # trainer.max_staleness K >= 1: the last K steps train batches generated ahead and generate none, so a
+           # short run's rate flatters K; this is the rate over the measured steps that generated (the steady state)
+           "samples_per_s_steady": over_wall_time([r for r in measured if r.get("async/generated_tokens", 1) > 0],
+                                                  "perf/samples_per_s"),
            "tokens_per_s": over_wall_time(measured, "perf/tokens_per_s"),
            "tokens_per_s_per_gpu": (over_wall_time(measured, "perf/tokens_per_s") or 0) / nproc,
            "mfu_actor": mean.get("perf/mfu/actor"), "useful_util": mean.get("perf/useful_util"),

@@ -147,7 +147,7 @@ def build_loop_settings(cfg: Config) -> LoopSettings:
                                     shrink=c.shrink, hysteresis_steps=c.hysteresis_steps,
                                     max_oom_retries=c.max_oom_retries)
     return LoopSettings(
-        max_staleness=t.max_staleness, batches_in_flight=r.batches_in_flight,
+        max_staleness=t.max_staleness, batches_in_flight=r.batches_in_flight, stale_policy=t.stale_policy,
         micro_batch_tokens={role: getattr(cfg, role).max_tokens_per_micro_batch for role in ("actor", "ref", "critic")},
         advantages=advantages, controller=controller, sft_warmup_steps=t.sft_warmup_steps,
         val_before_train=t.val_before_train, test_freq=t.test_freq, val_n=r.val_n, val_temperature=r.val_temperature,

@@ -203,6 +203,7 @@ class LoopSettings:
 
     max_staleness: int  # K: batches generated ahead, each trained at most K steps after its policy (0: synchronous)
     batches_in_flight: int  # > 1: over-provisioned partial rollouts (rollout.partial), no batches generated ahead
+    stale_policy: str  # partial rollouts' due groups: "pace" (waited for) | "drop" (not waited for; dropped)
     micro_batch_tokens: dict[str, int]  # role -> its configured micro-batch token budget (actor, ref, critic)
     advantages: AdvantageSettings
     controller: ControllerSettings

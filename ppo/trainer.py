@@ -283,19 +283,36 @@ class PPOTrainer:
     def generate_partial(self, step: int, timer: StageTimer) -> tuple[Experience, Generation]:
         """rollout.batches_in_flight > 1: the first step draws that many batches of prompts, every later step one
         (replacing the data.batch_size groups trained); the actor ranks train the first complete groups, those
-        admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial)."""
-        b = self.settings.data.batch_size
-        draws = self.loop.batches_in_flight if step == 0 else 1  # step 0 is never resumed into
+        admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial).
+        trainer.stale_policy=drop: those are not waited for; the ones not trained are dropped (recorded in the
+        prompt ledger) and whole batches are drawn beyond the step's one until every replica holds its
+        (batches_in_flight - 1) x quota groups again."""
+        b, drop = self.settings.data.batch_size, self.loop.stale_policy == "drop"
+        quota = b // self.plan.gen_dp
+        # step 0 is never resumed into
+        draws = self.loop.batches_in_flight if step == 0 else 1 + (self.refill_draws(quota) if drop else 0)
         batch = [dict(row, index=row["index"] + d * b) for d in range(draws)
                  for row in self.state.next_prompts(step)]
         gen = Generation([])
         if self.roles.rollout is not None:
             with timer("gen"):
                 gen = self.roles.rollout.generate_partial(batch, step=step, seed=self.settings.run.seed, version=step,
-                                                          quota=b // self.plan.gen_dp,
-                                                          due_before=step - self.loop.max_staleness + 1)
+                                                          quota=quota, due_before=step - self.loop.max_staleness + 1,
+                                                          drop=drop)
             timer.carve("gen", "reshard", gen.reshard_s)
+        if drop:
+            self.state.record_dropped(step, [p for part in all_gather_objects(gen.dropped) for p in part])
         return Experience(share_samples(gen.samples)), gen
+
+    def refill_draws(self, quota: int) -> int:
+        """trainer.stale_policy=drop: the batches of prompts to draw beyond the step's one, so that the replica
+        holding the fewest groups (after its drops) holds (batches_in_flight - 1) x quota again (a batch gives
+        every replica `quota`). Collective over the world: the replicas' leaders report their counts."""
+        r = self.roles.rollout
+        mine = len(r.partial.groups) if r is not None and r.partial is not None and r.gen_tp_rank == 0 else None
+        held = [h for h in all_gather_objects(mine) if h is not None]
+        short = max(((self.loop.batches_in_flight - 1) * quota - h for h in held), default=0)
+        return max(0, -(-short // quota))
 
     def reference_route(self, old_logp: str) -> ReferenceRoute:
         """How the reference's log-probs reach the update. They feed only the loss unless they shape the rewards

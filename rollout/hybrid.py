@@ -194,17 +194,17 @@ class HybridEngine:
         return self._cycle(lambda: self.engine.generate(prompts, sampling))
 
     def generate_partial(self, rollouts, *, version: int, new_groups: list[tuple[list[int], object, object]],
-                         groups: int, due_before: int | None) -> HybridResult:
+                         groups: int, due_before: int | None, wait: bool = True) -> HybridResult:
         """The cycle with partial rollouts (rollout.partial.PartialRollouts over this engine): the suspended
         samples continue under the weights of `version` (their KV recomputed), `new_groups` (prompt, sampling
         params, tag) join them, and the first `groups` complete groups come back as the completions (lists of
-        Trajectory; the due ones first, see run_until); the rest are suspended again before the engine sleeps.
-        The same calls on every rank of a generation replica."""
+        Trajectory; the due ones first, see run_until; wait=False: the due ones not waited for); the rest are
+        suspended again before the engine sleeps. The same calls on every rank of a generation replica."""
         def run():
             rollouts.resume(version=version)
             for prompt, params, tag in new_groups:
                 rollouts.add_group(prompt, params, tag=tag)
-            done = rollouts.run_until(groups=groups, due_before=due_before)
+            done = rollouts.run_until(groups=groups, due_before=due_before, wait=wait)
             rollouts.suspend()
             return done
 

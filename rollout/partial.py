@@ -24,6 +24,7 @@ same swaps is reproducible; it is not the token stream an uninterrupted sample w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -95,17 +96,27 @@ class PartialRollouts:
         self._absorb(self.engine.step())
         return self._take_complete(len(self._complete))
 
-    def run_until(self, *, groups: int, due_before: int | None = None) -> list[list[Trajectory]]:
+    def run_until(self, *, groups: int, due_before: int | None = None, wait: bool = True) -> list[list[Trajectory]]:
         """Step until `groups` groups are complete (or none is left in flight) and hand them over: the due
         groups first (admitted at a version below `due_before`: the call waits for them, which is how a
         staleness bound K is kept, due_before = the trainer's version - K + 1), then the others in the order
-        they finished. Complete groups beyond `groups` stay here for the next call."""
+        they finished. Complete groups beyond `groups` stay here for the next call. wait=False: the due groups
+        that are complete go first, the others are not waited for (drop() them after suspend()).
+        stats["paced_s"] / ["paced_steps"]: the seconds and engine steps spent waiting for due groups once
+        `groups` groups were complete."""
         def due() -> list[int]:
             return [] if due_before is None else [gid for gid, g in self.groups.items() if g.admitted < due_before]
 
-        while self.engine.has_unfinished() and (
-                len(self._complete) < groups or any(gid not in self._complete for gid in due()[:groups])):
+        enough_at, steps = None, 0
+        while self.engine.has_unfinished() and (len(self._complete) < groups or (
+                wait and any(gid not in self._complete for gid in due()[:groups]))):
+            if enough_at is None and len(self._complete) >= groups:
+                enough_at = time.perf_counter()
+            steps += enough_at is not None
             self._absorb(self.engine.step())
+        if enough_at is not None:
+            self.stats["paced_s"] = self.stats.get("paced_s", 0.0) + time.perf_counter() - enough_at
+            self.stats["paced_steps"] = self.stats.get("paced_steps", 0) + steps
         first = [gid for gid in due() if gid in self._complete][:groups]
         self._complete = first + [gid for gid in self._complete if gid not in first]
         return self._take_complete(groups)
@@ -149,6 +160,20 @@ class PartialRollouts:
             cont = replace(g.params, n=1, max_tokens=left, seed=seed)
             self.stats["recomputed_tokens"] += len(t.prompt_ids) + len(t.token_ids)
             self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont)] = (t.group, t.sample_index)
+
+    def drop(self, *, admitted_before: int) -> list[list[Trajectory]]:
+        """Give up the groups held (suspended or complete, none in flight) that were admitted at a version below
+        `admitted_before`: returned, no longer held (their tokens are discarded; the caller accounts for their
+        prompts). stats counts them: dropped_groups, dropped_samples, dropped_tokens (tokens decoded for nothing)."""
+        if self._requests:
+            raise RuntimeError("drop() with samples in flight: suspend() first")
+        gone = [gid for gid, g in self.groups.items() if g.admitted < admitted_before]
+        self._complete = [gid for gid in self._complete if gid not in gone]
+        out = [self.groups.pop(gid).samples for gid in gone]
+        for key, value in (("dropped_groups", len(out)), ("dropped_samples", sum(map(len, out))),
+                           ("dropped_tokens", sum(len(t.token_ids) for g in out for t in g))):
+            self.stats[key] = self.stats.get(key, 0) + value
+        return out
 
     def state_dict(self) -> dict:
         """The groups held (suspended or complete), in plain containers (a checkpoint's weights_only load);

@@ -39,6 +39,10 @@ class TrainerConfig:
     # K >= 2: K batches generated ahead; K >= 1: the PPO ratio divides by the engine's log-probs, or with
     # algorithm.rollout_correction=tis|seq_mask|tis+seq_mask by the trainer's (decoupled PPO))
     max_staleness: int = 0
+    # with partial rollouts (rollout.batches_in_flight > 1), the groups admitted K steps ago: pace (wait for them,
+    # so none is trained more than K versions old) | drop (do not wait; those not trained this step are dropped,
+    # counted in async/dropped_* and recorded in the prompt ledger, and fresh prompts drawn in their place)
+    stale_policy: str = "pace"
     device: str = "auto"  # auto | cpu | cuda
     dist_backend: str = "auto"  # auto (nccl on cuda, gloo otherwise) | nccl | gloo
     dist_timeout_s: int = 600  # process-group timeout of collectives (seconds)
@@ -213,7 +217,8 @@ class RolloutRoleConfig:
     # over-provisioning with partial rollouts (needs a staleness bound, the trainer section's max_staleness >= 1,
     # and the native engine): this many batches of prompts in flight; each step trains the first data.batch_size
     # complete groups (those admitted K steps ago first), the others continue next step under the new weights,
-    # their KV recomputed; 1: off
+    # their KV recomputed; 1: off; above 2 only with the trainer section's stale_policy=drop (waiting cannot keep
+    # the bound)
     batches_in_flight: int = 1
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)

@@ -148,6 +148,21 @@ def validate_config(cfg: Config) -> None:
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} trains groups whose tokens span weight "
                         f"versions, which needs a staleness bound: set trainer.max_staleness >= 1 (the oldest "
                         f"token of a trained group is at most that many steps old)")
+    if cfg.trainer.stale_policy not in ("pace", "drop"):
+        raise UserError(f"trainer.stale_policy={cfg.trainer.stale_policy!r} must be pace or drop")
+    if cfg.trainer.stale_policy == "drop" and r.batches_in_flight < 2:
+        raise UserError(f"trainer.stale_policy=drop drops groups in flight that would be trained more than "
+                        f"trainer.max_staleness steps old; without partial rollouts (rollout.batches_in_flight="
+                        f"{r.batches_in_flight}) no group stays in flight across steps (batches generated ahead are "
+                        f"within the bound by construction), so nothing could be dropped: set "
+                        f"rollout.batches_in_flight >= 2 (and trainer.max_staleness >= 1) or trainer.stale_policy=pace")
+    if cfg.trainer.stale_policy == "pace" and r.batches_in_flight > 2:
+        # groups admitted at or before step k - K: (B_f + k - K) x B, of which (k - K + 1) x B were surely trained by
+        # step k, so up to (B_f - 1) x B are due at step k, which trains B: more than B at B_f >= 3
+        raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} with trainer.stale_policy=pace can leave "
+                        f"more groups due (admitted trainer.max_staleness steps ago) than a step trains, and those "
+                        f"would be trained past the bound: set rollout.batches_in_flight=2, or "
+                        f"trainer.stale_policy=drop (the groups past the bound dropped and counted)")
     if r.batches_in_flight > 1 and r.engine != "native":
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
                         f"(rollout.engine=native); {r.engine} only generates whole batches")

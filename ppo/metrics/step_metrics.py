@@ -16,6 +16,10 @@ from ppo.batch.step_batch import StepBatch
 from ppo.metrics.flops import attention_forward_flops, ppo_stage_flops, spec_peak_flops, useful_utilization
 from ppo.metrics.timing import compiled_graphs, host_memory_gb
 
+# the generation metrics each replica counts for itself (summed over the replicas' reports; the others: the max)
+SUMMED_GEN_KEYS = ("reshard/bytes_received", "async/generated_tokens", "async/dropped_groups",
+                   "async/dropped_samples", "async/dropped_tokens", "async/groups_in_flight")
+
 
 class StepMetrics:
     """plan: the device plan (groups, world_size); gc_pauses: ppo.metrics.host_gc.GcPauses of this rank; for the
@@ -81,7 +85,7 @@ class StepMetrics:
             vals = [p["gen"][key] for p in parts if key in p["gen"]]
             # bytes received and tokens sampled (reported by each replica's leader) add up over the actor ranks;
             # peaks are the worst rank's
-            m[key] = sum(vals) if key in ("reshard/bytes_received", "async/generated_tokens") else max(vals)
+            m[key] = sum(vals) if key in SUMMED_GEN_KEYS else max(vals)
         peaks = [p["peak_gb"] for p in parts if p["peak_gb"] is not None]
         if peaks:
             m["mem/peak_gb"] = max(peaks)

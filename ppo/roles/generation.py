@@ -57,6 +57,9 @@ class Generation:
     samples: list[Sample]
     reshard_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    # partial rollouts with trainer.stale_policy=drop: the prompts of the groups dropped, as their data rows'
+    # `source` ([epoch, dataset row]; ppo.run.state.TrainState.next_prompts), reported by gen-TP rank 0
+    dropped: list[list[int] | None] = field(default_factory=list)
 
 
 def trajectory_sample(row: dict, sample: int, n: int, traj, *, agent: bool, version: int = 0) -> Sample:
@@ -212,12 +215,14 @@ class RolloutRole:
         return out
 
     def generate_partial(self, batch: list[dict], *, step: int, seed: int, version: int, quota: int,
-                         due_before: int | None) -> Generation:
+                         due_before: int, drop: bool = False) -> Generation:
         """Over-provisioned partial rollouts (rollout.partial; collective over the actor ranks): this replica's
         share of `batch` joins the groups it has in flight, all continue under the weights of `version`, and the
         first `quota` complete groups (the due ones first: admitted before version due_before) come back as
         samples numbered by replica (prompt index gen_dp_rank x quota + i); the others stay in flight, suspended,
-        for the next call. A sample's version is its oldest token's."""
+        for the next call. A sample's version is its oldest token's. The due groups are waited for (pacing:
+        async/paced_s), or with `drop` not waited for, and those not handed over are dropped (async/dropped_*,
+        Generation.dropped): the next call would train them past the bound."""
         from rollout.partial import PartialRollouts
 
         r = self.settings
@@ -227,14 +232,23 @@ class RolloutRole:
                                                   max_tokens=response_cap(row, r.max_response_length), n=r.n,
                                                   seed=request_seed(seed, step, row["index"])), row)
                for row in self.my_prompts(batch)]
-        sampled = self.partial.stats["sampled_tokens"]
+        stats = self.partial.stats
+        sampled, paced = stats["sampled_tokens"], stats.get("paced_s", 0.0)
         cycle = self.hybrid.generate_partial(self.partial, version=version, new_groups=new, groups=quota,
-                                             due_before=due_before)
+                                             due_before=due_before, wait=not drop)
+        dropped = self.partial.drop(admitted_before=due_before) if drop else []  # host state only: the engine sleeps
         out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
         if self.gen_tp_rank != 0:
             return out
-        # tokens sampled in this cycle, all by `version` (summed over the replicas' leaders)
-        out.metrics["async/generated_tokens"] = float(self.partial.stats["sampled_tokens"] - sampled)
+        # tokens sampled in this cycle, all by `version` (summed over the replicas' leaders), the wait for due
+        # groups (the slowest replica's), the groups dropped and those still held (sums)
+        out.metrics.update({"async/generated_tokens": float(stats["sampled_tokens"] - sampled),
+                            "async/paced_s": stats.get("paced_s", 0.0) - paced,
+                            "async/dropped_groups": float(len(dropped)),
+                            "async/dropped_samples": float(sum(map(len, dropped))),
+                            "async/dropped_tokens": float(sum(len(t.token_ids) for g in dropped for t in g)),
+                            "async/groups_in_flight": float(len(self.partial.groups))})
+        out.dropped = [g[0].tag.get("source") for g in dropped]
         for i, group in enumerate(cycle.completions):
             index = self.gen_dp_rank * quota + i
             for t in group:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ppo.algos import core_algos as algos
 from ppo.settings import DataSettings, KLControlSettings, RewardSettings, RunSettings
 
-LEDGER = "prompts.jsonl"  # the prompt ledger: one row per draw of prompts (step, epoch, dataset rows)
+LEDGER = "prompts.jsonl"  # the prompt ledger: a row per draw (step, epoch, dataset rows) and per drop (step, dropped)
 
 
 class TrainState:
@@ -86,7 +86,16 @@ class TrainState:
             with open(self.run_dir / LEDGER, "a") as f:
                 f.write(json.dumps({"step": step + 1, "epoch": self.sampler.epoch, "rows": [int(j) for j in idx]})
                         + "\n")
-        return [dict(index=i, **self.dataset.row(j)) for i, j in enumerate(idx)]
+        # source: the draw's ledger entry, [epoch, dataset row] (a dropped partial rollout is recorded by it)
+        return [dict(index=i, source=[self.sampler.epoch, int(j)], **self.dataset.row(j)) for i, j in enumerate(idx)]
+
+    def record_dropped(self, step: int, sources: list[list[int] | None]) -> None:
+        """Rank 0 records in the prompt ledger the prompts whose groups were dropped in (0-based) `step`
+        (trainer.stale_policy=drop), by their rows' `source` ([epoch, dataset row]; None: a row drawn before the
+        key existed): {"step", "dropped"}, superseded on resume like the draws. Nothing dropped: no row."""
+        if self.rank == 0 and sources:
+            with open(self.run_dir / LEDGER, "a") as f:
+                f.write(json.dumps({"step": step + 1, "dropped": sources}) + "\n")
 
     def sft_batch(self, i: int) -> list[tuple[list[int], list[int]]]:
         """Warm-up batch i: (prompt ids, answer ids + eos) from data.train_files, else the synthetic task."""

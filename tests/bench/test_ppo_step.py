@@ -23,3 +23,17 @@ def test_summary_flags_a_measured_step_that_recompiled(tmp_path):
     rows = [{k: v for k, v in r.items() if k != "compile/graphs"} for r in rows]  # runs from before the metric
     out = _summary(rows, warmup=2, nproc=1, run_dir=tmp_path)
     assert out["compiled_steps"] == [] and out["samples_per_s_no_compile"] == out["samples_per_s"]
+
+
+def test_steady_rate_leaves_out_the_last_steps_that_generate_nothing(tmp_path):
+    """K = 2: the run's last two steps train batches generated ahead and generate none (async/generated_tokens 0),
+    so they run faster; samples_per_s_steady is the rate over the measured steps that generated."""
+    (tmp_path / "plan.json").write_text(json.dumps({"mode": "split", "groups": {"actor": {"ranks": [0]}}}))
+    speeds, generated = [10.0, 50.0, 50.0, 50.0, 80.0, 80.0], [9, 9, 9, 9, 0, 0]
+    rows = [{"step": i + 1, "perf/samples_per_s": s, "timing_s/step": 128 / s, "async/generated_tokens": g}
+            for i, (s, g) in enumerate(zip(speeds, generated))]
+    out = _summary(rows, warmup=1, nproc=2, run_dir=tmp_path)
+    assert out["samples_per_s_steady"] == pytest.approx(50.0) and out["samples_per_s"] > 55
+    sync = [{k: v for k, v in r.items() if k != "async/generated_tokens"} for r in rows]  # K = 0: every step
+    assert _summary(sync, warmup=1, nproc=2, run_dir=tmp_path)["samples_per_s_steady"] == pytest.approx(
+        _summary(sync, warmup=1, nproc=2, run_dir=tmp_path)["samples_per_s"])

@@ -6,6 +6,8 @@ tests/ppo/test_trainer.py (split) and tests/launcher/test_faults.py (kill -9, co
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -191,3 +193,65 @@ def test_over_provisioned_partial_rollouts_keep_the_bound_and_train_each_prompt_
     a, b = dict(straight.roles.actor.runner.named_parameters()), dict(t.roles.actor.runner.named_parameters())
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def _long_tail(trainer) -> None:
+    """Every fourth prompt of a draw may answer 12 tokens, the others 2: the long groups outlast two steps."""
+    draw = trainer.state.next_prompts
+    trainer.state.next_prompts = lambda step: [dict(r, columns={"max_response_length": 12 if r["index"] % 4 == 0
+                                                                else 2}) for r in draw(step)]
+
+
+def _partial_run(tmp_path, policy: str, *overrides: str, stop_after: int | None = None):
+    t = _trainer(tmp_path, 1, "rollout.batches_in_flight=2", "rollout.max_response_length=12", "data.batch_size=4",
+                 f"trainer.stale_policy={policy}", SIGNAL, *overrides)
+    _long_tail(t)
+    ledger, rows = {}, []
+    _record_ledger(t, ledger)
+    log = t.state.log_metrics
+    t.state.log_metrics = lambda m: rows.append(m) or log(m)
+    if stop_after is not None:
+        t.stop_requested = _StopAfter(t, stop_after)
+    assert t.fit() == (None if stop_after is None else "SIGTERM")
+    return t, ledger, rows
+
+
+def test_dropping_stale_partial_rollouts_counts_them_and_records_each_prompt_once(world, tmp_path):
+    """trainer.stale_policy=drop at K=1 with 2 batches in flight and a forced long tail: the long groups are not
+    waited for (nothing paced) but dropped once they would be trained 2 versions old; the rows count them
+    (async/dropped_groups, _samples), the prompt ledger records them, and every drawn prompt is trained once,
+    dropped once, or still held at the end, never two of these. Fresh batches are drawn to refill what was
+    dropped. The same run pacing (the default) waits for the long groups and drops nothing."""
+    t, ledger, rows = _partial_run(tmp_path / "drop", "drop")
+    n = t.settings.generation.n
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert all(r["async/paced_s"] == 0 for r in rows)
+    dropped_groups = sum(r["async/dropped_groups"] for r in rows)
+    assert dropped_groups > 0 and sum(r["async/dropped_samples"] for r in rows) == n * dropped_groups
+    assert sum(r["async/dropped_tokens"] for r in rows) > 0
+    entries = [json.loads(x) for x in (tmp_path / "drop" / "prompts.jsonl").read_text().splitlines()]
+    drawn = [(e["epoch"], j) for e in entries if "rows" in e for j in e["rows"]]
+    dropped = [tuple(s) for e in entries for s in e.get("dropped", [])]
+    assert len(dropped) == dropped_groups and len(set(dropped)) == len(dropped)
+    assert len(drawn) > (STEPS + 1) * 4  # refills: batches drawn beyond one a step
+    key = {s: (tuple(t.state.dataset.row(s[1])["prompt_ids"]), t.state.dataset.row(s[1])["ground_truth"])
+           for s in drawn}
+    left = [key[s] for s in drawn]
+    for s in dropped:
+        left.remove(key[s])
+    for p in (p for step in sorted(ledger) for p in ledger[step][::n]):  # one entry per trained group
+        left.remove(p)
+    # the rest: still in flight when the run ended
+    assert len(left) == len(t.roles.rollout.partial.groups) == rows[-1]["async/groups_in_flight"]
+
+    # preempted after step 3 (groups dropped before and after) and resumed: the same trained prompts, drops and
+    # draws (the ledger's superseded rows aside) as the straight run
+    run = tmp_path / "stopped"
+    _, first, _ = _partial_run(run, "drop", "trainer.resume=auto", stop_after=3)
+    _, second, _ = _partial_run(run, "drop", "trainer.resume=auto")
+    assert {**first, **second} == ledger
+    assert (run / "prompts.jsonl").read_text() == (tmp_path / "drop" / "prompts.jsonl").read_text()
+
+    _, _, paced = _partial_run(tmp_path / "pace", "pace")
+    assert all(r["async/dropped_groups"] == 0 and r["async/staleness_max"] <= 1 for r in paced)
+    assert sum(r["async/paced_s"] for r in paced) > 0

@@ -99,3 +99,33 @@ def test_due_groups_are_waited_for_and_handed_over_first():
     young = rollouts.add_group(PROMPTS[2], _params(3, max_tokens=3))
     assert [g[0].group for g in rollouts.run_until(groups=1, due_before=1)] == [old]
     assert [g[0].group for g in rollouts.run_until(groups=1)] == [young] and rollouts.in_flight() == 0
+
+
+def test_due_groups_not_waited_for_are_dropped_and_counted():
+    """run_until(wait=False): the due group still decoding is not waited for (a younger complete group is handed
+    over at once, nothing paced); drop() then gives up the due groups held and counts them. The same scene with
+    waiting paces: paced_steps counts the engine steps run for the due group once a group was complete."""
+    models = _versions()
+    rollouts = PartialRollouts(NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=8)))
+    old = rollouts.add_group(PROMPTS[0], _params(1, max_tokens=24))
+    rollouts.add_group(PROMPTS[1], _params(2, max_tokens=3))
+    rollouts.run_until(groups=1)
+    rollouts.swap_weights(models[1].state_dict().items(), version=1)
+    young = rollouts.add_group(PROMPTS[2], _params(3, max_tokens=3))
+    assert [g[0].group for g in rollouts.run_until(groups=1, due_before=1, wait=False)] == [young]
+    assert rollouts.stats.get("paced_steps", 0) == 0 and rollouts.in_flight() == 1
+    rollouts.suspend()
+    decoded = sum(len(t.token_ids) for t in rollouts.groups[old].samples)
+    assert 0 < decoded < 2 * 24  # cut off mid-response
+    assert [g[0].group for g in rollouts.drop(admitted_before=1)] == [old] and not rollouts.groups
+    assert {k: rollouts.stats[k] for k in ("dropped_groups", "dropped_samples", "dropped_tokens")} == {
+        "dropped_groups": 1, "dropped_samples": 2, "dropped_tokens": decoded}
+
+    waiting = PartialRollouts(NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=8)))
+    waiting.add_group(PROMPTS[0], _params(1, max_tokens=24))
+    waiting.add_group(PROMPTS[1], _params(2, max_tokens=3))
+    waiting.run_until(groups=1)
+    waiting.swap_weights(models[1].state_dict().items(), version=1)
+    waiting.add_group(PROMPTS[2], _params(3, max_tokens=3))
+    assert [g[0].group for g in waiting.run_until(groups=1, due_before=1)] == [old]
+    assert waiting.stats["paced_steps"] > 0 and waiting.stats["paced_s"] > 0

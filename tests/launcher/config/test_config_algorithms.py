@@ -46,6 +46,12 @@ def test_auto_rollout_correction_follows_async():
     (["rollout.batches_in_flight=2"], "set trainer.max_staleness >= 1"),
     (["rollout.batches_in_flight=0"], r"rollout.batches_in_flight\(0\) must be >= 1"),
     (["rollout.batches_in_flight=2", "trainer.max_staleness=1", "rollout.engine=vllm"], "rollout.engine=native"),
+    (["trainer.stale_policy=drop"], "set rollout.batches_in_flight >= 2"),  # batches ahead: nothing to drop
+    (["trainer.stale_policy=drop", "trainer.max_staleness=2"], "set rollout.batches_in_flight >= 2"),
+    (["trainer.stale_policy=drop", "rollout.batches_in_flight=2"], "set trainer.max_staleness >= 1"),  # K = 0
+    (["trainer.stale_policy=wait"], "must be pace or drop"),
+    # pacing keeps the bound only with 2 batches in flight (3 at K=1 trained groups 2 versions old)
+    (["rollout.batches_in_flight=3", "trainer.max_staleness=2"], "set rollout.batches_in_flight=2, or"),
     ([*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], ">= 1"),
     (["algorithm.filter_groups.max_num_gen_batches=8"], "filter_groups.enable=true"),
     (["algorithm.overlong_buffer.len=4"], "overlong_buffer.enable=true"),

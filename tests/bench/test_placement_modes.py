@@ -1,0 +1,29 @@
+"""The two-GPU runs of issue 41 item 6 (bench/gpu_suite.sh part async2): PPO workload (b) in split placement,
+synchronous, K = 1 and K = 2, pass the launcher's checks on a world of 2 before any GPU is lent."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.placement import MODES
+from launcher.config.load import load_config
+from launcher.planning.plan import main as plan_main
+from launcher.planning.plan import (compute_plan, resolve_model_config, resolve_reward_model_config,
+                                    validate_batch, validate_context)
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "conf" / "bench_ppo_1b.yaml")
+
+
+@pytest.mark.parametrize("mode,staleness", [("split-sync", 0), ("split-async", 1), ("split-async2", 2)])
+def test_async2_runs_plan_on_two_gpus(mode, staleness, capsys):
+    overrides = [*MODES[mode], "trainer.total_steps=10"]
+    cfg = load_config(CONFIG, overrides)
+    assert cfg.trainer.max_staleness == staleness
+    model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+    plan = compute_plan(cfg, world_size=2, model=model, reward_model=rm)
+    validate_batch(cfg, plan)
+    validate_context(cfg, model)
+    assert plan.mode == "split" and plan.groups["actor"].ranks == [0] and plan.groups["critic"].ranks == [1]
+    assert plan_main([CONFIG, *overrides, "--world-size", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["groups"]["rollout"]["ranks"] == [0]
