@@ -7,6 +7,10 @@ local TP shards and the reshard planner, so training and generation can never di
     o_proj / down_proj weight         -> dim 1  (row parallel: input features)
     embed_tokens / lm_head / score    -> dim 0  (vocab parallel; score is 1-wide -> replicated)
     norms, everything else            -> None   (replicated)
+
+LoRA adapters (models/lora.py) split like their base, so an adapted projection needs no collective of its own:
+a column-parallel projection's lora_B [out, r] -> dim 0 (its lora_A [r, in] replicated), a row-parallel one's
+lora_A [r, in] -> dim 1 (its lora_B [out, r] replicated).
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import re
 
 _COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_COLWISE_LORA = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_B$")
+_ROWWISE_LORA = re.compile(r"\.(o_proj|down_proj)\.lora_A$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 
 
 def tp_shard_dim(name: str) -> int | None:
     """Dimension of parameter `name` that is split across the TP group, or None if replicated."""
-    if _COLWISE.search(name):
+    if _COLWISE.search(name) or _COLWISE_LORA.search(name):
         return 0
-    if _ROWWISE.search(name):
+    if _ROWWISE.search(name) or _ROWWISE_LORA.search(name):
         return 1
     if _VOCAB.search(name):
         return 0

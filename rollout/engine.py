@@ -19,6 +19,7 @@ import torch
 
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
+from models.lora import LoRASpec
 from rollout.base import (
     Completion,
     RolloutConfig,
@@ -37,11 +38,15 @@ log = logging.getLogger(__name__)
 class NativeEngine:
     def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 eos_token_ids: list[int] | None = None):
+                 eos_token_ids: list[int] | None = None, lora: LoRASpec | None = None):
+        """lora: the engine applies LoRA adapters of this shape in its GEMMs (rollout/engine_lora.py):
+        update_weights then takes "<module>.lora_A/B" tensors too, and a base kept across sleep
+        (config.drop_weights_on_sleep=False) need not be sent again."""
         config.validate()
         self.model_config, self.config = model_config, config
         self.eos_token_ids = list(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.runner = EngineModelRunner(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype)
+        self.runner = EngineModelRunner(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
+                                        lora=lora)
         self._rng = random.Random(config.seed)  # same seed on every TP rank -> same keys
         self._source: LlamaForCausalLM | None = None
         self.asleep = False
@@ -80,6 +85,10 @@ class NativeEngine:
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
         self.runner.load_weights(named_tensors, share=share)
+
+    def holds_weights(self) -> bool:
+        """Whether the engine still holds every base weight (then an update may send the LoRA adapters alone)."""
+        return self.runner.holds_weights()
 
     def sleep(self) -> None:
         if self.asleep:

@@ -21,14 +21,18 @@ ENGINES = ("native", "vllm")
 
 def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                         eos_token_ids: list[int] | None = None, vllm: VLLMOptions | None = None) -> RolloutEngine:
+                         eos_token_ids: list[int] | None = None, vllm: VLLMOptions | None = None,
+                         lora=None) -> RolloutEngine:
     """A sleeping-capable engine of `kind` whose generation TP group is `tp_group`. vllm: the settings only
-    the vLLM engine reads (rollout/vllm_engine.py); required for kind "vllm"."""
+    the vLLM engine reads (rollout/vllm_engine.py); required for kind "vllm". lora: a models.lora.LoRASpec whose
+    adapters the engine applies in its GEMMs (native only: actor.lora.sync=adapters)."""
     if kind == "native":
         from rollout.engine import NativeEngine
 
         return NativeEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
-                            eos_token_ids=eos_token_ids)
+                            eos_token_ids=eos_token_ids, lora=lora)
+    if lora is not None:
+        raise ValueError(f"rollout engine {kind!r} does not apply LoRA adapters itself; send it merged weights")
     if kind == "vllm":
         from rollout.vllm_engine import VLLMEngine
 

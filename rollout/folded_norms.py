@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import DecoderLayer
+from rollout.engine_lora import AdaptedLinear
 from models.triton_support import triton_runs
 
 try:
@@ -110,21 +111,26 @@ class FoldedDecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
         b, t, hidden = x.shape
-        qkv = F.linear(x, a.qkv_weight)
+        qkv = a.qkv(x)  # the q|k|v GEMM and its LoRA adapter, if any (the adapter's A holds the norm weight too)
         if getattr(attn, "applies_norm", False):  # the decode kernel scales q/k/v by the r of x's rows
             out = a.heads(qkv, cos, sin, attn, norm_x=x.view(b * t, hidden), eps=self.input_layernorm.eps)
         else:
             out = a.heads((qkv.float() * rms_scale(x, self.input_layernorm.eps)).to(qkv.dtype), cos, sin, attn)
         x = _add_linear(x, out, a.o_proj)
-        act = scaled_silu_mul(F.linear(x, m.gate_up_weight).view(b * t, -1), x.view(b * t, hidden),
+        act = scaled_silu_mul(m.gate_up(x).view(b * t, -1), x.view(b * t, hidden),
                               self.post_attention_layernorm.eps)
         return _add_linear(x, act.view(b, t, -1), m.down_proj)
 
 
 def _add_linear(x: torch.Tensor, y: torch.Tensor, proj) -> torch.Tensor:
-    """x + proj(y): in one GEMM on x's buffer for a plain Linear; a row-parallel one (tensor parallelism)
-    all-reduces its partial sums first, so the residual is added after that."""
-    if type(proj) is not torch.nn.Linear:
+    """x + proj(y): in one GEMM on x's buffer for a plain Linear (a LoRA-adapted one adds B' (A y) by a second
+    GEMM on that buffer); a row-parallel one (tensor parallelism) all-reduces its partial sums first, so the
+    residual is added after that."""
+    if type(proj) not in (torch.nn.Linear, AdaptedLinear):
         return x + proj(y)
-    residual_linear_(x.view(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), proj.weight)
+    rows, y = x.view(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    residual_linear_(rows, y, proj.weight)
+    if type(proj) is AdaptedLinear:
+        a, b = proj.lora
+        residual_linear_(rows, F.linear(y, a), b)
     return x

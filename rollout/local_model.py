@@ -26,11 +26,15 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, compute_inv_freq
+from rollout.engine_lora import lora_delta
 from rollout.folded_norms import FoldedDecoderLayer, fold_weight, foldable
 
 
 class RowParallelLinear(nn.Linear):
-    """Linear over this rank's slice of the input features; partial sums all-reduced over the TP group."""
+    """Linear over this rank's slice of the input features; partial sums all-reduced over the TP group. A LoRA
+    adapter (rollout/engine_lora.py: A split by input columns like W) adds its partial sum before the reduce."""
+
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, *, group):
         super().__init__(in_features, out_features, bias=False)
@@ -38,6 +42,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.lora is not None:
+            y = y + lora_delta(x, self.lora)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -60,10 +66,18 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class FusedQKVAttention(Attention):
     """models/llama.py's Attention with q/k/v as ONE GEMM: q_proj/k_proj/v_proj weights are views of
-    `qkv_weight`, so HF-named loading fills it (bigger GEMMs run closer to peak at decode batch sizes)."""
+    `qkv_weight`, so HF-named loading fills it (bigger GEMMs run closer to peak at decode batch sizes).
+    `qkv_lora`: the fused LoRA adapter of the targeted members (rollout/engine_lora.py), or None."""
+
+    qkv_lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        return self.o_proj(self.heads(F.linear(x, self.qkv_weight, self.qkv_bias), cos, sin, attn))
+        return self.o_proj(self.heads(self.qkv(x), cos, sin, attn))
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused q|k|v GEMM's output, its adapter added."""
+        out = F.linear(x, self.qkv_weight, self.qkv_bias)
+        return out if self.qkv_lora is None else out + lora_delta(x, self.qkv_lora)
 
     def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, **norm) -> torch.Tensor:
         """qkv [B, T, (Hq + 2 Hkv) D] (the fused GEMM's output) -> attention output [B, T, Hq D], before o_proj.
@@ -100,11 +114,18 @@ class FusedRMSNorm(RMSNorm):
 
 
 class FusedGateUpMLP(MLP):
-    """models/llama.py's MLP with gate/up as one GEMM over `gate_up_weight` (views, as above)."""
+    """models/llama.py's MLP with gate/up as one GEMM over `gate_up_weight` (views, as above), and its fused
+    LoRA adapter `gate_up_lora` or None."""
+
+    gate_up_lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.gate_up_weight)
+        return out if self.gate_up_lora is None else out + lora_delta(x, self.gate_up_lora)
 
 
 @dataclass(slots=True)

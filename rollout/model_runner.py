@@ -24,7 +24,9 @@ from models.config import ModelConfig
 from models.llama import rotary_cos_sin
 from models.moe import RouterTrace
 from rollout import triton_sampling
+from models.lora import LoRASpec
 from rollout.base import RolloutConfig
+from rollout.engine_lora import EngineAdapters
 from rollout.kv_cache import (
     FP8,
     DecodeAttention,
@@ -82,7 +84,9 @@ class _DynamicRows:
 
 class EngineModelRunner:
     def __init__(self, cfg: ModelConfig, *, config: RolloutConfig, tp_group=None, device="cpu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, lora: LoRASpec | None = None):
+        """lora: LoRA adapters applied inside the GEMMs (rollout/engine_lora.py), loaded by their HF names
+        ("<module>.lora_A" / ".lora_B") beside the base weights; None: plain weights only."""
         self.cfg, self.config, self.dtype = cfg, config, dtype
         self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype  # rollout/kv_cache.py: the fp8 layout
         self.device = torch.device(device)
@@ -94,6 +98,7 @@ class EngineModelRunner:
         self.fused = fuse_projections(self.model, device=self.device, dtype=dtype, fold_norms=config.fold_norms) \
             if config.fuse_projections else []
         self.fused_of = {id(p): g for g in self.fused for p in g.members}
+        self.adapters = EngineAdapters(self.model, lora, device=self.device, dtype=dtype) if lora else None
         # a mixture of experts: each step records the experts of every token it runs (Completion.routed_experts)
         self.moe_layers = cfg.moe_layers if cfg.is_moe else []
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -228,6 +233,9 @@ class EngineModelRunner:
         """Copy (or alias, when `share` and device/dtype match) HF-named local shards into the model."""
         changed = False  # new storage under a parameter invalidates the captured graphs' pointers
         for name, t in named_tensors:
+            if self.adapters is not None and name in self.adapters:  # static buffers, written in place
+                self.adapters.load(name, t.detach())
+                continue
             p = self.params.get(name)
             if p is None:
                 if name.endswith("inv_freq"):
@@ -263,6 +271,10 @@ class EngineModelRunner:
         if changed:
             self.graphs.clear()
 
+    def holds_weights(self) -> bool:
+        """Whether every base weight is loaded now (kept across sleep with rollout drop_weights_on_sleep=False)."""
+        return all(id(p) in self.loaded for p in self.params.values())
+
     def finish_loading(self) -> None:
         """Before a generate: every weight must have been loaded since wake_up/creation; the norm weights are
         folded into the projections loaded since the last call (rollout.fold_norms), in place."""
@@ -270,6 +282,8 @@ class EngineModelRunner:
         if missing:
             raise RuntimeError(f"{len(missing)} weights not loaded since wake_up/creation (e.g. {missing[:3]}); "
                                f"call update_weights with every parameter before generate")
+        if self.adapters is not None:
+            self.adapters.finish(self.fused)
         if not self.unfolded and not self.norms_loaded:
             return
         with torch.no_grad():
