@@ -52,6 +52,22 @@ def apply_lora(model: nn.Module, spec: LoRASpec, *, seed: int = 0) -> list[str]:
     return names
 
 
+def adapter_param_specs(base_specs, spec: LoRASpec) -> list:
+    """parallel.reshard.ParamSpec of every adapter of `spec` on a model whose weights are `base_specs` (full
+    shapes, the generation dtype's itemsize): "<module>.lora_A" [r, in] and "<module>.lora_B" [out, r] of each
+    targeted projection (the reshard planner moves them like any weight; parallel/sharding.py splits them)."""
+    from parallel.reshard import ParamSpec
+
+    out = []
+    for s in base_specs:
+        module, _, leaf = s.name.rpartition(".")
+        if leaf != "weight" or len(s.shape) != 2 or module.rsplit(".", 1)[-1] not in spec.modules:
+            continue
+        out.append(ParamSpec(f"{module}.lora_A", (spec.rank, s.shape[1]), s.itemsize))
+        out.append(ParamSpec(f"{module}.lora_B", (s.shape[0], spec.rank), s.itemsize))
+    return out
+
+
 def load_adapters(runner, adapters: dict[str, torch.Tensor]) -> None:
     """Full adapter tensors {"<module>.lora_A": [r, in], ...} (e.g. models.lora.read_peft_adapter's) into
     `runner`'s adapters, each rank keeping its own slice of a DTensor; every adapter of the runner must be given
@@ -90,6 +106,7 @@ def merge_into_base(runner) -> None:
             dst = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
             dst.copy_(w.to_local() if isinstance(w, DTensor) else w)
             (mod.lora_B.to_local() if isinstance(mod.lora_B, DTensor) else mod.lora_B).zero_()
+    runner.base_version += 1  # an engine holding the old base must get the new one
 
 
 class AdaptersOffRunner:

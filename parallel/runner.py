@@ -238,6 +238,9 @@ class NativeRunner:
     modules: list[nn.Module]
     mesh: Any
     pp_group: dist.ProcessGroup | None
+    # counts writes of the weights other than optimizer steps (loads, a LoRA warm-up's merge into the base): an
+    # engine holding a LoRA actor's frozen base gets it again when this moves (rollout/hybrid.py)
+    base_version: int = 0
 
     @property
     def last_module(self) -> nn.Module | None:
@@ -268,6 +271,7 @@ class NativeRunner:
 
         for m in self.modules:
             load_sharded_weights(m, path, strict=strict)
+        self.base_version += 1
 
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's parameters (local shards under HF names) and optimizer state, cloned (picklable).
@@ -293,6 +297,7 @@ class NativeRunner:
             for n, p in params.items():
                 dst = p.data.to_local() if hasattr(p.data, "to_local") else p.data
                 dst.copy_(state["params"][n])
+        self.base_version += 1
         if optimizer is None or "optim" not in state:
             return
         saved = state["optim"]
@@ -325,7 +330,23 @@ class NativeRunner:
         return [p for _, p in self.named_parameters() if p.requires_grad]
 
     def training_shards(self) -> dict[str, torch.Tensor]:
-        """HF name -> this rank's local shard (`to_local()` of DTensors, no copy), FSDP resharded first."""
+        """HF name -> this rank's local shard (`to_local()` of DTensors, no copy), FSDP resharded first. A LoRA
+        model's adapted weights come merged (W + scale * B @ A), its adapter tensors left out."""
+        out = self._local_shards()
+        if self.lora_modules:
+            out = self._merge_adapters(out)
+        return out
+
+    def lora_shards(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A LoRA model's (frozen base, adapters) as HF name -> this rank's local shard, nothing merged: what an
+        engine applying the adapters itself takes (rollout/hybrid.py, sync "adapters")."""
+        from models.lora import is_adapter_name
+
+        shards = self._local_shards()
+        return ({n: t for n, t in shards.items() if not is_adapter_name(n)},
+                {n: t for n, t in shards.items() if is_adapter_name(n)})
+
+    def _local_shards(self) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
@@ -337,8 +358,6 @@ class NativeRunner:
             for name, p in mod.named_parameters(remove_duplicate=False):  # tied head: both names, one tensor
                 t = p.to_local() if isinstance(p, DTensor) else p
                 out[hf_name(name)] = t.detach()
-        if self.lora_modules:
-            out = self._merge_adapters(out)
         return out
 
     @functools.cached_property

@@ -69,14 +69,24 @@ class HybridEngine:
                  groups: ReshardGroups, bucket_bytes: int, offload_optimizer_while_generating: bool,
                  optimizer: torch.optim.Optimizer | None = None, logger: logging.Logger | None = None,
                  gen_dtype: torch.dtype | None = None, specs: list[ParamSpec] | None = None,
-                 method: str = "alltoall"):
+                 method: str = "alltoall", lora=None, lora_sync: str = "merged"):
         """actor: the parallelized actor (a parallel.runner.ModelRunner, any layout); engine: a
         rollout.base.RolloutEngine whose TP group is groups.gen_tp_group. gen_dtype: dtype of the
         generation shard (default: the training shards' dtype; bf16 halves the bytes moved when the
         masters are fp32). specs: full parameter shapes (default: from the actor's config). method:
         how buckets move (parallel/reshard_exec.py: "alltoall" or "p2p"). offload_optimizer_while_generating: the
         optimizer's states go to pinned host memory for the cycle and come back before it returns (an optimizer
-        that streams its states from host memory in its step, parallel/offload_optim.py, is another thing)."""
+        that streams its states from host memory in its step, parallel/offload_optim.py, is another thing).
+        lora (a models.lora.LoRASpec) and lora_sync, for a LoRA actor: "merged" hands the engine every weight
+        each update, the adapted ones merged on the trainer's device; "adapters" hands an engine that applies the
+        adapters itself (rollout/engine_lora.py, built with the same spec, keeping its weights across sleep) the
+        frozen base once (again only when the runner's base_version moves, or the engine dropped it) and
+        otherwise the adapter tensors alone."""
+        if lora_sync not in ("merged", "adapters"):
+            raise ValueError(f"lora_sync={lora_sync!r}: choose merged or adapters")
+        if lora_sync == "adapters" and (lora is None or not hasattr(engine, "holds_weights")):
+            raise ValueError("lora_sync='adapters' needs the actor's LoRASpec and an engine that applies adapters "
+                             "itself (rollout.engine.NativeEngine built with lora=)")
         if offload_optimizer_while_generating and optimizer is None:
             raise ValueError("offload_optimizer_while_generating=True needs the optimizer whose states to offload")
         self.actor = actor
@@ -96,6 +106,15 @@ class HybridEngine:
         if specs is None:
             specs = param_specs(actor.model_config, itemsize=torch.empty(0, dtype=dtype).element_size())
         self.plan = plan_reshard(train_layout, gen_layout, specs, only_rank=groups.local_rank)
+        self.lora_sync = lora_sync
+        self.adapter_plan = None
+        self._base_version: int | None = None  # the runner's base_version the engine holds (adapters sync)
+        if lora_sync == "adapters":
+            from parallel.lora import adapter_param_specs
+            from parallel.reshard import num_layers_of
+
+            self.adapter_plan = plan_reshard(train_layout, gen_layout, adapter_param_specs(specs, lora),
+                                             only_rank=groups.local_rank, num_layers=num_layers_of(specs))
         self.memory_log: list[MemoryRecord] = []  # the last generate's (RolloutRole.settle_memory reads it)
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._host: dict[int, torch.Tensor] = {}  # pinned buffers, reused: cudaHostAlloc is slow
@@ -215,6 +234,29 @@ class HybridEngine:
         API: ppo/agents/driver.py); HybridResult.completions is what work returns. Collective as generate()."""
         return self._cycle(lambda: work(self.engine))
 
+    def _reshard(self, stats: ReshardStats) -> dict[str, torch.Tensor]:
+        """This rank's training shards -> self._gen, the generation shards the engine gets this update (collective
+        over the actor ranks); returns the training shards (which self._gen may alias)."""
+        if self.lora_sync == "merged":
+            shards = self.actor.training_shards()
+            self._alias_sources = list(shards.values())
+            self._gen = execute_reshard(self.plan, shards, groups=self.groups, bucket_bytes=self.bucket_bytes,
+                                        dtype=self.gen_dtype, method=self.method, stats=stats)
+            return shards
+        base, adapters = self.actor.lora_shards()
+        self._alias_sources = list(base.values()) + list(adapters.values())
+        self._gen = {}
+        # the base again only if it changed or the engine lost it; every rank decides alike (the reshard is
+        # collective): the version moves on every rank, and an engine that drops weights does so on all of them
+        if self._base_version != self.actor.base_version or not self.engine.holds_weights():
+            self._gen = execute_reshard(self.plan, base, groups=self.groups, bucket_bytes=self.bucket_bytes,
+                                        dtype=self.gen_dtype, method=self.method, stats=stats)
+            self._base_version = self.actor.base_version
+        self._gen.update(execute_reshard(self.adapter_plan, adapters, groups=self.groups,
+                                         bucket_bytes=self.bucket_bytes, dtype=self.gen_dtype, method=self.method,
+                                         stats=stats))
+        return {**base, **adapters}
+
     def _cycle(self, run) -> HybridResult:
         """wake -> weights -> run() (the generation) -> sleep, with the training state released around it."""
         cuda = self.device.type == "cuda"
@@ -224,12 +266,9 @@ class HybridEngine:
         # training-only state goes first, so the generation shard never coexists with the optimizer states
         self._release_training_state()
         self._record("release_training")
-        shards = self.actor.training_shards()
-        self._alias_sources = list(shards.values())
         stats = ReshardStats()
         t = time.perf_counter()
-        self._gen = execute_reshard(self.plan, shards, groups=self.groups, bucket_bytes=self.bucket_bytes,
-                                    dtype=self.gen_dtype, method=self.method, stats=stats)
+        shards = self._reshard(stats)
         if cuda:
             torch.cuda.synchronize(self.device)
         reshard_s = time.perf_counter() - t
