@@ -69,6 +69,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,
         settle_residency=r.free_memory_on_sleep is None,
+        lora_sync=cfg.actor.lora.sync if cfg.actor.lora.rank > 0 else "merged",
         dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         vllm=vllm, agent=AgentSettings(**dataclasses.asdict(cfg.agent)))
     return PPOSettings(run=build_run_settings(cfg), data=build_data_settings(cfg), reward=build_reward_settings(cfg),

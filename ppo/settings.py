@@ -71,6 +71,9 @@ class GenerationSettings:
     offload_optimizer_while_generating: bool = False
     dtype: torch.dtype = torch.float32  # of the generation weights
     vllm: object | None = None  # rollout.vllm_support.VLLMOptions when engine_kind == "vllm"
+    # a LoRA actor's update to the engine (actor.lora.sync): "adapters", "merged" or "auto" (ppo.roles.generation.
+    # choose_lora_sync decides at start); full-parameter actors: "merged" (every weight)
+    lora_sync: str = "merged"
     # rollout.free_memory_on_sleep unset: the engine frees its memory on sleep until the first step's peaks show
     # whether it fits beside training (ppo.roles.generation.RolloutRole.settle_memory)
     settle_residency: bool = False

@@ -116,6 +116,10 @@ class LoRAConfig:
     # PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     init_from: str | None = None  # a PEFT adapter directory to continue from (its r, alpha and targets must match)
+    # what the rollout engine receives each update: "adapters" (the native engine applies them in its GEMMs and
+    # keeps the frozen base between updates), "merged" (every weight, adapted ones merged on the trainer's
+    # device), "auto" (the cheaper by the estimated bytes per update, printed at start; vLLM: merged)
+    sync: str = "auto"
 
 
 @dataclass
@@ -380,6 +384,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.optim.lr_schedule": ("constant", "cosine"),
     "critic.optim.lr_schedule": ("constant", "cosine"),
+    "actor.lora.sync": ("auto", "adapters", "merged"),  # rollout.hybrid.HybridEngine's lora_sync (auto: resolved)
 }
 for _role in ("actor", "critic", "ref", "reward.model"):
     CHOICES[f"{_role}.pp_schedule"] = ("1F1B", "interleaved")

@@ -325,7 +325,7 @@ def _validate_lora(cfg: Config) -> None:
     if lo.rank < 0:
         raise UserError(f"actor.lora.rank({lo.rank}) must be >= 0 (0: full-parameter training)")
     if lo.rank == 0:
-        for key in ("alpha", "dropout", "target_modules", "init_from"):
+        for key in ("alpha", "dropout", "target_modules", "init_from", "sync"):
             if getattr(lo, key) != getattr(default, key):
                 raise UserError(f"actor.lora.{key}={getattr(lo, key)!r} acts only with LoRA on; set actor.lora.rank>0 "
                                 f"(e.g. 16) or remove actor.lora.{key}")
@@ -342,6 +342,12 @@ def _validate_lora(cfg: Config) -> None:
         (lo.dropout == 0 or a.tp == 1, f"actor.lora.dropout={lo.dropout} with actor.tp={a.tp}: the tensor-parallel "
                                        "ranks would draw different masks of one input; set actor.lora.dropout=0 "
                                        "or actor.tp=1"),
+        (lo.sync != "adapters" or cfg.rollout.engine == "native",
+         f"actor.lora.sync=adapters with rollout.engine={cfg.rollout.engine}: only the native engine applies adapters "
+         "in its GEMMs (vLLM gets merged weights, docs/lora.md); set actor.lora.sync=merged or auto"),
+        (lo.sync != "adapters" or cfg.rollout.free_memory_on_sleep is not True,
+         "actor.lora.sync=adapters keeps the engine's frozen base between updates, but rollout.free_memory_on_sleep="
+         "true frees it every generation; set actor.lora.sync=merged or auto, or unset free_memory_on_sleep"),
     ]
     for ok, msg in checks:
         if not ok:

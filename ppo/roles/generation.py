@@ -107,6 +107,34 @@ def sized_for_prompts(settings: GenerationSettings, longest_prompt: int) -> Gene
     return replace(settings, engine=replace(settings.engine, max_model_len=length))
 
 
+# HBM bytes per interconnect byte: a byte that crosses ranks costs about this many bytes of device memory traffic
+# (H200: about 4.3 TB/s copy bandwidth against about 0.45 TB/s of NVLink per direction)
+NETWORK_FACTOR = 10.0
+
+
+def choose_lora_sync(*, engine_kind: str, base_bytes: int, adapter_bytes: int, decode_steps: int,
+                     crosses_ranks: bool, frees_weights: bool) -> tuple[str, str]:
+    """actor.lora.sync=auto: (mode, why) for a LoRA actor, by the device-memory traffic each one costs per update.
+
+    merged: the adapted weights merged on the trainer's device (written once) and copied into the engine: 2 passes
+    over this rank's generation shard of the weights (base_bytes), plus NETWORK_FACTOR per byte when the reshard
+    crosses ranks. adapters: the same for the adapters alone (adapter_bytes), but every decode step then reads the
+    adapters beside the base: decode_steps (at least the longest response) more passes over them. The native
+    engine only (vLLM gets merged weights, docs/lora.md), and not when the engine frees its weights on every
+    sleep (rollout.free_memory_on_sleep=true), which the adapters path needs kept."""
+    if engine_kind != "native":
+        return "merged", f"auto: rollout.engine={engine_kind} loads merged weights"
+    if frees_weights:
+        return "merged", "auto: rollout.free_memory_on_sleep=true frees the engine's base on every sleep"
+    net = NETWORK_FACTOR if crosses_ranks else 0.0
+    merged = base_bytes * (2 + net)
+    adapters = adapter_bytes * (2 + net + decode_steps)
+    mode = "adapters" if adapters < merged else "merged"
+    return mode, (f"auto: per update about {merged / 2**20:.1f} MiB of device traffic merged vs "
+                  f"{adapters / 2**20:.1f} MiB with adapters ({adapter_bytes / 2**20:.2f} MiB sent, read by each of "
+                  f"~{decode_steps} decode steps; weights {'cross' if crosses_ranks else 'stay on'} ranks)")
+
+
 RESIDENT_FRACTION = 0.9  # of the device's memory: training's peak plus the resident engine at most
 
 
@@ -138,10 +166,16 @@ class RolloutRole:
         self.groups = groups
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-        # a copy: the batch controller moves this engine's token budget, never the launcher's settings
-        self.engine = build_rollout_engine(settings.engine_kind, model_config, config=replace(settings.engine),
+        lora = getattr(actor.spec, "lora", None)
+        self.lora_sync = self._lora_sync(lora, train, gen, model_config) if lora is not None else "merged"
+        # a copy: the batch controller moves this engine's token budget, never the launcher's settings; with
+        # adapters sync the engine keeps its frozen base across sleep (KV cache and graphs are still freed)
+        engine_cfg = replace(settings.engine, **({"drop_weights_on_sleep": False}
+                                                 if self.lora_sync == "adapters" else {}))
+        self.engine = build_rollout_engine(settings.engine_kind, model_config, config=engine_cfg,
                                            tp_group=groups.gen_tp_group, device=env.device, dtype=settings.dtype,
-                                           eos_token_ids=eos, vllm=settings.vllm)
+                                           eos_token_ids=eos, vllm=settings.vllm,
+                                           lora=lora if self.lora_sync == "adapters" else None)
         a = settings.agent
         self.agents = build_registry(default=a.default, tools_file=a.tools_file, loop_file=a.loop_file,
                                      max_turns=a.max_turns, max_tool_response_tokens=a.max_tool_response_tokens)
@@ -151,8 +185,26 @@ class RolloutRole:
                                    bucket_bytes=settings.bucket_bytes,
                                    offload_optimizer_while_generating=settings.offload_optimizer_while_generating,
                                    optimizer=actor.optimizer, gen_dtype=settings.dtype,
-                                   logger=logging.getLogger("hybridrl"))
+                                   logger=logging.getLogger("hybridrl"), lora=lora, lora_sync=self.lora_sync)
         self.partial = None  # rollout.partial.PartialRollouts: the groups in flight (rollout.batches_in_flight > 1)
+
+    def _lora_sync(self, lora, train, gen, model_config) -> str:
+        """actor.lora.sync resolved (auto: choose_lora_sync's estimate), logged with its reason."""
+        from parallel.lora import adapter_param_specs
+        from parallel.reshard import param_specs
+
+        s = self.settings
+        mode, why = s.lora_sync, "actor.lora.sync"
+        if mode == "auto":
+            item = torch.empty(0, dtype=s.dtype).element_size()
+            specs = param_specs(model_config, itemsize=item)
+            nbytes = [sum(p.numel * p.itemsize for p in ps) // gen.tp for ps in (specs, adapter_param_specs(specs, lora))]
+            frees = s.engine.free_memory_on_sleep and not s.settle_residency  # rollout.free_memory_on_sleep=true
+            mode, why = choose_lora_sync(engine_kind=s.engine_kind, base_bytes=nbytes[0], adapter_bytes=nbytes[1],
+                                         decode_steps=s.max_response_length, frees_weights=frees,
+                                         crosses_ranks=not (train.pp == 1 and train.dp == 1 and train.tp == gen.tp))
+        logging.getLogger("hybridrl").info("actor.lora.sync=%s (%s)", mode, why)
+        return mode
 
     def my_prompts(self, batch: list[dict]) -> list[dict]:
         """Contiguous share of this generation replica (all n samples of a prompt stay together)."""
