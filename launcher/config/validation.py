@@ -345,9 +345,6 @@ def _validate_lora(cfg: Config) -> None:
         (lo.sync != "adapters" or cfg.rollout.engine == "native",
          f"actor.lora.sync=adapters with rollout.engine={cfg.rollout.engine}: only the native engine applies adapters "
          "in its GEMMs (vLLM gets merged weights, docs/lora.md); set actor.lora.sync=merged or auto"),
-        (lo.sync != "adapters" or cfg.rollout.free_memory_on_sleep is not True,
-         "actor.lora.sync=adapters keeps the engine's frozen base between updates, but rollout.free_memory_on_sleep="
-         "true frees it every generation; set actor.lora.sync=merged or auto, or unset free_memory_on_sleep"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -120,12 +120,12 @@ def choose_lora_sync(*, engine_kind: str, base_bytes: int, adapter_bytes: int, d
     over this rank's generation shard of the weights (base_bytes), plus NETWORK_FACTOR per byte when the reshard
     crosses ranks. adapters: the same for the adapters alone (adapter_bytes), but every decode step then reads the
     adapters beside the base: decode_steps (at least the longest response) more passes over them. The native
-    engine only (vLLM gets merged weights, docs/lora.md), and not when the engine frees its weights on every
-    sleep (rollout.free_memory_on_sleep=true), which the adapters path needs kept."""
+    engine only (vLLM gets merged weights, docs/lora.md), and not when training needs the engine's memory on the GPU
+    (rollout.free_memory_on_sleep=true frees its weights on every sleep; the adapters path keeps its base)."""
     if engine_kind != "native":
         return "merged", f"auto: rollout.engine={engine_kind} loads merged weights"
     if frees_weights:
-        return "merged", "auto: rollout.free_memory_on_sleep=true frees the engine's base on every sleep"
+        return "merged", "auto: rollout.free_memory_on_sleep=true: training needs the engine's memory, its base too"
     net = NETWORK_FACTOR if crosses_ranks else 0.0
     merged = base_bytes * (2 + net)
     adapters = adapter_bytes * (2 + net + decode_steps)
@@ -167,7 +167,8 @@ class RolloutRole:
         self.gen_dp, self.gen_dp_rank, self.gen_tp_rank = plan.gen_dp, groups.gen_dp_rank, groups.gen_tp_rank
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         lora = getattr(actor.spec, "lora", None)
-        self.lora_sync = self._lora_sync(lora, train, gen, model_config) if lora is not None else "merged"
+        self.lora_sync = self._lora_sync(lora, train, gen, model_config, cuda=torch.device(env.device).type == "cuda") \
+            if lora is not None else "merged"
         # a copy: the batch controller moves this engine's token budget, never the launcher's settings; with
         # adapters sync the engine keeps its frozen base across sleep (KV cache and graphs are still freed)
         engine_cfg = replace(settings.engine, **({"drop_weights_on_sleep": False}
@@ -188,7 +189,7 @@ class RolloutRole:
                                    logger=logging.getLogger("hybridrl"), lora=lora, lora_sync=self.lora_sync)
         self.partial = None  # rollout.partial.PartialRollouts: the groups in flight (rollout.batches_in_flight > 1)
 
-    def _lora_sync(self, lora, train, gen, model_config) -> str:
+    def _lora_sync(self, lora, train, gen, model_config, *, cuda: bool) -> str:
         """actor.lora.sync resolved (auto: choose_lora_sync's estimate), logged with its reason."""
         from parallel.lora import adapter_param_specs
         from parallel.reshard import param_specs
@@ -199,7 +200,8 @@ class RolloutRole:
             item = torch.empty(0, dtype=s.dtype).element_size()
             specs = param_specs(model_config, itemsize=item)
             nbytes = [sum(p.numel * p.itemsize for p in ps) // gen.tp for ps in (specs, adapter_param_specs(specs, lora))]
-            frees = s.engine.free_memory_on_sleep and not s.settle_residency  # rollout.free_memory_on_sleep=true
+            # rollout.free_memory_on_sleep=true on a GPU: training needs the engine's memory, its base included
+            frees = s.engine.free_memory_on_sleep and not s.settle_residency and cuda
             mode, why = choose_lora_sync(engine_kind=s.engine_kind, base_bytes=nbytes[0], adapter_bytes=nbytes[1],
                                          decode_steps=s.max_response_length, frees_weights=frees,
                                          crosses_ranks=not (train.pp == 1 and train.dp == 1 and train.tp == gen.tp))

@@ -1,6 +1,8 @@
 """LoRA GRPO end to end through torchrun (one rank): the reference is the actor's base (no second model), a
 resumed run repeats the straight one's metrics exactly, the checkpoint's PEFT adapter loads in peft on the
-base and equals the merged actor directory beside it, and actor.lora.init_from continues from it."""
+base and equals the merged actor directory beside it, and actor.lora.init_from continues from it. The engine
+samples the trainer's policy at every step under both actor.lora.sync modes, and receives the adapters' bytes
+(adapters; the base once more after the SFT warm-up merged into it) or the merged weights' (merged) per update."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def _same(a: list[dict], b: list[dict]) -> None:
         for k in x:
             if k.startswith(("timing_s/", "perf/", "mem/", "host/")) or k.endswith("_s"):
                 continue
+            if k == "reshard/engine_bytes":  # a resumed run's engine gets its base once more
+                continue
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
@@ -43,9 +47,18 @@ def test_lora_grpo_resumes_exactly_and_exports_a_peft_adapter(tmp_path):
     log = (tmp_path / "straight" / "logs" / "rank_0.log").read_text()
     # the adapters only: 4 layers x (q, k, v, o: 4 x (64 + 64) + gate, up, down: 4 x (64 + 176)) = 18,688
     assert "optimizer ShardLocalAdamW over 1.87e+04 parameters" in log
-    for row in straight:
+    adapter_bytes = 18_688 * 4  # fp32
+    assert "actor.lora.sync=adapters (auto:" in log  # the CPU demo's estimate: adapters
+    # the base and the adapters once (the warm-up's merge changed the base), then the adapters alone
+    assert [row["reshard/engine_bytes"] for row in straight][1:] == [adapter_bytes]
+    assert straight[0]["reshard/engine_bytes"] > 10 * adapter_bytes
+    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=merged",
+               "trainer.gc_freeze=false", *LORA, "actor.lora.sync=merged", "trainer.save_every=0"))
+    merged_run = metrics(tmp_path / "merged")
+    assert {row["reshard/engine_bytes"] for row in merged_run} == {straight[0]["reshard/engine_bytes"] - adapter_bytes}
+    for row in straight + merged_run:
         # the engine samples the trainer's policy (old log-probs recomputed: compared each step) ...
-        assert row["rollout/logprob_diff_max"] < 1e-4, row
+        assert row["rollout/logprob_diff_max"] < 1e-5, row
     assert straight[-1]["actor/kl"] != 0.0  # ... which has left the base (the reference) by then
 
     ckpt = tmp_path / "straight" / "checkpoints" / "step_2"
