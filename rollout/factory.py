@@ -25,14 +25,12 @@ def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: Rollou
                          lora=None) -> RolloutEngine:
     """A sleeping-capable engine of `kind` whose generation TP group is `tp_group`. vllm: the settings only
     the vLLM engine reads (rollout/vllm_engine.py); required for kind "vllm". lora: a models.lora.LoRASpec whose
-    adapters the engine applies in its GEMMs (native only: actor.lora.sync=adapters)."""
+    adapters the engine applies itself (actor.lora.sync=adapters: native in its GEMMs, vLLM by its LoRA loading)."""
     if kind == "native":
         from rollout.engine import NativeEngine
 
         return NativeEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
                             eos_token_ids=eos_token_ids, lora=lora)
-    if lora is not None:
-        raise ValueError(f"rollout engine {kind!r} does not apply LoRA adapters itself; send it merged weights")
     if kind == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
@@ -40,5 +38,6 @@ def build_rollout_engine(kind: str, model_config: ModelConfig, *, config: Rollou
             raise ValueError("rollout engine 'vllm' needs its VLLMOptions (log-prob mode, eager, bucket size)")
         return VLLMEngine(model_config, config=config, tp_group=tp_group, device=device, dtype=dtype,
                           eos_token_ids=eos_token_ids, logprobs_mode=vllm.logprobs_mode,
-                          enforce_eager=vllm.enforce_eager, bucket_bytes=vllm.bucket_bytes, idle_tp=vllm.idle_tp)
+                          enforce_eager=vllm.enforce_eager, bucket_bytes=vllm.bucket_bytes, idle_tp=vllm.idle_tp,
+                          lora=lora)
     raise ValueError(f"rollout engine {kind!r}: not one of {', '.join(ENGINES)}")

@@ -20,6 +20,11 @@ full tensors vLLM's loaders expect (vLLM re-shards them itself), streams them th
 in-place reload, and resets the prefix cache (stale KV blocks of the old weights would otherwise be
 reused by a prompt with a cached prefix).
 
+LoRA (`lora=` a models.lora.LoRASpec; actor.lora.sync=adapters): vLLM's own adapter loading (`enable_lora`). The
+base comes through update_weights once; "<module>.lora_A/B" tensors, gathered like the weights, are written as a
+PEFT adapter directory and served as a new `LoRARequest` ("policy-v<N>", the previous one removed), which every
+later generate uses. vLLM applies alpha / r itself from the directory's adapter_config.json.
+
 Sleep: on CUDA, `sleep()` is vLLM's sleep level 2 (weights and KV cache leave the GPU; the weights
 come back from the next update_weights) when rollout.free_memory_on_sleep; vLLM's CPU platform has
 no sleep mode, so there sleep()/wake_up() only flip a flag and never call into vLLM (a vLLM
@@ -105,6 +110,18 @@ def _check_tp_group_matches_vllm(tp_group, tp: int) -> None:
                          "range starting at a multiple of the generation TP size")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def _max_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of rank `rank`: the smallest value it accepts that holds them."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters of rank <= {VLLM_LORA_RANKS[-1]}, not {rank}; use "
+                         "actor.lora.sync=merged")
+    return fits[0]
+
+
 VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py's block size when none is set
 
 
@@ -112,10 +129,11 @@ class VLLMEngine:
     def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  eos_token_ids: list[int] | None = None, logprobs_mode: str = "processed_logprobs",
-                 enforce_eager: bool = True, bucket_bytes: int = 256 << 20, idle_tp: int = 0):
+                 enforce_eager: bool = True, bucket_bytes: int = 256 << 20, idle_tp: int = 0, lora=None):
         """tp_group: this rank's generation TP group (None: tp=1). logprobs_mode: from
         rollout.vllm_support.logprobs_mode_for(). idle_tp > 0: a placeholder replica of that TP size on a
-        rank without the rollout role (it only takes part in vLLM's collective start-up; see above)."""
+        rank without the rollout role (it only takes part in vLLM's collective start-up; see above). lora: a
+        models.lora.LoRASpec whose adapters vLLM applies itself (see above); None: plain weights only."""
         problem = vllm_install_problem(installed_vllm_version())
         if problem is not None:
             raise RuntimeError(problem)
@@ -158,7 +176,10 @@ class VLLMEngine:
                        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
                        enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
-                       enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0, **kw)
+                       enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0,
+                       **({"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
+                          if lora else {}), **kw)
+        self.lora, self.lora_request, self._lora_version = lora, None, 0
         # vLLM's exit-time shutdown tears down the torch.distributed world (ours), which the launcher has
         # already destroyed by then (tracebacks at every exit); the process's exit frees the engine anyway
         finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
@@ -175,11 +196,42 @@ class VLLMEngine:
         """HF-named tensors, each this rank's generation TP shard; collective over the TP group."""
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
-        full = gather_full_tensors(named_tensors, group=self.tp_group, bucket_bytes=self.bucket_bytes)
-        # in-process executor: the iterator (and its collectives) runs right here, inside vLLM's loader
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+        from models.lora import is_adapter_name
+
+        named = list(named_tensors)
+        base = [(n, t) for n, t in named if not is_adapter_name(n)]
+        adapters = [(n, t) for n, t in named if is_adapter_name(n)]
+        if adapters and self.lora is None:
+            raise ValueError(f"{adapters[0][0]}: this vLLM engine was built without lora=, it takes merged weights")
+        if base:
+            full = gather_full_tensors(base, group=self.tp_group, bucket_bytes=self.bucket_bytes)
+            # in-process executor: the iterator (and its collectives) runs right here, inside vLLM's loader
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+            self.loaded = True
+        if adapters:
+            self._load_adapter(dict(gather_full_tensors(adapters, group=self.tp_group,
+                                                        bucket_bytes=self.bucket_bytes)))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.loaded = True
+
+    def holds_weights(self) -> bool:
+        """Whether vLLM still holds the base weights (then an update may send the LoRA adapters alone)."""
+        return self.loaded
+
+    def _load_adapter(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Full adapter tensors -> a PEFT directory served as the next LoRARequest (the previous one removed)."""
+        from vllm.lora.request import LoRARequest
+
+        from models.lora import save_peft_adapter
+
+        self._lora_version += 1
+        path = save_peft_adapter(adapters, self.lora, os.path.join(self._dir.name, f"policy-v{self._lora_version}"))
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{self._lora_version}", self._lora_version,
+                                                                str(path))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            import shutil
+
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
         if self.asleep:
@@ -202,6 +254,8 @@ class VLLMEngine:
             raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
         if not self.loaded:
             raise RuntimeError("generate before update_weights: the engine holds vLLM's dummy weights")
+        if self.lora is not None and self.lora_request is None:
+            raise RuntimeError("generate before the LoRA adapters arrived: update_weights must carry them")
         params = expand_sampling(sampling, len(prompts))
         results: dict[int, list[Completion]] = {}
         requests, vparams, index = [], [], []
@@ -222,7 +276,8 @@ class VLLMEngine:
             index.append(i)
         if requests:
             self._apply_token_budget()
-            outs = self.llm.generate(requests, vparams, use_tqdm=False)
+            lora = {} if self.lora_request is None else {"lora_request": [self.lora_request] * len(requests)}
+            outs = self.llm.generate(requests, vparams, use_tqdm=False, **lora)
             for i, out in zip(index, outs):
                 results[i] = [self._completion(i, prompts[i], c) for c in sorted(out.outputs, key=lambda c: c.index)]
         return [c for i in range(len(prompts)) for c in results[i]]

@@ -342,9 +342,6 @@ def _validate_lora(cfg: Config) -> None:
         (lo.dropout == 0 or a.tp == 1, f"actor.lora.dropout={lo.dropout} with actor.tp={a.tp}: the tensor-parallel "
                                        "ranks would draw different masks of one input; set actor.lora.dropout=0 "
                                        "or actor.tp=1"),
-        (lo.sync != "adapters" or cfg.rollout.engine == "native",
-         f"actor.lora.sync=adapters with rollout.engine={cfg.rollout.engine}: only the native engine applies adapters "
-         "in its GEMMs (vLLM gets merged weights, docs/lora.md); set actor.lora.sync=merged or auto"),
     ]
     for ok, msg in checks:
         if not ok:

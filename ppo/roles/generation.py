@@ -112,18 +112,17 @@ def sized_for_prompts(settings: GenerationSettings, longest_prompt: int) -> Gene
 NETWORK_FACTOR = 10.0
 
 
-def choose_lora_sync(*, engine_kind: str, base_bytes: int, adapter_bytes: int, decode_steps: int,
+def choose_lora_sync(*, base_bytes: int, adapter_bytes: int, decode_steps: int,
                      crosses_ranks: bool, frees_weights: bool) -> tuple[str, str]:
     """actor.lora.sync=auto: (mode, why) for a LoRA actor, by the device-memory traffic each one costs per update.
 
     merged: the adapted weights merged on the trainer's device (written once) and copied into the engine: 2 passes
     over this rank's generation shard of the weights (base_bytes), plus NETWORK_FACTOR per byte when the reshard
     crosses ranks. adapters: the same for the adapters alone (adapter_bytes), but every decode step then reads the
-    adapters beside the base: decode_steps (at least the longest response) more passes over them. The native
-    engine only (vLLM gets merged weights, docs/lora.md), and not when training needs the engine's memory on the GPU
-    (rollout.free_memory_on_sleep=true frees its weights on every sleep; the adapters path keeps its base)."""
-    if engine_kind != "native":
-        return "merged", f"auto: rollout.engine={engine_kind} loads merged weights"
+    adapters beside the base: decode_steps (at least the longest response) more passes over them. Not when training
+    needs the engine's memory on the GPU (rollout.free_memory_on_sleep=true frees its weights on every sleep; the
+    adapters path keeps its base). The same estimate for both engines (vLLM reads its adapters in its own LoRA
+    kernels each step, as the native engine does in its GEMMs)."""
     if frees_weights:
         return "merged", "auto: rollout.free_memory_on_sleep=true: training needs the engine's memory, its base too"
     net = NETWORK_FACTOR if crosses_ranks else 0.0
@@ -202,7 +201,7 @@ class RolloutRole:
             nbytes = [sum(p.numel * p.itemsize for p in ps) // gen.tp for ps in (specs, adapter_param_specs(specs, lora))]
             # rollout.free_memory_on_sleep=true on a GPU: training needs the engine's memory, its base included
             frees = s.engine.free_memory_on_sleep and not s.settle_residency and cuda
-            mode, why = choose_lora_sync(engine_kind=s.engine_kind, base_bytes=nbytes[0], adapter_bytes=nbytes[1],
+            mode, why = choose_lora_sync(base_bytes=nbytes[0], adapter_bytes=nbytes[1],
                                          decode_steps=s.max_response_length, frees_weights=frees,
                                          crosses_ranks=not (train.pp == 1 and train.dp == 1 and train.tp == gen.tp))
         logging.getLogger("hybridrl").info("actor.lora.sync=%s (%s)", mode, why)

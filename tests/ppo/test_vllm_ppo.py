@@ -50,16 +50,30 @@ def test_split_async_then_resume(tmp_path):
     assert "timing_s/old_log_prob" not in rows[0]  # one step off: the behaviour log-probs are vLLM's
 
 
+def _lora_run(tmp_path, nproc, *extra):
+    from pathlib import Path
+
+    reward = Path(__file__).parent / "dense_rewards.py"
+    _ok(launch(tmp_path, nproc, "conf/grpo_tiny.yaml", "trainer.total_steps=3", *VLLM, "actor.lora.rank=4",
+               "actor.lora.alpha=8", "actor.optim.lr=1e-2", "actor.ppo_epochs=2", "trainer.save_every=0",
+               f"reward.function={reward}:digit_fraction", "trainer.experiment_name=lora", *extra))
+    rows = metrics(tmp_path / "lora")
+    _on_policy(rows)
+    assert rows[-1]["actor/kl"] != 0.0
+    return rows
+
+
 @pytest.mark.extended
 def test_lora_actor_on_vllm(tmp_path):
     """A LoRA actor's merged weights reach vLLM at every update: on-policy log-probs equal while the policy moves
     away from its base (the reference)."""
-    from pathlib import Path
+    _lora_run(tmp_path, 1, "actor.lora.sync=merged")
 
-    reward = Path(__file__).parent / "dense_rewards.py"
-    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=3", *VLLM, "actor.lora.rank=4",
-               "actor.lora.alpha=8", "actor.optim.lr=1e-2", "actor.ppo_epochs=2", "trainer.save_every=0",
-               f"reward.function={reward}:digit_fraction", "trainer.experiment_name=lora"))
-    rows = metrics(tmp_path / "lora")
-    _on_policy(rows)
-    assert rows[-1]["actor/kl"] != 0.0
+
+def test_lora_adapters_reach_vllm_every_update(tmp_path):
+    """actor.lora.sync=adapters with vLLM's own LoRA loading, at generation TP=2 from a TP=2 actor: the base once
+    (and again after the warm-up merged into it), then the adapters alone, gathered over the TP group and served
+    as a new LoRARequest each update; on-policy log-probs equal the trainer's while the policy leaves its base."""
+    rows = _lora_run(tmp_path, 2, "actor.tp=2", "ref.tp=2", "actor.lora.sync=adapters")
+    sent = [r["reshard/engine_bytes"] for r in rows]  # this rank's: base and adapters, then the adapters alone
+    assert sent[1] == sent[2] and sent[0] > 5 * sent[1], sent
