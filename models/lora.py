@@ -36,6 +36,7 @@ from torch import nn
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
+HEAD = "lm_head"  # the output head: adapted only when named (as in PEFT; an untied head only)
 PEFT_PREFIX = "base_model.model."  # PEFT's name of the wrapped model's parameters
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -61,17 +62,17 @@ class LoRASpec:
 
 
 def resolve_targets(targets) -> tuple[str, ...]:
-    """PEFT target names -> the projections of this model family they name; ValueError for an unknown one."""
+    """PEFT target names -> the projections of this model family they name (all-linear: the decoder's seven;
+    lm_head only when named); ValueError for an unknown one."""
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    names = (*LINEAR_NAMES, HEAD)
     if not targets:
-        raise ValueError(f"LoRA target_modules is empty; name some of {', '.join(LINEAR_NAMES)} or {ALL_LINEAR}")
-    if ALL_LINEAR in targets:
-        return LINEAR_NAMES
-    unknown = [t for t in targets if t not in LINEAR_NAMES]
+        raise ValueError(f"LoRA target_modules is empty; name some of {', '.join(names)} or {ALL_LINEAR}")
+    unknown = [t for t in targets if t not in (*names, ALL_LINEAR)]
     if unknown:
         raise ValueError(f"LoRA target_modules {unknown} are not linear layers of this model; use "
-                         f"{', '.join(LINEAR_NAMES)} or {ALL_LINEAR}")
-    return tuple(t for t in LINEAR_NAMES if t in targets)
+                         f"{', '.join(names)} or {ALL_LINEAR}")
+    return tuple(t for t in names if t in targets or (ALL_LINEAR in targets and t != HEAD))
 
 
 def adapter_param_count(cfg, spec: LoRASpec) -> int:
@@ -81,7 +82,8 @@ def adapter_param_count(cfg, spec: LoRASpec) -> int:
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    return cfg.num_hidden_layers * sum(spec.rank * sum(shapes[m]) for m in spec.modules)
+    head = spec.rank * (h + cfg.vocab_size) if HEAD in spec.modules else 0
+    return head + cfg.num_hidden_layers * sum(spec.rank * sum(shapes[m]) for m in spec.modules if m != HEAD)
 
 
 def _lora_forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +112,14 @@ def add_adapters(model: nn.Module, spec: LoRASpec, *, seed: int = 0,
     if spec.rank < 1:
         raise ValueError(f"LoRA rank({spec.rank}) must be >= 1")
     targets = set(spec.modules)
+    if HEAD in targets:
+        cfg = getattr(model, "config", None)
+        if cfg is not None and cfg.tie_word_embeddings:
+            raise ValueError("LoRA on lm_head of a model whose head is tied to its embeddings: the merged head would "
+                             "no longer be the embedding table; leave lm_head out of target_modules")
+        if spec.dropout:
+            raise ValueError(f"LoRA dropout({spec.dropout}) with lm_head targeted: the trainer applies the head as "
+                             "one merged weight (parallel.runner.head_weight), which has no input to drop; use 0")
     names = []
     for name, mod in model.named_modules():
         if name.rsplit(".", 1)[-1] not in targets or not isinstance(mod, nn.Linear):

@@ -212,20 +212,34 @@ def head_weight(module: nn.Module, name: str = "lm_head") -> tuple[torch.Tensor,
 
     A head used outside the module's forward may still be sharded over dp by FSDP: those mesh
     dims are gathered (all-gather forward, reduce-scatter backward into the sharded gradient);
-    a TP-sharded lm_head keeps this rank's vocab rows.
+    a TP-sharded lm_head keeps this rank's vocab rows. A LoRA-adapted head (models/lora.py, its adapters on)
+    comes merged, W + alpha/r B @ A, differentiable in A and B (its B keeps the same vocab rows).
     """
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
     from parallel.loading import local_slices
 
-    w = getattr(module, name).weight
-    if not isinstance(w, DTensor):
-        return w, 0
-    names = w.device_mesh.mesh_dim_names or ()
-    placements = [p if n == "tp" else Replicate() for n, p in zip(names, w.placements)]
-    if list(placements) != list(w.placements):
-        w = w.redistribute(w.device_mesh, placements)
-    return w.to_local(), local_slices(w)[0].start or 0
+    head = getattr(module, name)
+    w = head.weight
+    start = (local_slices(w)[0].start or 0) if isinstance(w, DTensor) else 0
+    w = _tp_local(w)
+    if getattr(head, "lora_enabled", False):
+        delta = _tp_local(head.lora_B).to(w.dtype) @ _tp_local(head.lora_A).to(w.dtype)
+        w = w + delta * head.lora_scale
+    return w, start
+
+
+def _tp_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's TP shard of a parameter (gathered over FSDP's dp dims, differentiably), a plain one as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t
+    names = t.device_mesh.mesh_dim_names or ()
+    placements = [p if n == "tp" else Replicate() for n, p in zip(names, t.placements)]
+    if list(placements) != list(t.placements):
+        t = t.redistribute(t.device_mesh, placements)
+    return t.to_local()
 
 
 class NativeRunner:

@@ -9,7 +9,8 @@ local TP shards and the reshard planner, so training and generation can never di
     norms, everything else            -> None   (replicated)
 
 LoRA adapters (models/lora.py) split like their base, so an adapted projection needs no collective of its own:
-a column-parallel projection's lora_B [out, r] -> dim 0 (its lora_A [r, in] replicated), a row-parallel one's
+a column-parallel projection's (and the vocab-parallel lm_head's) lora_B [out, r] -> dim 0 (its lora_A [r, in]
+replicated), a row-parallel one's
 lora_A [r, in] -> dim 1 (its lora_B [out, r] replicated).
 """
 
@@ -19,7 +20,7 @@ import re
 
 _COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_COLWISE_LORA = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_B$")
+_COLWISE_LORA = re.compile(r"(\.(q_proj|k_proj|v_proj|gate_proj|up_proj)|(^|\.)lm_head)\.lora_B$")
 _ROWWISE_LORA = re.compile(r"\.(o_proj|down_proj)\.lora_A$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 

@@ -104,5 +104,35 @@ def test_fresh_adapters_start_at_the_base_and_targets_resolve():
     assert torch.equal(model(ids), before)  # B = 0
     assert resolve_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj")
-    with pytest.raises(ValueError, match="lm_head"):
-        resolve_targets(["lm_head"])
+    assert resolve_targets(["all-linear", "lm_head"])[-1] == "lm_head"  # the head only when named, as in PEFT
+    with pytest.raises(ValueError, match="embed_tokens"):
+        resolve_targets(["embed_tokens"])
+
+
+def test_an_adapted_head_equals_peft_through_the_runners_merged_head(tmp_path):
+    """lm_head named in target_modules: logits and gradients equal PEFT's, and the trainer's log-prob head
+    (parallel.runner.head_weight: W + alpha/r B @ A, differentiable) gives the forward's logits and gradients."""
+    from parallel.runner import head_weight
+
+    spec = LoRASpec(rank=4, alpha=8.0, target_modules=("q_proj", "lm_head"))
+    ours, theirs, _ = _ours_and_peft(tmp_path, "qwen3", spec, trainable=True)
+    freeze_base(ours)
+    ids = random_ids(2, 12)
+    got = ours(ids)
+    torch.testing.assert_close(got, theirs(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    w, _ = head_weight(ours)
+    torch.testing.assert_close(ours.hidden_states(ids) @ w.T, got, rtol=1e-5, atol=1e-5)
+    (ours.hidden_states(ids) @ w.T).logsumexp(-1).mean().backward()
+    theirs(input_ids=ids).logits.logsumexp(-1).mean().backward()
+    peft_grads = {n.replace("base_model.model.", "").replace(".default.weight", ""): p.grad
+                  for n, p in theirs.named_parameters() if p.requires_grad}
+    head = dict(ours.named_parameters())
+    for n in ("lm_head.lora_A", "lm_head.lora_B", "model.layers.0.self_attn.q_proj.lora_B"):
+        torch.testing.assert_close(head[n].grad, peft_grads[n], rtol=1e-5, atol=1e-6)
+    with adapters_disabled(ours):
+        assert torch.equal(head_weight(ours)[0], ours.lm_head.weight)
+    tied = hf_causal_lm("qwen3-tied", seed=1)
+    from models import load_pretrained
+
+    with pytest.raises(ValueError, match="tied"):
+        add_adapters(load_pretrained(save_hf(tied, tmp_path / "tied"), dtype=torch.float32), spec)
