@@ -61,7 +61,7 @@ class EngineAdapters:
         parents = dict(model.named_modules())
         fused: dict[tuple[str, str], list[tuple[str, nn.Linear]]] = {}
         for name, lin in adapted:
-            parent_name, attr = name.rsplit(".", 1)
+            parent_name, _, attr = name.rpartition(".")  # lm_head: the model itself ("")
             parent = parents[parent_name]
             group = next((g for g, members in FUSED_MEMBERS.items()
                           if attr in members and getattr(parent, g, None) is not None), None)

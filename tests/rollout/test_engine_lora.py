@@ -40,7 +40,7 @@ def _check(engine, model):
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-folded", "plain"])
-@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj", "down_proj")])
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj", "down_proj", "lm_head")])
 def test_engine_adapters_equal_the_adapted_model_across_updates(fuse, targets):
     spec = LoRASpec(rank=4, alpha=8.0, target_modules=targets)
     model = _adapted(spec, seed=1)

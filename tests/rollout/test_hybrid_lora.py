@@ -35,7 +35,7 @@ def _body(rank, world, sync):
     from rollout.hybrid import HybridEngine
 
     dims = ParallelDims(tp=2)
-    spec = LoRASpec(rank=4, alpha=8.0, target_modules=("all-linear",))
+    spec = LoRASpec(rank=4, alpha=8.0, target_modules=("all-linear", "lm_head"))  # the vocab-parallel head too
     runner = parallelize_model(build_model("tiny", seed=0), mesh=build_mesh(dims, [0, 1], device_type="cpu"),
                                dims=dims, lora=spec)
     model = runner.modules[0]
