@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,9 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
            "response_length": mean.get("response_length/mean"),
            "timing_s": {k.split("/", 1)[1]: round(v, 4) for k, v in mean.items() if k.startswith("timing_s/")},
            "rollout_logprob_diff_max": mean.get("rollout/logprob_diff_max"),
+           # bytes handed to the engine per update (metrics.jsonl's reshard/engine_bytes), every step (a LoRA actor
+           # with actor.lora.sync adapters: the base in the first, the adapters alone after), and the sync mode chosen
+           "engine_bytes": [r.get("reshard/engine_bytes") for r in rows], "lora_sync": _lora_sync(run_dir),
            # engine vs trainer mismatch (algorithm.rollout_correction) and DAPO sampling, step means
            "rollout_corr": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("rollout_corr/")},
            "dapo": {k.split("/", 1)[1]: v for k, v in mean.items() if k.startswith("dapo/")},
@@ -136,6 +140,14 @@ def _summary(rows: list[dict], *, warmup: int, nproc: int, run_dir: Path) -> dic
                          "timing_s": {k.split("/", 1)[1]: round(v, 3) for k, v in r.items()
                                       if k.startswith("timing_s/") and k != "timing_s/step"}} for r in rows]}
     return out
+
+
+def _lora_sync(run_dir: Path) -> str | None:
+    """The actor.lora.sync mode rank 0 logged (ppo.roles.generation: "actor.lora.sync=adapters (auto: ...)"), None
+    without LoRA."""
+    log = run_dir / "logs" / "rank_0.log"
+    m = re.search(r"actor\.lora\.sync=(\w+)", log.read_text()) if log.exists() else None
+    return m.group(1) if m else None
 
 
 def _gpu_index(key: str) -> int:

@@ -121,8 +121,8 @@ class EngineAdapters:
         engine fails here, not silently); A's loaded since the last call get their fused GEMM's folded norm."""
         missing = sorted(set(self.views) - self.loaded)
         if missing:
-            raise RuntimeError(f"{len(missing)} LoRA adapter tensors never loaded into the engine (e.g. {missing[:2]}); "
-                               f"update_weights must carry every adapter (actor.lora.sync=adapters)")
+            raise RuntimeError(f"{len(missing)} LoRA adapter tensors never loaded into the engine (e.g. "
+                               f"{missing[:2]}); update_weights must carry every adapter (actor.lora.sync=adapters)")
         norms = {(id(g.module), g.attr): g.norm for g in fused_groups if g.norm is not None}
         for name in self.unfolded:
             module, attr = self.fold_into[name]

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import DecoderLayer
-from rollout.engine_lora import AdaptedLinear
 from models.triton_support import triton_runs
+from rollout.engine_lora import AdaptedLinear
 
 try:
     import triton

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.llama import rotary_cos_sin
+from models.lora import LoRASpec
 from models.moe import RouterTrace
 from rollout import triton_sampling
-from models.lora import LoRASpec
 from rollout.base import RolloutConfig
 from rollout.engine_lora import EngineAdapters
 from rollout.kv_cache import (

@@ -198,7 +198,8 @@ class RolloutRole:
         if mode == "auto":
             item = torch.empty(0, dtype=s.dtype).element_size()
             specs = param_specs(model_config, itemsize=item)
-            nbytes = [sum(p.numel * p.itemsize for p in ps) // gen.tp for ps in (specs, adapter_param_specs(specs, lora))]
+            nbytes = [sum(p.numel * p.itemsize for p in ps) // gen.tp
+                      for ps in (specs, adapter_param_specs(specs, lora))]
             # rollout.free_memory_on_sleep=true on a GPU: training needs the engine's memory, its base included
             frees = s.engine.free_memory_on_sleep and not s.settle_residency and cuda
             mode, why = choose_lora_sync(base_bytes=nbytes[0], adapter_bytes=nbytes[1],
