@@ -91,9 +91,14 @@ for p in "${parts[@]}"; do
           --nproc 2 --warmup 2 --modes "$m" trainer.total_steps="${ASYNC2_STEPS:-10}" ${EXTRA:-}
       done ;;
     lora)  # issue 43: GRPO (a) with rank-64 all-linear LoRA, llama-7b (vs 20.0 samples/s full-parameter) and a
-           # Qwen3-14B shape (impossible at full parameters), one H200 each; the full 7B run beside it: LORA_FULL=1
+           # Qwen3-14B shape (impossible at full parameters), one H200 each; the full 7B run beside it: LORA_FULL=1.
+           # actor.lora.sync=auto in both (its choice: the JSON's lora_sync); LORA_SYNC=1 adds the 7B run with the
+           # other mode forced (engine_bytes per step: merged weights every update vs the adapters after the first)
       run grpo_7b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b_lora.yaml --nproc 1 \
         --warmup 2 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+      [ -n "${LORA_SYNC:-}" ] && run grpo_7b_lora_adapters "${T_LORA:-540}" python3 -m bench.placement \
+        --config conf/bench_grpo_7b_lora.yaml --nproc 1 --warmup 2 --modes colocated-sync actor.lora.sync=adapters \
+        ${EXTRA:-}
       run grpo_qwen3_14b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_qwen3_14b_lora.yaml \
         --nproc 1 --warmup 1 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
       [ -n "${LORA_FULL:-}" ] && run grpo_7b "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b.yaml \
