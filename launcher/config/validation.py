@@ -337,6 +337,9 @@ def _validate_lora(cfg: Config) -> None:
     checks = [
         (lo.alpha > 0, f"actor.lora.alpha({lo.alpha}) must be > 0 (the adapters' scale is alpha / rank)"),
         (0 <= lo.dropout < 1, f"actor.lora.dropout({lo.dropout}) must be in [0, 1)"),
+        (lo.dropout == 0 or "lm_head" not in targets, f"actor.lora.dropout={lo.dropout} with lm_head targeted: the "
+                                                      "trainer applies the head as one merged weight, with no input to "
+                                                      "drop; set actor.lora.dropout=0 or leave lm_head out"),
         (a.backend == "native", "actor.lora needs actor.backend=native: the megatron backend has no LoRA adapters; "
                                 "set actor.backend=native or actor.lora.rank=0"),
         (lo.dropout == 0 or a.tp == 1, f"actor.lora.dropout={lo.dropout} with actor.tp={a.tp}: the tensor-parallel "

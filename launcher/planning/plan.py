@@ -170,12 +170,22 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
                         "split")
 
 
+def validate_lora_head(cfg: Config, model: ModelConfig) -> None:
+    """actor.lora.target_modules naming lm_head needs a head of its own: a head tied to the embeddings would make
+    the merged head (and the warm-up's merge into the base) rewrite the embedding table too."""
+    lo = cfg.actor.lora
+    if lo.rank > 0 and "lm_head" in lo.target_modules and model.tie_word_embeddings:
+        raise UserError("actor.lora.target_modules names lm_head, and the model ties its head to its embeddings "
+                        "(tie_word_embeddings): leave lm_head out of actor.lora.target_modules")
+
+
 def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
                  reward_model: ModelConfig | None = None) -> DevicePlan:
     """Assign ranks to roles and validate every layout. Raises UserError with the numbers."""
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
     validate_moe(cfg, model)
+    validate_lora_head(cfg, model)
     if cfg.placement.mode == "auto":
         return auto_plan(cfg, world_size=world_size, model=model, reward_model=reward_model)
     roles = active_roles(cfg)

@@ -19,7 +19,11 @@ def test_lora_keys_load():
 @pytest.mark.parametrize("overrides,needle", [
     (["actor.lora.alpha=8"], "acts only with LoRA on; set actor.lora.rank>0"),
     (["actor.lora.rank=-1"], "must be >= 0"),
-    (["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"], "are not linear layers of this model"),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[embed_tokens]"], "are not linear layers of this model"),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[all-linear,lm_head]", "actor.lora.dropout=0.1"],
+     "set actor.lora.dropout=0 or leave lm_head out"),
+    (["actor.lora.sync=adapters"], "acts only with LoRA on"),
+    (["actor.lora.rank=8", "actor.lora.sync=fast"], "actor.lora.sync"),
     (["actor.lora.rank=8", "actor.lora.dropout=0.1", "actor.tp=2"], "set actor.lora.dropout=0 or actor.tp=1"),
     (["actor.lora.rank=8", "ref.tp=2"], "ref.tp=2 vs actor.tp=1"),
     (["actor.lora.rank=8", "placement.mode=split"], "use placement.mode=colocated"),
@@ -44,3 +48,13 @@ def test_init_from_must_match(tmp_path):
     assert cfg.actor.lora.init_from == str(tmp_path / "a")
     with pytest.raises(UserError, match="holds r=4, alpha=8.0"):
         load_config("conf/grpo_tiny.yaml", ["actor.lora.rank=8", f"actor.lora.init_from={tmp_path / 'a'}"])
+
+
+def test_an_adapted_head_needs_an_untied_head():
+    from launcher.planning.plan import compute_plan
+    from models.config import preset_config
+
+    cfg = load_config("conf/grpo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.target_modules=[all-linear,lm_head]"])
+    compute_plan(cfg, world_size=1, model=preset_config("tiny"))
+    with pytest.raises(UserError, match="ties its head to its embeddings"):
+        compute_plan(cfg, world_size=1, model=preset_config("tiny-qwen3"))
