@@ -12,9 +12,9 @@ Measured rises (last 10 minus first 10 steps' mean reward; a mean of 10 steps ha
 the PPO ratio against the engine's log-probs) 0.138 at seed 42; the control, 20 steps at actor lr 0, 0.003 / -0.008;
 GRPO with the tiny Qwen3-MoE, routing replay and actor.router_aux_loss_coef=0.01, 60 steps 0.232 / 0.178.
 GRPO with LoRA (r 16, alpha 32, lr 2e-3) on every linear layer and the head (2026-12-04), 60 steps: 0.205 / 0.103
-(sync merged), 0.248 at seed 42 with sync adapters; 40 steps with sync adapters (the test): 0.168 at seed 42; the
-same without lm_head, 60 steps: -0.001 at seed 42 (the reward stays at 0.002 from the LoRA warm-up on: the tiny
-model's frozen random head caps its logit margins, docs/lora.md).
+(sync merged), 0.248 / 0.201 (sync adapters); 40 steps with sync adapters (the test): 0.168 / 0.077; the same without
+lm_head, 60 steps: -0.001 at seed 42 (the reward stays at 0.002 from the LoRA warm-up on: the tiny model's frozen
+random head caps its logit margins, docs/lora.md).
 """
 
 from __future__ import annotations
