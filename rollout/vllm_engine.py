@@ -45,7 +45,7 @@ import torch.distributed as dist
 from models.config import ModelConfig
 from parallel.sharding import tp_shard_dim
 from rollout.base import Completion, RolloutConfig, SamplingParams, check_request, error_completions, expand_sampling
-from rollout.vllm_support import installed_vllm_version, request_matches_mode, vllm_install_problem
+from rollout.vllm_support import installed_vllm_version, request_matches_mode, vllm_install_problem, vllm_lora_rank
 
 # head_dim values vLLM's CPU attention accepts (others start, then fail at the first generate)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -110,18 +110,6 @@ def _check_tp_group_matches_vllm(tp_group, tp: int) -> None:
                          "range starting at a multiple of the generation TP size")
 
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
-
-
-def _max_lora_rank(rank: int) -> int:
-    """vLLM's max_lora_rank for adapters of rank `rank`: the smallest value it accepts that holds them."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"vLLM serves LoRA adapters of rank <= {VLLM_LORA_RANKS[-1]}, not {rank}; use "
-                         "actor.lora.sync=merged")
-    return fits[0]
-
-
 VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py's block size when none is set
 
 
@@ -177,7 +165,7 @@ class VLLMEngine:
                        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
                        enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
                        enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0,
-                       **({"enable_lora": True, "max_lora_rank": _max_lora_rank(lora.rank), "max_loras": 1}
+                       **({"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
                           if lora else {}), **kw)
         self.lora, self.lora_request, self._lora_version = lora, None, 0
         # vLLM's exit-time shutdown tears down the torch.distributed world (ours), which the launcher has

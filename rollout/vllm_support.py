@@ -94,3 +94,16 @@ def request_matches_mode(mode: str, *, temperature: float, top_k: int, top_p: fl
         return (f"this vLLM engine returns raw log-probs (temperature 1); temperature={temperature} "
                 "would not be applied to them")
     return None
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of rank `rank`: the smallest value it accepts that holds them."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters of rank <= {VLLM_MAX_LORA_RANK}, not {rank}; use "
+                         "actor.lora.sync=merged")
+    return fits[0]

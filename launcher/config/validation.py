@@ -319,6 +319,7 @@ def _validate_lora(cfg: Config) -> None:
     """actor.lora: its keys act only with rank > 0; the layouts where adapters run (native backend; a reference
     that is the actor's own base, so it shares the actor's ranks and layout); an init_from adapter that fits."""
     from models.lora import read_peft_adapter, resolve_targets
+    from rollout.vllm_support import VLLM_MAX_LORA_RANK
 
     lo, a = cfg.actor.lora, cfg.actor
     default = type(lo)()
@@ -337,6 +338,9 @@ def _validate_lora(cfg: Config) -> None:
     checks = [
         (lo.alpha > 0, f"actor.lora.alpha({lo.alpha}) must be > 0 (the adapters' scale is alpha / rank)"),
         (0 <= lo.dropout < 1, f"actor.lora.dropout({lo.dropout}) must be in [0, 1)"),
+        (lo.sync != "adapters" or cfg.rollout.engine != "vllm" or lo.rank <= VLLM_MAX_LORA_RANK,
+         f"actor.lora.sync=adapters with rollout.engine=vllm: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANK}, "
+         f"not {lo.rank}; set actor.lora.sync=merged or auto"),
         (lo.dropout == 0 or "lm_head" not in targets, f"actor.lora.dropout={lo.dropout} with lm_head targeted: the "
                                                       "trainer applies the head as one merged weight, with no input to "
                                                       "drop; set actor.lora.dropout=0 or leave lm_head out"),

@@ -192,9 +192,12 @@ class RolloutRole:
         """actor.lora.sync resolved (auto: choose_lora_sync's estimate), logged with its reason."""
         from parallel.lora import adapter_param_specs
         from parallel.reshard import param_specs
+        from rollout.vllm_support import VLLM_MAX_LORA_RANK
 
         s = self.settings
         mode, why = s.lora_sync, "actor.lora.sync"
+        if mode == "auto" and s.engine_kind == "vllm" and lora.rank > VLLM_MAX_LORA_RANK:
+            mode, why = "merged", f"auto: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANK}"
         if mode == "auto":
             item = torch.empty(0, dtype=s.dtype).element_size()
             specs = param_specs(model_config, itemsize=item)

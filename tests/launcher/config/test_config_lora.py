@@ -24,6 +24,7 @@ def test_lora_keys_load():
      "set actor.lora.dropout=0 or leave lm_head out"),
     (["actor.lora.sync=adapters"], "acts only with LoRA on"),
     (["actor.lora.rank=8", "actor.lora.sync=fast"], "actor.lora.sync"),
+    (["actor.lora.rank=1024", "actor.lora.sync=adapters", "rollout.engine=vllm"], "vLLM serves adapters of rank <= 512"),
     (["actor.lora.rank=8", "actor.lora.dropout=0.1", "actor.tp=2"], "set actor.lora.dropout=0 or actor.tp=1"),
     (["actor.lora.rank=8", "ref.tp=2"], "ref.tp=2 vs actor.tp=1"),
     (["actor.lora.rank=8", "placement.mode=split"], "use placement.mode=colocated"),
