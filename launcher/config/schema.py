@@ -116,9 +116,9 @@ class LoRAConfig:
     # PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     init_from: str | None = None  # a PEFT adapter directory to continue from (its r, alpha and targets must match)
-    # what the rollout engine receives each update: "adapters" (the native engine applies them in its GEMMs and
-    # keeps the frozen base between updates), "merged" (every weight, adapted ones merged on the trainer's
-    # device), "auto" (the cheaper by the estimated bytes per update, printed at start; vLLM: merged)
+    # what the rollout engine receives each update: "adapters" (the engine keeps the frozen base and applies the
+    # adapters itself: native in its GEMMs, vLLM through its LoRA loading), "merged" (every weight, adapted ones
+    # merged on the trainer's device), "auto" (the cheaper by the estimated device traffic per update, logged)
     sync: str = "auto"
 
 
