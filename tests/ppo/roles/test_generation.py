@@ -96,3 +96,23 @@ def test_a_data_row_caps_its_response_length(trainer):
     gen = rollout.generate(batch, step=0, seed=1)
     assert gen.samples and all(len(s.response_ids) <= 1 + s.prompt_index % 2 for s in gen.samples)
     assert any(len(s.response_ids) == 2 for s in gen.samples)
+
+
+def test_lora_sync_auto_weighs_the_traffic_of_each_path():
+    from models.config import preset_config
+    from models.lora import LoRASpec, adapter_param_count
+    from ppo.roles.generation import choose_lora_sync
+
+    # llama-7b, r 64 on every linear layer, bf16, one GPU, 256 decode steps: one merged copy (2 passes over 13.5 GB)
+    # costs less than the adapters read by every decode step (320 MB x 258)
+    cfg = preset_config("llama-7b")
+    base, adapters = 2 * cfg.num_params(), 2 * adapter_param_count(cfg, LoRASpec(rank=64, alpha=128))
+    kw = dict(base_bytes=base, adapter_bytes=adapters, frees_weights=False)
+    assert choose_lora_sync(decode_steps=256, crosses_ranks=False, **kw)[0] == "merged"
+    # short responses, or weights that cross ranks (each byte 10x dearer): the adapters
+    assert choose_lora_sync(decode_steps=8, crosses_ranks=False, **kw)[0] == "adapters"
+    mode, why = choose_lora_sync(decode_steps=256, crosses_ranks=True, **kw)
+    assert mode == "adapters" and "cross" in why
+    # training needs the engine's memory on the GPU: merged, whatever the traffic
+    assert choose_lora_sync(decode_steps=8, crosses_ranks=True, base_bytes=base, adapter_bytes=adapters,
+                            frees_weights=True)[0] == "merged"
