@@ -16,6 +16,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(env tests train gen reshard grpo ppo placement)
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 prof_grpo=(); prof_train=()
+# the long single-run parts keep their run directories (the launcher's log: how far a run got when its time limit ended it)
+keep_runs=(--runs-dir "$OUT/runs")
 if [ -n "${PROFILE:-}" ]; then
   prof_grpo=(--runs-dir "$OUT/runs" "trainer.profile_steps=[$PROFILE]"); prof_train=(--profile)
 fi
@@ -75,7 +77,7 @@ for p in "${parts[@]}"; do
         trainer.total_steps="${RECIPE_STEPS:-5}" ${EXTRA:-} ;;
     moe)  # GRPO (a) with Qwen3-30B-A3B's layers cut to 6 (conf/bench_grpo_moe.yaml), then its decode vs the roofline
       run grpo_moe "${T_MOE:-540}" python3 -m bench.placement --config conf/bench_grpo_moe.yaml --nproc 1 --warmup 2 \
-        --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+        --modes colocated-sync "${keep_runs[@]}" "${prof_grpo[@]}" ${EXTRA:-}
       run generate_moe "${T_GEN_MOE:-400}" python3 -m bench.generate --model qwen3-30b-a3b-6l --prompt-len 128 \
         --new-tokens 256 --engine native --batches 32,256 --native-variants auto,auto+compile ;;
     ppo) run ppo_1gpu "${T_PPO:-420}" python3 -m bench.ppo_step --config conf/bench_ppo_1b.yaml --nproc 1 ${EXTRA:-} ;;
@@ -95,12 +97,12 @@ for p in "${parts[@]}"; do
            # actor.lora.sync=auto in both (its choice: the JSON's lora_sync); LORA_SYNC=1 adds the 7B run with the
            # other mode forced (engine_bytes per step: merged weights every update vs the adapters after the first)
       run grpo_7b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b_lora.yaml --nproc 1 \
-        --warmup 2 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+        --warmup 2 --modes colocated-sync "${keep_runs[@]}" "${prof_grpo[@]}" ${EXTRA:-}
       [ -n "${LORA_SYNC:-}" ] && run grpo_7b_lora_adapters "${T_LORA:-540}" python3 -m bench.placement \
         --config conf/bench_grpo_7b_lora.yaml --nproc 1 --warmup 2 --modes colocated-sync actor.lora.sync=adapters \
         ${EXTRA:-}
       run grpo_qwen3_14b_lora "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_qwen3_14b_lora.yaml \
-        --nproc 1 --warmup 1 --modes colocated-sync "${prof_grpo[@]}" ${EXTRA:-}
+        --nproc 1 --warmup 1 --modes colocated-sync "${keep_runs[@]}" "${prof_grpo[@]}" ${EXTRA:-}
       [ -n "${LORA_FULL:-}" ] && run grpo_7b "${T_LORA:-540}" python3 -m bench.placement --config conf/bench_grpo_7b.yaml \
         --nproc 1 --warmup 2 --modes colocated-sync ${EXTRA:-} ;;
     agent) run agent_turns "${T_AGENT:-540}" python3 -m bench.agent_turns --model qwen3-0.6b --trajectories 256 \
