@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence as Seq
 
 import torch
 
@@ -59,7 +59,17 @@ class NativeEngine:
         self._pending: tuple[list[Sequence], object] | None = None
         self._updates: dict[int, tuple] = {}
         self._next_request = self._next_seq = 0
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        # kept KV (add_request's `sessions`): session key -> its parked sequence (slot -1 once evicted); the parked
+        # sequences whose position-0 KV must be saved before the next decode launch; weights loaded since the
+        # last finish_loading while the scheduler lived
+        self._sessions: dict[Hashable, Sequence] = {}
+        self._to_save: list[Sequence] = []
+        self._weights_changed = False
+        # prefill_tokens: tokens run by prefills (a row shared by n samples counts once); kv_reused_tokens: tokens
+        # a continuation did not re-run (its session's KV kept); kv_evictions: parked sessions evicted for room;
+        # kv_misses: continuations that re-prefilled (KV evicted, or the prompt did not extend the session's tokens)
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -85,6 +95,7 @@ class NativeEngine:
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake_up() first")
         self.runner.load_weights(named_tensors, share=share)
+        self._weights_changed = self._sched is not None  # folded before the next step (rollout.fold_norms)
 
     def holds_weights(self) -> bool:
         """Whether the engine still holds every base weight (then an update may send the LoRA adapters alone)."""
@@ -96,8 +107,10 @@ class NativeEngine:
         if self.has_unfinished():
             raise RuntimeError("sleep() with unfinished requests: step them to the end or abort them first")
         if not self.config.free_memory_on_sleep:  # keep everything resident: wake_up has nothing to redo
-            self.asleep = True
+            self.asleep = True  # (parked sessions keep their KV)
             return
+        self._drop_sessions()  # the KV cache goes: kept KV with it
+        self._sched = None
         before = self._mem()
         drop = self.config.drop_weights_on_sleep or self._source is not None
         self.runner.free_runtime(drop_weights=drop)
@@ -137,25 +150,39 @@ class NativeEngine:
         return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
 
     # ---- step API (rollout/base.py: SteppingEngine) ----
-    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt: list[int], params: SamplingParams, *,
+                    sessions: Seq[Hashable] | None = None) -> int:
         """Queue `params.n` samples of `prompt`; usable while the engine runs (between step() calls).
         Returns the request id that its completions carry as `Completion.prompt_index`. A bad request
-        comes back as "error" completions from the next step()."""
+        comes back as "error" completions from the next step().
+
+        sessions: one key per sample (kept KV across turns). A sample that finishes ("stop"/"length") keeps its
+        KV slot parked under its key; a later request under that key whose prompt extends the sample's tokens
+        (its prompt, its tokens, then anything new) prefills only the new tokens. A parked slot is evicted when
+        a waiting sequence needs room (the continuation then re-prefills: stats "kv_evictions", "kv_misses");
+        release_session() frees it at once."""
         if self.asleep:
             raise RuntimeError("add_request on a sleeping engine: call wake_up() (and update_weights) first")
+        if sessions is not None and (not isinstance(getattr(params, "n", None), int) or len(sessions) != params.n):
+            raise ValueError(f"{len(sessions)} sessions for n={getattr(params, 'n', None)} samples: give one key per "
+                             "sample")
         if self._sched is None:
             self.runner.finish_loading()
+            self._weights_changed = False
             self._sched = Scheduler(
                 num_slots=self.runner.num_slots, max_num_batched_tokens=self.config.max_num_batched_tokens,
                 max_model_len=self.config.max_model_len, granule=self.config.block_size,
                 slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
                 min_admit=int(self.config.min_admit_fraction * self.runner.num_slots))
+            self._sched.on_evict = self._evicted
         rid = self._next_request
         self._next_request += 1
         prompt = [int(t) for t in prompt]
         err = check_request(prompt, params, max_model_len=self.config.max_model_len,
                             vocab_size=self.model_config.vocab_size)
         if err is not None:
+            for key in sessions or ():
+                self.release_session(key)
             self._ready.extend(error_completions(rid, prompt, params, err))
             return rid
         # unseeded requests draw their seed here, in request order, so every TP rank agrees
@@ -163,9 +190,59 @@ class NativeEngine:
         seqs = [Sequence(self._next_seq + j, rid, j, prompt, params, request_key(seed, j)) for j in range(params.n)]
         self._next_seq += params.n
         self._requests[rid] = seqs
-        for seq in seqs:
+        for seq, key in zip(seqs, sessions or [None] * len(seqs), strict=True):
+            if key is not None:
+                seq.session = key
+                self._continue(seq, self._sessions.pop(key, None))
             self._sched.add(seq)
         return rid
+
+    def release_session(self, key: Hashable) -> None:
+        """Free the KV slot parked under `key` (the trajectory ended); unknown keys: nothing."""
+        seq = self._sessions.pop(key, None)
+        if seq is not None and self._sched is not None and self._sched.unpark(seq):
+            self._sched.free_slot(seq.slot)
+        if not self._requests and not self._ready and self._sched is not None and not self._sched.parked:
+            self._idle()
+
+    def _continue(self, seq: Sequence, parked: Sequence | None) -> None:
+        """Make `seq` a continuation of its session's parked sequence when that one's KV is still in its slot and
+        `seq`'s prompt extends its tokens (the KV of positions [0, length - 1): the last sampled token never ran)."""
+        if parked is None:
+            return
+        if not self._sched.unpark(parked):  # evicted meanwhile
+            self.stats["kv_misses"] += 1
+            return
+        cached = parked.length - 1
+        if cached < 1 or len(seq.prompt_ids) <= cached or seq.prompt_ids[:cached] != (
+                parked.prompt_ids + parked.token_ids)[:cached]:
+            self._sched.free_slot(parked.slot)
+            self.stats["kv_misses"] += 1
+            return
+        seq.slot, seq.cached, seq.kv_start = parked.slot, cached, parked.kv_start
+        if seq.kv_start is None:  # not saved yet: save it before the next decode launch, as for a parked one
+            self._to_save.append(seq)
+        if parked.routes:  # a mixture of experts: the records of the tokens kept, then the new ones' at prefill
+            seq.routes = [torch.cat(parked.routes)[:cached]]
+
+    def _evicted(self, seq: Sequence) -> None:
+        self.stats["kv_evictions"] += 1
+
+    def _park(self, seq: Sequence) -> None:
+        """A finished sequence kept its slot (Scheduler.update): file it under its session."""
+        old = self._sessions.get(seq.session)
+        if old is not None and old is not seq:
+            self.release_session(seq.session)
+        self._sessions[seq.session] = seq
+        self._to_save.append(seq)
+
+    def _drop_sessions(self) -> None:
+        if self._sessions and self._sched is not None:
+            for seq in self._sessions.values():
+                if self._sched.unpark(seq):
+                    self._sched.free_slot(seq.slot)
+        self._sessions.clear()
+        self._to_save.clear()
 
     def has_unfinished(self) -> bool:
         """True while an added request has completions that step() has not returned yet."""
@@ -176,6 +253,9 @@ class NativeEngine:
         that finished in it, each request's `n` samples together. Decode stays pipelined one step ahead,
         so a decode step may still be in flight on return: call settle() before swapping weights."""
         ready, self._ready = self._ready, []
+        if self._weights_changed:  # weights swapped between steps with requests in flight
+            self.runner.finish_loading()
+            self._weights_changed = False
         if self._sched is not None and (self._sched.has_work() or self._pending is not None):
             self._iterate(self._sched)
         return ready + self._collect_finished()
@@ -201,6 +281,7 @@ class NativeEngine:
                 if self._sched.release(s):  # was running: its device row must stop advancing
                     self._updates[s.slot] = _PAD
                 s.finish_reason = "abort"
+                s.session = None
         return [_completion(s) for s in seqs]
 
     def _collect_finished(self) -> list[Completion]:
@@ -220,15 +301,25 @@ class NativeEngine:
 
     def _idle(self) -> None:
         """No request left: wait out a step still in flight (rows that all finished) and leave every device
-        row inactive for whatever comes next."""
+        row inactive for whatever comes next. The scheduler stays while sessions keep parked slots."""
         if self._pending is not None:
             seqs, handle = self._pending
             self._pending = None
             self._apply_decode(self._sched, seqs, handle)
         if self._sched is not None:
+            self._save_parked()
             self.runner.set_rows(self._updates)
             self._updates.clear()
-            self._sched = None
+            if not self._sched.parked:
+                self._sched = None
+
+    def _save_parked(self) -> None:
+        """Save position 0 of the slots parked since the last decode launch: padding rows write there."""
+        for s in self._to_save:
+            waiting = s.cached and s.prefill_row < 0 and s.finish_reason is None  # a continuation not yet admitted
+            if self._sched.parked.get(s.slot) is s or waiting:
+                s.kv_start = self.runner.save_slot_start(s.slot)
+        self._to_save.clear()
 
     def _iterate(self, sched: Scheduler) -> None:
         """One iteration of prefill-first continuous batching. Decode is pipelined one step ahead: while
@@ -241,12 +332,17 @@ class NativeEngine:
             step = sched.schedule()
             if isinstance(step, PrefillBatch):
                 tokens, logprobs, routes = self.runner.prefill(step)
-                if routes is not None:  # a mixture of experts: each sequence's tokens so far, run anew
+                if routes is not None:  # a mixture of experts: the tokens each row ran (a continuation's new ones)
                     for r, row in enumerate(step.rows):
                         for s in row:
-                            s.routes = [routes[r, : s.length]]
+                            s.routes.append(routes[r])
+                for row in step.rows:
+                    self.stats["prefill_tokens"] += row[0].length - row[0].cached
+                    self.stats["kv_reused_tokens"] += row[0].cached
                 for s in sched.update(step.seqs, tokens, logprobs):
                     self._finished.add(s.prompt_index)
+                    if sched.parked.get(s.slot) is s:
+                        self._park(s)
                 for s in step.seqs:
                     updates[s.slot] = _PAD if s.finish_reason else _row(s)
                 self.stats["prefill_steps"] += 1
@@ -280,8 +376,12 @@ class NativeEngine:
         for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
             self._updates[s.slot] = _PAD
             self._finished.add(s.prompt_index)
+            if sched.parked.get(s.slot) is s:
+                self._park(s)
 
     def _launch(self, step: DecodeBatch, updates: dict[int, tuple]):
+        if self._to_save:
+            self._save_parked()
         self.runner.set_shared_prompts(Scheduler.shared_prompts(step.seqs))
         self.runner.set_rows(updates)
         updates.clear()

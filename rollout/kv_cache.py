@@ -87,6 +87,40 @@ class PrefillAttention:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class ContinuationAttention:
+    """Prefill of continuations: row r's T new tokens sit at positions starts[r] + [0, lens[r]) of slot slots[r],
+    whose first starts[r] positions already hold the KV of the tokens before them (a parked sequence's earlier
+    turns). Writes the new K/V into the slot, then attends causally over the slot's positions [0, start + t].
+    Padding (t >= lens[r]) writes into the slot's spare last position, which nothing reads."""
+
+    def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor):
+        self.cache, self.slots = cache, slots
+        self.starts, self.lens = starts, lens
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, _, t, _ = k.shape
+        steps = torch.arange(t, device=k.device)
+        positions = self.starts[:, None] + steps[None, :]  # [N, T]
+        written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
+        kv_len = int((self.starts + self.lens).max())
+        slots, scales = self.slots, self.cache.scales
+        out = []
+        for i, x in enumerate((k, v)):
+            rows = x.transpose(1, 2)  # [N, T, Hkv, D]: the index [slot, :, position] below puts N, T first
+            if scales.numel():
+                values, row_scales = quantize_rows(rows)
+                self.cache.data[layer_idx, i].view(torch.uint8)[slots[:, None], :, written] = values.view(torch.uint8)
+                scales[layer_idx, i][slots[:, None], :, written] = row_scales
+                out.append(dequantized(self.cache.data[layer_idx, i][slots, :, :kv_len],
+                                       scales[layer_idx, i][slots, :, :kv_len], q.dtype))
+            else:
+                self.cache.data[layer_idx, i][slots[:, None], :, written] = rows
+                out.append(self.cache.data[layer_idx, i][slots, :, :kv_len])
+        mask = torch.arange(kv_len, device=k.device)[None, None, :] <= positions[:, :, None]  # [N, T, L]
+        return F.scaled_dot_product_attention(q, out[0], out[1], attn_mask=mask[:, None],
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
 @torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache", "scales"))
 def write_prefill_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor) -> None:

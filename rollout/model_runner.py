@@ -29,6 +29,7 @@ from rollout.base import RolloutConfig
 from rollout.engine_lora import EngineAdapters
 from rollout.kv_cache import (
     FP8,
+    ContinuationAttention,
     DecodeAttention,
     KVCache,
     PrefillAttention,
@@ -324,31 +325,29 @@ class EngineModelRunner:
             *shape, len(self.moe_layers), -1)
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float], torch.Tensor | None]:
+    def prefill(self, batch: PrefillBatch) -> tuple[list[int], list[float], list[torch.Tensor] | None]:
         """Run the prompts (plus any tokens already generated) of each row; sample the next token of
-        every sequence. Returns tokens, logprobs in batch.seqs order, and (a mixture of experts) the host
-        [rows, padded_len, L_moe, k] experts of each row's tokens, else None."""
-        ids = torch.zeros(len(batch.rows), batch.padded_len, dtype=torch.int64)
-        last = []
-        for r, row in enumerate(batch.rows):
-            toks = row[0].prompt_ids + row[0].token_ids
-            ids[r, : len(toks)] = torch.tensor(toks)
-            last.append(len(toks) - 1)
-        seqs = batch.seqs
-        row_of, slot_of = [r for r, row in enumerate(batch.rows) for _ in row], [s.slot for s in seqs]
-        if self.config.compile:  # no size reaching the compiled prefill may be 1: Dynamo specialises it (a
-            # second whole-model compile mid-run, e.g. at an agent's next turn or a resumed partial rollout)
-            if len(batch.rows) == 1:  # one prompt row: a copy is run beside it, never written nor sampled
-                ids, last = ids.repeat(2, 1), last * 2
-            if len(seqs) == 1:  # one sequence: its row is written into its slot twice (the same K/V)
-                row_of, slot_of = row_of * 2, slot_of * 2
-        # inputs up through pinned memory without a host sync (a pageable copy waits for the stream)
-        rows = self._upload(torch.tensor(row_of))
-        slots = self._upload(torch.tensor(slot_of))
-        logits, routes = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
-        logits = logits[: len(seqs)]
-        if routes is not None:
-            routes = routes[: len(batch.rows)]
+        every sequence. A continuation row (its sequence's `cached` > 0: the slot already holds the KV of its
+        first `cached` tokens) runs only the tokens after them. Returns tokens, logprobs in batch.seqs order,
+        and (a mixture of experts) per row the host [new tokens, L_moe, k] experts of the tokens it ran, else
+        None."""
+        fresh = [r for r, row in enumerate(batch.rows) if not row[0].cached]
+        cont = [r for r, row in enumerate(batch.rows) if row[0].cached]
+        parts, routes = [], [None] * len(batch.rows)
+        if fresh:
+            logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
+            parts.append(logits)
+            if fresh_routes is not None:
+                for i, r in enumerate(fresh):
+                    routes[r] = fresh_routes[i, : len(batch.rows[r][0].prompt_ids) + len(batch.rows[r][0].token_ids)]
+        if cont:
+            logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
+            parts.append(logits)
+            if cont_routes is not None:
+                for i, r in enumerate(cont):
+                    routes[r] = cont_routes[i, : batch.rows[r][0].length - batch.rows[r][0].cached]
+        seqs = [s for r in fresh + cont for s in batch.rows[r]]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))
         i = self._upload(torch.tensor([[s.key, s.params.top_k, s.length] for s in seqs]))
         filtered = any_filtered(seqs)
@@ -358,7 +357,72 @@ class EngineModelRunner:
             tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
                              positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
-        return [int(t) for t in out[0]], out[1].tolist(), None if routes is None else routes.cpu()
+        by_seq = {id(s): (int(t), lp) for s, t, lp in zip(seqs, out[0], out[1].tolist(), strict=True)}
+        ordered = [by_seq[id(s)] for s in batch.seqs]
+        has_routes = any(x is not None for x in routes)
+        return ([t for t, _ in ordered], [lp for _, lp in ordered],
+                [x.cpu() for x in routes] if has_routes else None)
+
+    def _prefill_rows(self, rows_of: list[list[Sequence]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fresh rows (each from position 0): logits [sequences, V] in row order, device routes [rows, T, ...]."""
+        padded = max(len(row[0].prompt_ids) + len(row[0].token_ids) for row in rows_of)
+        ids = torch.zeros(len(rows_of), padded, dtype=torch.int64)
+        last = []
+        for r, row in enumerate(rows_of):
+            toks = row[0].prompt_ids + row[0].token_ids
+            ids[r, : len(toks)] = torch.tensor(toks)
+            last.append(len(toks) - 1)
+        n_seqs = sum(map(len, rows_of))
+        row_of, slot_of = [r for r, row in enumerate(rows_of) for _ in row], [s.slot for row in rows_of for s in row]
+        if self.config.compile:  # no size reaching the compiled prefill may be 1: Dynamo specialises it (a
+            # second whole-model compile mid-run, e.g. at an agent's next turn or a resumed partial rollout)
+            if len(rows_of) == 1:  # one prompt row: a copy is run beside it, never written nor sampled
+                ids, last = ids.repeat(2, 1), last * 2
+            if n_seqs == 1:  # one sequence: its row is written into its slot twice (the same K/V)
+                row_of, slot_of = row_of * 2, slot_of * 2
+        # inputs up through pinned memory without a host sync (a pageable copy waits for the stream)
+        rows = self._upload(torch.tensor(row_of))
+        slots = self._upload(torch.tensor(slot_of))
+        logits, routes = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
+        return logits[:n_seqs], None if routes is None else routes[: len(rows_of)]
+
+    def _continue_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Continuations (one sequence per row): the tokens after each one's `cached` run at their positions,
+        attending to the KV its slot holds; logits [rows, V], device routes [rows, T, ...]."""
+        for s in seqs:  # the parked slot's position 0, overwritten by padding decode rows meanwhile
+            if s.kv_start is not None:
+                self.restore_slot_start(s.slot, s.kv_start)
+                s.kv_start = None
+        toks = [(s.prompt_ids + s.token_ids)[s.cached:] for s in seqs]
+        ids = torch.zeros(len(seqs), max(map(len, toks)), dtype=torch.int64)
+        for r, t in enumerate(toks):
+            ids[r, : len(t)] = torch.tensor(t)
+        meta = self._upload(torch.tensor([[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)]))
+        return self._continue_fn(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2])
+
+    def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                     lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, t = ids.shape
+        pos = starts[:, None] + torch.arange(t, device=ids.device)[None, :]
+        attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens)
+        trace = RouterTrace(keep_choice=True) if self.moe_layers else None
+        if trace is None:
+            h = self.model.hidden_states(ids, pos, attn=attn)
+        else:
+            h = self.model.hidden_states(ids, pos, attn=attn, routing=trace)
+        return self._logits(h[torch.arange(n, device=ids.device), lens - 1]), self._routes(trace, (n, t))
+
+    def save_slot_start(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A copy of the KV (and fp8 scales) at position 0 of `slot`, which padding decode rows write."""
+        with torch.inference_mode():
+            scales = self.cache.scales[:, :, slot, :, 0].clone() if self.cache.scales.numel() else None
+            return self.cache.data[:, :, slot, :, 0].clone(), scales
+
+    def restore_slot_start(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        with torch.inference_mode():
+            self.cache.data[:, :, slot, :, 0] = saved[0]
+            if saved[1] is not None:
+                self.cache.scales[:, :, slot, :, 0] = saved[1]
 
     def _prefill_fn(self, ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
                     last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,12 +10,18 @@ the bucket, `compaction()` moves high sequences down so the decode batch shrinks
 An admitted sequence can never run out of cache (its slot holds max_model_len tokens), so there is
 no mid-decode preemption; when all slots are busy requests wait, and a request that needs more than
 max_model_len tokens finishes with "length" exactly at that limit, never silently cut.
+
+Parking (kept KV across an agent's turns): a finished sequence with a `session` keeps its slot instead of
+freeing it, so a later request that extends its tokens (the engine's continuation) prefills only the new
+tokens into the same slot. Parked slots never make a waiting sequence wait: admission counts them as free and
+evicts the least recently parked one when no slot is free (`on_evict`; the session then re-prefills).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from rollout.base import SamplingParams
@@ -35,6 +41,9 @@ class Sequence:
     finish_reason: str | None = None
     prefill_row: int = -1  # sequences admitted in one prefill row hold identical KV for their prompt
     routes: list = field(default_factory=list)  # a mixture of experts: [n, L_moe, k] expert ids of the tokens run
+    session: Hashable | None = None  # park the slot when finished (kept KV); the engine's session key
+    cached: int = 0  # tokens whose KV the slot already holds at admission (a continuation prefills the rest)
+    kv_start: object = None  # a parked slot's KV at position 0, saved before padding rows overwrite it
 
     @property
     def length(self) -> int:
@@ -101,9 +110,16 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
         self._rows_admitted = 0  # prefill rows so far (Sequence.prefill_row)
+        self.parked: OrderedDict[int, Sequence] = OrderedDict()  # slot -> finished sequence keeping its KV (LRU first)
+        self.on_evict: Callable[[Sequence], None] | None = None
+        self._reserved = 0  # waiting continuations that hold their slot
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.slot >= 0:  # a continuation holding its slot goes first: it needs no free one
+            self.waiting.appendleft(seq)
+            self._reserved += 1
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,13 +149,16 @@ class Scheduler:
         return [g for g in groups.values() if len(g[1]) > 1]
 
     def can_admit(self) -> bool:
-        free = len(self._free)
+        # parked slots count as free (admission evicts them); a continuation brings its own slot
+        free = len(self._free) + len(self.parked) + self._reserved
         return bool(self.waiting) and free > 0 and (
             free >= min(self.min_admit, len(self.waiting)) or not self.running)
 
     def needs_compaction(self) -> bool:
-        return bool(not self.waiting and self.running
-                    and max(self.running) >= bucket_of(len(self.running), self.buckets))
+        if self.waiting or not self.running:
+            return False
+        top = max(self.running)  # (parked slots may hold the low free slots: move only downwards)
+        return top >= bucket_of(len(self.running), self.buckets) and bool(self._free) and self._free[0] < top
 
     def surely_finishes_next(self, seq: Sequence) -> bool:
         """True when the next token ends `seq` by length, whatever it is (no need to decode it further)."""
@@ -148,11 +167,12 @@ class Scheduler:
     def _admit(self) -> PrefillBatch:
         rows: dict[tuple[int, int], list[Sequence]] = {}
         padded = 0
-        while self.waiting and self._free:
+        while self.waiting and (self._free or self.parked or self.waiting[0].slot >= 0):
             seq = self.waiting[0]
-            row_key = (seq.prompt_index, seq.seq_id if seq.token_ids else -1)  # only fresh samples share
+            # only fresh samples share a row
+            row_key = (seq.prompt_index, seq.seq_id if seq.token_ids or seq.cached else -1)
             if row_key not in rows:
-                new_len = max(padded, seq.length)
+                new_len = max(padded, seq.length - seq.cached)
                 # the budget counts padded tokens; the first row is always admitted (it fits max_model_len)
                 if rows and new_len * (len(rows) + 1) > self.max_num_batched_tokens:
                     break
@@ -160,11 +180,35 @@ class Scheduler:
                 padded = new_len
                 self._rows_admitted += 1
             self.waiting.popleft()
-            seq.slot = heapq.heappop(self._free)
+            if seq.slot < 0:
+                seq.slot = self._take_slot()
+            else:  # a continuation keeps the slot that holds its KV
+                self._reserved -= 1
             seq.prefill_row = self._rows_admitted
             self.running[seq.slot] = seq
             rows[row_key].append(seq)
         return PrefillBatch(list(rows.values()), padded)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        slot, seq = self.parked.popitem(last=False)  # the least recently parked
+        seq.slot, seq.kv_start = -1, None
+        if self.on_evict is not None:
+            self.on_evict(seq)
+        return slot
+
+    def unpark(self, seq: Sequence) -> bool:
+        """Take a parked sequence out of the parked set (its slot stays reserved for the caller); False if it
+        was evicted meanwhile."""
+        if seq.slot >= 0 and self.parked.get(seq.slot) is seq:
+            del self.parked[seq.slot]
+            return True
+        return False
+
+    def free_slot(self, slot: int) -> None:
+        """Give back a slot reserved by unpark()."""
+        heapq.heappush(self._free, slot)
 
     def compaction(self) -> list[tuple[int, int]]:
         """Slot moves (src, dst) that shrink the decode bucket; applied here, the caller copies the KV."""
@@ -172,7 +216,7 @@ class Scheduler:
             return []
         moves = []
         target = bucket_of(len(self.running), self.buckets)
-        while max(self.running) >= target:
+        while max(self.running) >= target and self._free and self._free[0] < max(self.running):
             src = max(self.running)
             dst = heapq.heappop(self._free)
             seq = self.running.pop(src)
@@ -188,6 +232,9 @@ class Scheduler:
             del self.running[seq.slot]
             heapq.heappush(self._free, seq.slot)
             return True
+        if seq.slot >= 0 and any(s is seq for s in self.waiting):  # a continuation's reserved slot
+            heapq.heappush(self._free, seq.slot)
+            self._reserved -= 1
         self.waiting = deque(s for s in self.waiting if s is not seq)
         return False
 
@@ -209,6 +256,9 @@ class Scheduler:
             if reason is not None:
                 seq.finish_reason = reason
                 del self.running[seq.slot]
-                heapq.heappush(self._free, seq.slot)
+                if seq.session is not None and seq.length < self.max_model_len:  # a next turn can follow
+                    self.parked[seq.slot] = seq
+                else:
+                    heapq.heappush(self._free, seq.slot)
                 done.append(seq)
         return done

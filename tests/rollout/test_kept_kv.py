@@ -1,0 +1,121 @@
+"""Kept KV across an agent's turns (NativeEngine.add_request(..., sessions=)): a finished sample parks its slot,
+the next turn (its tokens plus new ones) prefills only the new tokens; the same tokens and log-probs as
+re-prefilling the whole context, parked slots evicted (and re-prefilled) when a waiting sequence needs room."""
+
+import torch
+
+from rollout import NativeEngine, SamplingParams
+from tests.rollout.test_engine import PROMPTS, config, peaked_model, trainer_logprobs
+
+MODEL = None
+
+
+def model():
+    global MODEL
+    if MODEL is None:
+        torch.manual_seed(0)
+        MODEL = peaked_model()
+    return MODEL
+
+
+OBS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def run_turns(engine, prompts, *, keep: bool, turns=3):
+    """Every prompt runs `turns` turns (observation tokens between them), all in flight together, with turn
+    lengths that differ (others decode while a session is parked: padding rows overwrite its slot's position 0,
+    which the engine restores); returns per prompt its context and per-turn log-probs."""
+    ctx = {i: list(p) for i, p in enumerate(prompts)}
+    lps = {i: [] for i in ctx}
+    turn = dict.fromkeys(ctx, 0)
+    reqs = {}
+
+    def add(i):
+        p = SamplingParams(temperature=1.0, max_tokens=2 + 3 * ((i + turn[i]) % 3), seed=100 * i + turn[i],
+                           ignore_eos=True)
+        reqs[engine.add_request(ctx[i], p, sessions=[("t", i)] if keep else None)] = i
+
+    for i in ctx:
+        add(i)
+    tools: dict[int, int] = {}  # prompt -> engine steps its "tool" still runs (the session stays parked)
+    while engine.has_unfinished() or tools:
+        for i in [i for i, left in tools.items() if left == 0]:
+            del tools[i]
+            add(i)
+        tools = {i: left - 1 for i, left in tools.items()}
+        for c in engine.step():
+            i = reqs.pop(c.prompt_index)
+            ctx[i] += c.token_ids
+            lps[i].append(c.logprobs)
+            turn[i] += 1
+            if turn[i] < turns:
+                ctx[i] += OBS[(i + turn[i]) % len(OBS)]
+                tools[i] = 1 + i % 3
+            elif keep:
+                engine.release_session(("t", i))
+    return ctx, lps
+
+
+def test_kept_kv_matches_re_prefill_and_prefills_only_new_tokens():
+    prompts = PROMPTS[:4]
+    ref_engine = NativeEngine.from_model(model(), config=config(max_num_seqs=8, min_admit_fraction=0.0))
+    ref_ctx, ref_lps = run_turns(ref_engine, prompts, keep=False)
+    engine = NativeEngine.from_model(model(), config=config(max_num_seqs=8, min_admit_fraction=0.0))
+    ctx, lps = run_turns(engine, prompts, keep=True)
+    assert ctx == ref_ctx
+    for i in ctx:
+        assert [len(t) for t in lps[i]] == [len(t) for t in ref_lps[i]]
+        torch.testing.assert_close(torch.tensor(sum(lps[i], [])), torch.tensor(sum(ref_lps[i], [])), atol=1e-5, rtol=0)
+    # the trainer's log-probs of every sampled token, across turns, given the whole context
+    for i, p in enumerate(prompts):
+        full = ctx[i][len(p):]
+        sampled = trainer_logprobs(model(), p, full, 1.0)
+        at, got = 0, []
+        for t, turn_lps in enumerate(lps[i]):
+            got.append(sampled[at: at + len(turn_lps)])
+            at += len(turn_lps) + (len(OBS[(i + t + 1) % len(OBS)]) if t < 2 else 0)
+        torch.testing.assert_close(torch.cat(got), torch.tensor(sum(lps[i], [])), atol=1e-5, rtol=0)
+    # re-prefill runs every context again; kept KV only the first prompt, each sampled token once and the
+    # observations: per later turn, the previous turn's last token (never run) and the observation
+    later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(len(prompts)) for t in (1, 2))
+    assert engine.stats["prefill_tokens"] == sum(map(len, prompts)) + later
+    assert ref_engine.stats["prefill_tokens"] > engine.stats["prefill_tokens"]
+    assert engine.stats["kv_reused_tokens"] == ref_engine.stats["prefill_tokens"] - engine.stats["prefill_tokens"]
+    assert engine.stats["kv_evictions"] == engine.stats["kv_misses"] == 0
+    assert not engine.has_unfinished() and engine._sched is None  # every session released: the engine is idle
+
+
+def test_parked_slots_are_evicted_for_waiting_requests_and_re_prefilled():
+    # 2 slots: a parked session must give its slot to a waiting request; its next turn then re-prefills
+    engine = NativeEngine.from_model(model(), config=config(max_num_seqs=2, min_admit_fraction=0.0))
+    p = lambda seed: SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)  # noqa: E731
+    first = engine.add_request(PROMPTS[0], p(1), sessions=["a"])
+    other = engine.add_request(PROMPTS[1], p(2), sessions=["b"])
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.prompt_index: c for c in engine.step()})
+    assert engine.stats["kv_evictions"] == 0 and len(engine._sched.parked) == 2  # both parked, no free slot
+    blocker = engine.add_request(PROMPTS[2], p(3))  # needs a slot: "a" (parked first) is evicted
+    while engine.has_unfinished():
+        done.update({c.prompt_index: c for c in engine.step()})
+    assert engine.stats["kv_evictions"] == 1 and len(done[blocker].token_ids) == 4
+    ctx_a = PROMPTS[0] + done[first].token_ids + [5, 6]
+    ctx_b = PROMPTS[1] + done[other].token_ids + [5, 6]
+    before = engine.stats["prefill_tokens"]
+    ra = engine.add_request(ctx_a, p(4), sessions=["a"])  # evicted: re-prefills its whole context
+    rb = engine.add_request(ctx_b, p(5), sessions=["b"])  # still parked: only the 3 new tokens
+    while engine.has_unfinished():
+        done.update({c.prompt_index: c for c in engine.step()})
+    assert engine.stats["kv_misses"] == 1
+    assert engine.stats["prefill_tokens"] - before == len(ctx_a) + 3
+    for rid, ctx in ((ra, ctx_a), (rb, ctx_b)):
+        torch.testing.assert_close(torch.tensor(done[rid].logprobs), trainer_logprobs(
+            model(), ctx, done[rid].token_ids, 1.0), atol=1e-5, rtol=0)
+    # a prompt that does not extend the session's tokens re-prefills (and frees the stale slot)
+    engine.add_request(PROMPTS[3], p(6), sessions=["b"])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats["kv_misses"] == 2
+    for key in ("a", "b"):
+        engine.release_session(key)
+    assert engine._sched is None
