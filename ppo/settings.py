@@ -54,6 +54,7 @@ class AgentSettings:
     max_tool_response_tokens: int = 256
     tool_timeout_s: float = 30.0
     tool_workers: int = 8
+    keep_kv: bool = True  # NativeEngine sessions: a trajectory's KV kept between its turns (ppo/agents/driver.py)
 
 
 @dataclass(frozen=True, slots=True)

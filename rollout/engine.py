@@ -213,9 +213,8 @@ class NativeEngine:
         if not self._sched.unpark(parked):  # evicted meanwhile
             self.stats["kv_misses"] += 1
             return
-        cached = parked.length - 1
-        if cached < 1 or len(seq.prompt_ids) <= cached or seq.prompt_ids[:cached] != (
-                parked.prompt_ids + parked.token_ids)[:cached]:
+        cached = len(parked.kept) - 1
+        if cached < 1 or len(seq.prompt_ids) <= cached or seq.prompt_ids[:cached] != parked.kept[:cached]:
             self._sched.free_slot(parked.slot)
             self.stats["kv_misses"] += 1
             return
@@ -234,6 +233,7 @@ class NativeEngine:
         if old is not None and old is not seq:
             self.release_session(seq.session)
         self._sessions[seq.session] = seq
+        seq.kept = seq.prompt_ids + seq.token_ids  # a copy: the completion hands these lists to the caller
         self._to_save.append(seq)
 
     def _drop_sessions(self) -> None:

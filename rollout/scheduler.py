@@ -44,6 +44,7 @@ class Sequence:
     session: Hashable | None = None  # park the slot when finished (kept KV); the engine's session key
     cached: int = 0  # tokens whose KV the slot already holds at admission (a continuation prefills the rest)
     kv_start: object = None  # a parked slot's KV at position 0, saved before padding rows overwrite it
+    kept: list[int] | None = None  # parked: its tokens when it finished (the lists handed out may grow after)
 
     @property
     def length(self) -> int:

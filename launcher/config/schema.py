@@ -256,6 +256,10 @@ class AgentConfig:
     max_tool_response_tokens: int = 256  # tool loop: tokens of one tool response at most (cut and counted)
     tool_timeout_s: float = 30.0  # a tool call running longer answers an error observation
     tool_workers: int = 8  # threads running tool calls (other trajectories keep decoding meanwhile)
+    # native engine: a trajectory's KV stays in the engine while its tool runs and the next turn prefills only its
+    # new tokens (parked KV is evicted, and that turn re-prefilled, when a waiting request needs the slot);
+    # false: every turn re-prefills its whole context
+    keep_kv: bool = True
 
 
 @dataclass

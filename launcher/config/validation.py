@@ -262,6 +262,10 @@ def _validate_agent(cfg: Config) -> None:
         raise UserError(f"rollout.batches_in_flight={cfg.rollout.batches_in_flight} (partial rollouts) continues "
                         "single responses across weight swaps; agent loops (agent.tools_file / agent.loop_file) do not "
                         "run there yet: set rollout.batches_in_flight=1")
+    if not g.keep_kv and cfg.rollout.engine != "native":
+        raise UserError(f"agent.keep_kv=false acts only with rollout.engine=native (the engine that keeps a "
+                        f"trajectory's KV between turns); rollout.engine={cfg.rollout.engine} has nothing to turn off: "
+                        "remove agent.keep_kv")
     if (g.tools_file or g.loop_file) and cfg.rollout.engine == "vllm":
         raise UserError("agent.tools_file / agent.loop_file run multi-turn loops, which need the native engine's step "
                         "API (requests added while it decodes); set rollout.engine=native")

@@ -8,6 +8,10 @@ step does exactly the work of `engine.generate`). After that each Generate is it
 engine runs (rollout/base.py SteppingEngine); each CallTool goes to the tool pool, and the engine keeps stepping
 the other trajectories while it runs. An engine without the step API (vLLM) is driven in rounds: one
 generate() over every trajectory waiting for tokens, then the tool calls of that round.
+
+keep_kv (agent.keep_kv; an engine with sessions, the native one): every request names its trajectories as
+sessions, so a finished turn keeps its KV in the engine while the tool runs and the next turn, which extends
+its tokens, prefills only the new ones; a trajectory's session is released the moment its loop returns.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ class DriveStats:
     engine_steps: int = 0
     steps_during_tools: int = 0  # engine steps taken while at least one tool call was running
     tool_wait_s: float = 0.0  # wall time the driver waited on tools with nothing to decode
+    # the engine's prefill work (native engine: rollout.engine.NativeEngine.stats): tokens prefilled, tokens
+    # whose KV a later turn kept instead (keep_kv), parked KV evicted for room, turns that re-prefilled anyway
+    prefill_tokens: int = 0
+    kv_reused_tokens: int = 0
+    kv_evictions: int = 0
+    kv_misses: int = 0
 
 
 class ToolPool:
@@ -122,16 +132,19 @@ class _Request:
 
 
 def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolPool | None = None,
-          sync: Callable[[list], list] | None = None, rounds: bool | None = None
+          sync: Callable[[list], list] | None = None, rounds: bool | None = None, keep_kv: bool = False
           ) -> tuple[list[Trajectory], DriveStats]:
     """The trajectories of `starts` (same order) and what driving them took. sampling: temperature, top-k,
     top-p and stop tokens of every request (max_tokens, n and seed come from the loops and starts). sync: under
     generation TP, agrees the finished tool calls with TP rank 0 (the only rank that runs them). rounds: force
-    round mode (default: when the engine has no step API)."""
+    round mode (default: when the engine has no step API). keep_kv: keep each trajectory's KV between its turns
+    (module docstring); ignored by an engine without sessions."""
     live = [_Live(s, s.loop(s.task)) for s in starts]
     stats = DriveStats()
     pool = tools or ToolPool(workers=1)
     step_api = hasattr(engine, "add_request") if rounds is None else not rounds
+    sessions = keep_kv and step_api and hasattr(engine, "release_session")
+    engine_stats = dict(getattr(engine, "stats", {}))
     waiting_tools: set[int] = set()
     pending: list[tuple[int, Generate]] = []  # Generate actions not yet sent to the engine
 
@@ -142,6 +155,8 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
             action = t.run.send(value)
         except StopIteration as stop:
             t.result = _checked(stop.value, t.start)
+            if sessions:  # its turns are over: the KV it kept goes back at once
+                engine.release_session(("agent", tid))
             return
         if isinstance(action, Generate):
             pending.append((tid, action))
@@ -205,6 +220,9 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
                 for req in requests():
                     if not req.prompt:
                         deliver(req, [Completion(0, 0, [], [], [], "length")])
+                    elif sessions:
+                        keys = [("agent", tid) for tid in req.tids]
+                        in_engine[engine.add_request(req.prompt, req.params, sessions=keys)] = req
                     else:
                         in_engine[engine.add_request(req.prompt, req.params)] = req
                 if engine.has_unfinished():
@@ -239,6 +257,12 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
     finally:
         if tools is None:
             pool.close()
+        if sessions:  # a loop that raised leaves its session: none outlives the call
+            for tid in range(len(live)):
+                engine.release_session(("agent", tid))
+    after = getattr(engine, "stats", {})
+    for name in ("prefill_tokens", "kv_reused_tokens", "kv_evictions", "kv_misses"):
+        setattr(stats, name, int(after.get(name, 0) - engine_stats.get(name, 0)))
     return [t.result for t in live], stats
 
 

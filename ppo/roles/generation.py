@@ -234,12 +234,16 @@ class RolloutRole:
                   for i, (row, task) in enumerate(zip(rows, tasks)) for j in range(n)]
         base = SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p)
         cycle = self.hybrid.run(lambda engine: drive(engine, starts, sampling=base, tools=self.tools,
-                                                     sync=tp_tool_sync(self.groups.gen_tp_group)))
+                                                     sync=tp_tool_sync(self.groups.gen_tp_group),
+                                                     keep_kv=r.agent.keep_kv))
         trajectories, stats = cycle.completions
         out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
         if any(s.loop is not single_turn for s in starts):
             out.metrics["agent/decode_steps_during_tools"] = float(stats.steps_during_tools)
             out.metrics["agent/tool_wait_s"] = stats.tool_wait_s
+            # the engine's prefill work: tokens prefilled, tokens a later turn's kept KV spared, evicted KV
+            for name in ("prefill_tokens", "kv_reused_tokens", "kv_evictions", "kv_misses"):
+                out.metrics[f"agent/{name}"] = float(getattr(stats, name))
         if self.gen_tp_rank != 0:
             return out
         for start, traj in zip(starts, trajectories):

@@ -86,3 +86,20 @@ def test_moe_bf16_cuda_graphs_record_experts_the_trainer_replays(moe_model, comp
         assert (_trainer_logprobs(model, c, PARAMS[c.prompt_index].temperature)
                 - torch.tensor(c.logprobs)).abs().max() < 0.25  # bf16, as the dense engine's GPU test
     assert agree / total >= 0.9, f"trainer's own router agreed on {agree}/{total} routings"
+
+
+def test_moe_kept_kv_turn_records_the_experts_of_its_whole_context(moe_model):
+    # a second turn continued from kept KV: its record covers the earlier turn's tokens (kept) and the new ones
+    engine = NativeEngine.from_model(moe_model, config=config())
+    p = SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)
+    engine.add_request(PROMPTS[0], p, sessions=["s"])
+    (first,) = [c for _ in range(20) for c in engine.step()]
+    ctx = PROMPTS[0] + first.token_ids + [7, 8]
+    engine.add_request(ctx, p, sessions=["s"])
+    (second,) = [c for _ in range(20) for c in engine.step()]
+    engine.release_session("s")
+    assert engine.stats["kv_reused_tokens"] == len(PROMPTS[0]) + 4
+    ran = ctx + second.token_ids[:-1]
+    assert torch.equal(second.routed_experts.sort(-1).values.int(), trainer_experts(moe_model, ran).sort(-1).values)
+    ref = trainer_logprobs(moe_model, ctx, second.token_ids, 1.0)
+    assert (ref - torch.tensor(second.logprobs)).abs().max().item() <= 1e-5

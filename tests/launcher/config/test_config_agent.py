@@ -38,3 +38,7 @@ def test_multi_turn_loops_need_the_native_engine(tmp_path, monkeypatch):
     assert "rollout.engine=native" in refused("rollout.engine=vllm", f"agent.tools_file={tools}")
     assert "set rollout.batches_in_flight=1" in refused("rollout.batches_in_flight=2", "trainer.max_staleness=1",
                                                        f"agent.tools_file={tools}")
+    # agent.keep_kv=false turns off the native engine's kept KV; another engine has none to turn off
+    assert "agent.keep_kv=false acts only with rollout.engine=native" in refused("rollout.engine=vllm",
+                                                                              "agent.keep_kv=false")
+    assert load_config(None, ["agent.keep_kv=false"]).agent.keep_kv is False

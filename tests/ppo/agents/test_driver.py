@@ -68,10 +68,17 @@ def test_single_turn_through_the_driver_equals_generate():
         assert t.turns == [(0, 10)] and t.text is None
 
 
-def test_multi_turn_logprobs_equal_the_trainer_at_every_sampled_token():
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_multi_turn_logprobs_equal_the_trainer_at_every_sampled_token(keep_kv):
     engine = NativeEngine.from_model(model(), config=config())
     starts = [Start(three_turns, task(p), 100 + i, key=i) for i, p in enumerate(PROMPTS[:3])]
-    trajs, _ = drive(engine, starts, sampling=sampling())
+    trajs, stats = drive(engine, starts, sampling=sampling(), keep_kv=keep_kv)
+    # kept KV: each later turn prefills the previous turn's last token and the observation only
+    new = sum(map(len, PROMPTS[:3])) + 3 * (1 + len(OBS[0]) + 1 + len(OBS[1]))
+    assert (stats.prefill_tokens == new) == keep_kv and stats.kv_misses == stats.kv_evictions == 0
+    assert stats.prefill_tokens + stats.kv_reused_tokens == sum(
+        3 * len(p) + 2 * 6 + len(OBS[0]) + 6 + len(OBS[0]) + len(OBS[1]) for p in PROMPTS[:3])
+    assert engine._sched is None  # every session released when its loop returned
     for p, t in zip(PROMPTS, trajs):
         assert len(t.turns) == 3 and len(t.response_ids) == 18 + 3 + 5
         assert t.loss_mask == [1] * 6 + [0] * 3 + [1] * 6 + [0] * 5 + [1] * 6
