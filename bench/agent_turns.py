@@ -8,10 +8,15 @@ Random-init weights (bench.generate.random_model), random prompts, ignore_eos. E
 assistant turns through the agent driver (ppo/agents/driver.py) over the native engine's step API; turn
 lengths are drawn in [T/2, 3T/2] so tool calls do not all fall on the same step; between turns a tool sleeps
 `--tool-delay-ms` in the driver's thread pool and returns `--obs-tokens` observation tokens. The single-turn
-baseline generates each trajectory's total sampled tokens in one turn (engine.generate). Reported: generated
-tokens/s of both and their ratio (the issue's target: >= 0.8), the engine steps taken while a tool slept, and
-busy_while_tools: the share of the wall time the tools slept in which the engine had decode work (1 - the time
-the driver waited with nothing to decode / the time some tool was sleeping). One JSON line.
+baseline generates each trajectory's total sampled tokens in one turn (engine.generate). The multi-turn run is
+measured in each of `--modes`: `keep` (agent.keep_kv=true: a trajectory's KV stays in the engine while its tool
+sleeps, the next turn prefills only its new tokens) and `reprefill` (every turn prefills its whole context).
+Reported: single-turn generated tokens/s, and per mode (keys prefixed `keep_` / `reprefill_`): tokens/s and its
+ratio to single-turn (the issue's target: >= 0.8), prefilled tokens (all, and per later turn: what turns 2..T
+prefilled, per trajectory and turn), tokens the kept KV spared, parked KV evicted for room and turns that
+re-prefilled anyway, the engine steps taken while a tool slept, and busy_while_tools: the share of the wall time
+the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to decode / the
+time some tool was sleeping). One JSON line.
 """
 
 from __future__ import annotations
@@ -75,7 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="keep,reprefill", help="comma-separated: keep, reprefill")
     args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"keep", "reprefill"}:
+        ap.error(f"--modes {args.modes!r}: choose from keep, reprefill")
     dtype = getattr(torch, args.dtype) if args.device != "cpu" else torch.float32
     cfg = preset_config(args.model)
     model = random_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         assert sum(len(c.token_ids) for c in outs) == total_tokens
         return time.perf_counter() - t0
 
-    def multi_turn() -> tuple[float, dict]:
+    def multi_turn(keep: bool) -> tuple[float, dict]:
         slept: list[tuple[float, float]] = []
         pool = ToolPool(workers=args.tool_workers, timeout_s=600.0)
         starts = [Start(turns_loop(x, delay_s=args.tool_delay_ms / 1e3, obs=obs, slept=slept),
@@ -110,24 +119,33 @@ def main(argv: list[str] | None = None) -> dict:
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
         sync(args.device)
         t0 = time.perf_counter()
-        trajs, stats = drive(engine, starts, sampling=sampling, tools=pool)
+        trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
         sync(args.device)
         wall = time.perf_counter() - t0
         pool.close()
         assert sum(end - start for tr in trajs for start, end in tr.turns) == total_tokens
         sleeping = covered(slept)
-        return wall, {"engine_steps": stats.engine_steps, "steps_during_tools": stats.steps_during_tools,
-                      "tool_sleep_covered_s": sleeping, "driver_idle_s": stats.tool_wait_s,
+        later = b * (args.turns - 1)
+        return wall, {"tokens_per_s": total_tokens / wall, "s": wall, "prefill_tokens": stats.prefill_tokens,
+                      "prefill_tokens_per_later_turn": (stats.prefill_tokens - b * args.prompt_len) / later
+                      if later else None,
+                      "kv_reused_tokens": stats.kv_reused_tokens, "kv_evictions": stats.kv_evictions,
+                      "kv_misses": stats.kv_misses, "engine_steps": stats.engine_steps,
+                      "steps_during_tools": stats.steps_during_tools, "tool_sleep_covered_s": sleeping,
+                      "driver_idle_s": stats.tool_wait_s,
                       "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None}
 
     single_turn()  # warm-up: CUDA graphs of the decode shapes, kernels
     single_s = single_turn()
-    multi_s, detail = multi_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
            "trajectories": b, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
-           "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms, "generated_tokens": total_tokens,
-           "single_turn_tokens_per_s": total_tokens / single_s, "multi_turn_tokens_per_s": total_tokens / multi_s,
-           "multi_over_single": single_s / multi_s, "single_turn_s": single_s, "multi_turn_s": multi_s, **detail}
+           "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
+           "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
+           "single_turn_s": single_s}
+    for mode in modes:
+        multi_s, detail = multi_turn(keep=mode == "keep")
+        out[f"{mode}_over_single"] = single_s / multi_s
+        out.update({f"{mode}_{k}": v for k, v in detail.items()})
     print(json.dumps(out))
     return out
 

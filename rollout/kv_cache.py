@@ -93,16 +93,17 @@ class ContinuationAttention:
     turns). Writes the new K/V into the slot, then attends causally over the slot's positions [0, start + t].
     Padding (t >= lens[r]) writes into the slot's spare last position, which nothing reads."""
 
-    def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_len: int):
         self.cache, self.slots = cache, slots
         self.starts, self.lens = starts, lens
+        self.kv_len = kv_len  # max(starts + lens), known on the host (no device sync per layer)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, _, t, _ = k.shape
         steps = torch.arange(t, device=k.device)
         positions = self.starts[:, None] + steps[None, :]  # [N, T]
         written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
-        kv_len = int((self.starts + self.lens).max())
+        kv_len = self.kv_len
         slots, scales = self.slots, self.cache.scales
         out = []
         for i, x in enumerate((k, v)):

@@ -398,13 +398,13 @@ class EngineModelRunner:
         for r, t in enumerate(toks):
             ids[r, : len(t)] = torch.tensor(t)
         meta = self._upload(torch.tensor([[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)]))
-        return self._continue_fn(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2])
+        return self._continue_fn(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], max(s.length for s in seqs))
 
-    def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                     lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                     kv_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, t = ids.shape
         pos = starts[:, None] + torch.arange(t, device=ids.device)[None, :]
-        attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens)
+        attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens, kv_len=kv_len)
         trace = RouterTrace(keep_choice=True) if self.moe_layers else None
         if trace is None:
             h = self.model.hidden_states(ids, pos, attn=attn)

@@ -119,3 +119,19 @@ def test_parked_slots_are_evicted_for_waiting_requests_and_re_prefilled():
     for key in ("a", "b"):
         engine.release_session(key)
     assert engine._sched is None
+
+
+def test_an_fp8_cache_keeps_quantized_kv_across_turns():
+    # the continuation writes its new K/V quantized (e4m3 + row scales) and attends to the quantized earlier turns,
+    # where a re-prefill attends to the whole context in full precision: close, not equal
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    second = {}
+    for keep in (True, False):
+        engine = NativeEngine.from_model(model(), config=config(kv_cache_dtype="fp8", decode_attention="bmm"))
+        engine.add_request(PROMPTS[2], greedy, sessions=["s"] if keep else None)
+        (first,) = [c for _ in range(10) for c in engine.step()]
+        engine.add_request(PROMPTS[2] + first.token_ids + [5, 6], greedy, sessions=["s"] if keep else None)
+        (second[keep],) = [c for _ in range(10) for c in engine.step()]
+        assert engine.stats["kv_reused_tokens"] == (len(PROMPTS[2]) + 3 if keep else 0)
+    assert second[True].token_ids[:2] == second[False].token_ids[:2]
+    assert 0 < abs(second[True].logprobs[0] - second[False].logprobs[0]) < 0.1
