@@ -270,17 +270,23 @@ class NativeEngine:
         ready, self._ready = self._ready, []
         return ready + self._collect_finished()
 
-    def abort(self, request_id: int) -> list[Completion]:
+    def abort(self, request_id: int, *, park: bool = False) -> list[Completion]:
         """Stop a request now and free its slots; returns its samples as they stand (tokens and log-probs
-        sampled so far; finish_reason "abort" for those still running). Unknown or finished ids: []."""
+        sampled so far; finish_reason "abort" for those still running). Unknown or finished ids: [].
+        park: a running sample with a session keeps its KV parked under it instead (a later request under the
+        session that extends its tokens continues from that KV: partial rollouts' rollout.partial_kv=keep)."""
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return []
         for s in seqs:
             if s.finish_reason is None:
+                s.finish_reason = "abort"
+                if park and s.session is not None and self._sched.park_running(s):
+                    self._updates[s.slot] = _PAD
+                    self._park(s)
+                    continue
                 if self._sched.release(s):  # was running: its device row must stop advancing
                     self._updates[s.slot] = _PAD
-                s.finish_reason = "abort"
                 s.session = None
         return [_completion(s) for s in seqs]
 

@@ -15,8 +15,13 @@ A swap recomputes the KV of every sample in flight under the new weights: the en
 step in flight), each unfinished sample is aborted and re-added as a continuation (its prompt plus the tokens
 it has so far), whose prefill writes the KV with the new weights. A token's behaviour log-prob is therefore
 exactly the log-prob of the version named beside it, given the whole prefix: what a trainer recomputes with
-that version's weights. Keeping the old KV instead (no re-prefill; the tokens after the swap attend to keys
-and values of the old weights, a mixture no trainer can reproduce) is not offered.
+that version's weights.
+
+`kv="keep"` (rollout.partial_kv=keep; an engine with sessions, the native one) keeps the old KV instead: suspend()
+parks each sample's slot (engine.abort(..., park=True)) and resume() continues it from there, prefilling only its
+last token under the new weights. Cheaper, but the tokens after the swap attend to keys and values of the old
+weights, a mixture no trainer can reproduce: their behaviour log-probs are off by the stale-KV gap
+(docs/async.md measures it). Where the KV is gone (evicted, or freed by a sleep) the sample re-prefills.
 
 A continuation draws from its own seed (the group's seed, the sample and the swap count), so a run with the
 same swaps is reproducible; it is not the token stream an uninterrupted sample would have drawn.
@@ -70,13 +75,19 @@ class PartialRollouts:
     """Groups in flight on one engine. Under TP every rank makes the same calls in the same order (as the
     engine requires). `version`: the version of the weights the engine holds now."""
 
-    def __init__(self, engine, *, version: int = 0):
+    def __init__(self, engine, *, version: int = 0, kv: str = "recompute"):
+        if kv not in ("recompute", "keep"):
+            raise ValueError(f"kv={kv!r}: choose recompute or keep")
         self.engine, self.version = engine, version
+        self.keep_kv = kv == "keep"
         self.groups: dict[int, _Group] = {}
         self._requests: dict[int, tuple[int, int | None]] = {}  # request id -> (group, sample or None: all)
         self._complete: list[int] = []  # groups whose samples all finished, in the order they did
         self._next_group = 0
-        self.stats = {"swaps": 0, "recomputed_tokens": 0, "aborted_samples": 0, "sampled_tokens": 0}
+        # recomputed_tokens: tokens re-prefilled at resume (kv="recompute"); kept_kv_tokens: tokens whose old KV a
+        # resumed sample continues from (kv="keep"; the engine's stats count any it had to re-prefill)
+        self.stats = {"swaps": 0, "recomputed_tokens": 0, "kept_kv_tokens": 0, "aborted_samples": 0,
+                      "sampled_tokens": 0}
 
     def add_group(self, prompt: list[int], params: SamplingParams, *, tag: object = None) -> int:
         """Queue params.n samples of `prompt` as one group (each trajectory carries `tag`); returns the group id."""
@@ -84,8 +95,12 @@ class PartialRollouts:
         self._next_group += 1
         self.groups[gid] = _Group(params, [Trajectory(gid, j, list(prompt), tag=tag) for j in range(params.n)],
                                   admitted=self.version)
-        self._requests[self.engine.add_request(prompt, params)] = (gid, None)
+        self._requests[self.engine.add_request(prompt, params, **self._sessions(gid, range(params.n)))] = (gid, None)
         return gid
+
+    def _sessions(self, gid: int, samples) -> dict:
+        """add_request's sessions argument (kv="keep"): one engine session per sample."""
+        return {"sessions": [("partial", gid, j) for j in samples]} if self.keep_kv else {}
 
     def in_flight(self) -> int:
         """Groups with a sample still decoding."""
@@ -133,7 +148,7 @@ class PartialRollouts:
         weights may change); resume() continues them."""
         self._absorb(self.engine.settle())
         for rid in list(self._requests):
-            self._absorb(self.engine.abort(rid), aborting=True)
+            self._absorb(self.engine.abort(rid, **({"park": True} if self.keep_kv else {})), aborting=True)
         # nothing left in flight: settle() idles the engine, so the next request finishes loading the new
         # weights (the native engine folds the norms into the projections then, rollout.fold_norms)
         self._absorb(self.engine.settle())
@@ -153,13 +168,17 @@ class PartialRollouts:
             left = g.params.max_tokens - len(t.token_ids)
             if left <= 0:  # the cap was reached in the step the swap settled
                 t.finish_reason = "length"
+                self._release(t)
                 if all(s.finish_reason is not None for s in g.samples):
                     self._complete.append(t.group)
                 continue
             seed = None if g.params.seed is None else hash((g.params.seed, t.sample_index, g.swaps)) % 2**62
             cont = replace(g.params, n=1, max_tokens=left, seed=seed)
-            self.stats["recomputed_tokens"] += len(t.prompt_ids) + len(t.token_ids)
-            self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont)] = (t.group, t.sample_index)
+            self.stats["kept_kv_tokens" if self.keep_kv else "recomputed_tokens"] += (
+                len(t.prompt_ids) + len(t.token_ids) - self.keep_kv)
+            self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont,
+                                                   **self._sessions(t.group, [t.sample_index]))] = (
+                t.group, t.sample_index)
 
     def drop(self, *, admitted_before: int) -> list[list[Trajectory]]:
         """Give up the groups held (suspended or complete, none in flight) that were admitted at a version below
@@ -208,12 +227,18 @@ class PartialRollouts:
                 cut.append(t)
             else:
                 t.finish_reason, t.error = c.finish_reason, c.error
+                self._release(t)
                 if all(s.finish_reason is not None for s in self.groups[gid].samples):
                     self._complete.append(gid)
         for rid in {c.prompt_index for c in completions}:
             if aborting or self._request_done(rid):
                 self._requests.pop(rid, None)
         return cut
+
+    def _release(self, t: Trajectory) -> None:
+        """A finished sample's session (kv="keep") frees its slot at once."""
+        if self.keep_kv:
+            self.engine.release_session(("partial", t.group, t.sample_index))
 
     def _request_done(self, rid: int) -> bool:
         gid, sample = self._requests[rid]

@@ -207,6 +207,14 @@ class Scheduler:
             return True
         return False
 
+    def park_running(self, seq: Sequence) -> bool:
+        """Stop a running sequence but keep its slot parked (an abort that keeps the KV); False if not running."""
+        if seq.slot >= 0 and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            self.parked[seq.slot] = seq
+            return True
+        return False
+
     def free_slot(self, slot: int) -> None:
         """Give back a slot reserved by unpark()."""
         heapq.heappush(self._free, slot)
