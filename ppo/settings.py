@@ -78,6 +78,7 @@ class GenerationSettings:
     # rollout.free_memory_on_sleep unset: the engine frees its memory on sleep until the first step's peaks show
     # whether it fits beside training (ppo.roles.generation.RolloutRole.settle_memory)
     settle_residency: bool = False
+    partial_kv: str = "recompute"  # rollout.partial.PartialRollouts(kv=): recompute | keep the KV at a weight swap
     agent: AgentSettings = AgentSettings()
 
 

@@ -175,6 +175,8 @@ class NativeEngine:
                 slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
                 min_admit=int(self.config.min_admit_fraction * self.runner.num_slots))
             self._sched.on_evict = self._evicted
+        else:  # a scheduler kept alive by parked sessions follows the budget the batch controller moves
+            self._sched.max_num_batched_tokens = self.config.max_num_batched_tokens
         rid = self._next_request
         self._next_request += 1
         prompt = [int(t) for t in prompt]
@@ -233,7 +235,9 @@ class NativeEngine:
         if old is not None and old is not seq:
             self.release_session(seq.session)
         self._sessions[seq.session] = seq
-        seq.kept = seq.prompt_ids + seq.token_ids  # a copy: the completion hands these lists to the caller
+        # a copy (the completion hands these lists to the caller); a continuation parked again before its prefill
+        # ran holds the KV of its first `cached` tokens only
+        seq.kept = seq.prompt_ids[: seq.cached + 1] if seq.prefill_row < 0 else seq.prompt_ids + seq.token_ids
         self._to_save.append(seq)
 
     def _drop_sessions(self) -> None:
@@ -281,7 +285,7 @@ class NativeEngine:
         for s in seqs:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
-                if park and s.session is not None and self._sched.park_running(s):
+                if park and s.session is not None and self._sched.park_unfinished(s):
                     self._updates[s.slot] = _PAD
                     self._park(s)
                     continue

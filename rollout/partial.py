@@ -84,10 +84,9 @@ class PartialRollouts:
         self._requests: dict[int, tuple[int, int | None]] = {}  # request id -> (group, sample or None: all)
         self._complete: list[int] = []  # groups whose samples all finished, in the order they did
         self._next_group = 0
-        # recomputed_tokens: tokens re-prefilled at resume (kv="recompute"); kept_kv_tokens: tokens whose old KV a
-        # resumed sample continues from (kv="keep"; the engine's stats count any it had to re-prefill)
-        self.stats = {"swaps": 0, "recomputed_tokens": 0, "kept_kv_tokens": 0, "aborted_samples": 0,
-                      "sampled_tokens": 0}
+        # recomputed_tokens: tokens re-prefilled at resume with kv="recompute" (with kv="keep" the engine's stats
+        # count the tokens kept, kv_reused_tokens, and the prefills of samples whose KV was gone)
+        self.stats = {"swaps": 0, "recomputed_tokens": 0, "aborted_samples": 0, "sampled_tokens": 0}
 
     def add_group(self, prompt: list[int], params: SamplingParams, *, tag: object = None) -> int:
         """Queue params.n samples of `prompt` as one group (each trajectory carries `tag`); returns the group id."""
@@ -174,8 +173,8 @@ class PartialRollouts:
                 continue
             seed = None if g.params.seed is None else hash((g.params.seed, t.sample_index, g.swaps)) % 2**62
             cont = replace(g.params, n=1, max_tokens=left, seed=seed)
-            self.stats["kept_kv_tokens" if self.keep_kv else "recomputed_tokens"] += (
-                len(t.prompt_ids) + len(t.token_ids) - self.keep_kv)
+            if not self.keep_kv:
+                self.stats["recomputed_tokens"] += len(t.prompt_ids) + len(t.token_ids)
             self._requests[self.engine.add_request(t.prompt_ids + t.token_ids, cont,
                                                    **self._sessions(t.group, [t.sample_index]))] = (
                 t.group, t.sample_index)

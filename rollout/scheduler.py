@@ -207,13 +207,18 @@ class Scheduler:
             return True
         return False
 
-    def park_running(self, seq: Sequence) -> bool:
-        """Stop a running sequence but keep its slot parked (an abort that keeps the KV); False if not running."""
+    def park_unfinished(self, seq: Sequence) -> bool:
+        """Stop a running sequence, or a continuation waiting with its slot, and keep the slot parked (an abort that
+        keeps the KV); False if it holds no slot."""
         if seq.slot >= 0 and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
-            self.parked[seq.slot] = seq
-            return True
-        return False
+        elif seq.slot >= 0 and any(s is seq for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+            self._reserved -= 1
+        else:
+            return False
+        self.parked[seq.slot] = seq
+        return True
 
     def free_slot(self, slot: int) -> None:
         """Give back a slot reserved by unpark()."""

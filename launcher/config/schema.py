@@ -224,6 +224,10 @@ class RolloutRoleConfig:
     # their KV recomputed; 1: off; above 2 only with the trainer section's stale_policy=drop (waiting cannot keep
     # the bound)
     batches_in_flight: int = 1
+    # partial rollouts at a weight swap: recompute (a sample in flight re-prefills its prompt and tokens under the
+    # new weights: every behaviour log-prob exact) | keep (it continues from the KV of the old weights, one token
+    # prefilled; its later log-probs carry the stale-KV gap, docs/async.md; needs free_memory_on_sleep=false)
+    partial_kv: str = "recompute"
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
     # share of the free GPU memory the KV cache may take when the engine wakes; unset: 0.9 while the engine's memory

@@ -163,6 +163,15 @@ def validate_config(cfg: Config) -> None:
                         f"more groups due (admitted trainer.max_staleness steps ago) than a step trains, and those "
                         f"would be trained past the bound: set rollout.batches_in_flight=2, or "
                         f"trainer.stale_policy=drop (the groups past the bound dropped and counted)")
+    if r.partial_kv not in ("recompute", "keep"):
+        raise UserError(f"rollout.partial_kv={r.partial_kv!r}: choose recompute or keep")
+    if r.partial_kv == "keep" and r.batches_in_flight < 2:
+        raise UserError("rollout.partial_kv=keep acts only on partial rollouts: set rollout.batches_in_flight >= 2, or "
+                        "remove rollout.partial_kv")
+    if r.partial_kv == "keep" and r.free_memory_on_sleep is not False:
+        raise UserError("rollout.partial_kv=keep keeps the KV of samples in flight across the training step, which "
+                        "needs the KV cache resident: set rollout.free_memory_on_sleep=false (the engine frees its "
+                        "cache on sleep otherwise, and every sample would re-prefill)")
     if r.batches_in_flight > 1 and r.engine != "native":
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
                         f"(rollout.engine=native); {r.engine} only generates whole batches")

@@ -288,7 +288,7 @@ class RolloutRole:
 
         r = self.settings
         if self.partial is None:
-            self.partial = PartialRollouts(self.engine, version=version)
+            self.partial = PartialRollouts(self.engine, version=version, kv=r.partial_kv)
         new = [(row["prompt_ids"], SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                                   max_tokens=response_cap(row, r.max_response_length), n=r.n,
                                                   seed=request_seed(seed, step, row["index"])), row)
@@ -329,7 +329,7 @@ class RolloutRole:
         """The groups in flight of a checkpoint (rollout.partial.PartialRollouts.state_dict), suspended."""
         from rollout.partial import PartialRollouts
 
-        self.partial = PartialRollouts(self.engine)
+        self.partial = PartialRollouts(self.engine, kv=self.settings.partial_kv)
         self.partial.load_state_dict(state)
 
     def settle_memory(self, train_peak: int) -> tuple[bool, str]:

@@ -255,3 +255,20 @@ def test_dropping_stale_partial_rollouts_counts_them_and_records_each_prompt_onc
     _, _, paced = _partial_run(tmp_path / "pace", "pace")
     assert all(r["async/dropped_groups"] == 0 and r["async/staleness_max"] <= 1 for r in paced)
     assert sum(r["async/paced_s"] for r in paced) > 0
+
+
+def test_partial_rollouts_can_keep_their_kv_across_the_weight_swap(world, tmp_path):
+    """rollout.partial_kv=keep (engine resident: rollout.free_memory_on_sleep=false): the samples suspended at the
+    end of a step keep their KV parked in the engine and continue from it after the update (one token prefilled
+    each, instead of their whole context); the bound still holds."""
+    common = ["rollout.batches_in_flight=2", "rollout.max_response_length=12", "data.batch_size=4", SIGNAL,
+              "rollout.partial_kv=keep", "rollout.free_memory_on_sleep=false", "trainer.total_steps=3"]
+    t, rows = _trainer(tmp_path, 1, *common), []
+    log = t.state.log_metrics
+    t.state.log_metrics = lambda m: rows.append(m) or log(m)
+    assert t.fit() is None
+    partial, engine = t.roles.rollout.partial, t.roles.rollout.engine
+    assert partial.stats["swaps"] == 3 and partial.stats["recomputed_tokens"] == 0
+    # more samples in flight than slots: some wait (no KV to keep) and parked ones may be evicted; the rest resume
+    assert engine.stats["kv_reused_tokens"] > 0
+    assert all(r["async/staleness_max"] <= 1 for r in rows)

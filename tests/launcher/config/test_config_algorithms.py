@@ -52,6 +52,10 @@ def test_auto_rollout_correction_follows_async():
     (["trainer.stale_policy=wait"], "must be pace or drop"),
     # pacing keeps the bound only with 2 batches in flight (3 at K=1 trained groups 2 versions old)
     (["rollout.batches_in_flight=3", "trainer.max_staleness=2"], "set rollout.batches_in_flight=2, or"),
+    (["rollout.partial_kv=stale"], "choose recompute or keep"),
+    (["rollout.partial_kv=keep"], "rollout.batches_in_flight >= 2"),
+    (["rollout.partial_kv=keep", "rollout.batches_in_flight=2", "trainer.max_staleness=1"],
+     "rollout.free_memory_on_sleep=false"),
     ([*GRPO, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"], ">= 1"),
     (["algorithm.filter_groups.max_num_gen_batches=8"], "filter_groups.enable=true"),
     (["algorithm.overlong_buffer.len=4"], "overlong_buffer.enable=true"),
