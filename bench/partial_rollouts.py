@@ -14,7 +14,8 @@ never stop early. Two modes, the same groups in the same order:
 - partial: --over x --prompts groups in flight; every step hands over the first --prompts complete groups (the
   due ones first: admitted at least --max-staleness versions ago, waited for), refills as many new groups,
   then swaps the weights (the same tensors, version + 1: an update's cost without a trainer), so the
-  unfinished groups continue as partial rollouts with their KV recomputed under the "new" weights.
+  unfinished groups continue as partial rollouts with their KV recomputed under the "new" weights (or, with
+  --partial-kv keep, continued from the KV they have: one token prefilled each, rollout.partial_kv=keep).
 
 --train-s adds that many seconds per step to both modes (the rest of a PPO step, e.g. the update measured by
 bench.placement; default 0: generation alone). Reported per mode, after --warmup steps: samples/s (delivered
@@ -77,7 +78,7 @@ def run_sync(engine, groups, args, device, *, weights) -> dict:
 
 def run_partial(engine, groups, args, device, *, weights) -> dict:
     """weights: the HF-named tensors every swap loads (an update's transfer, without a trainer)."""
-    rollouts = PartialRollouts(engine, version=0)
+    rollouts = PartialRollouts(engine, version=0, kv=args.partial_kv)
     in_flight, nxt = math.ceil(args.over * args.prompts), 0
     for prompt, params in groups[:in_flight]:
         rollouts.add_group(prompt, params)
@@ -88,6 +89,7 @@ def run_partial(engine, groups, args, device, *, weights) -> dict:
             _sync(device)
             t0, engine.stats["decode_steps"] = time.perf_counter(), 0
             recomputed0 = rollouts.stats["recomputed_tokens"]
+            reused0, prefilled0 = engine.stats["kv_reused_tokens"], engine.stats["prefill_tokens"]
         due = step - args.max_staleness + 1  # admitted before it: trained at `step` at most K versions late
         done = rollouts.run_until(groups=args.prompts, due_before=due)
         for prompt, params in groups[nxt:nxt + len(done)]:
@@ -105,6 +107,8 @@ def run_partial(engine, groups, args, device, *, weights) -> dict:
             "tokens_per_decode_step": tokens / max(1, engine.stats["decode_steps"]),
             "staleness_mean": sum(gaps) / max(1, len(gaps)), "staleness_max": max(gaps, default=0),
             "recomputed_tokens": rollouts.stats["recomputed_tokens"] - recomputed0,
+            "prefill_tokens": engine.stats["prefill_tokens"] - prefilled0,
+            "kv_reused_tokens": engine.stats["kv_reused_tokens"] - reused0,
             "in_flight_groups": in_flight}
 
 
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--partial-kv", choices=("recompute", "keep"), default="recompute",
+                    help="at a swap: re-prefill the samples in flight, or keep their KV (rollout.partial_kv)")
     args = ap.parse_args(argv)
     if args.over < 1 or args.max_staleness < 1:
         ap.error("--over must be >= 1 and --max-staleness >= 1")
