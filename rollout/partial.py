@@ -188,6 +188,8 @@ class PartialRollouts:
         gone = [gid for gid, g in self.groups.items() if g.admitted < admitted_before]
         self._complete = [gid for gid in self._complete if gid not in gone]
         out = [self.groups.pop(gid).samples for gid in gone]
+        for t in (t for g in out for t in g):  # kv="keep": their parked KV goes back at once
+            self._release(t)
         for key, value in (("dropped_groups", len(out)), ("dropped_samples", sum(map(len, out))),
                            ("dropped_tokens", sum(len(t.token_ids) for g in out for t in g))):
             self.stats[key] = self.stats.get(key, 0) + value
