@@ -158,7 +158,9 @@ def _tp_tools_body(rank, world_size):
 
     pool = ToolPool(workers=2, run_here=rank == 0)
     starts = [Start(looped, task(p), 300 + i, key=i) for i, p in enumerate(PROMPTS[:3])]
-    trajs, _ = drive(engine, starts, sampling=sampling(), tools=pool, sync=tp_tool_sync(dist.group.WORLD))
+    trajs, stats = drive(engine, starts, sampling=sampling(), tools=pool, sync=tp_tool_sync(dist.group.WORLD),
+                         keep_kv=True)  # every rank parks and continues the same sessions
+    assert stats.kv_reused_tokens > 0
     pool.close()
     return [(t.response_ids, t.logprobs) for t in trajs]
 
