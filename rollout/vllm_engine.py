@@ -176,6 +176,9 @@ class VLLMEngine:
         self._max_budget = max(config.max_num_batched_tokens, config.max_model_len)  # vLLM's buffers are this big
         self.asleep = False
         self.loaded = False
+        # prompt tokens vLLM ran (prefill_tokens) and found in its prefix cache instead (kv_reused_tokens: an agent's
+        # earlier turns, a GRPO group's shared prompt); the native engine's names (ppo/agents/driver.py reads both)
+        self.stats = {"prefill_tokens": 0, "kv_reused_tokens": 0}
         if idle_tp:
             self.sleep()  # never generates: on CUDA its weights and KV cache leave the GPU for good
 
@@ -267,6 +270,9 @@ class VLLMEngine:
             lora = {} if self.lora_request is None else {"lora_request": [self.lora_request] * len(requests)}
             outs = self.llm.generate(requests, vparams, use_tqdm=False, **lora)
             for i, out in zip(index, outs):
+                cached = out.num_cached_tokens or 0
+                self.stats["kv_reused_tokens"] += cached
+                self.stats["prefill_tokens"] += len(out.prompt_token_ids or prompts[i]) - cached
                 results[i] = [self._completion(i, prompts[i], c) for c in sorted(out.outputs, key=lambda c: c.index)]
         return [c for i in range(len(prompts)) for c in results[i]]
 

@@ -275,9 +275,6 @@ def _validate_agent(cfg: Config) -> None:
         raise UserError(f"agent.keep_kv=false acts only with rollout.engine=native (the engine that keeps a "
                         f"trajectory's KV between turns); rollout.engine={cfg.rollout.engine} has nothing to turn off: "
                         "remove agent.keep_kv")
-    if (g.tools_file or g.loop_file) and cfg.rollout.engine == "vllm":
-        raise UserError("agent.tools_file / agent.loop_file run multi-turn loops, which need the native engine's step "
-                        "API (requests added while it decodes); set rollout.engine=native")
     if not g.tools_file:
         tool_keys = [k for k, v, d in (("agent.max_turns", g.max_turns, 4),
                                        ("agent.max_tool_response_tokens", g.max_tool_response_tokens, 256),
