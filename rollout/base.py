@@ -133,6 +133,11 @@ class SteppingEngine(RolloutEngine, Protocol):
             for c in engine.step():   # Completion.prompt_index is the request id
                 ...                   # e.g. add a follow-up request with c.prompt_ids + c.token_ids + obs
         engine.settle()               # no device work in flight: weights may be swapped here
+
+    The native engine also keeps KV between requests: `add_request(prompt, params, sessions=[key] * n)` parks each
+    finished sample's KV slot under its key, a later request under that key whose prompt extends the sample's
+    tokens prefills only the new ones, `release_session(key)` frees it, `abort(rid, park=True)` parks the unfinished
+    ones (docs/agents.md, kept KV). Callers check for `release_session` before using them.
     """
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:

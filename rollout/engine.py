@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Hashable, Iterable, Sequence as Seq
+from collections.abc import Hashable, Iterable
+from collections.abc import Sequence as Seq
 
 import torch
 
