@@ -1,0 +1,17 @@
+"""bench/agent_turns.py on CPU (the mechanics, not the speed): both modes generate every turn's tokens, kept KV
+prefills only each later turn's new tokens (the previous turn's last token and the observation), re-prefill the
+whole context."""
+
+from __future__ import annotations
+
+from bench.agent_turns import main
+
+
+def test_the_benchmark_measures_kept_kv_against_re_prefill():
+    row = main(["--model", "tiny", "--device", "cpu", "--trajectories", "4", "--turn-tokens", "4", "--turns", "3",
+                "--tool-delay-ms", "5", "--prompt-len", "8", "--obs-tokens", "3", "--tool-workers", "4"])
+    assert row["keep_prefill_tokens_per_later_turn"] == 1 + 3
+    assert row["reprefill_prefill_tokens_per_later_turn"] > 8 + 4 + 3
+    assert row["keep_kv_reused_tokens"] > 0 and row["reprefill_kv_reused_tokens"] == 0
+    assert row["keep_kv_evictions"] == row["keep_kv_misses"] == 0
+    assert row["keep_tokens_per_s"] > 0 and row["reprefill_tokens_per_s"] > 0
