@@ -106,3 +106,20 @@ def _check_cuda(engine, model):
         torch.testing.assert_close(mine, logp.gather(1, tokens)[:, 0].cpu(), rtol=0, atol=1e-4)
         moved = max(moved, (base.gather(1, tokens)[:, 0].cpu() - mine).abs().max().item())
     assert moved > 1e-2
+
+
+def test_a_kept_kv_turn_runs_the_adapters_too():
+    # a continuation's prefill (only the new tokens, over the kept KV) goes through the same adapted GEMMs
+    spec = LoRASpec(rank=4, alpha=8.0, target_modules=("all-linear",))
+    model = _adapted(spec, seed=1)
+    engine = NativeEngine(model.config, config=config(), lora=spec)
+    engine.update_weights(model.state_dict().items())
+    engine.add_request(PROMPTS[0], GREEDY, sessions=["s"])
+    (first,) = [c for _ in range(12) for c in engine.step()]
+    ctx = PROMPTS[0] + first.token_ids + [5, 6]
+    engine.add_request(ctx, GREEDY, sessions=["s"])
+    (second,) = [c for _ in range(12) for c in engine.step()]
+    engine.release_session("s")
+    assert engine.stats["kv_reused_tokens"] == len(PROMPTS[0]) + len(first.token_ids) - 1
+    torch.testing.assert_close(torch.tensor(second.logprobs), trainer_logprobs(model, ctx, second.token_ids, 0.0),
+                               rtol=0, atol=1e-5)
