@@ -3,7 +3,8 @@
 Proves: per-request seeds reproduce n samples alone or inside a batch; fp32 behaviour log-probs equal
 the trainer's (log softmax(logits / T), T = 1 greedy) within 1e-5; after a PPO update, update_weights
 makes vLLM's greedy tokens and log-probs those of the updated model, also for a prompt that hits the
-prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV).
+prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV); agent loops
+run in rounds of generate() with the earlier turns served from the prefix cache (VLLMEngine.stats).
 The hybrid engine driving vLLM at gen TP=2 from a TP=2 actor is tests/ppo/test_vllm_ppo.py (log-probs
 against the trainer's recompute); the bucketed TP all-gather is tests/rollout/test_vllm_support.py.
 """
@@ -134,12 +135,54 @@ def _single_rank(rank, world):
                                      for c in after)
     out["changed"] = [c.token_ids for c in after[:3]] != [c.token_ids for c in g]
 
+    out["agents"] = _agent_rounds(engine, model, gen)
+
     # control: the same reload without the prefix-cache reset serves the long prompt from stale KV
     _ppo_update(model, batch)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
     stale = engine.generate([long_prompt], greedy)
     out["err_stale_without_reset"] = _max_logprob_error(model, stale, 0.0)
     return out
+
+
+OBS = [[40, 41, 42], [50, 51, 52, 53, 54]]
+
+
+def _tool_turns(task):
+    """Generate, call a tool (its answer: OBS[turn]) and observe it, three times generating."""
+    from ppo.agents.loop import CallTool, Generate, TrajectoryBuilder
+
+    traj = TrajectoryBuilder(task.prompt_ids)
+    for turn in range(3):
+        traj.add_sampled((yield Generate(traj.token_ids, 6)))
+        if turn < 2:
+            traj.add_observation((yield CallTool(lambda turn=turn: OBS[turn])))
+    return traj.finish(text=None)
+
+
+def _agent_rounds(engine, model, gen):
+    """Agent loops over vLLM: the driver (ppo/agents/driver.py) runs them in rounds of generate(), one per turn of
+    every trajectory waiting for tokens; vLLM's prefix cache serves the earlier turns (prompts longer than one of
+    its 128-token CPU blocks, so later turns find a full block cached); behaviour log-probs equal the trainer's."""
+    from ppo.agents.driver import Start, ToolPool, drive
+    from ppo.agents.loop import AgentTask
+    from rollout.base import SamplingParams
+
+    prompts = [[1] + torch.randint(3, 512, (140 + 7 * i,), generator=gen).tolist() for i in range(3)]
+    starts = [Start(_tool_turns, AgentTask(p, {"index": i}, None, max_response_tokens=64, max_total_tokens=256),
+                    100 + i, key=i) for i, p in enumerate(prompts)]
+    pool = ToolPool(workers=2)
+    trajs, stats = drive(engine, starts, sampling=SamplingParams(temperature=1.0, ignore_eos=True), tools=pool,
+                         keep_kv=True)
+    pool.close()
+    errors = []
+    for p, t in zip(prompts, trajs):
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        want = _trainer_logprobs(model, p, t.response_ids, 1.0)[0]
+        errors.append((torch.tensor(t.logprobs)[mask] - want[mask]).abs().max().item())
+    return {"masks": [t.loss_mask for t in trajs], "obs": [t.response_ids[6:9] for t in trajs],
+            "error": max(errors), "rounds": stats.engine_steps, "reused": stats.kv_reused_tokens,
+            "prefilled": stats.prefill_tokens, "prompt_tokens": sum(map(len, prompts))}
 
 
 def test_vllm_engine_single_rank():
@@ -155,3 +198,7 @@ def test_vllm_engine_single_rank():
     assert r["changed"], "the PPO update did not change the greedy tokens: the update test proves nothing"
     assert r["err_after_update"] < 1e-5 and r["argmax_after_update"], r
     assert r["err_stale_without_reset"] > 1e-3, r  # the cache was really in play
+    a = r["agents"]  # agent loops in rounds: three tool turns each, log-probs at 1e-5, earlier turns cached
+    assert a["masks"] == [[1] * 6 + [0] * 3 + [1] * 6 + [0] * 5 + [1] * 6] * 3 and a["obs"] == [OBS[0]] * 3
+    assert a["error"] < 1e-5 and a["rounds"] == 3, a
+    assert a["reused"] >= 2 * 3 * 128 and a["prefilled"] + a["reused"] > a["prompt_tokens"], a
