@@ -11,13 +11,13 @@ lengths are drawn in [T/2, 3T/2] so tool calls do not all fall on the same step;
 baseline generates each trajectory's total sampled tokens in one turn (engine.generate). The multi-turn run is
 measured in each of `--modes`: `keep` (agent.keep_kv=true: a trajectory's KV stays in the engine while its tool
 sleeps, the next turn prefills only its new tokens) and `reprefill` (every turn prefills its whole context).
-Each mode is timed after one untimed multi-turn pass (CUDA graphs of its decode shapes captured before either mode
-is measured). Reported: single-turn generated tokens/s, and per mode (keys prefixed `keep_` / `reprefill_`): tokens/s and its
-ratio to single-turn (the issue's target: >= 0.8), prefilled tokens (all, and per later turn: what turns 2..T
-prefilled, per trajectory and turn), tokens the kept KV spared, parked KV evicted for room and turns that
-re-prefilled anyway, the engine steps taken while a tool slept, and busy_while_tools: the share of the wall time
-the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to decode / the
-time some tool was sleeping). One JSON line.
+Each mode is timed after one untimed multi-turn pass (CUDA graphs of its decode shapes captured before either
+mode is measured). Reported: single-turn generated tokens/s, and per mode (keys prefixed `keep_` / `reprefill_`):
+tokens/s and its ratio to single-turn (the issue's target: >= 0.8), prefilled tokens (all, and per later turn:
+what turns 2..T prefilled, per trajectory and turn), tokens the kept KV spared, parked KV evicted for room and
+turns that re-prefilled anyway, the engine steps taken while a tool slept, and busy_while_tools: the share of the
+wall time the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to
+decode / the time some tool was sleeping). One JSON line.
 """
 
 from __future__ import annotations

@@ -271,6 +271,9 @@ def _validate_agent(cfg: Config) -> None:
         raise UserError(f"rollout.batches_in_flight={cfg.rollout.batches_in_flight} (partial rollouts) continues "
                         "single responses across weight swaps; agent loops (agent.tools_file / agent.loop_file) do not "
                         "run there yet: set rollout.batches_in_flight=1")
+    if not g.keep_kv and not (g.tools_file or g.loop_file):
+        raise UserError("agent.keep_kv=false acts only on multi-turn loops (agent.tools_file / agent.loop_file): plain "
+                        "generation never continues a response, so there is no KV to keep; remove agent.keep_kv")
     if not g.keep_kv and cfg.rollout.engine != "native":
         raise UserError(f"agent.keep_kv=false acts only with rollout.engine=native (the engine that keeps a "
                         f"trajectory's KV between turns); rollout.engine={cfg.rollout.engine} has nothing to turn off: "

@@ -12,6 +12,8 @@ generate() over every trajectory waiting for tokens, then the tool calls of that
 keep_kv (agent.keep_kv; an engine with sessions, the native one): every request names its trajectories as
 sessions, so a finished turn keeps its KV in the engine while the tool runs and the next turn, which extends
 its tokens, prefills only the new ones; a trajectory's session is released the moment its loop returns.
+Plain generation (the single_turn loop) never continues: its requests take no session, so a finished sample frees
+its slot at once, as without keep_kv.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ppo.agents.loop import AgentRun, AgentTask, CallTool, Generate, Generated, ToolFailure, Trajectory
+from ppo.agents.loop import AgentRun, AgentTask, CallTool, Generate, Generated, ToolFailure, Trajectory, single_turn
 from rollout.base import Completion, SamplingParams
 
 
@@ -220,7 +222,7 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
                 for req in requests():
                     if not req.prompt:
                         deliver(req, [Completion(0, 0, [], [], [], "length")])
-                    elif sessions:
+                    elif sessions and any(live[tid].start.loop is not single_turn for tid in req.tids):
                         keys = [("agent", tid) for tid in req.tids]
                         in_engine[engine.add_request(req.prompt, req.params, sessions=keys)] = req
                     else:

@@ -39,7 +39,9 @@ def test_multi_turn_loops_run_on_both_engines_but_not_across_weight_swaps(tmp_pa
     assert load_config(None, ["rollout.engine=vllm", f"agent.tools_file={tools}"]).agent.tools_file == str(tools)
     assert "set rollout.batches_in_flight=1" in refused("rollout.batches_in_flight=2", "trainer.max_staleness=1",
                                                        f"agent.tools_file={tools}")
-    # agent.keep_kv=false turns off the native engine's kept KV; another engine has none to turn off
-    assert "agent.keep_kv=false acts only with rollout.engine=native" in refused("rollout.engine=vllm",
-                                                                              "agent.keep_kv=false")
-    assert load_config(None, ["agent.keep_kv=false"]).agent.keep_kv is False
+    # agent.keep_kv=false turns off the native engine's kept KV between turns: without multi-turn loops, or on
+    # another engine, there is none to turn off
+    assert "acts only on multi-turn loops" in refused("agent.keep_kv=false")
+    assert "agent.keep_kv=false acts only with rollout.engine=native" in refused(
+        "rollout.engine=vllm", "agent.keep_kv=false", f"agent.tools_file={tools}")
+    assert load_config(None, ["agent.keep_kv=false", f"agent.tools_file={tools}"]).agent.keep_kv is False

@@ -172,3 +172,20 @@ def test_generation_tp_ranks_get_rank_0s_tool_results():
     a, b = run_world(_tp_tools_body, 2)
     assert [r for r, _ in a] == [r for r, _ in b]  # rank 1 ran no tool, yet decoded the same trajectories
     assert all(r[4:6] == [40, 41] for r, _ in a)
+
+
+def test_single_turns_take_no_session_with_keep_kv():
+    # plain generation never continues: a finished sample frees its slot at once (nothing parked, as without keep_kv)
+    engine = NativeEngine.from_model(model(), config=config())
+    starts = [Start(single_turn, task(PROMPTS[0], max_response=6), 7, key=(0, j), sample=j) for j in range(3)]
+    parked = []
+    step = engine.step
+
+    def watched():
+        out = step()
+        parked.append(len(engine._sched.parked) if engine._sched is not None else 0)
+        return out
+
+    engine.step = watched
+    _, stats = drive(engine, starts, sampling=sampling(), keep_kv=True)
+    assert max(parked) == 0 and stats.kv_reused_tokens == 0 and engine._sessions == {}
