@@ -89,32 +89,42 @@ class GroupedExperts(nn.Module):
         (zero rows between: CUDA's bf16 grouped GEMM backward needs groups of 8-row multiples; default 8 on CUDA,
         1 elsewhere). Everything stays on the device (no host sync: graph-capturable)."""
         n, k = ids.shape
-        num_experts = self.gate_up_proj.shape[0]
-        align = (GROUP_ALIGN if x.is_cuda else 1) if align is None else align
         flat = ids.reshape(-1).to(torch.int64)
         order = flat.argsort(stable=True)  # assignments grouped by expert (token order inside each group)
         token = order // k
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-        xs = x.index_select(0, token)
-        if align > 1:
-            padded = (counts + align - 1) // align * align
-            ends = padded.cumsum(0)
-            # row of each sorted assignment: its group's padded start + its rank inside the group
-            rank = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
-            row = (ends - padded)[flat[order]] + rank
-            rows = flat.numel() + num_experts * (align - 1)  # a bound known on the host
-            xs = x.new_zeros(rows, x.shape[1]).index_copy(0, row, xs)
-        else:
-            ends = counts.cumsum(0)
-        ends = ends.to(torch.int32)
-        h = _grouped_linear(xs, self.gate_up_proj, ends)
-        gate, up = h.chunk(2, dim=-1)
-        y = _grouped_linear(F.silu(gate) * up, self.down_proj, ends)
-        if align > 1:
-            y = y.index_select(0, row)
+        y = expert_mlp(x.index_select(0, token), counts, flat[order], self.gate_up_proj, self.down_proj, align=align)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def expert_mlp(xs: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, *, align: int | None = None) -> torch.Tensor:
+    """The SwiGLU experts of rows grouped by expert: xs [M, H] holds counts[e] rows of expert e after those of
+    experts < e (expert [M]: each row's expert id), gate_up [E, 2I, H] and down [E, H, I] -> [M, H] in xs's order.
+
+    Each group starts at a multiple of `align` rows (zero rows between: CUDA's bf16 grouped GEMM backward needs
+    groups of 8-row multiples; default 8 on CUDA, 1 elsewhere). Everything stays on the device (no host sync:
+    graph-capturable). Weights of another dtype than xs (experts left out of FSDP's mixed precision) are cast."""
+    num_experts = gate_up.shape[0]
+    align = (GROUP_ALIGN if xs.is_cuda else 1) if align is None else align
+    gate_up, down = gate_up.to(xs.dtype), down.to(xs.dtype)
+    if align > 1:
+        padded = (counts + align - 1) // align * align
+        ends = padded.cumsum(0)
+        # row of each assignment: its group's padded start + its rank inside the group
+        rank = torch.arange(xs.shape[0], device=xs.device) - (counts.cumsum(0) - counts)[expert]
+        row = (ends - padded)[expert] + rank
+        rows = xs.shape[0] + num_experts * (align - 1)  # a bound known on the host
+        xs = xs.new_zeros(rows, xs.shape[1]).index_copy(0, row, xs)
+    else:
+        ends = counts.cumsum(0)
+    ends = ends.to(torch.int32)
+    h = _grouped_linear(xs, gate_up, ends)
+    gate, up = h.chunk(2, dim=-1)
+    y = _grouped_linear(F.silu(gate) * up, down, ends)
+    return y.index_select(0, row) if align > 1 else y
 
 
 # rows each expert group is padded to on CUDA: the bf16 grouped GEMM's weight gradient contracts over a group's

@@ -31,6 +31,7 @@ from torch import nn
 
 from models.lora import LoRASpec
 from parallel.dims import ParallelDims
+from parallel.expert_parallel import ExpertParallel, apply_ep
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
 from parallel.master_weights import attach_main_grads
@@ -129,7 +130,7 @@ def _should_fsdp(dims: ParallelDims, fsdp: bool | None) -> bool:
 def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile: bool, dynamic: bool | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  loss_parallel: bool, fsdp: bool | None, lora: LoRASpec | None = None,
-                 lora_seed: int = 0) -> nn.Module:
+                 lora_seed: int = 0, expert_mesh=None) -> tuple[nn.Module, ExpertParallel | None]:
     sharded = _should_fsdp(dims, fsdp)
     if param_dtype is not None and (not sharded or lora is not None):
         # (a LoRA base is frozen: stored in the compute dtype under FSDP too, with no fp32 sharded masters)
@@ -138,6 +139,11 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
         if reduce_dtype not in (None, torch.float32):
             raise ValueError(f"reduce_dtype={reduce_dtype} without FSDP: main grads accumulate in fp32")
         model.to(param_dtype)
+    ep = None
+    if dims.ep > 1:  # before FSDP, which leaves the experts to it
+        if expert_mesh is None:
+            raise ValueError(f"ep({dims.ep}) > 1 needs expert_mesh (parallel.dims.build_expert_mesh)")
+        ep = apply_ep(model, expert_mesh)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=loss_parallel)
     if lora is not None:  # after TP (adapters placed like their base weights), before AC, compile and FSDP
@@ -151,10 +157,10 @@ def _apply_local(model: nn.Module, *, mesh, dims: ParallelDims, ac: str, compile
     if sharded:
         # on a dp mesh of one, resharding after forward frees nothing worth a second cast-copy in backward
         apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=dims.dp > 1)
+                   reshard_after_forward=dims.dp > 1, ignored_params=set(ep.params) if ep else None)
     elif param_dtype is not None:
         attach_main_grads(model)  # after TP: its gradient-placement hooks run first
-    return model
+    return model, ep
 
 
 def parallelize_model(
@@ -175,6 +181,7 @@ def parallelize_model(
     attn_factory: Callable | None = None,
     lora: LoRASpec | None = None,
     lora_seed: int = 0,
+    expert_mesh=None,
 ) -> ModelRunner:
     """Apply PP/TP/AC/compile/FSDP to `model` for this rank's coordinate in `mesh`.
 
@@ -188,6 +195,8 @@ def parallelize_model(
     the runner's optimizer keeps the fp32 masters (parallel/master_weights.py). fsdp None: on when dp > 1.
     dynamic: torch.compile's (see apply_compile). lora: LoRA adapters on the targeted projections, the base
     frozen in its compute dtype (parallel/lora.py); lora_seed: their A's initialisation (the same on every rank).
+    expert_mesh: the ("edp", "ep") DeviceMesh of parallel.dims.build_expert_mesh when dims.ep > 1: each rank keeps
+    num_experts / ep experts and the tokens travel to them by all-to-all (parallel/expert_parallel.py).
     """
     got = tuple(mesh.mesh_dim_names or ())
     if got != ("pp", "dp", "tp") or tuple(mesh.shape) != (dims.pp, dims.dp, dims.tp):
@@ -196,18 +205,21 @@ def parallelize_model(
     cfg = model.config
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-                        intermediate_size=cfg.intermediate_size, stages_per_rank=stages_per_rank)
+                        intermediate_size=cfg.intermediate_size, stages_per_rank=stages_per_rank,
+                        num_experts=cfg.num_experts if cfg.is_moe else 0)
     local = dict(mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic, param_dtype=param_dtype,
-                 reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp, lora=lora, lora_seed=lora_seed)
+                 reduce_dtype=reduce_dtype, loss_parallel=loss_parallel, fsdp=fsdp, lora=lora, lora_seed=lora_seed,
+                 expert_mesh=expert_mesh)
     if dims.pp == 1:
-        return LocalRunner(_apply_local(model, **local), mesh=mesh, attn_factory=attn_factory)
+        model, ep = _apply_local(model, **local)
+        return LocalRunner(model, mesh=mesh, attn_factory=attn_factory, expert_parallel=ep, dp=dims.dp)
     if n_microbatches is None:
         raise ValueError(f"pp({dims.pp}) > 1 needs n_microbatches (at least pp x stages_per_rank)")
     # activations between stages are in the compute dtype: FSDP's param_dtype, else the stored one
     act_dtype = param_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     stages = build_stages(model, pp=dims.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=stages_per_rank, attn_factory=attn_factory)
-    stages = [(s, _apply_local(m, **local)) for s, m in stages]
+    stages = [(s, _apply_local(m, **local)[0]) for s, m in stages]  # ep = 1 with pp > 1 (ParallelDims)
     if stages_per_rank > 1 and pp_schedule == "1f1b":
         pp_schedule = "interleaved_1f1b"
     return PipelineRunner(stages, pp_group=mesh.get_group("pp"), num_stages=dims.pp * stages_per_rank,

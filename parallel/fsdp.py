@@ -27,10 +27,12 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard `model` (a LlamaForCausalLM or a pipeline stage) over the 1-D `dp_mesh` in place.
 
-    param_dtype None keeps the stored dtype for compute. Returns the same module object
+    param_dtype None keeps the stored dtype for compute. ignored_params: left out of FSDP (an expert-parallel
+    model's experts: parallel/expert_parallel.py). Returns the same module object
     (its class becomes an FSDPModule subclass; parameter names are unchanged).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -38,8 +40,9 @@ def apply_fsdp(
     for i, layer in enumerate(layers):
         # the last layer is needed again first in backward: keeping it gathered saves one all-gather
         last = i == len(layers) - 1
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored_params)
     return model
 
 

@@ -518,11 +518,16 @@ class NativeRunner:
 class LocalRunner(NativeRunner):
     """The whole model on this rank (pp = 1; TP and FSDP live inside the module)."""
 
-    def __init__(self, model: nn.Module, *, mesh=None, attn_factory: Callable | None = None):
+    def __init__(self, model: nn.Module, *, mesh=None, attn_factory: Callable | None = None,
+                 expert_parallel=None, dp: int = 1):
+        """expert_parallel: parallel.expert_parallel.ExpertParallel of an expert-parallel model (its experts'
+        gradients are reduced after the last micro-batch, as FSDP reduces the others over the `dp` ranks)."""
         self.modules = [model]
         self.mesh = mesh
         self.pp_group = None
         self.attn_factory = attn_factory
+        self.expert_parallel = expert_parallel
+        self.dp = dp
 
     has_first = True
     has_last = True
@@ -552,4 +557,6 @@ class LocalRunner(NativeRunner):
                 loss, metrics = add_router_loss(cfg, trace, loss, metrics, scale=1.0 / len(batches))
             loss.backward()
             out.append(metrics)
+        if self.expert_parallel is not None:
+            self.expert_parallel.reduce_gradients(dp=self.dp)
         return out

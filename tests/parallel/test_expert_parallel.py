@@ -1,0 +1,93 @@
+"""Expert parallelism (parallel/expert_parallel.py) on gloo: a tiny mixture of experts (8 experts, top-2) over
+dp = 2 ranks at ep = 2 (each rank holds 4 experts whole, tokens travel by all-to-all) equals the same layout at
+ep = 1 (FSDP shards the stacked experts): logits, losses (with the load-balancing loss), every gradient after
+reduction, three optimizer steps (their gradient norms and the exported weights after them), each rank on its own micro-batches of other lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_utils import run_world
+
+
+def _batches(dp_rank: int):
+    from parallel.runner import MicroBatch
+
+    g = torch.Generator().manual_seed(11 + dp_rank)
+    out = []
+    for t in ((9, 14) if dp_rank == 0 else (5, 20)):  # uneven token counts per rank and micro-batch
+        ids = torch.randint(3, 512, (1, t), generator=g)
+        out.append(MicroBatch(ids, torch.arange(t)[None]))
+    return out
+
+
+def _run(ep: int) -> dict:
+    from parallel.apply import parallelize_model
+    from parallel.dims import ParallelDims, build_expert_mesh, build_mesh
+    from models import build_model
+
+    dims = ParallelDims(dp=2, ep=ep)
+    mesh = build_mesh(dims, [0, 1], device_type="cpu")
+    runner = parallelize_model(build_model("tiny-qwen3-moe", seed=3), mesh=mesh, dims=dims,
+                               expert_mesh=build_expert_mesh(dims, [0, 1], device_type="cpu"))
+    mbs = _batches(mesh.get_local_rank("dp"))
+
+    def logits(hidden, k):
+        w, _ = runner.head()
+        return hidden[0] @ w.T
+
+    def loss_fn(hidden, k):
+        ids = mbs[k].input_ids[0]
+        loss = F.cross_entropy(logits(hidden, k)[:-1], ids[1:]) / len(mbs)
+        return loss, {"loss": loss.detach()}
+
+    out = {"initial_experts": runner.export_state_dict(),
+           "logits": [t.detach() for t in runner.forward(mbs, reduce=logits)]}
+    out["metrics"] = runner.forward_backward(mbs, loss_fn=loss_fn)
+    out["grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    for n, p in runner.named_parameters()}
+    # Adam's update is ~lr whatever the gradient's size, so fp32 rounding of near-zero gradients moves a weight by up
+    # to ~lr between layouts: a small lr keeps that below the tolerance (the gradients themselves are compared above)
+    opt = runner.build_optimizer(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    out["norms"] = [runner.optimizer_step(opt, max_norm=1.0)]
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        runner.forward_backward(mbs, loss_fn=loss_fn)
+        out["norms"].append(runner.optimizer_step(opt, max_norm=1.0))
+    if out["initial_experts"] is not None:
+        out["initial_experts"] = out["initial_experts"]["model.layers.1.mlp.experts.gate_up_proj"]
+    out["export"] = runner.export_state_dict()
+    out["local_experts"] = tuple(dict(runner.training_shards())["model.layers.1.mlp.experts.down_proj"].shape)
+    return out
+
+
+def _body(rank, world):
+    return {ep: _run(ep) for ep in (1, 2)}
+
+
+@pytest.mark.distributed
+def test_ep2_equals_ep1_logits_losses_gradients_steps_and_export():
+    res = run_world(_body, world_size=2)
+    for rank, r in enumerate(res):
+        one, two = r[1], r[2]
+        assert one["local_experts"] == (4, 64, 32) and two["local_experts"] == (4, 64, 32)  # FSDP rows / 4 experts
+        for a, b in zip(one["logits"], two["logits"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        for a, b in zip(one["metrics"], two["metrics"]):
+            assert set(a) == set(b) and "aux_loss" in a
+            for key in a:
+                torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+        assert one["grads"].keys() == two["grads"].keys()
+        for n, g in one["grads"].items():
+            torch.testing.assert_close(two["grads"][n], g, rtol=1e-5, atol=1e-6, msg=n)
+        assert two["grads"]["model.layers.1.mlp.experts.gate_up_proj"].abs().sum() > 0
+        torch.testing.assert_close(torch.tensor(two["norms"]), torch.tensor(one["norms"]), rtol=1e-5, atol=0)
+    assert res[1][1]["export"] is None and res[1][2]["export"] is None
+    one, two = res[0][1]["export"], res[0][2]["export"]
+    assert one.keys() == two.keys()
+    for n, t in one.items():
+        torch.testing.assert_close(two[n], t, rtol=0, atol=1e-6, msg=n)
+    moved = (one["model.layers.1.mlp.experts.gate_up_proj"] - res[0][1]["initial_experts"]).abs().amax(dim=(1, 2))
+    assert (moved > 1e-4).all()  # every expert trained (3 steps of ~lr)
