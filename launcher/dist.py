@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.planning.plan import DevicePlan, RoleGroup
-from parallel.dims import build_mesh
+from parallel.dims import build_expert_mesh, build_mesh
 
 
 @dataclass(slots=True)
@@ -90,11 +90,13 @@ def broadcast_plan(plan: DevicePlan | None, *, rank: int) -> DevicePlan:
 
 @dataclass(slots=True)
 class RoleHandle:
-    """One role's ranks, layout and DeviceMesh ("pp", "dp", "tp"); `active` if this rank is in it."""
+    """One role's ranks, layout and DeviceMesh ("pp", "dp", "tp"); `active` if this rank is in it; expert_mesh: its
+    ("edp", "ep") DeviceMesh when the layout is expert-parallel (ep > 1), else None."""
 
     spec: RoleGroup
     mesh: object
     active: bool
+    expert_mesh: object = None
 
     @property
     def dims(self):
@@ -109,5 +111,6 @@ def build_role_groups(plan: DevicePlan, *, rank: int, device_type: str) -> dict[
         if role == "rollout":
             continue
         mesh = build_mesh(g.dims, g.ranks, device_type=device_type)
-        out[role] = RoleHandle(spec=g, mesh=mesh, active=rank in g.ranks)
+        out[role] = RoleHandle(spec=g, mesh=mesh, active=rank in g.ranks,
+                               expert_mesh=build_expert_mesh(g.dims, g.ranks, device_type=device_type))
     return out

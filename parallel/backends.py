@@ -78,12 +78,13 @@ def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: s
                  dynamic: bool | None = None, param_dtype: torch.dtype | None = None, n_microbatches: int | None = None,
                  pp_schedule: str = "1f1b", stages_per_rank: int = 1,
                  attn_factory: Callable | None = None, frozen: bool = False, fsdp: bool | None = None,
-                 lora=None, lora_seed: int = 0) -> ModelRunner:
+                 lora=None, lora_seed: int = 0, expert_mesh=None) -> ModelRunner:
     """The runner of `model` on `backend`. Settings a backend cannot honour are refused before launch
     (launcher.config.validation._validate_megatron_role), never ignored here. frozen: a model that is never trained
     (native: stored in param_dtype with no fp32 master; megatron already keeps its 16-bit params and has no
     optimizer for it). fsdp: native only, parallelize_model's (None: FSDP2 when dp > 1). lora: a models.lora.LoRASpec
-    (native only; parallel/lora.py), lora_seed its adapters' initialisation."""
+    (native only; parallel/lora.py), lora_seed its adapters' initialisation. expert_mesh: native only, an
+    expert-parallel layout's (parallel.dims.build_expert_mesh)."""
     if backend == "native":
         if frozen and param_dtype is not None:
             # never trained (reference, reward model): stored in the compute dtype with no fp32 master copy.
@@ -94,8 +95,10 @@ def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: s
         return parallelize_model(model, mesh=mesh, dims=dims, ac=ac, compile=compile, dynamic=dynamic,
                                  param_dtype=param_dtype, n_microbatches=n_microbatches, pp_schedule=pp_schedule,
                                  stages_per_rank=stages_per_rank, attn_factory=attn_factory, fsdp=fsdp,
-                                 lora=lora, lora_seed=lora_seed)
+                                 lora=lora, lora_seed=lora_seed, expert_mesh=expert_mesh)
     if backend == "megatron":
+        if dims.ep > 1:  # refused before launch (launcher.planning.plan.validate_moe)
+            raise ValueError(f"ep({dims.ep}): the megatron backend's expert parallelism is not wired; use native")
         if lora is not None:  # refused before launch (launcher.config.validation._validate_lora)
             raise ValueError("the megatron backend has no LoRA adapters; use backend native")
         if fsdp:

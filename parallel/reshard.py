@@ -11,6 +11,10 @@ semantics (ceil(n/dp) rows per rank, the last ones short or empty). Every such s
 axis-aligned box of the full tensor, and the distinct boxes ("cells") partition it; a cell of a
 TP-replicated parameter (norms) has tp holders.
 
+Expert parallelism (ep > 1, tp = pp = 1; parallel/dims.py): a stacked expert tensor (`mlp.experts.*`, experts
+along dim 0) is not FSDP-sharded: dp rank d holds experts [e * E/ep, (e + 1) * E/ep) whole, e = d % ep, so each
+such cell has dp / ep holders. The engine runs experts whole, so its generation shard of them is the full tensor.
+
 Generation shard: `tp_slices(p, rank=gen_tp_idx, world=gen_tp)` on every rank, all layers.
 Ranks get generation coordinates as in HybridFlow's 3D-HybridEngine: with r = tp / gen_tp,
 gen_tp_idx = tp_idx // r, so the training shard a rank holds lies inside its generation
@@ -157,11 +161,25 @@ def fsdp_rows(rows: int, *, dp: int, dp_rank: int) -> tuple[int, int]:
     return lo, min(lo + step, rows)
 
 
+def is_expert_param(name: str) -> bool:
+    """A mixture of experts' stacked expert tensor (experts along dim 0): models/moe.py GroupedExperts."""
+    return ".mlp.experts." in name
+
+
+def expert_rows(spec: ParamSpec, train: TrainLayout, *, ep_rank: int) -> tuple[int, int]:
+    """Rows (experts) of an expert tensor that the ranks of expert-parallel rank ep_rank hold whole."""
+    per = spec.shape[0] // train.ep
+    return ep_rank * per, (ep_rank + 1) * per
+
+
 def train_box(spec: ParamSpec, train: TrainLayout, rank: int, *, num_layers: int) -> Box | None:
     """Box of the full tensor that `rank` holds in training (may be empty), None off its pp stage."""
     pp_idx, dp_idx, tp_idx = train.coords(rank)
     if pp_stage_of(spec.name, num_layers=num_layers, pp=train.pp) != pp_idx:
         return None
+    if train.ep > 1 and is_expert_param(spec.name):
+        full = _slices_to_box(tuple(slice(None) for _ in spec.shape), spec.shape)
+        return (expert_rows(spec, train, ep_rank=dp_idx % train.ep),) + full[1:]
     box = list(_slices_to_box(tp_slices(spec.name, spec.shape, rank=tp_idx, world=train.tp), spec.shape))
     if spec.shape:
         (a, b) = box[0]
@@ -227,6 +245,10 @@ def assign_generation_ranks(train: TrainLayout, gen: GenLayout) -> GenAssignment
 def _cells(spec: ParamSpec, train: TrainLayout, *, num_layers: int) -> list[tuple[Box, list[int]]]:
     """The distinct non-empty training boxes of a parameter (a partition of it) and their holders."""
     stage = pp_stage_of(spec.name, num_layers=num_layers, pp=train.pp)
+    if train.ep > 1 and is_expert_param(spec.name):  # tp = pp = 1: ep cells, each on dp / ep replicas
+        rest = _slices_to_box(tuple(slice(None) for _ in spec.shape), spec.shape)[1:]
+        return [((expert_rows(spec, train, ep_rank=e),) + rest,
+                 [train.local_rank(pp=0, dp=d, tp=0) for d in range(e, train.dp, train.ep)]) for e in range(train.ep)]
     sharded = tp_shard_dim(spec.name) is not None and train.tp > 1
     cells = []
     for tp_idx in range(train.tp if sharded else 1):
@@ -315,7 +337,7 @@ def _slab_cost(spec: ParamSpec, train: TrainLayout, gen: GenLayout, *, send_copi
     dim = tp_shard_dim(spec.name)
     gen_rows, gen_width = (rows // gen.tp, width) if dim == 0 else (rows, width // gen.tp if dim else width)
     tp_rows, cell_width = (rows // train.tp, width) if dim == 0 else (rows, width // train.tp if dim else width)
-    cell_rows = -(-tp_rows // train.dp)
+    cell_rows = -(-tp_rows // (train.ep if train.ep > 1 and is_expert_param(spec.name) else train.dp))
     return lambda n: spec.itemsize * (min(n, gen_rows) * gen_width + send_copies * min(n, cell_rows) * cell_width)
 
 

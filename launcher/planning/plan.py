@@ -34,10 +34,11 @@ class RoleGroup:
     tp: int
     pp: int
     dp: int
+    ep: int = 1  # expert parallelism inside dp (a mixture of experts)
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp)
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
 
 
 @dataclass(slots=True)
@@ -67,10 +68,12 @@ class DevicePlan:
             contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
             return f"{ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 1 else ",".join(map(str, ranks))
 
-        rows = [("role", "ranks", "gpus", "tp", "pp", "dp", "notes")]
+        rows = [("role", "ranks", "gpus", "tp", "pp", "dp", "ep", "notes")]
         for role, g in self.groups.items():
             note = f"generates at tp={self.gen_tp} x dp={self.gen_dp}" if role == "rollout" else ""
-            rows.append((role, span(g.ranks), str(len(g.ranks)), str(g.tp), str(g.pp), str(g.dp), note))
+            if g.ep > 1:
+                note = f"{g.ep} expert-parallel ranks of 1/{g.ep} of the experts, {g.dp // g.ep} replicas"
+            rows.append((role, span(g.ranks), str(len(g.ranks)), str(g.tp), str(g.pp), str(g.dp), str(g.ep), note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"device plan: {self.mode} placement over {self.world_size} ranks"]
         for i, r in enumerate(rows):
@@ -130,8 +133,8 @@ def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig
 
 def validate_moe(cfg: Config, model: ModelConfig) -> None:
     """What a mixture-of-experts policy (Qwen3-MoE) can run, refused before launch otherwise: the native training
-    backend with data parallelism (FSDP) only (its experts are neither tensor- nor pipeline-parallel, and there is
-    no expert parallelism yet), the native rollout engine at generation tp 1 (it records the experts for routing
+    backend with data parallelism (FSDP) and expert parallelism inside it (<role>.ep; its experts are neither
+    tensor- nor pipeline-parallel), the native rollout engine at generation tp 1 (it records the experts for routing
     replay); and actor.router_replay / router_aux_loss_coef only with such a policy."""
     if cfg.actor.router_replay and not model.is_moe:
         raise UserError(f"actor.router_replay=true replays a mixture of experts' routing, and the model "
@@ -142,6 +145,21 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
                         f"model ({model.model_type}) has no experts; remove actor.router_aux_loss_coef")
     if coef is not None and coef < 0:
         raise UserError(f"actor.router_aux_loss_coef({coef}) must be >= 0 (0: no load-balancing loss)")
+    for role in MODEL_ROLES:
+        sec = role_section(cfg, role)
+        if sec is None or sec.ep == 1 or (role != "actor" and role not in active_roles(cfg)):
+            continue
+        shape = model
+        if role == "reward":
+            raise UserError(f"reward.model.ep={sec.ep}: expert parallelism is wired for the actor, the reference and "
+                            "the critic; use reward.model.ep=1")
+        if sec.ep < 1:
+            raise UserError(f"{role}.ep({sec.ep}) must be >= 1")
+        if not shape.is_moe:
+            raise UserError(f"{role}.ep={sec.ep} spreads a mixture of experts' experts over ranks, and the model "
+                            f"({shape.model_type}) has no experts; use {role}.ep=1")
+        if shape.num_experts % sec.ep:
+            raise UserError(f"{role}.ep({sec.ep}) must divide num_experts({shape.num_experts})")
     if not model.is_moe:
         return
     what = f"the model is a mixture of experts ({model.num_experts} experts, top-{model.num_experts_per_tok})"
@@ -154,7 +172,8 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
                             f"{role}.backend=native")
         if sec.tp > 1 or sec.pp > 1:
             raise UserError(f"{role}.tp={sec.tp}, {role}.pp={sec.pp}: {what}, whose experts the native backend runs "
-                            f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP shards them)")
+                            f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP shards them, "
+                            f"or {role}.ep spreads them over ranks)")
     if cfg.actor.lora.rank > 0:
         raise UserError(f"actor.lora.rank={cfg.actor.lora.rank}: {what}; LoRA adapters are placed on linear modules, "
                         f"and the experts are stacked tensors with no adapter support yet: train it at full "
@@ -225,7 +244,11 @@ def compute_plan(cfg: Config, *, world_size: int, model: ModelConfig,
             if role != "rollout" and sec is not None and sec.dp and sec.dp != dp:
                 raise UserError(f"{role}.dp={sec.dp} but its pool of {n} ranks with tp({tp}) x pp({pp}) "
                                 f"gives dp={dp}; set {role}.dp=0 to derive it")
-            plan.groups[role] = RoleGroup(role=role, ranks=ranks, tp=tp, pp=pp, dp=dp)
+            ep = 1 if role == "rollout" or sec is None else sec.ep
+            if dp % ep:
+                raise UserError(f"{role}.ep({ep}) must divide its dp({dp}) ({n} ranks / tp({tp}) x pp({pp})): an "
+                                f"expert-parallel group is ep of the data-parallel ranks")
+            plan.groups[role] = RoleGroup(role=role, ranks=ranks, tp=tp, pp=pp, dp=dp, ep=ep)
     actor = plan.groups["actor"]
     plan.gen_tp = plan.groups["rollout"].tp
     plan.gen_dp = len(actor.ranks) // plan.gen_tp

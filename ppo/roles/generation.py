@@ -83,7 +83,7 @@ def build_rollout_groups(plan):
     from parallel.reshard_exec import build_reshard_groups
 
     actor = plan.groups["actor"]
-    train = TrainLayout(tp=actor.tp, pp=actor.pp, dp=actor.dp)
+    train = TrainLayout(tp=actor.tp, pp=actor.pp, dp=actor.dp, ep=actor.ep)
     gen = GenLayout(tp=plan.gen_tp, dp=plan.gen_dp)
     return train, gen, build_reshard_groups((train, gen), actor.ranks)
 

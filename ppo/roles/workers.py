@@ -41,6 +41,7 @@ class WorkerSpec:
     mesh: object  # DeviceMesh ("pp", "dp", "tp")
     dims: object  # ParallelDims
     device: torch.device
+    expert_mesh: object = None  # DeviceMesh ("edp", "ep") of an expert-parallel layout (dims.ep > 1)
     dtype: torch.dtype
     ac: str = "none"
     compile: bool = False
@@ -111,7 +112,8 @@ class ShardedWorker:
             n_microbatches=spec.pp_microbatches or 2 * dims.pp,
             pp_schedule={"1F1B": "1f1b", "interleaved": "interleaved_1f1b"}[spec.pp_schedule],
             stages_per_rank=spec.stages_per_rank, attn_factory=DocumentAttention,
-            fsdp=True if spec.fsdp_masters else None, lora=spec.lora, lora_seed=spec.lora_seed)
+            fsdp=True if spec.fsdp_masters else None, lora=spec.lora, lora_seed=spec.lora_seed,
+            expert_mesh=spec.expert_mesh)
         if runner is None and spec.lora_init is not None:
             from parallel.lora import load_adapters
 

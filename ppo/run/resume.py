@@ -112,8 +112,10 @@ def _free_name(path: Path) -> Path:
 
 
 def layout_of(plan) -> dict:
-    """The device plan's layout as saved in a checkpoint: {role: [ranks, tp, pp, dp]}."""
-    return {role: [list(g.ranks), g.dims.tp, g.dims.pp, g.dims.dp] for role, g in sorted(plan.groups.items())}
+    """The device plan's layout as saved in a checkpoint: {role: [ranks, tp, pp, dp]}, and ep after them where it is
+    > 1 (each rank's expert shards fit only that split)."""
+    return {role: [list(g.ranks), g.dims.tp, g.dims.pp, g.dims.dp] + ([g.dims.ep] if g.dims.ep > 1 else [])
+            for role, g in sorted(plan.groups.items())}
 
 
 def check_layout(path: Path, *, saved: dict | None, current: dict, world_size: int) -> None:

@@ -1,7 +1,8 @@
 """Expert parallelism (parallel/expert_parallel.py) on gloo: a tiny mixture of experts (8 experts, top-2) over
 dp = 2 ranks at ep = 2 (each rank holds 4 experts whole, tokens travel by all-to-all) equals the same layout at
 ep = 1 (FSDP shards the stacked experts): logits, losses (with the load-balancing loss), every gradient after
-reduction, three optimizer steps (their gradient norms and the exported weights after them), each rank on its own micro-batches of other lengths."""
+reduction, three optimizer steps (their gradient norms and the exported weights after them), and the hybrid engine's
+reshard to whole-model generation weights (the expert slices gathered), each rank on its own micro-batches of other lengths."""
 
 from __future__ import annotations
 
@@ -59,7 +60,29 @@ def _run(ep: int) -> dict:
     if out["initial_experts"] is not None:
         out["initial_experts"] = out["initial_experts"]["model.layers.1.mlp.experts.gate_up_proj"]
     out["export"] = runner.export_state_dict()
+    out["engine"] = _engine_weights(runner, dims)
     out["local_experts"] = tuple(dict(runner.training_shards())["model.layers.1.mlp.experts.down_proj"].shape)
+    return out
+
+
+def _engine_weights(runner, dims) -> dict:
+    """The hybrid engine's reshard of the runner's training shards into whole-model generation weights (gen tp 1
+    on each of the 2 ranks), both methods: the engine runs every expert, so the expert slices are gathered."""
+    import torch.distributed as dist
+
+    from parallel.reshard import GenLayout, param_specs, plan_reshard
+    from parallel.reshard_exec import METHODS, ReshardStats, build_reshard_groups, execute_reshard
+
+    gen = GenLayout(tp=1, dp=2)
+    groups = build_reshard_groups((dims, gen), [0, 1])
+    plan = plan_reshard(dims, gen, param_specs(runner.model_config, itemsize=4), only_rank=dist.get_rank())
+    out = {}
+    for method in METHODS:
+        stats = ReshardStats()
+        got = execute_reshard(plan, runner.training_shards(), groups=groups, bucket_bytes=1 << 20, method=method,
+                              stats=stats)
+        assert stats.bytes_received == plan.bytes_received(dist.get_rank()) == plan.lower_bound_bytes(dist.get_rank())
+        out[method] = {k: v.clone() for k, v in got.items()}
     return out
 
 
@@ -89,5 +112,9 @@ def test_ep2_equals_ep1_logits_losses_gradients_steps_and_export():
     assert one.keys() == two.keys()
     for n, t in one.items():
         torch.testing.assert_close(two[n], t, rtol=0, atol=1e-6, msg=n)
+    for rank in range(2):  # the engine's weights on every rank: the exported model, experts whole
+        for method, got in res[rank][2]["engine"].items():
+            assert got.keys() == two.keys()
+            assert all(torch.equal(got[n], t) for n, t in two.items()), method
     moved = (one["model.layers.1.mlp.experts.gate_up_proj"] - res[0][1]["initial_experts"]).abs().amax(dim=(1, 2))
     assert (moved > 1e-4).all()  # every expert trained (3 steps of ~lr)
