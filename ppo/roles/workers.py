@@ -41,8 +41,8 @@ class WorkerSpec:
     mesh: object  # DeviceMesh ("pp", "dp", "tp")
     dims: object  # ParallelDims
     device: torch.device
-    expert_mesh: object = None  # DeviceMesh ("edp", "ep") of an expert-parallel layout (dims.ep > 1)
     dtype: torch.dtype
+    expert_mesh: object = None  # DeviceMesh ("edp", "ep") of an expert-parallel layout (dims.ep > 1)
     ac: str = "none"
     compile: bool = False
     pp_microbatches: int = 0

@@ -44,3 +44,27 @@ def test_megatron_backend_is_refused_for_moe():
     with pytest.raises(UserError, match=r"ref.backend=megatron: the model is a mixture of experts .* use "
                                         r"ref.backend=native"):
         compute_plan(cfg, world_size=2, model=MOE)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["actor.ep=3"], 6, r"actor.ep\(3\) must divide num_experts\(8\)"),
+    (["actor.ep=4"], 2, r"actor.ep\(4\) must divide its dp\(2\)"),
+    (["ref.ep=0"], 2, r"ref.ep\(0\) must be >= 1"),
+])
+def test_expert_parallel_layouts_that_cannot_split_are_refused(overrides, world, message):
+    with pytest.raises(UserError, match=message):
+        compute_plan(load_config("conf/grpo_tiny.yaml", overrides), world_size=world, model=MOE)
+
+
+def test_expert_parallelism_plans_inside_dp_and_shows_in_the_plan():
+    cfg = load_config("conf/grpo_tiny.yaml", ["actor.ep=2", "ref.ep=4"])
+    plan = compute_plan(cfg, world_size=4, model=MOE)
+    assert (plan.groups["actor"].ep, plan.groups["ref"].ep, plan.groups["rollout"].ep) == (2, 4, 1)
+    assert plan.groups["actor"].dims.edp == 2
+    header, rule, *rows = plan.table().splitlines()[1:]
+    assert header.split()[3:8] == ["tp", "pp", "dp", "ep", "notes"]
+    actor = next(r for r in rows if r.split()[0] == "actor")
+    assert actor.split()[3:7] == ["1", "1", "4", "2"] and "2 expert-parallel ranks of 1/2 of the experts, 2 replicas" in actor
+    with pytest.raises(UserError, match=r"actor.ep=2 spreads a mixture of experts' experts over ranks, and the "
+                                        r"model \(llama\) has no experts; use actor.ep=1"):
+        compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.ep=2"]), world_size=2, model=preset_config("tiny"))
