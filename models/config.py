@@ -129,6 +129,10 @@ class ModelConfig:
         """Parameter count of the causal LM (no value/score head), every expert included."""
         return self._count(include_embedding=include_embedding, experts=self.num_experts)
 
+    def expert_params(self) -> int:
+        """Parameters of the stacked expert tensors (every MoE layer's experts; the routers not included)."""
+        return len(self.moe_layers) * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
     def _count(self, *, include_embedding: bool, experts: int) -> int:
         """Parameters with `experts` experts per MoE layer (all of them, or the top-k a token uses)."""
         h, d = self.hidden_size, self.head_dim

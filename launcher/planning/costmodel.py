@@ -102,6 +102,7 @@ class ModelShape:
     attn_dim: int  # num_attention_heads * head_dim
     kv_bytes_per_token: int  # K and V of every layer: bf16, or fp8 values with their fp32 row scales
     vocab: int
+    n_expert_params: int = 0  # a mixture of experts: the stacked expert tensors' parameters (within n_params)
 
     @classmethod
     def of(cls, cfg, *, value_head: bool = False, fp8_kv: bool = False) -> ModelShape:
@@ -115,7 +116,7 @@ class ModelShape:
                    attn_dim=cfg.num_attention_heads * cfg.head_dim,
                    kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                    * (cfg.head_dim + 4 if fp8_kv else cfg.head_dim * BF16),
-                   vocab=cfg.vocab_size)
+                   vocab=cfg.vocab_size, n_expert_params=cfg.expert_params() if cfg.is_moe else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,7 @@ class Workload:
     # actor.lora: the actor's adapter parameters (0: full-parameter training); its base is stored frozen and the
     # reference is that base with adapters off (no weights of its own)
     lora_params: int = 0
+    ep: dict = field(default_factory=dict)  # role -> expert parallelism (<role>.ep; absent: 1)
 
     @property
     def samples(self) -> int:
@@ -220,7 +222,8 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,
         frozen_bytes_per_param=FROZEN_BYTES_PER_PARAM if cfg.model.dtype == "float32" else BF16,
         offload_optimizer=tuple(r for r in ("actor", "critic") if getattr(cfg, r).offload_optimizer),
-        lora_params=_lora_params(cfg, model))
+        lora_params=_lora_params(cfg, model),
+        ep={r: getattr(cfg, r).ep for r in ("actor", "critic", "ref") if getattr(cfg, r).ep > 1})
 
 
 def _lora_params(cfg, model) -> int:

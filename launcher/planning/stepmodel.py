@@ -115,7 +115,11 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
             states = 0.0
         else:
             states = m.n_params * per_param
-        items[f"{role}_states"] = states / (tp * pp * dp) / 1e9
+        if (ep := w.ep.get(role, 1)) > 1:  # each rank holds 1/ep of the experts whole (not FSDP-sharded over dp)
+            experts = m.n_expert_params * per_param
+            items[f"{role}_states"] = ((states - experts) / (tp * pp * dp) + experts / ep) / 1e9
+        else:
+            items[f"{role}_states"] = states / (tp * pp * dp) / 1e9
         act = max(act, _activation_gb(w, cal, role, m, c.layout(role), train=train))
     items["activations"] = act
     slots = 0

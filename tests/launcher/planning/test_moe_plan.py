@@ -68,3 +68,24 @@ def test_expert_parallelism_plans_inside_dp_and_shows_in_the_plan():
     with pytest.raises(UserError, match=r"actor.ep=2 spreads a mixture of experts' experts over ranks, and the "
                                         r"model \(llama\) has no experts; use actor.ep=1"):
         compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.ep=2"]), world_size=2, model=preset_config("tiny"))
+
+
+def test_cost_model_counts_expert_memory_divided_by_ep():
+    """Training states per GPU: the non-expert parameters sharded over dp (FSDP), the experts over ep (each rank
+    holds 1/ep of them whole); at ep = 1 FSDP shards everything over dp."""
+    from launcher.planning.autoplan import candidate_from_plan
+    from launcher.planning.costmodel import build_workload, load_calibration
+    from launcher.planning.stepmodel import pool_memory
+
+    states = {}
+    for ep in (1, 2):
+        cfg = load_config("conf/grpo_tiny.yaml", [f"actor.ep={ep}"])
+        plan = compute_plan(cfg, world_size=4, model=MOE)
+        w = build_workload(cfg, model=MOE)
+        items, _, _ = pool_memory(w, load_calibration("h200"), candidate_from_plan(plan, is_async=False), 0)
+        states[ep] = items["actor_states"] * 1e9
+        per_param = (items["actor_states"] * 1e9 * 4) / w.actor.n_params if ep == 1 else per_param
+    experts, rest = MOE.expert_params(), w.actor.n_params - MOE.expert_params()
+    assert experts == 8 * 3 * 64 * 32  # one MoE layer (layer 0 is dense): 8 experts x 3 x H x I
+    assert states[1] == pytest.approx((rest + experts) * per_param / 4)
+    assert states[2] == pytest.approx(rest * per_param / 4 + experts * per_param / 2)
