@@ -44,6 +44,7 @@ def _all_to_all(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int],
     return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
+@torch.compiler.disable  # host-side split sizes and eager collectives: a compiled layer calls this eagerly
 def ep_experts_forward(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                        group: dist.ProcessGroup, align: int | None = None) -> torch.Tensor:
     """models.moe.GroupedExperts.forward with the experts spread over `group`: x [N, H], ids [N, k] global

@@ -61,6 +61,7 @@ def _run(ep: int) -> dict:
         out["initial_experts"] = out["initial_experts"]["model.layers.1.mlp.experts.gate_up_proj"]
     out["export"] = runner.export_state_dict()
     out["engine"] = _engine_weights(runner, dims)
+    out["restored"] = _restored(runner, opt, dims, mesh) if ep == 2 else None
     out["local_experts"] = tuple(dict(runner.training_shards())["model.layers.1.mlp.experts.down_proj"].shape)
     return out
 
@@ -84,6 +85,21 @@ def _engine_weights(runner, dims) -> dict:
         assert stats.bytes_received == plan.bytes_received(dist.get_rank()) == plan.lower_bound_bytes(dist.get_rank())
         out[method] = {k: v.clone() for k, v in got.items()}
     return out
+
+
+def _restored(runner, opt, dims, mesh) -> dict:
+    """A fresh ep = 2 runner of other weights, loaded from the trained one's checkpoint state (local expert shards,
+    optimizer): its export and its next step's gradient norm equal the trained runner's."""
+    from models import build_model
+    from parallel.apply import parallelize_model
+    from parallel.dims import build_expert_mesh
+
+    state = runner.checkpoint_state(opt)
+    fresh = parallelize_model(build_model("tiny-qwen3-moe", seed=9), mesh=mesh, dims=dims,
+                              expert_mesh=build_expert_mesh(dims, [0, 1], device_type="cpu"))
+    fresh_opt = fresh.build_optimizer(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    fresh.load_checkpoint_state(fresh_opt, state)
+    return fresh.export_state_dict()
 
 
 def _body(rank, world):
@@ -116,5 +132,7 @@ def test_ep2_equals_ep1_logits_losses_gradients_steps_and_export():
         for method, got in res[rank][2]["engine"].items():
             assert got.keys() == two.keys()
             assert all(torch.equal(got[n], t) for n, t in two.items()), method
+    assert res[0][2]["restored"].keys() == two.keys()
+    assert all(torch.equal(res[0][2]["restored"][n], t) for n, t in two.items())  # checkpoint state round trip
     moved = (one["model.layers.1.mlp.experts.gate_up_proj"] - res[0][1]["initial_experts"]).abs().amax(dim=(1, 2))
     assert (moved > 1e-4).all()  # every expert trained (3 steps of ~lr)
