@@ -15,6 +15,15 @@ dim 0, o/down on dim 1), which is how megatron-core splits its fused tensors too
   q_norm / k_norm [head_dim] -> self_attention.q_layernorm / k_layernorm, on every TP rank);
 - decoder layer j of stage s is HF layer s * L / pp + j (megatron's even split; L % pp == 0).
 
+A mixture of experts' sparse layer (Qwen3-MoE; megatron-core's MoE layer with SequentialMLP experts, experts
+whole on each rank: expert_tensor_parallel_size 1): the router `mlp.gate.weight` [E, H] -> `mlp.router.weight`
+(replicated over TP); the stacked experts this rank holds, `mlp.experts.gate_up_proj` [E_local, 2I, H] and
+`mlp.experts.down_proj` [E_local, H, I] (E_local = E / ep: the expert-parallel rank's slice, as the native backend
+holds it), -> `mlp.experts.local_experts.<e>.linear_fc1.weight` [2I, H] (gate rows then up rows, megatron's
+swiglu order) and `.linear_fc2.weight` [H, I] for local expert e (megatron numbers them from 0 on every
+expert-parallel rank). The post-attention norm is `pre_mlp_layernorm` as in a dense layer. Megatron's MoE layers
+themselves are not wired (docs/moe.md): this is the mapping alone, exact both ways.
+
 Tied embeddings: at pp = 1 the one `embedding.word_embeddings.weight` serves both HF names; at pp > 1
 the last stage's `output_layer.weight` is its own copy under `lm_head.weight` (as the native stages do).
 Value / reward heads keep the HF name `score.weight` (replicated over TP, last stage).
@@ -44,9 +53,25 @@ _QK_NORM_HF = {
 }
 
 
-def _unfused_layer_names(cfg: ModelConfig) -> dict[str, str]:
-    """{HF name within a layer: megatron-core name within a layer} of the tensors that map one to one."""
-    return {**_LAYER_HF, **_QK_NORM_HF} if cfg.qk_norm else _LAYER_HF
+def _unfused_layer_names(cfg: ModelConfig, layer: int | None = None) -> dict[str, str]:
+    """{HF name within a layer: megatron-core name within a layer} of the tensors that map one to one (a sparse
+    layer: its router instead of the dense down projection)."""
+    names = {**_LAYER_HF, **_QK_NORM_HF} if cfg.qk_norm else dict(_LAYER_HF)
+    if layer is not None and cfg.is_moe_layer(layer):
+        del names["mlp.down_proj.weight"]
+        names["mlp.gate.weight"] = "mlp.router.weight"
+    return names
+
+
+_EXPERTS_HF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_EXPERT_MC = ("linear_fc1.weight", "linear_fc2.weight")
+
+
+def _local_experts(t: torch.Tensor, cfg: ModelConfig, ep: int, name: str) -> int:
+    if cfg.num_experts % ep or t.shape[0] != cfg.num_experts // ep:
+        raise ValueError(f"{name}: {t.shape[0]} experts held, and ep({ep}) of num_experts({cfg.num_experts}) gives "
+                         f"{cfg.num_experts / ep:g} per expert-parallel rank")
+    return t.shape[0]
 
 
 def stage_layers(cfg: ModelConfig, *, pp: int, pp_rank: int) -> range:
@@ -81,7 +106,10 @@ def hf_names(cfg: ModelConfig, *, pp: int, pp_rank: int, head: str = "lm") -> li
         if cfg.qk_norm:
             names += [p + hf for hf in _QK_NORM_HF]
         names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if cfg.is_moe_layer(i):
+            names += [p + "mlp.gate.weight"] + [p + x for x in _EXPERTS_HF]
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     if last:
         names.append("model.norm.weight")
         names.append("lm_head.weight" if head == "lm" else "score.weight")
@@ -89,10 +117,12 @@ def hf_names(cfg: ModelConfig, *, pp: int, pp_rank: int, head: str = "lm") -> li
 
 
 def hf_to_megatron(local: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int,
-                   head: str = "lm") -> dict[str, torch.Tensor]:
-    """This rank's HF TP shards (names of stage pp_rank) -> {megatron-core name: local tensor}.
+                   head: str = "lm", ep: int = 1) -> dict[str, torch.Tensor]:
+    """This rank's HF TP shards (names of stage pp_rank; a mixture of experts' stacked experts: this
+    expert-parallel rank's E / ep of them) -> {megatron-core name: local tensor}.
 
-    Unfused tensors come back as the very same tensors; fused ones (qkv, fc1) are new.
+    Unfused tensors come back as the very same tensors, each expert's as a view of the stacked one; fused ones
+    (qkv, fc1) are new.
     """
     _check_tp(cfg, tp)
     # at pp = 1 a tied head is the embedding itself; at pp > 1 the last stage reads its own copy
@@ -108,13 +138,19 @@ def hf_to_megatron(local: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: i
         out["embedding.word_embeddings.weight"] = local["model.embed_tokens.weight"]
     for j, i in enumerate(stage_layers(cfg, pp=pp, pp_rank=pp_rank)):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
-        for hf, mc in _unfused_layer_names(cfg).items():
+        for hf, mc in _unfused_layer_names(cfg, i).items():
             out[dst + mc] = local[src + hf]
         kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
         for kind in kinds:
             q, k, v = (local[src + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             groups = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows of one group, (H)]
             out[dst + f"self_attention.linear_qkv.{kind}"] = torch.cat(groups, dim=1).reshape(-1, *q.shape[1:])
+        if cfg.is_moe_layer(i):
+            for hf, mc in zip(_EXPERTS_HF, _EXPERT_MC):
+                stacked = local[src + hf]
+                for e in range(_local_experts(stacked, cfg, ep, src + hf)):
+                    out[dst + f"mlp.experts.local_experts.{e}.{mc}"] = stacked[e]
+            continue
         gate, up = local[src + "mlp.gate_proj.weight"], local[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
     if last:
@@ -127,11 +163,12 @@ def hf_to_megatron(local: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: i
 
 
 def megatron_to_hf(mc: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int,
-                   head: str = "lm") -> dict[str, torch.Tensor]:
+                   head: str = "lm", ep: int = 1) -> dict[str, torch.Tensor]:
     """{megatron-core name: local tensor} of stage pp_rank -> this rank's HF TP shards.
 
     Unfused tensors are returned as the same tensors; q/k/v, gate/up are views of the fused tensor
-    (q is a view only when the rank holds one KV group; else a copy). Exact inverse of hf_to_megatron.
+    (q is a view only when the rank holds one KV group; else a copy); a sparse layer's local experts are stacked
+    into this expert-parallel rank's E / ep rows (new tensors). Exact inverse of hf_to_megatron.
     """
     _check_tp(cfg, tp)
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -142,7 +179,7 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int,
         out["model.embed_tokens.weight"] = mc["embedding.word_embeddings.weight"]
     for j, i in enumerate(stage_layers(cfg, pp=pp, pp_rank=pp_rank)):
         src, dst = f"decoder.layers.{j}.", f"model.layers.{i}."
-        for hf, name in _unfused_layer_names(cfg).items():
+        for hf, name in _unfused_layer_names(cfg, i).items():
             out[dst + hf] = mc[src + name]
         kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
         for kind in kinds:
@@ -151,6 +188,11 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int,
             q, k, v = g[:, : rep * d], g[:, rep * d: (rep + 1) * d], g[:, (rep + 1) * d:]
             for name, t in (("q", q), ("k", k), ("v", v)):
                 out[dst + f"self_attn.{name}_proj.{kind}"] = t.reshape(-1, *fused.shape[1:])  # view iff ng == 1
+        if cfg.is_moe_layer(i):
+            for hf, name in zip(_EXPERTS_HF, _EXPERT_MC):
+                experts = [mc[src + f"mlp.experts.local_experts.{e}.{name}"] for e in range(cfg.num_experts // ep)]
+                out[dst + hf] = torch.stack(experts)
+            continue
         fc1 = mc[src + "mlp.linear_fc1.weight"]
         f = fc1.shape[0] // 2
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
