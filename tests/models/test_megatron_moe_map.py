@@ -76,7 +76,9 @@ def test_sequential_mlp_with_mapped_weights_equals_the_native_experts():
         probs = torch.rand(xs.shape[0], generator=g)
         with torch.no_grad():
             got, _ = experts(xs, counts, probs)
-            want = expert_mlp(xs, counts, torch.repeat_interleave(torch.arange(8), counts),
-                              full["model.layers.1.mlp.experts.gate_up_proj"],
-                              full["model.layers.1.mlp.experts.down_proj"]) * probs[:, None]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            want = [expert_mlp(xs, counts, torch.repeat_interleave(torch.arange(8), counts),
+                               full["model.layers.1.mlp.experts.gate_up_proj"],
+                               full["model.layers.1.mlp.experts.down_proj"], align=align) * probs[:, None]
+                    for align in (1, 8)]  # 8: CUDA's padded groups (the expert-parallel receiver's path there)
+    for w in want:
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
