@@ -290,12 +290,21 @@ class NativeRunner:
     def checkpoint_state(self, optimizer=None) -> dict:
         """This rank's parameters (local shards under HF names) and optimizer state, cloned (picklable).
 
-        The parameters saved are the full-precision weights: an optimizer's fp32 masters where it keeps them
+        `slices` ({name: [global shape, offsets]}) and `optim_names` (the optimizer's parameters in order) make
+        the state loadable at another layout (parallel/reshard_state.py). The parameters saved are the
+        full-precision weights: an optimizer's fp32 masters where it keeps them
         (parallel/master_weights.py), which then leave its saved state. The format is FSDP2's layout's (fp32
         parameters, AdamW moments) either way, so a run resumes in the other layout too."""
+        from parallel.reshard_state import chunk_index
+
         masters = optimizer.masters() if isinstance(optimizer, MasterWeightAdamW) else {}
-        state = {"params": {n: _to_local(masters.get(p, p.data)) for n, p in self.named_parameters()}}
+        named = list(self.named_parameters())
+        # slices: where each local shard sits in its full tensor, so another layout can rebuild its own shards
+        # (parallel/reshard_state.py)
+        state = {"params": {n: _to_local(masters.get(p, p.data)) for n, p in named}, "slices": chunk_index(named)}
         if optimizer is not None:
+            names = {id(p): n for n, p in named}
+            state["optim_names"] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
             optim = optimizer.state_dict()
             if masters:
                 optim = {**optim, "state": {i: {k: v for k, v in st.items() if k != "master"}
