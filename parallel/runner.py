@@ -255,6 +255,7 @@ class NativeRunner:
     # counts writes of the weights other than optimizer steps (loads, a LoRA warm-up's merge into the base): an
     # engine holding a LoRA actor's frozen base gets it again when this moves (rollout/hybrid.py)
     base_version: int = 0
+    backend = "native"  # what a checkpoint records (ppo/run/relayout.py reshards native states only)
 
     @property
     def last_module(self) -> nn.Module | None:

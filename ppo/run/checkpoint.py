@@ -10,7 +10,9 @@ Layout of a complete checkpoint:
 
     step_N/COMPLETE                 manifest (JSON: step, world_size, roles, every file's size and SHA-256)
     step_N/shared.pt                rank 0's shared state (sampler position, KL/batch controllers, step, ...)
-    step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...)
+    step_N/rank_<r>.pt              each rank's own state (optimizer shard, RNG states, ...); native runner
+                                    states name each shard's place in its full tensor, so another layout
+                                    can load them (ppo/run/relayout.py)
     step_N/<role>/config.json       a Hugging Face directory per model role (actor/, critic/, ...):
     step_N/<role>/model*.safetensors  full weights in HF names, sharded like save_pretrained
     step_N/actor_adapter/           a LoRA actor's PEFT adapter directory (its actor/ holds the merged weights)
@@ -357,11 +359,38 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int, map_location: str = "
     return tuple(safe_torch_load(p / f, map_location=map_location) for f in files)
 
 
-def safe_torch_load(path: Path, *, map_location: str = "cpu") -> Any:
+def checkpoint_world_size(path: str | os.PathLike) -> int:
+    """The number of ranks that wrote a complete checkpoint."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no valid {MANIFEST} manifest)")
+    return int(manifest["world_size"])
+
+
+def load_shared_state(path: str | os.PathLike, *, map_location: str = "cpu") -> dict:
+    """rank 0's shared state (sampler position, controllers, step, layout) of a complete checkpoint, checksummed."""
+    p = Path(path)
+    checkpoint_world_size(p)
+    if (reason := verify_checkpoint(p, files=["shared.pt"])) is not None:
+        raise CheckpointError(p, reason)
+    return safe_torch_load(p / "shared.pt", map_location=map_location)
+
+
+def load_rank_states(path: str | os.PathLike, *, world_size: int) -> list[dict]:
+    """Every saved rank's per-rank state, memory-mapped (a rank resuming onto another layout touches only the
+    shards it needs). Sizes are checked against the manifest here; their SHA-256 was checked when the checkpoint
+    was selected (ppo/run/resume.py spreads the rank files over the resuming ranks)."""
+    p = Path(path)
+    if read_manifest(p) is None:
+        raise FileNotFoundError(f"{p} is not a complete checkpoint (no valid {MANIFEST} manifest)")
+    return [safe_torch_load(p / f"rank_{r}.pt", mmap=True) for r in range(world_size)]
+
+
+def safe_torch_load(path: Path, *, map_location: str = "cpu", mmap: bool = False) -> Any:
     """torch.load with weights_only=True: tensors and plain containers only, so a crafted file
     cannot run code when it is unpickled (a checkpoint is data, never a program)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(path.parent, f"refusing to unpickle {path.name}: it holds objects other than tensors "

@@ -64,13 +64,12 @@ def select_checkpoint(run_dir: str | os.PathLike, *, policy: str, rank: int, wor
     for i, cand in enumerate(candidates):
         path = Path(cand)
         m = _manifest(path)
-        if m is not None and m.get("world_size") != world_size:
-            check_world_size(path, world_size=world_size)  # raises: another layout is not damage
         reason = None
         if m is None:
             reason = verify_checkpoint(path)  # the manifest's own problem
         else:
-            mine = [f"rank_{rank}.pt"]
+            # the rank files spread over this run's ranks (another world size resumes onto another layout)
+            mine = [f"rank_{r}.pt" for r in range(rank, int(m.get("world_size", 0)), world_size)]
             if rank == 0:
                 mine += [f for f in m["files"] if not f.startswith("rank_")]
             reason = verify_checkpoint(path, files=mine)

@@ -196,8 +196,9 @@ class TrainState:
         the batch controller). Returns (start step, the batches generated ahead: ppo.batch.ahead.BatchesAhead
         bounded by max_staleness, empty when starting fresh)."""
         from ppo.batch.ahead import BatchesAhead
-        from ppo.run.checkpoint import load_checkpoint, restore_rng_state
-        from ppo.run.resume import check_layout, check_world_size, select_checkpoint, supersede_metrics
+        from ppo.run.checkpoint import checkpoint_world_size, load_checkpoint, load_shared_state, restore_rng_state
+        from ppo.run.relayout import is_relayout
+        from ppo.run.resume import check_layout, select_checkpoint, supersede_metrics
 
         mode = self.run.resume
         fresh = BatchesAhead(max_staleness=max_staleness)
@@ -215,13 +216,17 @@ class TrainState:
             supersede_metrics(self.run_dir, step=-1, rank=self.rank)  # the fresh start writes every row again
             supersede_metrics(self.run_dir, step=-1, rank=self.rank, name=LEDGER)
             return 0, fresh
-        check_world_size(path, world_size=world)
-        per_rank, shared = load_checkpoint(path, rank=self.rank)
-        check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
-        load_roles_state(roles, per_rank["workers"])
+        shared = load_shared_state(path)
+        saved_world = checkpoint_world_size(path)
+        if is_relayout(shared.get("layout"), saved_world, self.layout, world):
+            self._load_relayout(path, roles, shared=shared, saved_world=saved_world, world=world)
+        else:
+            per_rank, shared = load_checkpoint(path, rank=self.rank)
+            check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
+            load_roles_state(roles, per_rank["workers"])
+            restore_rng_state(per_rank["rng"])
         self.sampler.load_state_dict(shared["sampler"])
         self.kl_ctrl.load_state_dict(shared["kl_ctrl"])
-        restore_rng_state(per_rank["rng"])
         if controller is not None and shared.get("controller"):
             controller.load_state_dict(shared["controller"])
         if self.rank == 0:
@@ -235,6 +240,30 @@ class TrainState:
         supersede_metrics(self.run_dir, step=int(shared["step"]), rank=self.rank, name=LEDGER)
         self.resumed_at = int(shared["step"])
         return self.resumed_at, ahead
+
+    def _load_relayout(self, path: Path, roles, *, shared: dict, saved_world: int, world: int) -> None:
+        """Resume onto another layout (ppo/run/relayout.py): every rank reads every saved rank's state, checks it
+        can load it here (the verdicts gathered, so every rank stops alike), reshards its roles and re-seeds its
+        RNG from (seed, step, rank)."""
+        from ppo.batch.experience import all_gather_objects
+        from ppo.run.checkpoint import load_rank_states
+        from ppo.run.relayout import check_relayout, describe_layout, describe_relayout, load_roles_resharded, seed_rng
+        from ppo.run.resume import ResumeError
+
+        saved_layout, step = shared.get("layout") or {}, int(shared["step"])
+        rank_states = load_rank_states(path, world_size=saved_world)
+        try:
+            check_relayout(path, rank_states, roles, saved_desc=describe_layout(saved_layout, saved_world))
+            reason = None
+        except ResumeError as e:
+            reason = str(e)
+        reasons = sorted({r for r in all_gather_objects(reason) if r is not None})
+        if reasons:
+            raise ResumeError("; ".join(reasons))
+        if self.rank == 0:
+            self.log.info(describe_relayout(step, saved_layout, saved_world, self.layout or {}, world))
+        load_roles_resharded(roles, rank_states)
+        seed_rng(self.run.seed, step=step, rank=self.rank)
 
 
 WANDB_ID = "wandb_id"
@@ -286,7 +315,8 @@ def check_reward_columns(reward: RewardSettings, columns: list[str]) -> None:
 def worker_state(worker) -> dict:
     """This rank's part of a worker: the runner's own checkpoint state (model shards, optimizer state, in
     the backend's layout) and the LR schedule."""
-    state = {"runner": worker.runner.checkpoint_state(getattr(worker, "optimizer", None))}
+    state = {"runner": worker.runner.checkpoint_state(getattr(worker, "optimizer", None)),
+             "backend": getattr(worker.runner, "backend", "native")}
     if getattr(worker, "scheduler", None) is not None:
         state["sched"] = worker.scheduler.state_dict()
     return state

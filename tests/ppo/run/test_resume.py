@@ -1,5 +1,6 @@
 """resume=auto never skips or overwrites a damaged checkpoint silently; checkpoints load as data
-only; another world size is a clear error; re-run steps supersede their metrics rows."""
+only; another world size is picked (resharded on load, ppo/run/relayout.py); re-run steps supersede their metrics
+rows."""
 
 import json
 import logging
@@ -95,8 +96,8 @@ def test_crafted_pickle_is_refused_without_running_it(tmp_path, monkeypatch):
 
 def test_world_size_and_layout_mismatch_are_clear(tmp_path):
     path = _save(tmp_path, 1)
-    with pytest.raises(ResumeError, match="written by 1 ranks, this run has 2.*Relaunch with 1 ranks"):
-        select_checkpoint(tmp_path, policy="stop", rank=0, world_size=2)
+    # another world size is no damage: the checkpoint is picked (ppo/run/relayout.py then reshards it)
+    assert select_checkpoint(tmp_path, policy="stop", rank=0, world_size=2) == path
     saved = {"actor": [[0, 1], 2, 1, 1]}
     with pytest.raises(ResumeError, match="another device plan"):
         check_layout(path, saved=saved, current={"actor": [[0, 1], 1, 1, 2]}, world_size=1)

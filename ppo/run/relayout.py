@@ -1,0 +1,132 @@
+"""Resume onto another layout: a checkpoint written at one world size, placement and tp/pp/dp loads into another.
+
+    if is_relayout(saved_layout, saved_world, current_layout, world):
+        rank_states = load_rank_states(path, world_size=saved_world)     # every saved rank's file (memory-mapped)
+        check_relayout(path, rank_states, roles)                        # ResumeError (exit 2) when it cannot
+        log.info(describe_relayout(step, saved_layout, saved_world, current_layout, world))
+        load_roles_resharded(roles, rank_states)
+        seed_rng(seed, step=step, rank=rank)
+
+What moves: each native runner's parameters (fp32 masters where kept) and AdamW moments, rebuilt for this
+rank's shards from whichever saved shards overlap them (parallel/reshard_state.py); the LR schedule (the same
+on every rank); the shared state (sampler position, KL and batch controllers, batches generated ahead) as
+at the same layout, so the prompt ledger continues where it stopped and no prompt is trained twice or skipped.
+
+RNG rule: at the same layout each rank restores its own saved streams (bit-exact resume). At another layout
+the saved per-rank streams no longer belong to any rank, so every rank's Python, numpy and torch (CPU and
+CUDA) generators are re-seeded from (trainer.seed, step, rank). Nothing of a step's numbers draws from them:
+generation seeds each request from (seed, step, prompt index) (ppo.roles.generation.request_seed) and the
+sampler owns its generator, so a resumed run on the new layout reproduces from the same state.
+
+Refused (ResumeError, exit 2, saying what to do): a role trained by the megatron backend, or trained by one
+backend and resumed with the other (megatron's distributed optimizer keeps its fp32 master shards and moments
+in its own per-rank bucket layout, which needs CUDA to rebuild); groups of partial rollouts in flight
+(rollout.batches_in_flight > 1: they are bound to the generation ranks that hold them); a checkpoint written
+before runner states carried their chunk index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import torch
+
+from ppo.run.resume import ResumeError
+
+TRAINED = ("actor", "critic")
+
+
+def is_relayout(saved_layout: dict | None, saved_world: int, current_layout: dict | None, world: int) -> bool:
+    """Whether the checkpoint was written at another world size or device plan than this run's."""
+    return saved_world != world or (saved_layout is not None and current_layout is not None
+                                    and saved_layout != current_layout)
+
+
+def _dims(entry) -> str:
+    _, tp, pp, dp = entry
+    return f"tp={tp} pp={pp} dp={dp}"
+
+
+def _ranks(entry) -> str:
+    ranks = entry[0]
+    return f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+
+
+def describe_layout(layout: dict, world: int) -> str:
+    """'tp=2 pp=2 dp=1 (4 ranks)'; roles laid out otherwise than the actor, or on their own ranks, are named."""
+    if not layout:
+        return f"({world} ranks)"
+    main = layout.get("actor") or next(iter(layout.values()))
+    parts = [_dims(main)]
+    for role, entry in sorted(layout.items()):
+        if entry is main or role == "actor":
+            continue
+        if entry[1:] != main[1:] or entry[0] != main[0]:
+            parts.append(f"{role} {_dims(entry)} on {_ranks(entry)}")
+    return f"{', '.join(parts)} ({world} ranks)"
+
+
+def describe_relayout(step: int, saved: dict, saved_world: int, current: dict, world: int) -> str:
+    return (f"resuming step {step} written at {describe_layout(saved, saved_world)} onto "
+            f"{describe_layout(current, world)}: parameters, fp32 masters and Adam moments resharded, the data "
+            f"position carried, per-rank RNG re-seeded from (seed, step, rank)")
+
+
+def _backend(state: dict) -> str:
+    return state.get("backend", "native" if "slices" in state.get("runner", {}) else "megatron")
+
+
+def check_relayout(path, rank_states: list[dict], roles, *, saved_desc: str) -> None:
+    """Raise ResumeError naming the reason and the way out when this checkpoint cannot load at this layout.
+    Every rank checks the same saved states and its own roles; the caller gathers the verdicts."""
+    saved_roles = {name: [st["workers"][name] for st in rank_states if name in st["workers"]]
+                   for name in {n for st in rank_states for n in st["workers"]}}
+    way_out = (f"resume with the layout that wrote it ({saved_desc}), or start a new run (another "
+               f"trainer.experiment_name) from its Hugging Face weights: model.path={path}/actor (written at the "
+               f"final step, or at every save with trainer.export_hf=every_save)")
+    if "rollout" in saved_roles:
+        raise ResumeError(f"checkpoint {path} holds partial rollouts in flight (rollout.batches_in_flight > 1), "
+                          f"bound to the generation ranks that started them: {way_out}")
+    for name in TRAINED:
+        worker, saved = getattr(roles, name, None), saved_roles.get(name, [])
+        if worker is None:
+            continue
+        if not saved:
+            raise ResumeError(f"checkpoint {path} holds no {name} state, this run trains a {name}: {way_out}")
+        live = getattr(worker.runner, "backend", "native")
+        backends = {_backend(s) for s in saved}
+        if backends != {"native"} or live != "native":
+            raise ResumeError(
+                f"checkpoint {path}: the {name} was trained with {name}.backend={'/'.join(sorted(backends))} and "
+                f"resumes with {name}.backend={live} at another layout; megatron's distributed optimizer keeps its "
+                f"fp32 master shards and Adam moments in its own per-rank bucket layout, which only loads at the "
+                f"layout and backend that wrote it: {way_out}")
+        if not all("slices" in s["runner"] for s in saved):
+            raise ResumeError(f"checkpoint {path} was written before runner states carried their shard index; "
+                              f"it loads only at its own layout: {way_out}")
+
+
+def load_roles_resharded(roles, rank_states: list[dict]) -> None:
+    """This rank's actor and critic (runner state and LR schedule) from every saved rank's shards."""
+    from parallel.reshard_state import reshard_runner_state
+    from ppo.run.state import load_worker_state
+
+    for name in TRAINED:
+        worker = getattr(roles, name, None)
+        if worker is None:
+            continue
+        saved = [st["workers"][name] for st in rank_states if name in st["workers"]]
+        state = {"runner": reshard_runner_state(worker.runner, worker.optimizer, [s["runner"] for s in saved])}
+        if "sched" in saved[0]:
+            state["sched"] = saved[0]["sched"]
+        load_worker_state(worker, state)
+
+
+def seed_rng(seed: int, *, step: int, rank: int) -> None:
+    """Every RNG of this process re-seeded from (seed, step, rank): the rule at another layout (module doc)."""
+    h = int.from_bytes(hashlib.blake2b(f"rng/{seed}/{step}/{rank}".encode(), digest_size=8).digest(), "little")
+    random.seed(h)
+    np.random.seed(h % 2**32)
+    torch.manual_seed(h % 2**63)  # CUDA's generators too
