@@ -55,12 +55,14 @@ def _ranks(entry) -> str:
 
 
 def describe_layout(layout: dict, world: int) -> str:
-    """'tp=2 pp=2 dp=1 (4 ranks)'; roles laid out otherwise than the actor, or on their own ranks, are named."""
-    if not layout:
+    """'tp=2 pp=2 dp=1 (4 ranks)': the actor's layout; a critic laid out otherwise, or on other ranks, is named
+    (the roles whose state is resharded; generation and frozen roles follow the plan)."""
+    trained = {role: entry for role, entry in layout.items() if role in TRAINED}
+    if not trained:
         return f"({world} ranks)"
-    main = layout.get("actor") or next(iter(layout.values()))
+    main = trained.get("actor") or next(iter(trained.values()))
     parts = [_dims(main)]
-    for role, entry in sorted(layout.items()):
+    for role, entry in sorted(trained.items()):
         if entry is main or role == "actor":
             continue
         if entry[1:] != main[1:] or entry[0] != main[0]:
