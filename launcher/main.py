@@ -88,6 +88,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
         resolve_reward_model_config,
         validate_batch,
         validate_context,
+        validate_kv_cache,
     )
     from launcher.preempt import EXIT_PREEMPTED, StopRequest, stop_file_blocks_start
     from launcher.rundir import prepare_run_dir, resume_of_attempt, write_atomic
@@ -110,6 +111,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     validate_batch(cfg, plan)
     validate_context(cfg, model_cfg)
     device = resolve_device(cfg.trainer.device)
+    validate_kv_cache(cfg, plan, cuda=device == "cuda")
 
     env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
     logger = setup_logging(rank=env.rank, world_size=env.world_size)

@@ -345,6 +345,15 @@ def validate_context(cfg: Config, model: ModelConfig) -> None:
                         f"(max_position_embeddings={model.max_position_embeddings}); shorten either")
 
 
+def validate_kv_cache(cfg: Config, plan: DevicePlan, *, cuda: bool) -> None:
+    """On a GPU, the longest sample's KV cache fits the generation engine's budget (the cost model's sizing of
+    rollout/model_runner.py): one that holds no sequence stops before launch, with the numbers, rather than in
+    the engine at step 1. Off CUDA the engine's cache is host memory and is not budgeted."""
+    reason = (plan.predicted or {}).get("kv_reject")
+    if cuda and reason:
+        raise UserError(f"the generation engine cannot hold one sample: {reason}")
+
+
 def resolve_model_config(cfg: Config) -> ModelConfig:
     """The actor's shape: config.json of model.path, or the preset."""
     from models.config import ModelConfigError, preset_config

@@ -51,6 +51,7 @@ class Estimate:
     peak_gb: list[float]  # per pool: peak memory per GPU
     memory: list[dict[str, float]]  # per pool: GB per GPU by item
     reject: str | None = None
+    kv_reject: str | None = None  # the engine's KV budget holds no sequence of the longest sample (with numbers)
 
     @property
     def samples_per_s(self) -> float:
@@ -71,7 +72,23 @@ class Estimate:
                 "predicted_step_s": round(self.step_s, 4), "samples_per_s": round(self.samples_per_s, 2),
                 "useful_utilization": round(self.useful_utilization(cal), 4),
                 "peak_gb": round(max(self.peak_gb), 1),
-                "stages_s": {k: round(v, 4) for k, v in self.stages.items()}, "reject": self.reject}
+                "stages_s": {k: round(v, 4) for k, v in self.stages.items()}, "reject": self.reject,
+                "kv_reject": self.kv_reject}
+
+
+def _no_kv_slot(w: Workload, cal: Calibration, c: Candidate, items: dict[str, float]) -> str:
+    """Why one generation replica's KV cache holds no sequence of the longest sample, with the numbers:
+    the sequence's K/V per GPU against rollout.gpu_memory_fraction of what the pool's states and engine
+    weights leave of the GPU (rollout/model_runner.py sizes its cache so)."""
+    static = sum(v for k, v in items.items() if k not in ("activations", "kv_cache"))
+    budget = max(0.0, cal.hbm_gb - static) * w.kv_memory_fraction
+    seq = w.slot_len * w.actor.kv_bytes_per_token / c.gen_tp / 1e9
+    return (f"one sequence of {w.slot_len} tokens (a prompt + rollout.max_response_length) needs "
+            f"{seq:.2f} GB of KV cache per GPU at gen_tp={c.gen_tp}, and the engine's budget is {budget:.2f} GB "
+            f"(rollout.gpu_memory_fraction={w.kv_memory_fraction} of the {max(0.0, cal.hbm_gb - static):.1f} GB "
+            f"that {static:.1f} GB of weights and states leave of {cal.hbm_gb:.0f} GB); shorten "
+            f"data.max_prompt_length or rollout.max_response_length, or raise rollout.gen_tp or "
+            f"rollout.gpu_memory_fraction")
 
 
 def _role_model(w: Workload, role: str) -> ModelShape | None:
@@ -164,9 +181,10 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
             top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(items.items(), key=lambda kv: -kv[1]))
             reject = (f"pool {'+'.join(roles)} ({n} GPUs): {peak:.1f} GB per GPU > {cal.hbm_gb:.0f} GB "
                       f"usable ({top} GB)")
-    if reject is None and slots == 0:
-        reject = (f"the KV cache holds no sequence of {w.prompt_len + w.response_len} tokens per "
-                  f"generation replica (gen_tp={c.gen_tp}); raise rollout.gpu_memory_fraction or gen_tp")
+    kv_reject = None
+    if slots == 0:
+        kv_reject = _no_kv_slot(w, cal, c, memory[c.pool_of("actor")])  # the rollout shares the actor's pool
+        reject = reject or kv_reject
     tp, pp, dp = c.layout("actor")
     n_actor = tp * pp * dp
     stages: dict[str, float] = {
@@ -208,7 +226,8 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     step = first + stages["adv"] + stages["transfer"] + max(per_pool(UPDATE_STAGES))
     busy = _busy({k: v for k, v in stages.items() if not (k == "reward" and not w.reward_model)}, c, owner)
     return Estimate(candidate=c, stages=stages, step_s=step, samples=w.samples, busy_s=busy,
-                    useful_flops=useful_flops(w), peak_gb=peaks, memory=memory, reject=reject)
+                    useful_flops=useful_flops(w), peak_gb=peaks, memory=memory, reject=reject,
+                    kv_reject=kv_reject)
 
 
 def useful_flops(w: Workload) -> float:

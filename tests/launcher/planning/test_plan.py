@@ -141,3 +141,16 @@ def test_prompt_plus_response_beyond_the_models_context_is_refused_before_launch
     cfg = load_config("conf/ppo_tiny.yaml", ["data.max_prompt_length=1000", "rollout.max_response_length=25"])
     with pytest.raises(UserError, match=r"= 1025 tokens exceeds the model's context \(max_position_embeddings=1024\)"):
         validate_context(cfg, resolve_model_config(cfg))
+
+
+def test_a_sample_whose_kv_cache_fits_no_engine_slot_is_refused_on_gpu_with_the_numbers():
+    from launcher.planning.plan import validate_kv_cache
+
+    cfg = load_config("conf/ppo_7b.yaml", ["rollout.gpu_memory_fraction=0.001"])
+    plan = compute_plan(cfg, world_size=8, model=L7B)
+    with pytest.raises(UserError, match=r"cannot hold one sample: one sequence of \d+ tokens .* needs [\d.]+ GB of "
+                                        r"KV cache per GPU at gen_tp=2, and the engine's budget is [\d.]+ GB"):
+        validate_kv_cache(cfg, plan, cuda=True)
+    validate_kv_cache(cfg, plan, cuda=False)  # off CUDA the engine's cache is not budgeted
+    ok = load_config("conf/ppo_7b.yaml", [])
+    validate_kv_cache(ok, compute_plan(ok, world_size=8, model=L7B), cuda=True)
