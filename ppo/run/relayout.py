@@ -77,7 +77,11 @@ def describe_relayout(step: int, saved: dict, saved_world: int, current: dict, w
 
 
 def _backend(state: dict) -> str:
-    return state.get("backend", "native" if "slices" in state.get("runner", {}) else "megatron")
+    """The backend that wrote a worker's state (a checkpoint from before it was recorded: by its parameter names)."""
+    if "backend" in state:
+        return state["backend"]
+    names = state.get("runner", {}).get("params", {})
+    return "megatron" if any(n.startswith(("decoder.", "embedding.")) for n in names) else "native"
 
 
 def check_relayout(path, rank_states: list[dict], roles, *, saved_desc: str) -> None:
@@ -108,6 +112,22 @@ def check_relayout(path, rank_states: list[dict], roles, *, saved_desc: str) -> 
         if not all("slices" in s["runner"] for s in saved):
             raise ResumeError(f"checkpoint {path} was written before runner states carried their shard index; "
                               f"it loads only at its own layout: {way_out}")
+
+
+def check_same_backend(path, workers: dict, roles) -> None:
+    """At the same layout: each trained role resumes with the backend that wrote its state (ResumeError naming
+    both otherwise: a native runner cannot read megatron's per-rank state, nor the reverse)."""
+    for name in TRAINED:
+        worker, saved = getattr(roles, name, None), workers.get(name)
+        if worker is None or saved is None:
+            continue
+        live, was = getattr(worker.runner, "backend", "native"), _backend(saved)
+        if live != was:
+            raise ResumeError(
+                f"checkpoint {path}: the {name} was trained with {name}.backend={was}, this run sets {live}; "
+                f"{was}'s optimizer state loads only into {was}: resume with {name}.backend={was}, or start a new "
+                f"run (another trainer.experiment_name) from its Hugging Face weights: model.path={path}/{name} "
+                f"(written at the final step, or at every save with trainer.export_hf=every_save)")
 
 
 def load_roles_resharded(roles, rank_states: list[dict]) -> None:

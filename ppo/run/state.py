@@ -197,7 +197,7 @@ class TrainState:
         bounded by max_staleness, empty when starting fresh)."""
         from ppo.batch.ahead import BatchesAhead
         from ppo.run.checkpoint import checkpoint_world_size, load_checkpoint, load_shared_state, restore_rng_state
-        from ppo.run.relayout import is_relayout
+        from ppo.run.relayout import check_same_backend, is_relayout
         from ppo.run.resume import check_layout, select_checkpoint, supersede_metrics
 
         mode = self.run.resume
@@ -223,6 +223,7 @@ class TrainState:
         else:
             per_rank, shared = load_checkpoint(path, rank=self.rank)
             check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
+            _agree(lambda: check_same_backend(path, per_rank["workers"], roles))
             load_roles_state(roles, per_rank["workers"])
             restore_rng_state(per_rank["rng"])
         self.sampler.load_state_dict(shared["sampler"])
@@ -245,25 +246,32 @@ class TrainState:
         """Resume onto another layout (ppo/run/relayout.py): every rank reads every saved rank's state, checks it
         can load it here (the verdicts gathered, so every rank stops alike), reshards its roles and re-seeds its
         RNG from (seed, step, rank)."""
-        from ppo.batch.experience import all_gather_objects
         from ppo.run.checkpoint import load_rank_states
         from ppo.run.relayout import check_relayout, describe_layout, describe_relayout, load_roles_resharded, seed_rng
-        from ppo.run.resume import ResumeError
 
         saved_layout, step = shared.get("layout") or {}, int(shared["step"])
         rank_states = load_rank_states(path, world_size=saved_world)
-        try:
-            check_relayout(path, rank_states, roles, saved_desc=describe_layout(saved_layout, saved_world))
-            reason = None
-        except ResumeError as e:
-            reason = str(e)
-        reasons = sorted({r for r in all_gather_objects(reason) if r is not None})
-        if reasons:
-            raise ResumeError("; ".join(reasons))
+        _agree(lambda: check_relayout(path, rank_states, roles, saved_desc=describe_layout(saved_layout, saved_world)))
         if self.rank == 0:
             self.log.info(describe_relayout(step, saved_layout, saved_world, self.layout or {}, world))
         load_roles_resharded(roles, rank_states)
         seed_rng(self.run.seed, step=step, rank=self.rank)
+
+
+def _agree(check) -> None:
+    """Run a resume check on every rank and raise its ResumeError on all of them when any rank's failed (a rank
+    that hosts none of the roles concerned must not go on into a collective the others never join)."""
+    from ppo.batch.experience import all_gather_objects
+    from ppo.run.resume import ResumeError
+
+    try:
+        check()
+        reason = None
+    except ResumeError as e:
+        reason = str(e)
+    reasons = sorted({r for r in all_gather_objects(reason) if r is not None})
+    if reasons:
+        raise ResumeError("; ".join(reasons))
 
 
 WANDB_ID = "wandb_id"
