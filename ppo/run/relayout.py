@@ -131,19 +131,20 @@ def check_same_backend(path, workers: dict, roles) -> None:
 
 
 def load_roles_resharded(roles, rank_states: list[dict]) -> None:
-    """This rank's actor and critic (runner state and LR schedule) from every saved rank's shards."""
+    """This rank's actor and critic (runner state and LR schedule, the same on every rank) from every saved rank's
+    shards."""
     from parallel.reshard_state import reshard_runner_state
-    from ppo.run.state import load_worker_state
 
     for name in TRAINED:
         worker = getattr(roles, name, None)
         if worker is None:
             continue
         saved = [st["workers"][name] for st in rank_states if name in st["workers"]]
-        state = {"runner": reshard_runner_state(worker.runner, worker.optimizer, [s["runner"] for s in saved])}
-        if "sched" in saved[0]:
-            state["sched"] = saved[0]["sched"]
-        load_worker_state(worker, state)
+        optimizer = getattr(worker, "optimizer", None)
+        worker.runner.load_checkpoint_state(optimizer, reshard_runner_state(worker.runner, optimizer,
+                                                                            [s["runner"] for s in saved]))
+        if "sched" in saved[0] and getattr(worker, "scheduler", None) is not None:
+            worker.scheduler.load_state_dict(saved[0]["sched"])
 
 
 def seed_rng(seed: int, *, step: int, rank: int) -> None:
