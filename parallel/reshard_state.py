@@ -70,7 +70,7 @@ def assemble(name: str, *, shape: Sequence[int], region: Sequence[slice], chunks
 
 
 def _chunks_of(saved: list[dict], name: str, shape: list[int], pick) -> tuple[str, list]:
-    """(the saved name serving `name`, [(offsets, tensor)]) over every saved rank; `pick(state, name)` -> tensor|None."""
+    """(the saved name serving `name`, [(offsets, tensor)]) over every saved rank; pick(state, name): tensor or None."""
     for source in (name, TIED.get(name)):
         found = []
         for st in saved:

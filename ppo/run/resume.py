@@ -1,12 +1,12 @@
 """Which checkpoint a resumed run continues from, and what a resume does to metrics.jsonl.
 
     path = select_checkpoint(run_dir, policy="stop", rank=r, world_size=w)   # collective
-    check_layout(path, saved=shared.get("layout"), current=layout_of(plan), world_size=w)
+    # another world size or layout: ppo/run/relayout.py
     supersede_metrics(run_dir, step=shared["step"], rank=r)
 
 `resume=auto` never skips or overwrites a checkpoint silently. Newest first, every file of a
-candidate is checked against the manifest's size and SHA-256 (each rank reads its own
-`rank_<r>.pt`, rank 0 the rest). A damaged one is reported with its path and reason at
+candidate is checked against the manifest's size and SHA-256 (the rank files spread over the resuming ranks,
+rank 0 the rest). A damaged one is reported with its path and reason at
 WARNING and renamed to `step_N.damaged-<time>` (kept for inspection, never pruned, never
 picked again, never overwritten by a later save of step N). Then `policy` decides:
 "stop" (the default) ends the run with a ResumeError naming the previous complete checkpoint;
@@ -30,8 +30,8 @@ POLICIES = ("stop", "fallback")
 
 
 class ResumeError(ValueError):
-    """A resume that cannot go on as configured (damaged checkpoint under policy=stop, another
-    world size or layout); the launcher exits with code 2."""
+    """A resume that cannot go on as configured (damaged checkpoint under policy=stop, a state that cannot load at
+    this layout or backend: ppo/run/relayout.py); the launcher exits with code 2."""
 
 
 def _broadcast_from_0(obj, *, rank: int):
@@ -43,15 +43,6 @@ def _manifest(path: Path) -> dict | None:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-
-
-def check_world_size(path: Path, *, world_size: int) -> None:
-    m = _manifest(path)
-    if m is not None and m.get("world_size") != world_size:
-        raise ResumeError(f"checkpoint {path} was written by {m.get('world_size')} ranks, this run has {world_size}: "
-                          f"per-rank state (optimizer shards, RNG, the device plan's layout) cannot be resharded on "
-                          f"resume. Relaunch with {m.get('world_size')} ranks, or start a new run "
-                          f"(trainer.experiment_name) from its exported weights (python -m launcher.export)")
 
 
 def select_checkpoint(run_dir: str | os.PathLike, *, policy: str, rank: int, world_size: int) -> Path | None:
@@ -115,16 +106,6 @@ def layout_of(plan) -> dict:
     > 1 (each rank's expert shards fit only that split)."""
     return {role: [list(g.ranks), g.dims.tp, g.dims.pp, g.dims.dp] + ([g.dims.ep] if g.dims.ep > 1 else [])
             for role, g in sorted(plan.groups.items())}
-
-
-def check_layout(path: Path, *, saved: dict | None, current: dict, world_size: int) -> None:
-    check_world_size(path, world_size=world_size)
-    if saved is not None and current is not None and saved != current:
-        diff = {r: (saved.get(r), current.get(r)) for r in sorted(set(saved) | set(current))
-                if saved.get(r) != current.get(r)}
-        raise ResumeError(f"checkpoint {path} was saved with another device plan ({{role: ([ranks, tp, pp, dp] "
-                          f"saved, now)}}: {diff}); its per-rank optimizer shards only fit that layout. Resume with "
-                          f"the same placement and tp/pp settings, or start a new run from its exported weights")
 
 
 def supersede_metrics(run_dir: str | os.PathLike, *, step: int, rank: int, name: str = "metrics.jsonl") -> int:

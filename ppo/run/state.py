@@ -198,7 +198,7 @@ class TrainState:
         from ppo.batch.ahead import BatchesAhead
         from ppo.run.checkpoint import checkpoint_world_size, load_checkpoint, load_shared_state, restore_rng_state
         from ppo.run.relayout import check_same_backend, is_relayout
-        from ppo.run.resume import check_layout, select_checkpoint, supersede_metrics
+        from ppo.run.resume import select_checkpoint, supersede_metrics
 
         mode = self.run.resume
         fresh = BatchesAhead(max_staleness=max_staleness)
@@ -222,7 +222,6 @@ class TrainState:
             self._load_relayout(path, roles, shared=shared, saved_world=saved_world, world=world)
         else:
             per_rank, shared = load_checkpoint(path, rank=self.rank)
-            check_layout(path, saved=shared.get("layout"), current=self.layout, world_size=world)
             _agree(lambda: check_same_backend(path, per_rank["workers"], roles))
             load_roles_state(roles, per_rank["workers"])
             restore_rng_state(per_rank["rng"])
