@@ -1,7 +1,7 @@
-"""Resume onto another layout end to end (torchrun on gloo): PPO written at tp=2 pp=2 on 4 ranks continues on 2 ranks
-at tp=2 and on 4 ranks at dp=4, and its next step's metrics equal the uninterrupted run's (the layouts differ in
+"""Resume onto another layout end to end (torchrun on gloo): PPO written at tp=2 pp=2 on 4 ranks (colocated)
+continues on 2 ranks at tp=2, on 4 ranks at dp=4 and in split placement (actor | critic on 2 ranks each), and its next step's metrics equal the uninterrupted run's (the layouts differ in
 float summation order only: tolerances of fp32 rounding), with the same prompts drawn once each.
-`make test-extended` (about 3 min on 2 CPU cores)."""
+`make test-extended` (about 4 min on 2 CPU cores)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import pytest
 from tests.ppo.test_trainer import _ok, launch, metrics
 
 OLD = ["actor.tp=2", "actor.pp=2", "critic.tp=2", "critic.pp=2", "ref.tp=2", "ref.pp=2"]
-NEW = {"tp2": (2, ["actor.tp=2", "critic.tp=2", "ref.tp=2"]), "dp4": (4, [])}
+NEW = {"tp2": (2, ["actor.tp=2", "critic.tp=2", "ref.tp=2"]), "dp4": (4, []),
+       "split": (4, ["placement.mode=split"])}  # actor + rollout on ranks 0-1, the other roles on 2-3
+EXPECT = {"tp2": "onto tp=2 pp=1 dp=1 (2 ranks)", "dp4": "onto tp=1 pp=1 dp=4 (4 ranks)",
+          "split": "onto tp=1 pp=1 dp=2, critic tp=1 pp=1 dp=2 on ranks 2-3 (4 ranks)"}
 COMMON = ["algorithm.name=ppo", "trainer.save_every=1", "trainer.resume=auto"]
 EXACT = ("step", "response_length/mean", "reward/mean", "actor/lr")
 # whole-batch figures and the gradient norms (the losses' gradients before the step); the loss and value-prediction
@@ -27,7 +30,7 @@ def _draws(run) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.extended
-def test_tp2_pp2_checkpoint_resumes_at_tp2_and_dp4_like_the_straight_run(tmp_path):
+def test_tp2_pp2_checkpoint_resumes_at_tp2_dp4_and_split_like_the_straight_run(tmp_path):
     _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=2", "trainer.experiment_name=straight",
                *COMMON, *OLD))
     _ok(launch(tmp_path, 4, "conf/ppo_tiny.yaml", "trainer.total_steps=1", "trainer.experiment_name=old",
@@ -38,8 +41,7 @@ def test_tp2_pp2_checkpoint_resumes_at_tp2_and_dp4_like_the_straight_run(tmp_pat
         _ok(launch(tmp_path, nproc, "conf/ppo_tiny.yaml", "trainer.total_steps=2", f"trainer.experiment_name={name}",
                    *COMMON, *layout))
         log = (tmp_path / name / "logs" / "rank_0.log").read_text()
-        assert f"resuming step 1 written at tp=2 pp=2 dp=1 (4 ranks) onto tp={2 if name == 'tp2' else 1} pp=1 " \
-               f"dp={1 if name == 'tp2' else 4} ({nproc} ranks)" in log, log[-3000:]
+        assert f"resuming step 1 written at tp=2 pp=2 dp=1 (4 ranks) {EXPECT[name]}" in log, log[-3000:]
         rows = metrics(tmp_path / name)
         assert [r["step"] for r in rows] == [1, 2]
         assert _draws(tmp_path / name) == _draws(tmp_path / "straight")  # the same prompts, once each
