@@ -46,8 +46,13 @@ demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) launcher/main.py conf/ppo_tiny.yaml trainer.overwrite=true $(ARGS)
 	$(PY) -m launcher.report runs/ppo_tiny
 
+# TEST_WORKERS pytest-xdist processes share the main suite (one per core of a 2-core CI machine; a test's own
+# gloo ranks are processes of that worker); 0: one process. The vLLM tests keep one process (vLLM's global state).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: install install-vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 # tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)
