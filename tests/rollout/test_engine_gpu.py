@@ -95,33 +95,13 @@ def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
     # three turns per prompt, kept KV (sessions), others decoding while a session is parked (padding rows of the
     # graphed decode write its slot's position 0, restored before its next turn): every turn's log-probs equal
     # the trainer's over the whole context, and only the new tokens were prefilled
+    from tests.rollout.test_kept_kv import OBS, run_turns
+
     model = _model(torch.float32)
     engine = NativeEngine.from_model(model, config=_config(decode_attention=kernel))
-    ctx = {i: list(p) for i, p in enumerate(PROMPTS[:4])}
-    turn, reqs, waits, out = dict.fromkeys(ctx, 0), {}, {}, []
-
-    def add(i):
-        p = SamplingParams(temperature=1.0, max_tokens=3 + 4 * ((i + turn[i]) % 3), seed=10 * i + turn[i],
-                           ignore_eos=True)
-        reqs[engine.add_request(ctx[i], p, sessions=[i])] = i
-
-    for i in ctx:
-        add(i)
-    while engine.has_unfinished() or waits:
-        for i in [i for i, left in waits.items() if left == 0]:
-            del waits[i]
-            add(i)
-        waits = {i: left - 1 for i, left in waits.items()}
-        for c in engine.step():
-            i = reqs.pop(c.prompt_index)
-            out.append(c)
-            ctx[i] += c.token_ids
-            turn[i] += 1
-            if turn[i] < 3:
-                ctx[i] += [5, 6, 7]
-                waits[i] = 2 + i
-            else:
-                engine.release_session(i)
+    out = []
+    run_turns(engine, PROMPTS[:4], keep=True, completions=out)
     assert len(out) == 12 and engine.stats["kv_misses"] == 0 and len(engine.runner.graphs) > 0
-    assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS[:4])) + 4 * 2 * (1 + 3)
+    later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(4) for t in (1, 2))
+    assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS[:4])) + later
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4

@@ -5,26 +5,17 @@ re-prefilling the whole context, parked slots evicted (and re-prefilled) when a 
 import torch
 
 from rollout import NativeEngine, SamplingParams
-from tests.rollout.test_engine import PROMPTS, config, peaked_model, trainer_logprobs
-
-MODEL = None
-
-
-def model():
-    global MODEL
-    if MODEL is None:
-        torch.manual_seed(0)
-        MODEL = peaked_model()
-    return MODEL
-
+from tests.rollout.test_engine import PROMPTS, config, trainer_logprobs
+from tests.rollout.test_engine_steps import model
 
 OBS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
-def run_turns(engine, prompts, *, keep: bool, turns=3):
+def run_turns(engine, prompts, *, keep: bool, turns=3, completions: list | None = None):
     """Every prompt runs `turns` turns (observation tokens between them), all in flight together, with turn
     lengths that differ (others decode while a session is parked: padding rows overwrite its slot's position 0,
-    which the engine restores); returns per prompt its context and per-turn log-probs."""
+    which the engine restores); returns per prompt its context and per-turn log-probs (and appends every turn's
+    completion to `completions`)."""
     ctx = {i: list(p) for i, p in enumerate(prompts)}
     lps = {i: [] for i in ctx}
     turn = dict.fromkeys(ctx, 0)
@@ -45,6 +36,8 @@ def run_turns(engine, prompts, *, keep: bool, turns=3):
         tools = {i: left - 1 for i, left in tools.items()}
         for c in engine.step():
             i = reqs.pop(c.prompt_index)
+            if completions is not None:
+                completions.append(c)
             ctx[i] += c.token_ids
             lps[i].append(c.logprobs)
             turn[i] += 1
