@@ -32,7 +32,8 @@ setup(
         "vllm": ["vllm>=0.32,<0.33"],
         # apex is not on PyPI: build it from source if you want it; nothing here requires it
         # triton: its CPU interpreter runs our kernels in the tests
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.2", "ruff", "transformers>=4.45", "triton", "peft>=0.13"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.2", "ruff", "transformers>=4.45", "triton",
+                "peft>=0.13"],
         "wandb": ["wandb"],
     },
 )

@@ -48,7 +48,8 @@ def _build(cls, model_config: ModelConfig, *, path: str | None, device, seed: in
 
 def _spec(layout: WorkerLayout, handle, placement: Placement, dtype, *, share_prompts: bool = False,
           frozen: bool = False, stream_optimizer_from_host: bool = False, router_replay: bool = False) -> WorkerSpec:
-    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, expert_mesh=handle.expert_mesh, device=placement.device, dtype=dtype, frozen=frozen,
+    return WorkerSpec(mesh=handle.mesh, dims=handle.dims, expert_mesh=handle.expert_mesh, device=placement.device,
+                      dtype=dtype, frozen=frozen,
                       router_replay=router_replay,
                       fsdp_masters=stream_optimizer_from_host and layout.backend == "native",
                       backend=layout.backend, ac=layout.activation_checkpointing, compile=layout.compile,

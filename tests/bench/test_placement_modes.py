@@ -8,9 +8,14 @@ import pytest
 
 from bench.placement import MODES
 from launcher.config.load import load_config
+from launcher.planning.plan import (
+    compute_plan,
+    resolve_model_config,
+    resolve_reward_model_config,
+    validate_batch,
+    validate_context,
+)
 from launcher.planning.plan import main as plan_main
-from launcher.planning.plan import (compute_plan, resolve_model_config, resolve_reward_model_config,
-                                    validate_batch, validate_context)
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "conf" / "bench_ppo_1b.yaml")
 

@@ -2,7 +2,8 @@
 dp = 2 ranks at ep = 2 (each rank holds 4 experts whole, tokens travel by all-to-all) equals the same layout at
 ep = 1 (FSDP shards the stacked experts): logits, losses (with the load-balancing loss), every gradient after
 reduction, three optimizer steps (their gradient norms and the exported weights after them), and the hybrid engine's
-reshard to whole-model generation weights (the expert slices gathered), each rank on its own micro-batches of other lengths."""
+reshard to whole-model generation weights (the expert slices gathered), each rank on its own micro-batches of
+other lengths."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def _batches(dp_rank: int, device):
 
 
 def _run(ep: int, device: str) -> dict:
+    from models import build_model
     from parallel.apply import parallelize_model
     from parallel.dims import ParallelDims, build_expert_mesh, build_mesh
-    from models import build_model
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons on the GPU: no TF32 matmuls
@@ -135,7 +136,7 @@ def test_ep2_equals_ep1_on_two_gpus_over_nccl():
 
 def _check(res, tol=(1e-5, 1e-6)):
     rtol, atol = tol
-    for rank, r in enumerate(res):
+    for r in res:
         one, two = r[1], r[2]
         assert one["local_experts"] == (4, 64, 32) and two["local_experts"] == (4, 64, 32)  # FSDP rows / 4 experts
         for a, b in zip(one["logits"], two["logits"]):

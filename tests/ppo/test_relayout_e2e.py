@@ -1,5 +1,6 @@
 """Resume onto another layout end to end (torchrun on gloo): PPO written at tp=2 pp=2 on 4 ranks (colocated)
-continues on 2 ranks at tp=2, on 4 ranks at dp=4 and in split placement (actor | critic on 2 ranks each), and its next step's metrics equal the uninterrupted run's (the layouts differ in
+continues on 2 ranks at tp=2, on 4 ranks at dp=4 and in split placement (actor | critic on 2 ranks each), and its
+next step's metrics equal the uninterrupted run's (the layouts differ in
 float summation order only: tolerances of fp32 rounding), with the same prompts drawn once each.
 `make test-extended` (about 4 min on 2 CPU cores)."""
 

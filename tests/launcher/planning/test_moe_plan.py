@@ -64,7 +64,8 @@ def test_expert_parallelism_plans_inside_dp_and_shows_in_the_plan():
     header, rule, *rows = plan.table().splitlines()[1:]
     assert header.split()[3:8] == ["tp", "pp", "dp", "ep", "notes"]
     actor = next(r for r in rows if r.split()[0] == "actor")
-    assert actor.split()[3:7] == ["1", "1", "4", "2"] and "2 expert-parallel ranks of 1/2 of the experts, 2 replicas" in actor
+    assert actor.split()[3:7] == ["1", "1", "4", "2"]
+    assert "2 expert-parallel ranks of 1/2 of the experts, 2 replicas" in actor
     with pytest.raises(UserError, match=r"actor.ep=2 spreads a mixture of experts' experts over ranks, and the "
                                         r"model \(llama\) has no experts; use actor.ep=1"):
         compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.ep=2"]), world_size=2, model=preset_config("tiny"))
@@ -77,14 +78,15 @@ def test_cost_model_counts_expert_memory_divided_by_ep():
     from launcher.planning.costmodel import build_workload, load_calibration
     from launcher.planning.stepmodel import pool_memory
 
-    states = {}
+    states, per_param = {}, None
     for ep in (1, 2):
         cfg = load_config("conf/grpo_tiny.yaml", [f"actor.ep={ep}"])
         plan = compute_plan(cfg, world_size=4, model=MOE)
         w = build_workload(cfg, model=MOE)
         items, _, _ = pool_memory(w, load_calibration("h200"), candidate_from_plan(plan, is_async=False), 0)
         states[ep] = items["actor_states"] * 1e9
-        per_param = (items["actor_states"] * 1e9 * 4) / w.actor.n_params if ep == 1 else per_param
+        if ep == 1:
+            per_param = (items["actor_states"] * 1e9 * 4) / w.actor.n_params
     experts, rest = MOE.expert_params(), w.actor.n_params - MOE.expert_params()
     assert experts == 8 * 3 * 64 * 32  # one MoE layer (layer 0 is dense): 8 experts x 3 x H x I
     assert states[1] == pytest.approx((rest + experts) * per_param / 4)
