@@ -230,7 +230,8 @@ class ShardedWorker:
 
         mb_loss(packed, hidden [1, T, H], mb_batch (the micro-batch's rows of `batch`, [B_k, R] on the device),
         denom) -> (loss, metrics); denom is the mini-batch's global count of batch.mask that `agg` normalises by
-        (tokens or sequences). Returns the metrics averaged over micro-batches (keys ending in _max / _min:
+        (tokens or sequences). Returns the metrics averaged over micro-batches (LOSS_TERMS: summed per optimizer
+        step, see _loss_terms; keys ending in _max / _min:
         their max / min; router_mismatch over the micro-batches before the first optimizer step, where the policy
         is still the one that generated) and grad_norm (meaningful on owner ranks)."""
         sums: dict[str, float] = {}
@@ -273,7 +274,23 @@ class ShardedWorker:
         out = {k: v if k.endswith(("_max", "_min")) else v / max(count, 1) for k, v in sums.items()}
         if "router_mismatch" in sums:
             out["router_mismatch"] = sums["router_mismatch"] / unmoved
+        out.update(self._loss_terms(sums))
         return out
+
+    def _loss_terms(self, sums: dict[str, float]) -> dict[str, float]:
+        """The loss metrics (LOSS_TERMS) of an update: a micro-batch's is its share of the mini-batch's loss (over
+        the global denominator), so the shares are summed per optimizer step, averaged over the optimizer steps
+        and over the DP ranks (each rank's sum is the loss of its own samples scaled to the mini-batch): the
+        same figure at any micro-batch count and layout (one all-reduce of a few floats per update)."""
+        keys = [k for k in LOSS_TERMS if k in sums]
+        if not keys:
+            return {}
+        vals = torch.tensor([sums[k] / max(self.optimizer_steps_in_update, 1) for k in keys], dtype=torch.float64)
+        if self.dp > 1:
+            vals = vals.to(self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(vals, group=self.dp_group)
+            vals = vals.cpu() / self.dp
+        return dict(zip(keys, vals.tolist(), strict=True))
 
 
 def _first_nonfinite(metrics_list: list[dict], grad_norm: float, *, optimizer_step: int) -> str:
@@ -284,6 +301,11 @@ def _first_nonfinite(metrics_list: list[dict], grad_norm: float, *, optimizer_st
             if key.endswith("loss") and not math.isfinite(float(v)):
                 return f"{key}={float(v)} in micro-batch {k + 1} of optimizer step {optimizer_step}"
     return f"grad_norm={grad_norm} in optimizer step {optimizer_step}"
+
+
+# micro-batch metrics that are shares of the mini-batch's loss (normalised by its global denominator): summed per
+# optimizer step, not averaged over micro-batches (Worker._loss_terms)
+LOSS_TERMS = ("pg_loss", "kl_loss", "vf_loss")
 
 
 def _reduce_metric(key: str, acc: float | None, v: float) -> float:

@@ -93,6 +93,27 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     load_worker_state(actor, before)
 
 
+def test_loss_metrics_do_not_depend_on_the_micro_batch_count(trainer):
+    """pg_loss is the update's loss whether its samples ran as one micro-batch or several (each micro-batch's
+    metric is its share over the global denominator: summed, not averaged)."""
+    t, exp = trainer
+    roles, actor = t.roles, t.roles.actor
+    mask = exp.response_mask()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)) * mask
+    before = copy.deepcopy(worker_state(actor))
+    old = actor.compute_logprobs(exp, roles.actor_plan(exp, 10_000))["logp"]
+    batch = StepBatch(mask=mask, advantages=adv, old_logp=exp.stack(old))
+    assert len(roles.actor_plan(exp, 24)[0]) > 2 and len(roles.actor_plan(exp, 10_000)[0]) == 1
+    many = roles.update_actor(exp, batch, max_tokens=24, fused_old_logp=False)
+    load_worker_state(actor, before)
+    one = roles.update_actor(exp, batch, max_tokens=10_000, fused_old_logp=False)
+    load_worker_state(actor, before)
+    # at the generating policy the ratios are 1: the loss is minus the token mean of the advantages
+    want = -(adv * mask).sum().item() / mask.sum().item()
+    assert one["pg_loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert many["pg_loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
 def test_lazy_packs_build_each_item_once_on_first_access():
     from ppo.roles.workers import LazyList
 
