@@ -1,4 +1,4 @@
-"""A calculator tool: the tools file of conf/agent_tool_tiny.yaml (agent.tools_file).
+"""A calculator tool for data.task mul:2 (agent.tools_file=conf/tools/calculator.py agent.default=tool).
 
 The policy calls it in the hermes format, `<tool_call>{"arguments":{"x":"12*34"},"name":"calc"}</tool_call>` (the
 arguments first: the digits to copy stay close to the prompt's), and reads `<tool_response>\n408\n</tool_response>\n`

@@ -12,20 +12,24 @@ then raises (see DEFAULT_TASK).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TASK_KINDS = ("add", "mul", "copy", "reverse", "random")
+TASK_KINDS = ("add", "mul", "copy", "reverse", "random", "lookup")
 
 
 @dataclass(slots=True, frozen=True)
 class Task:
     """kind: add (two numbers of `digits` digits -> their sum), mul (two numbers of exactly `digits` digits ->
-    their product: beyond a tiny model alone, the agent demo's calculator task, conf/agent_tool_tiny.yaml),
+    their product: beyond a tiny model alone, a task for a calculator tool, conf/tools/calculator.py),
     copy / reverse (a digit string of length `digits` -> itself / reversed), random (a random letter string of
-    exactly `digits` characters, answer its first character: fixed-length prompts for throughput benchmarks)."""
+    exactly `digits` characters, answer its first character: fixed-length prompts for throughput benchmarks),
+    lookup (a key of `digits` lowercase letters -> its 2-digit value in a hashed table no model has seen,
+    `table_value`: only a policy that calls a lookup tool can answer; the agent demo's task,
+    conf/agent_tool_tiny.yaml with conf/tools/table.py)."""
 
     kind: str
     digits: int
@@ -42,8 +46,11 @@ class Task:
             lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
             a, b = rng.randrange(lo, 10 ** self.digits), rng.randrange(lo, 10 ** self.digits)
             return {"prompt": f"{a}*{b}=", "ground_truth": str(a * b)}
+        if self.kind == "lookup":
+            key = "".join(rng.choice(_LETTERS) for _ in range(self.digits))
+            return {"prompt": f"{key}=", "ground_truth": table_value(key)}
         if self.kind == "random":
-            s = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.digits - 1))
+            s = "".join(rng.choice(_LETTERS) for _ in range(self.digits - 1))
             return {"prompt": s + "=", "ground_truth": s[0]}
         s = "".join(rng.choice("0123456789") for _ in range(self.digits))
         if self.kind == "copy":
@@ -66,6 +73,15 @@ class Task:
         return hits / max(len(got), len(want), 1)
 
 
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def table_value(key: str) -> str:
+    """The lookup task's table: a key's 2-digit value ("00".."99"), from a hash of the key (no pattern a model
+    could learn from the key's letters; the lookup tool, conf/tools/table.py, reads it)."""
+    return f"{int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], 'big') % 100:02d}"
+
+
 def _clean(response: str) -> str:
     response = response.strip()
     return response[: -len("</s>")].strip() if response.endswith("</s>") else response
@@ -83,7 +99,7 @@ DEFAULT_TASK = "reverse:3"
 DEMO_RECIPE = {"task": DEFAULT_TASK, "sft_steps": 45, "sft_batch_size": 64, "sft_lr": 3e-3,
                "prompts_per_step": 32, "samples_per_prompt": 4, "rl_lr": 3e-4, "ppo_epochs": 2,
                "max_new_tokens": 6, "grad_clip": 1.0}
-_DEFAULT_DIGITS = {"add": 2, "mul": 3, "copy": 3, "reverse": 3, "random": 128}
+_DEFAULT_DIGITS = {"add": 2, "mul": 3, "copy": 3, "reverse": 3, "random": 128, "lookup": 3}
 _MAX_DIGITS = {"random": 65536}
 
 

@@ -220,3 +220,20 @@ def test_warm_up_demonstrations_are_the_loops_own_trajectories():
     assert traj.response_ids == call + obs + TOK.encode("408") + [EOS]  # the real tool's answer, rendered as in RL
     assert traj.loss_mask == [1] * len(call) + [0] * len(obs) + [1] * 4 and traj.tool_errors == 0
     assert len(call) == 44 and call[0] == TOK.encode("<tool_call>")[0]  # a hermes tag is one token
+
+
+def test_the_lookup_demos_teacher_calls_the_table_on_about_one_key_in_four():
+    from pathlib import Path
+
+    from ppo.data.tasks import get_task, table_value
+
+    table = load_tools_file(str(Path(__file__).resolve().parents[3] / "conf" / "tools" / "table.py"))
+    rows = get_task("lookup:3").generate(400, seed=0)
+    demos = [(r, table.sft_turns(r["prompt"], r["ground_truth"])) for r in rows]
+    calls = [(r, t) for r, t in demos if len(t) == 2]
+    assert 0.18 < len(calls) / len(rows) < 0.32  # the warm-up leaves the policy calling on a minority of prompts
+    assert all(t == [r["ground_truth"]] for r, t in demos if len(t) == 1)
+    for r, (call, answer) in calls:
+        key = r["prompt"][:3]
+        assert call == f'<tool_call>{{"arguments":{{"k":"{key}"}},"name":"get"}}</tool_call>' and answer == r["ground_truth"]
+    assert [s.name for s in table.specs] == ["get"] and table.specs[0].fn("qxz") == table_value("qxz")

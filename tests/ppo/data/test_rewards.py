@@ -18,7 +18,7 @@ from ppo.data.rewards import (
     math_answer_reward,
     normalize_answer,
 )
-from ppo.data.tasks import DEFAULT_TASK, get_task, sft_examples, task_reward_fn
+from ppo.data.tasks import DEFAULT_TASK, get_task, sft_examples, table_value, task_reward_fn
 from ppo.data.tokenizer import load_tokenizer
 
 
@@ -199,7 +199,7 @@ def test_reward_manager_passes_only_accepted_extras():
 
 
 def test_tasks_generate_and_reward():
-    for name in ("add", "copy", "reverse", "add:3", "reverse:5", DEFAULT_TASK):
+    for name in ("add", "copy", "reverse", "add:3", "reverse:5", "lookup:3", DEFAULT_TASK):
         task = get_task(name)
         rows = task.generate(50, seed=3)
         assert rows == task.generate(50, seed=3) and rows != task.generate(50, seed=4)
@@ -216,6 +216,9 @@ def test_tasks_generate_and_reward():
     assert get_task("reverse:3").partial_reward("123", "124") == pytest.approx(2 / 3)
     assert get_task("reverse:3").partial_reward("12", "123") == pytest.approx(2 / 3)
     assert task_reward_fn("copy:3")("555", "555") == 1.0
+    keys = get_task("lookup:3").generate(400, seed=0)  # the table: 2-digit values spread over 00..99, fixed per key
+    assert all(len(r["prompt"]) == 4 and r["ground_truth"] == table_value(r["prompt"][:3]) for r in keys)
+    assert len({r["ground_truth"] for r in keys}) > 90 and table_value("abc") == table_value("abc") != table_value("abd")
     for bad, msg in (("div", "built-in tasks"), ("add:x", "integer"), ("copy:0", "1..12")):
         with pytest.raises(ValueError, match=msg):
             get_task(bad)
