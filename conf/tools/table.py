@@ -27,17 +27,17 @@ def get(k: str) -> str:
 TOOLS = [get]
 
 
-# The warm-up's teacher knows the table: it looks up one key in TOOL_SHARE and answers the others from memory. A
-# student that cannot know the table learns from it the call and the copy, but calls on about 1 prompt in
-# TOOL_SHARE; GRPO then finds that calling pays (a direct answer is right 1 time in 100).
-TOOL_SHARE = 4
+# The warm-up's teacher looks up one key in TOOL_SHARE (chosen by a hash of the key) and declines the others with
+# "?" (reward 0): the student learns the call and the copy of the value, but calls on about 1 prompt in
+# TOOL_SHARE; GRPO then finds that calling pays.
+TOOL_SHARE = 6
 
 
 def SFT_TURNS(prompt: str, answer: str) -> list[str]:
-    """The warm-up's demonstration of a prompt "qxz=": look the key up and state the value read, or (3 keys in
-    4, chosen by a hash of the key) state the value directly."""
+    """The warm-up's demonstration of a prompt "qxz=": look the key up and state the value read, or (5 keys in
+    6) decline with "?"."""
     key = prompt.strip().rstrip("=")
     if zlib.crc32(key.encode()) % TOOL_SHARE:
-        return [answer]
+        return ["?"]
     call = json.dumps({"arguments": {"k": key}, "name": "get"}, separators=(",", ":"))
     return [f"<tool_call>{call}</tool_call>", answer]

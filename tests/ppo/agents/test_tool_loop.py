@@ -222,7 +222,7 @@ def test_warm_up_demonstrations_are_the_loops_own_trajectories():
     assert len(call) == 44 and call[0] == TOK.encode("<tool_call>")[0]  # a hermes tag is one token
 
 
-def test_the_lookup_demos_teacher_calls_the_table_on_about_one_key_in_four():
+def test_the_lookup_demos_teacher_calls_the_table_on_a_minority_of_keys():
     from pathlib import Path
 
     from ppo.data.tasks import get_task, table_value
@@ -231,8 +231,9 @@ def test_the_lookup_demos_teacher_calls_the_table_on_about_one_key_in_four():
     rows = get_task("lookup:3").generate(400, seed=0)
     demos = [(r, table.sft_turns(r["prompt"], r["ground_truth"])) for r in rows]
     calls = [(r, t) for r, t in demos if len(t) == 2]
-    assert 0.18 < len(calls) / len(rows) < 0.32  # the warm-up leaves the policy calling on a minority of prompts
-    assert all(t == [r["ground_truth"]] for r, t in demos if len(t) == 1)
+    share = len(calls) / len(rows)  # the warm-up leaves the policy calling on a minority of prompts
+    assert 0.1 < share < 0.24, share
+    assert all(t == ["?"] for r, t in demos if len(t) == 1)  # the others: declined
     for r, (call, answer) in calls:
         key = r["prompt"][:3]
         assert call == f'<tool_call>{{"arguments":{{"k":"{key}"}},"name":"get"}}</tool_call>' and answer == r["ground_truth"]
