@@ -44,7 +44,7 @@ def _rewards(tmp_path, *overrides: str) -> list[float]:
 def test_grpo_with_the_lookup_tool_learns(tmp_path):
     rewards = _rewards(tmp_path)
     last = statistics.mean(rewards[-WINDOW:])
-    assert rewards[0] < LOW < HIGH < last, f"reward {rewards[0]:.3f} -> {last:.3f}: not from below {LOW} to above {HIGH}"
+    assert rewards[0] < LOW < HIGH < last, f"reward {rewards[0]:.3f} -> {last:.3f}: not from < {LOW} to > {HIGH}"
 
 
 @pytest.mark.distributed

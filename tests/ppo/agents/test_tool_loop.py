@@ -236,5 +236,6 @@ def test_the_lookup_demos_teacher_calls_the_table_on_a_minority_of_keys():
     assert all(t == ["?"] for r, t in demos if len(t) == 1)  # the others: declined
     for r, (call, answer) in calls:
         key = r["prompt"][:3]
-        assert call == f'<tool_call>{{"arguments":{{"k":"{key}"}},"name":"get"}}</tool_call>' and answer == r["ground_truth"]
+        assert call == f'<tool_call>{{"arguments":{{"k":"{key}"}},"name":"get"}}</tool_call>'
+        assert answer == r["ground_truth"]
     assert [s.name for s in table.specs] == ["get"] and table.specs[0].fn("qxz") == table_value("qxz")
