@@ -24,12 +24,14 @@ LOW, HIGH = 0.2, 0.6  # the warmed-up policy scores below LOW, GRPO's last windo
 
 
 def _as_configured() -> list[str]:
-    """The config's own values of the keys tests/ppo/test_trainer.py's launch shrinks: the demo as it runs."""
+    """The config's own values of the keys tests/ppo/test_trainer.py's launch shrinks, and its tools file: the demo
+    as it runs."""
     cfg = load_config(str(ROOT / CONFIG), [])
     return [f"data.batch_size={cfg.data.batch_size}", f"data.task_size={cfg.data.task_size}",
             f"rollout.max_response_length={cfg.rollout.max_response_length}",
             f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}",
-            f"actor.mini_batch_size={cfg.actor.mini_batch_size}", f"actor.ppo_epochs={cfg.actor.ppo_epochs}"]
+            f"actor.mini_batch_size={cfg.actor.mini_batch_size}", f"actor.ppo_epochs={cfg.actor.ppo_epochs}",
+            f"agent.tools_file={ROOT / cfg.agent.tools_file}"]  # launch runs in tmp_path
 
 
 def _rewards(tmp_path, *overrides: str) -> list[float]:
