@@ -22,7 +22,6 @@ itself, so the PPO ratio stays 1 on-policy. Adapters compute in the input's dtyp
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import zlib
@@ -33,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.mixin import with_mixin
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
@@ -86,14 +87,18 @@ def adapter_param_count(cfg, spec: LoRASpec) -> int:
     return head + cfg.num_hidden_layers * sum(spec.rank * sum(shapes[m]) for m in spec.modules if m != HEAD)
 
 
-def _lora_forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = F.linear(x, mod.weight, mod.bias)
-    if not mod.lora_enabled:
-        return out
-    if mod.lora_dropout and torch.is_grad_enabled():
-        x = F.dropout(x, mod.lora_dropout, training=True)
-    a, b = mod.lora_A, mod.lora_B
-    return out + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * mod.lora_scale
+class LoRA(nn.Module):
+    """What add_adapters mixes into an adapted nn.Linear (models.mixin: a class-level forward, so one compiled
+    graph serves every layer's projections)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return out
+        if self.lora_dropout and torch.is_grad_enabled():
+            x = F.dropout(x, self.lora_dropout, training=True)
+        a, b = self.lora_A, self.lora_B
+        return out + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.lora_scale
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -137,7 +142,7 @@ def add_adapters(model: nn.Module, spec: LoRASpec, *, seed: int = 0,
         mod.register_parameter("lora_A", pa)
         mod.register_parameter("lora_B", pb)
         mod.lora_scale, mod.lora_dropout, mod.lora_enabled = spec.scale, spec.dropout, True
-        mod.forward = functools.partial(_lora_forward, mod)
+        with_mixin(mod, LoRA)
         names.append(name)
     if not names:
         raise ValueError(f"no module of the model matches LoRA target_modules {spec.target_modules}")

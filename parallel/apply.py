@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from models.lora import LoRASpec
+from models.mixin import with_mixin
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import ExpertParallel, apply_ep
 from parallel.fsdp import apply_fsdp
@@ -84,14 +85,26 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
 
         context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
     for layer in model.model.layers.values():
-        # an instance attribute instead of a wrapper module keeps the Hugging Face names
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward, context_fn)
+        # a mixed-in class instead of a wrapper module keeps the Hugging Face names, and instead of an instance
+        # forward keeps one compiled graph for every layer (models.mixin)
+        layer._ac_context_fn = context_fn
+        with_mixin(layer, Checkpointed)
     return model
 
 
+class Checkpointed(nn.Module):
+    """A decoder layer whose forward runs under activation checkpointing (apply_ac mixes it in; the layer's
+    `_ac_context_fn`: selective AC's policy contexts, or None for full recompute)."""
+
+    def forward(self, *args, **kwargs):
+        return _checkpointed_forward(super().forward, self._ac_context_fn, *args, **kwargs)
+
+
 def _allow_per_layer_recompiles(model: nn.Module) -> None:
-    # each layer may hold its own cache entry; the default limit (8) would drop later layers to eager. LoRA
-    # adapters switched off (the reference's forward: models.lora.adapters_disabled) are a second entry per layer
+    # the layers share their cache entries (their forwards are class attributes: models.mixin), a handful in
+    # all (the first layer's input without a gradient, adapters switched off for the reference, grad mode); the
+    # limit is raised anyway so that a guard that does differ per layer costs compile time, never drops the
+    # later layers to eager at the default limit of 8
     lora = any(hasattr(m, "lora_A") for m in model.model.layers.modules())
     n = len(model.model.layers) * (2 if lora else 1) + 8
     for knob in ("recompile_limit", "cache_size_limit"):

@@ -24,12 +24,13 @@ that replicate it and divided by dp: the same mean over all dp ranks' losses, so
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from models.mixin import with_mixin
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,6 +105,14 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
+class EPExperts(nn.Module):
+    """What apply_ep mixes into a GroupedExperts: its forward over the experts spread on `_ep_group`."""
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, align: int | None = None
+                ) -> torch.Tensor:
+        return ep_experts_forward(self, x, ids, weights, group=self._ep_group, align=align)
+
+
 def apply_ep(model: nn.Module, ep_mesh) -> ExpertParallel:
     """Keep this rank's num_experts / ep experts of every MoE layer (from the full tensors it was built or loaded
     with, the same on every rank) as DTensors (Replicate() over edp, Shard(0) over ep) and route its tokens to
@@ -125,5 +134,6 @@ def apply_ep(model: nn.Module, ep_mesh) -> ExpertParallel:
                              requires_grad=full.requires_grad)
             setattr(experts, name, p)
             params.append(p)
-        experts.forward = functools.partial(ep_experts_forward, experts, group=group)
+        experts._ep_group = group
+        with_mixin(experts, EPExperts)  # a class-level forward: one compiled graph for every layer (models.mixin)
     return ExpertParallel(mesh=ep_mesh, params=params)

@@ -97,7 +97,8 @@ class PPOTrainer:
         self.metrics = StepMetrics(plan=self.plan, rank=self.rank, device=self.device, model_config=model_config,
                                    gc_pauses=self.gc_pauses, n=settings.generation.n,
                                    ppo_epochs=settings.roles.actor_update.epochs,
-                                   share_prompts=settings.build.share_prompts, reward_model=settings.reward.is_model)
+                                   share_prompts=settings.build.share_prompts, reward_model=settings.reward.is_model,
+                                   adapter_params=_adapter_params(settings.build.actor_lora, model_config))
         self.frozen_graphs = -1  # compiled graphs when the survivors were last frozen (trainer.gc_freeze)
         self.ref_beside_actor = ref_beside_actor(self.plan)
         if self.ref_beside_actor and self.roles.actor is not None:
@@ -584,6 +585,16 @@ def _step_keys(stage: str, results: dict) -> dict:
     if stage == "old_log_prob":
         return {"old_logp": results["logp"], "entropy": results["entropy"]}
     return {"ref_logp": results["logp"]} if stage == "ref" else results
+
+
+def _adapter_params(lora, model_config) -> int:
+    """A LoRA actor's adapter parameter count (0 for full-parameter training): the FLOP accounting's A."""
+    if lora is None:
+        return 0
+    from models.lora import LoRASpec, adapter_param_count
+
+    return adapter_param_count(model_config, LoRASpec(rank=lora.rank, alpha=lora.alpha,
+                                                      target_modules=tuple(lora.target_modules)))
 
 
 def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_config, monitor=None,

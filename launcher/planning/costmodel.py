@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ppo.metrics.flops import update_matmul_flops
 from ppo.roles.step_plan import old_logp_source
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
@@ -384,11 +385,14 @@ def model_pass_s(w: Workload, cal: Calibration, role: str, m: ModelShape, *, lay
     """A forward (train=False) or an update (forward+backward+optimizer, every epoch) of one role."""
     tp, pp, dp = layout
     tokens = w.tokens(role)
-    flops = 2 * m.n_matmul * tokens + 4 * m.layers * m.attn_dim * w.ctx_tokens(role)
+    attention = 4 * m.layers * m.attn_dim * w.ctx_tokens(role)
+    flops = 2 * m.n_matmul * tokens + attention
     epochs = 1
-    if train:
+    if train:  # ppo.metrics.flops's update count (6N, or 4N + 6A through LoRA adapters), full AC one more forward
         epochs = w.ppo_epochs if role == "actor" else w.critic_epochs
-        flops *= 3 * epochs * (4 / 3 if w.ac.get(role) == "full" else 1.0)
+        adapters = w.lora_params if role == "actor" else 0
+        recompute = flops if w.ac.get(role) == "full" else 0.0
+        flops = epochs * (update_matmul_flops(m.n_matmul, adapters) * tokens + 3 * attention + recompute)
     mfu = cal.mfu_update if train else cal.mfu_forward
     if dp > 1:
         mfu *= cal.dp_update_efficiency if train else cal.dp_forward_efficiency

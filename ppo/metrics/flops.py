@@ -56,6 +56,7 @@ def ppo_stage_flops(
     policy_tokens: int | None = None,
     attention_policy: float = 0.0,
     attention_full: float = 0.0,
+    adapter_params_actor: int = 0,
 ) -> dict[str, float]:
     """Model FLOPs of one PPO step per stage (keys match the timing_s/<stage> names).
 
@@ -74,6 +75,9 @@ def ppo_stage_flops(
     policy_tokens: the tokens the actor and reference forwards really process when that is fewer than
     trained_tokens (trainer.share_prompts packs a prompt once per group), so useful FLOPs never count
     work that was not needed.
+    adapter_params_actor: a LoRA actor's adapter parameters A (0: full-parameter training). Its frozen base gets
+    no weight gradients: the update counts the forward and the input gradients over base and adapters, 4(N + A),
+    and weight gradients for the adapters only, 2A (4N + 6A per token instead of 6N).
     """
     t = float(trained_tokens)
     tp = t if policy_tokens is None else float(policy_tokens)
@@ -84,10 +88,17 @@ def ppo_stage_flops(
         "ref": 2.0 * n_params_ref * tp + ap if n_params_ref else 0.0,
         "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,  # its shape may differ: matmuls only
         "values": 2.0 * n_params_critic * t + af if n_params_critic else 0.0,
-        "update_actor": (6.0 * n_params_actor * tp + 3.0 * ap) * ppo_epochs,
+        "update_actor": (update_matmul_flops(n_params_actor, adapter_params_actor) * tp + 3.0 * ap) * ppo_epochs,
         "update_critic": (6.0 * n_params_critic * t + 3.0 * af) * ppo_epochs if n_params_critic else 0.0,
     }
     return out
+
+
+def update_matmul_flops(n_matmul: int, adapter_params: int = 0) -> float:
+    """Matmul FLOPs of one trained token's forward and backward: 6N, or with LoRA adapters (A parameters, the
+    base frozen) 4(N + A) for the forward and input gradients plus 2A for the adapters' weight gradients."""
+    a = float(adapter_params)
+    return 4.0 * (n_matmul + a) + 2.0 * (a if adapter_params else n_matmul)
 
 
 def ppo_step_flops(**kwargs) -> float:

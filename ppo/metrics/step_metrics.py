@@ -24,15 +24,16 @@ SUMMED_GEN_KEYS = ("reshard/bytes_received", "async/generated_tokens", "async/dr
 class StepMetrics:
     """plan: the device plan (groups, world_size); gc_pauses: ppo.metrics.host_gc.GcPauses of this rank; for the
     FLOP accounting: n samples per prompt, the actor's ppo_epochs, whether prompts are packed once per group
-    (share_prompts) and whether the reward is a model."""
+    (share_prompts), whether the reward is a model and a LoRA actor's adapter parameter count."""
 
     def __init__(self, *, plan, rank: int, device: torch.device, model_config, gc_pauses, n: int, ppo_epochs: int,
-                 share_prompts: bool, reward_model: bool):
+                 share_prompts: bool, reward_model: bool, adapter_params: int = 0):
         self.plan, self.rank, self.device, self.gc_pauses = plan, rank, device, gc_pauses
         self.n, self.ppo_epochs, self.share_prompts, self.reward_model = n, ppo_epochs, share_prompts, reward_model
         # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
         self.n_policy = model_config.matmul_params()
         self.n_head = model_config.matmul_params(lm_head=False)
+        self.adapter_params = adapter_params  # a LoRA actor's (its base gets no weight gradients)
         self.layers = model_config.num_hidden_layers
         self.attn_width = model_config.num_attention_heads * model_config.head_dim
         # no spec peak for a CPU or an unlisted device: no utilization figure rather than a guess
@@ -117,7 +118,8 @@ class StepMetrics:
             trained_tokens=sum(s.length for s in exp.samples),
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.n),
-            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy, **attention)
+            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy,
+            adapter_params_actor=self.adapter_params, **attention)
         out = {"perf/flops": sum(flops.values())}
         if self.peak_flops is None:
             return out

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from models.config import ModelConfig
-from ppo.metrics.flops import ppo_stage_flops, ppo_step_flops, spec_peak_flops, useful_utilization
+from ppo.metrics.flops import (
+    ppo_stage_flops,
+    ppo_step_flops,
+    spec_peak_flops,
+    update_matmul_flops,
+    useful_utilization,
+)
 
 
 def test_flop_counts_follow_design_rule():
@@ -77,3 +83,15 @@ def test_attention_counts_causal_pairs_and_shared_prompts_once():
                             generated_tokens=7, ppo_epochs=2, attention_policy=10.0, attention_full=20.0)
     assert flops["update_actor"] == 2 * (6 * n * t + 30.0) and flops["ref"] == 2 * n * t + 10.0
     assert flops["update_critic"] == 2 * (6 * n * t + 60.0) and flops["gen"] == 2 * n * 7 + 10.0
+
+
+def test_a_lora_update_counts_no_weight_gradients_for_the_frozen_base():
+    n, a = 1_000_000, 10_000
+    assert update_matmul_flops(n) == 6 * n
+    assert update_matmul_flops(n, a) == 4 * n + 6 * a  # forward and input grads over N + A, weight grads of A
+    kw = dict(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None, trained_tokens=100,
+              generated_tokens=50, ppo_epochs=2)
+    full, lora = ppo_stage_flops(**kw), ppo_stage_flops(**kw, adapter_params_actor=a)
+    assert full["update_actor"] == 2 * 100 * 6 * n and lora["update_actor"] == 2 * 100 * (4 * n + 6 * a)
+    assert {k: v for k, v in lora.items() if k != "update_actor"} == {k: v for k, v in full.items()
+                                                                    if k != "update_actor"}
