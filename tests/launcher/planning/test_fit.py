@@ -60,7 +60,10 @@ def test_a_14b_lora_actor_fits_one_gpu_where_full_parameters_cannot():
     """conf/bench_grpo_qwen3_14b_lora.yaml: the frozen bf16 base, fp32 adapters and no reference weights fit one
     H200; the same run at full parameters (16 bytes/param of training state: 236 GB) is rejected by the plan."""
     cfg = load_config(str(ROOT / "conf" / "bench_grpo_qwen3_14b_lora.yaml"))
-    lora = compute_plan(cfg, world_size=1, model=resolve_model_config(cfg)).predicted
+    model = resolve_model_config(cfg)
+    lines = fit_memory(cfg, lambda c: compute_plan(c, world_size=1, model=model).predicted, cuda=True)
+    assert lines[0].startswith("actor.activation_checkpointing=full (auto")  # the config leaves it to the fit
+    lora = compute_plan(cfg, world_size=1, model=model).predicted
     assert lora["reject"] is None and lora["peak_gb"] < 139
     cfg.actor.lora.rank = 0
     assert compute_plan(cfg, world_size=1, model=resolve_model_config(cfg)).predicted["reject"] is not None
