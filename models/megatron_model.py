@@ -31,6 +31,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.llama import apply_rotary, causal_attention, compute_inv_freq, rotary_cos_sin
 from models.megatron_map import HEADS, stage_layers
+from models.megatron_moe import decoder_block_spec, finish_moe_layers, host_token_dispatch, moe_config_fields, set_routing
 
 try:  # importing megatron-core is optional for the rest of the project
     from megatron.core.models.gpt import GPTModel
@@ -84,9 +85,10 @@ class ProjectCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(t, b, -1)
 
 
-def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, pp: int = 1,
+def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, pp: int = 1, ep: int = 1,
                        **overrides: Any) -> TransformerConfig:
-    """TransformerConfig of a Llama-family model (RMSNorm, SwiGLU, GQA, no linear biases but q/k/v's)."""
+    """TransformerConfig of a Llama-family model (RMSNorm, SwiGLU, GQA, no linear biases but q/k/v's); a Qwen3-MoE
+    model's MoE fields too (models.megatron_moe.moe_config_fields, ep: expert-parallel ranks)."""
     require_megatron()
     half = params_dtype in (torch.bfloat16, torch.float16)
     kw = dict(
@@ -108,6 +110,7 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False, autocast_dtype=params_dtype if half else None,
     )
+    kw.update(moe_config_fields(cfg, ep=ep))
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -147,16 +150,21 @@ def build_megatron_model(cfg: ModelConfig, *, pg_collection, pre_process: bool, 
         config_overrides["use_cpu_initialization"] = False
     else:
         rng = None
-    tconf = transformer_config(cfg, params_dtype=params_dtype, pp=pp, **config_overrides)
+    tconf = transformer_config(cfg, params_dtype=params_dtype, pp=pp, ep=pg_collection.ep.size(), **config_overrides)
     tied = head == "lm" and cfg.tie_word_embeddings
     if tied and pp > 1 and not torch.cuda.is_available():
         # GPTModel syncs the last stage's copy of a tied head with `.cuda()` + all-reduce at construction
         raise ValueError("megatron backend: a tied-embedding model at pp > 1 needs CUDA (megatron-core moves the "
                          "shared head to the GPU while building); use pp=1 on CPU")
-    gpt = GPTModel(config=tconf, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
-                   max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
-                   post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=tied,
-                   position_embedding_type="none", pg_collection=pg_collection)
+    spec = layer_spec(cfg)
+    if cfg.is_moe:  # a mixture of experts: per-layer specs, megatron's MoE layer in the sparse ones
+        spec = decoder_block_spec(cfg, spec, pp=pp, pp_rank=pg_collection.pp.rank())
+    with host_token_dispatch():
+        gpt = GPTModel(config=tconf, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                       max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
+                       post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=tied,
+                       position_embedding_type="none", pg_collection=pg_collection)
+    gpt.moe_routers = finish_moe_layers(gpt) if cfg.is_moe else []
     if head != "lm" and post_process:
         del gpt.output_layer  # the vocab head is replaced by a small score head
         gpt.output_layer = None
@@ -178,12 +186,14 @@ def row_params(gpt: nn.Module, position_ids: torch.Tensor, dtype: torch.dtype, *
 
 
 def megatron_hidden(gpt: nn.Module, input_ids: torch.Tensor | None, position_ids: torch.Tensor, *,
-                    attn=None, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+                    attn=None, hidden_in: torch.Tensor | None = None, routing=None) -> torch.Tensor:
     """One pipeline stage: [B, T] ids (first stage) or the previous stage's [T, B, H] -> [T, B, H].
 
     The last stage returns final-normed hidden states (no head applied). Without `hidden_in` a later
-    stage reads what megatron's schedule put there with `set_input_tensor`.
+    stage reads what megatron's schedule put there with `set_input_tensor`. routing: a mixture of experts'
+    models.moe.RouterTrace for this forward's MoE layers (None: their own routing, nothing recorded).
     """
+    set_routing(gpt, routing)
     if gpt.pre_process:
         x = gpt.embedding(input_ids=input_ids, position_ids=None)
     else:

@@ -62,7 +62,7 @@ def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", par
                         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
     first = next(model.parameters())
     dtype = param_dtype or first.dtype  # half params: megatron keeps the fp32 masters in its optimizer
-    pgc = build_process_groups(mesh)
+    pgc = build_process_groups(mesh, ep=dims.ep)
     pp_idx = mesh.get_local_rank("pp")
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1} if ac == "full" else {}
@@ -97,8 +97,6 @@ def build_runner(model: nn.Module, *, backend: str = "native", mesh, dims, ac: s
                                  stages_per_rank=stages_per_rank, attn_factory=attn_factory, fsdp=fsdp,
                                  lora=lora, lora_seed=lora_seed, expert_mesh=expert_mesh)
     if backend == "megatron":
-        if dims.ep > 1:  # refused before launch (launcher.planning.plan.validate_moe)
-            raise ValueError(f"ep({dims.ep}): the megatron backend's expert parallelism is not wired; use native")
         if lora is not None:  # refused before launch (launcher.config.validation._validate_lora)
             raise ValueError("the megatron backend has no LoRA adapters; use backend native")
         if fsdp:

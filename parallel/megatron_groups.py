@@ -7,9 +7,12 @@ megatron-core's `parallel_state.initialize_model_parallel` holds ONE layout per 
 engine needs the actor's training grid, its generation grid and other roles' grids in one job, so
 every megatron object here gets its groups explicitly (tp, pp, dp from the role's mesh; mp = tp x pp
 of this DP replica; intra_dist_opt = the whole role group, over which the distributed optimizer's
-grad norm is reduced; embd = first + last stage for tied heads at pp > 1). Expert groups are real
-size-1 groups: with `expt_dp` missing megatron's DDP calls `new_group(ranks=[rank])`, a WORLD
-collective that hangs when another role's ranks are busy elsewhere.
+grad norm is reduced; embd = first + last stage for tied heads at pp > 1). Expert groups (a mixture of
+experts, `ep` from the plan; tp = pp = 1 there, parallel.dims): ep = the ep consecutive dp ranks of this
+rank's expert-parallel group (dp rank d is expert-parallel rank d % ep, as in the native backend), expt_dp =
+the dp ranks holding the same experts (d % ep equal), expt_tp a size-1 group (experts whole on each rank). A
+dense model (ep = 1) gets real size-1 groups: with `expt_dp` missing megatron's DDP calls
+`new_group(ranks=[rank])`, a WORLD collective that hangs when another role's ranks are busy elsewhere.
 
 Groups are created with `use_local_synchronization=True`: only their members call, so ranks of
 other roles never have to match. Groups of the same ranks are reused (colocated roles share them).
@@ -44,8 +47,9 @@ def local_group(ranks: list[int]) -> dist.ProcessGroup:
     return _GROUPS[key]
 
 
-def build_process_groups(mesh):
-    """ProcessGroupCollection of this rank's coordinate in a ("pp", "dp", "tp") DeviceMesh.
+def build_process_groups(mesh, *, ep: int = 1):
+    """ProcessGroupCollection of this rank's coordinate in a ("pp", "dp", "tp") DeviceMesh; ep: expert-parallel
+    ranks (dividing dp, tp = pp = 1).
 
     Collective over the members of each group built (all ranks of the role call it together)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -64,11 +68,19 @@ def build_process_groups(mesh):
     pgc.mp = local_group(grid[:, dp_i, :].flatten().tolist())
     pgc.intra_dist_opt = local_group(grid.flatten().tolist())
     pgc.tp_dp_cp = local_group(grid[pp_i].flatten().tolist())
-    # no experts: size-1 groups (missing ones make megatron fall back to WORLD collectives)
-    pgc.ep, pgc.expt_tp, pgc.expt_dp, pgc.tp_ep = self_group, self_group, self_group, tp
-    pgc.intra_expt_dp = self_group
+    if ep > 1:
+        n_dp = grid.shape[1]
+        if grid.shape[0] != 1 or grid.shape[2] != 1 or n_dp % ep:
+            raise ValueError(f"ep({ep}) needs tp = pp = 1 and ep | dp; the mesh is pp x dp x tp = {tuple(grid.shape)}")
+        start = dp_i // ep * ep
+        pgc.ep = local_group(grid[0, start:start + ep, 0].tolist())
+        pgc.expt_dp = local_group(grid[0, dp_i % ep::ep, 0].tolist())
+        pgc.expt_tp, pgc.tp_ep, pgc.tp_ep_pp = self_group, pgc.ep, pgc.ep
+    else:  # no expert parallelism: size-1 groups (missing ones make megatron fall back to WORLD collectives)
+        pgc.ep, pgc.expt_tp, pgc.expt_dp, pgc.tp_ep = self_group, self_group, self_group, tp
+        pgc.tp_ep_pp = None
+    pgc.intra_expt_dp = pgc.expt_dp
     pgc.pos_embd = None
-    pgc.tp_ep_pp = None
     n_pp = grid.shape[0]
     if n_pp > 1 and pp_i in (0, n_pp - 1):
         pgc.embd = local_group([int(grid[0, dp_i, tp_i]), int(grid[-1, dp_i, tp_i])])

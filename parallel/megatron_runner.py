@@ -37,7 +37,7 @@ from torch import nn
 from models.megatron_model import head_weight, megatron_hidden
 from parallel.megatron_groups import assert_no_global_state
 from parallel.megatron_weights import gather_hf_state, megatron_hf_shards, megatron_reshard_shards
-from parallel.runner import attention_for, split_loss
+from parallel.runner import add_router_loss, attention_for, router_trace, split_loss
 
 
 @dataclass(slots=True)
@@ -226,17 +226,20 @@ class MegatronRunner:
         return {k: v for part in parts for k, v in part.items()} if self.is_exporter else None
 
     # ---- compute
-    def _hidden(self, mb, *, hidden_in=None) -> torch.Tensor:
-        """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout)."""
+    def _hidden(self, mb, *, hidden_in=None, trace=None) -> torch.Tensor:
+        """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout). trace: a mixture
+        of experts' models.moe.RouterTrace (parallel.runner.router_trace: the engine's experts, replayed or compared)."""
         attn = attention_for(self.attn_factory, mb)
         return megatron_hidden(self.gpt, mb.input_ids if self.has_first else None, mb.position_ids, attn=attn,
-                               hidden_in=hidden_in)
+                               hidden_in=hidden_in, routing=trace)
 
     @torch.no_grad()
     def forward(self, batches: Sequence, *, reduce: Callable) -> list | None:
         """No grad; `reduce(hidden [1, T_k, H], k)` on the last stage per micro-batch -> [R_k], None elsewhere."""
         if self.pp == 1:  # no schedule needed (and this path also runs on CPU)
-            return [reduce(self._hidden(mb).transpose(0, 1), k) for k, mb in enumerate(batches)]
+            cfg = self.model_config
+            return [reduce(self._hidden(mb, trace=router_trace(cfg, mb)).transpose(0, 1), k)
+                    for k, mb in enumerate(batches)]
         results = self._run_schedule(batches, fn=reduce, forward_only=True)
         return results if self.has_last else None
 
@@ -256,10 +259,12 @@ class MegatronRunner:
         require_cuda("megatron-core pipeline schedules")
         n = len(batches)
         out: list = [None] * n
+        cfg = self.model_config
 
         def forward_step(data_iterator, model):
             k = next(data_iterator)
-            output = self._hidden(batches[k])
+            trace = router_trace(cfg, batches[k])
+            output = self._hidden(batches[k], trace=trace)
 
             def loss_func(output_tensor):
                 hidden = output_tensor.transpose(0, 1)  # [1, T, H]
@@ -267,6 +272,8 @@ class MegatronRunner:
                     out[k] = fn(hidden, k)
                     return hidden.new_zeros(()), {}
                 loss, metrics = split_loss(fn(hidden, k))
+                if trace is not None:  # a mixture of experts: the load-balancing loss joins, as in LocalRunner
+                    loss, metrics = add_router_loss(cfg, trace, loss, metrics, scale=1.0 / n)
                 out[k] = metrics
                 # the schedule divides each micro-batch loss by n; ours is already normalised by the caller
                 return loss * n, metrics
