@@ -40,7 +40,7 @@ from models.moe import RouterTrace
 
 try:
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu, topk_routing_with_score_function
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 except ImportError:  # pragma: no cover - megatron-core is an optional extra
@@ -123,9 +123,9 @@ class HostSplits:
             return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
         if self.drop_and_pad or point != self.cuda_dtoh_point:
             return tokens_per_expert
-        self.input_splits = maybe_move_tensor_to_cpu(self.input_splits, as_numpy=True)
-        self.output_splits = maybe_move_tensor_to_cpu(self.output_splits, as_numpy=True)
-        self.output_splits_tp = maybe_move_tensor_to_cpu(self.output_splits_tp, as_numpy=True)
+        # as numpy arrays, as megatron's own copy leaves them (maybe_move_tensor_to_cpu converts CUDA tensors only)
+        self.input_splits, self.output_splits, self.output_splits_tp = (
+            t.numpy() if torch.is_tensor(t) else t for t in (self.input_splits, self.output_splits, self.output_splits_tp))
         return tokens_per_expert
 
 

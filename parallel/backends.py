@@ -59,7 +59,8 @@ def build_megatron_runner(model: nn.Module, *, mesh, dims, ac: str = "none", par
 
     cfg = model.config
     dims.validate_model(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+                        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+                        num_experts=cfg.num_experts if cfg.is_moe else 0)
     first = next(model.parameters())
     dtype = param_dtype or first.dtype  # half params: megatron keeps the fp32 masters in its optimizer
     pgc = build_process_groups(mesh, ep=dims.ep)
