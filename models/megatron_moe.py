@@ -157,6 +157,11 @@ def finish_moe_layers(gpt) -> list[TraceRouter]:
     return routers
 
 
+def is_moe_layer(layer) -> bool:
+    """A megatron TransformerLayer whose MLP is megatron-core's MoE layer."""
+    return isinstance(getattr(layer, "mlp", None), MoELayer)
+
+
 def set_routing(gpt, trace: RouterTrace | None) -> None:
     """The RouterTrace every MoE layer of the stage uses in the next forward (None: none). It stays set until the
     next call: megatron's full recompute at pp = 1 re-runs a micro-batch's layers in its backward, before the next

@@ -40,7 +40,11 @@ def compile_megatron_layers(gpt: nn.Module, *, dynamic: bool | None = None, back
     its decoder layers: the norms, our RoPE, SwiGLU and the casts between the GEMMs fuse into a few kernels
     (eager megatron launches ~2x the native compiled step's elementwise kernels). Graph breaks fall back to
     eager; the layers share one graph where their guards allow. dynamic: as parallel.apply.apply_compile."""
-    layers = gpt.decoder.layers
+    from models.megatron_moe import is_moe_layer
+
+    # a mixture of experts' sparse layers stay eager: megatron's token dispatcher syncs split sizes to the host and
+    # the router reads the forward's RouterTrace, an object dynamo would guard on per micro-batch
+    layers = [layer for layer in gpt.decoder.layers if not is_moe_layer(layer)]
     for knob in ("recompile_limit", "cache_size_limit"):  # one cache entry per layer may be needed
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), len(layers) + 8))

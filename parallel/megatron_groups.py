@@ -10,9 +10,9 @@ of this DP replica; intra_dist_opt = the whole role group, over which the distri
 grad norm is reduced; embd = first + last stage for tied heads at pp > 1). Expert groups (a mixture of
 experts, `ep` from the plan; tp = pp = 1 there, parallel.dims): ep = the ep consecutive dp ranks of this
 rank's expert-parallel group (dp rank d is expert-parallel rank d % ep, as in the native backend), expt_dp =
-the dp ranks holding the same experts (d % ep equal), expt_tp a size-1 group (experts whole on each rank). A
-dense model (ep = 1) gets real size-1 groups: with `expt_dp` missing megatron's DDP calls
-`new_group(ranks=[rank])`, a WORLD collective that hangs when another role's ranks are busy elsewhere.
+the dp ranks holding the same experts (d % ep equal; at ep = 1 the dp group), expt_tp a size-1 group (experts
+whole on each rank). Every expert group is a real group, for dense models too: with `expt_dp` missing megatron's
+DDP calls `new_group(ranks=[rank])`, a WORLD collective that hangs when another role's ranks are busy elsewhere.
 
 Groups are created with `use_local_synchronization=True`: only their members call, so ranks of
 other roles never have to match. Groups of the same ranks are reused (colocated roles share them).
@@ -76,9 +76,10 @@ def build_process_groups(mesh, *, ep: int = 1):
         pgc.ep = local_group(grid[0, start:start + ep, 0].tolist())
         pgc.expt_dp = local_group(grid[0, dp_i % ep::ep, 0].tolist())
         pgc.expt_tp, pgc.tp_ep, pgc.tp_ep_pp = self_group, pgc.ep, pgc.ep
-    else:  # no expert parallelism: size-1 groups (missing ones make megatron fall back to WORLD collectives)
-        pgc.ep, pgc.expt_tp, pgc.expt_dp, pgc.tp_ep = self_group, self_group, self_group, tp
-        pgc.tp_ep_pp = None
+    else:  # ep = 1: every dp rank holds every expert, so the experts' data-parallel group is dp itself (DDP
+        # all-reduces expert gradients over expt_dp, the distributed optimizer shards their masters over it)
+        pgc.ep, pgc.expt_tp, pgc.expt_dp, pgc.tp_ep = self_group, self_group, dp, tp
+        pgc.tp_ep_pp = pgc.mp  # the experts' model-parallel group (tp x pp; the expert optimizer's rank in it)
     pgc.intra_expt_dp = pgc.expt_dp
     pgc.pos_embd = None
     n_pp = grid.shape[0]

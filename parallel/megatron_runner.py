@@ -325,7 +325,7 @@ class MegatronRunner:
         """Every rank's DDP gradient buffers finite, agreed over the role's tp x pp x dp ranks (one pass over the
         buffers; a MIN over each group in turn is the MIN over their product; a stage without parameters has
         no buffers and agrees with the others)."""
-        buffers = [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
+        buffers = self._grad_buffers()
         device = buffers[0].grad_data.device if buffers else next(self.gpt.parameters()).device
         ok = torch.ones((), device=device)
         for b in buffers:
@@ -340,13 +340,17 @@ class MegatronRunner:
         """Free DDP's fp32 gradient buffers (storage resized to 0, 4 bytes per parameter) while generating;
         they are zero between optimizer steps, so nothing is copied."""
         if self.ddp is not None:
-            for buf in self.ddp.buffers:
+            for buf in self._grad_buffers():
                 buf.offload_to_cpu(move_params=False, move_grads=True)
 
     def restore_gradients(self) -> None:
         if self.ddp is not None:
-            for buf in self.ddp.buffers:
+            for buf in self._grad_buffers():
                 buf.reload_from_cpu(move_params=False, move_grads=True)  # re-allocated and zeroed
+
+    def _grad_buffers(self) -> list:
+        """DDP's gradient buffers: the dense parameters', then a mixture of experts' (expert-data-parallel) ones."""
+        return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
 
     # ---- checkpoints (per rank; ppo/run/checkpoint.py writes them atomically)
     def checkpoint_state(self, optimizer=None) -> dict:

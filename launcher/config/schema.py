@@ -88,8 +88,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
     dp: int = 0  # data-parallel degree; 0: derived from the pool size
-    # expert parallelism (a mixture of experts, native backend): ep of the dp ranks each hold num_experts / ep
-    # experts whole and exchange tokens by all-to-all; must divide dp and num_experts
+    # expert parallelism (a mixture of experts; native backend, the megatron backend at 1 until its GPU test has run):
+    # ep of the dp ranks each hold num_experts / ep experts whole and exchange tokens by all-to-all; must divide dp
+    # and num_experts
     ep: int = 1
     pp_microbatches: int = 0  # pipeline micro-batches per mini-batch; 0: 2 * pp
     pp_schedule: str = "1F1B"  # 1F1B | interleaved

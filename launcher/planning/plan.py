@@ -131,11 +131,24 @@ def _validate_megatron_layout(role: str, *, tp: int, pp: int, shape: ModelConfig
             raise UserError(f"{role}.backend=megatron: {role}.{name}({k}) must divide {what}({n})")
 
 
+def _validate_megatron_moe(role: str, sec) -> None:
+    """What megatron-core's MoE layers (models/megatron_moe.py) cannot do here, refused before launch."""
+    if getattr(sec, "activation_checkpointing", None) == "full":
+        raise UserError(f"{role}.backend=megatron with a mixture of experts: activation_checkpointing=full is not "
+                        "supported: megatron's full recompute runs the layers' first forward without autograd, so the "
+                        "router statistics the load-balancing loss is computed from would carry no gradient; use none")
+    if sec.ep > 1:
+        raise UserError(f"{role}.backend=megatron: {role}.ep={sec.ep}: megatron-core's expert parallelism is wired and "
+                        "its forward, gradients, export and reshard equal ep=1 on CPU, but its DDP and distributed "
+                        "optimizer over expert groups have not run on GPUs yet (tests/parallel/test_megatron_moe_gpu.py, "
+                        f"2 GPUs); use {role}.ep=1 with the megatron backend, or {role}.backend=native")
+
+
 def validate_moe(cfg: Config, model: ModelConfig) -> None:
-    """What a mixture-of-experts policy (Qwen3-MoE) can run, refused before launch otherwise: the native training
-    backend with data parallelism (FSDP) and expert parallelism inside it (<role>.ep; its experts are neither
-    tensor- nor pipeline-parallel), the native rollout engine at generation tp 1 (it records the experts for routing
-    replay); and actor.router_replay / router_aux_loss_coef only with such a policy."""
+    """What a mixture-of-experts policy (Qwen3-MoE) can run, refused before launch otherwise: either training
+    backend with data parallelism and expert parallelism inside it (<role>.ep, native backend; megatron at ep=1; the
+    experts are neither tensor- nor pipeline-parallel), the native rollout engine at generation tp 1 (it records the
+    experts for routing replay); and actor.router_replay / router_aux_loss_coef only with such a policy."""
     if cfg.actor.router_replay and not model.is_moe:
         raise UserError(f"actor.router_replay=true replays a mixture of experts' routing, and the model "
                         f"({model.model_type}) has no experts; set actor.router_replay=false")
@@ -167,13 +180,12 @@ def validate_moe(cfg: Config, model: ModelConfig) -> None:
         sec = role_section(cfg, role)
         if sec is None or (role != "actor" and role not in active_roles(cfg)):
             continue
-        if sec.backend == "megatron":
-            raise UserError(f"{role}.backend=megatron: {what}, and megatron-core's MoE layers are not wired yet; use "
-                            f"{role}.backend=native")
         if sec.tp > 1 or sec.pp > 1:
-            raise UserError(f"{role}.tp={sec.tp}, {role}.pp={sec.pp}: {what}, whose experts the native backend runs "
-                            f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP shards them, "
-                            f"or {role}.ep spreads them over ranks)")
+            raise UserError(f"{role}.tp={sec.tp}, {role}.pp={sec.pp}: {what}, whose experts both training backends run "
+                            f"whole on each rank; use {role}.tp=1 and {role}.pp=1 (data parallel: FSDP or megatron's "
+                            f"distributed optimizer shards them, or {role}.ep spreads them over ranks)")
+        if sec.backend == "megatron":
+            _validate_megatron_moe(role, sec)
     if cfg.actor.lora.rank > 0:
         raise UserError(f"actor.lora.rank={cfg.actor.lora.rank}: {what}; LoRA adapters are placed on linear modules, "
                         f"and the experts are stacked tensors with no adapter support yet: train it at full "

@@ -38,12 +38,19 @@ def test_moe_with_data_parallelism_plans_and_replay_needs_experts():
         compute_plan(load_config("conf/grpo_tiny.yaml", ["actor.router_aux_loss_coef=-1.0"]), world_size=2, model=MOE)
 
 
-def test_megatron_backend_is_refused_for_moe():
+def test_megatron_backend_plans_moe_at_ep1_and_refuses_what_it_cannot_run():
     pytest.importorskip("megatron.core")
     cfg = load_config("conf/grpo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu"])
-    with pytest.raises(UserError, match=r"ref.backend=megatron: the model is a mixture of experts .* use "
-                                        r"ref.backend=native"):
-        compute_plan(cfg, world_size=2, model=MOE)
+    assert compute_plan(cfg, world_size=2, model=MOE).groups["ref"].dp == 2
+    with pytest.raises(UserError, match=r"ref.backend=megatron: ref.ep=2: megatron-core's expert parallelism is wired "
+                                        r".* use ref.ep=1 with the megatron backend, or ref.backend=native"):
+        compute_plan(load_config("conf/grpo_tiny.yaml", ["ref.backend=megatron", "trainer.device=cpu", "ref.ep=2"]),
+                     world_size=2, model=MOE)
+    full_ac = load_config("conf/grpo_tiny.yaml", ["actor.backend=megatron", "trainer.device=cuda",
+                                                  "actor.activation_checkpointing=full"])
+    with pytest.raises(UserError, match=r"actor.backend=megatron with a mixture of experts: "
+                                        r"activation_checkpointing=full is not supported: .* use none"):
+        compute_plan(full_ac, world_size=2, model=MOE)
 
 
 @pytest.mark.parametrize("overrides, world, message", [
