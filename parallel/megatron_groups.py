@@ -76,8 +76,8 @@ def build_process_groups(mesh, *, ep: int = 1):
         pgc.ep = local_group(grid[0, start:start + ep, 0].tolist())
         pgc.expt_dp = local_group(grid[0, dp_i % ep::ep, 0].tolist())
         pgc.expt_tp, pgc.tp_ep, pgc.tp_ep_pp = self_group, pgc.ep, pgc.ep
-    else:  # ep = 1: every dp rank holds every expert, so the experts' data-parallel group is dp itself (DDP
-        # all-reduces expert gradients over expt_dp, the distributed optimizer shards their masters over it)
+    else:  # ep = 1: every dp rank holds every expert, so the experts' data-parallel group is dp itself (megatron
+        # then treats expert weights as dense ones: `allreduce` is False only at expert_model_parallel_size > 1)
         pgc.ep, pgc.expt_tp, pgc.expt_dp, pgc.tp_ep = self_group, self_group, dp, tp
         pgc.tp_ep_pp = pgc.mp  # the experts' model-parallel group (tp x pp; the expert optimizer's rank in it)
     pgc.intra_expt_dp = pgc.expt_dp

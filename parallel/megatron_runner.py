@@ -110,7 +110,7 @@ def build_megatron_training(gpt: nn.Module, pgc, optim: MegatronOptimSettings):
 
 def megatron_optimizers(opt) -> list:
     """The DistributedOptimizer(s) inside what get_megatron_optimizer returned: it always wraps them in a
-    ChainedOptimizer (one for the dense params; a second one for expert params in MoE models). Ranks whose
+    ChainedOptimizer (one for the dense params; a second one for expert params at ep > 1). Ranks whose
     stage has no trainable parameters hold a stub without a torch optimizer: skipped."""
     chained = getattr(opt, "chained_optimizers", [opt])
     return [o for o in chained if not getattr(o, "is_stub_optimizer", False) and o.optimizer is not None]
