@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron attn tail partial heavy_tail adamw train gen agent reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env tests megatron megatron_moe attn tail partial heavy_tail adamw train gen agent reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -44,6 +44,8 @@ for p in "${parts[@]}"; do
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 ${TESTS:-tests} ;;
     megatron) run megatron_tests "${T_MEGATRON:-300}" python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 240 \
                 tests/parallel/test_megatron_gpu.py tests/ppo/test_trainer_megatron.py ;;
+    megatron_moe) run megatron_moe_tests "${T_MEGATRON_MOE:-540}" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+                --timeout 420 tests/parallel/test_megatron_moe_gpu.py ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
     tail) run decode_tail "${T_TAIL:-90}" python3 -m bench.decode_tail --batches 32,64,256 ;;
     heavy_tail) run heavy_tail_sync "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-sync

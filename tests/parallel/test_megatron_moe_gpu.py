@@ -1,7 +1,8 @@
 """Qwen3-MoE on the megatron-core backend on one GPU (what the CPU test cannot reach: CUDA's dispatcher path, DDP's
 expert buffers, the second distributed optimizer megatron chains for expert parameters, the trainer loop).
 
-    python -m pytest -q -s -m gpu tests/parallel/test_megatron_moe_gpu.py     (about 1-2 minutes on one H200)
+    source .whl/prelude.sh && python -m pytest -q -s -m gpu tests/parallel/test_megatron_moe_gpu.py
+    (or: bash bench/gpu_suite.sh megatron_moe; expected 2-4 minutes on one H200, the GRPO run most of it)
 
 Each test prints one JSON line ("test": ...) with its measurements, or the error, so one run says everything.
 - parity: fp32 on CUDA (TF32 off), megatron's MoE model vs the native model on the same weights: logits, router
@@ -207,7 +208,7 @@ def test_grpo_with_a_megatron_moe_actor_on_the_gpu(tmp_path):
 
     res = launch(tmp_path, 1, "conf/grpo_tiny.yaml", "model.preset=tiny-qwen3-moe", "trainer.device=cuda",
                  "model.dtype=bfloat16", "actor.backend=megatron", "actor.router_replay=true",
-                 "trainer.total_steps=3", "trainer.experiment_name=mmoe", timeout=600)
+                 "trainer.total_steps=3", "trainer.experiment_name=mmoe", timeout=400)
     print(json.dumps({"test": "grpo_megatron_moe", "returncode": res.returncode,
                       "stderr_tail": res.stderr[-3000:] if res.returncode else ""}))
     _ok(res)
