@@ -21,8 +21,8 @@ whole on each rank: expert_tensor_parallel_size 1): the router `mlp.gate.weight`
 `mlp.experts.down_proj` [E_local, H, I] (E_local = E / ep: the expert-parallel rank's slice, as the native backend
 holds it), -> `mlp.experts.local_experts.<e>.linear_fc1.weight` [2I, H] (gate rows then up rows, megatron's
 swiglu order) and `.linear_fc2.weight` [H, I] for local expert e (megatron numbers them from 0 on every
-expert-parallel rank). The post-attention norm is `pre_mlp_layernorm` as in a dense layer. Megatron's MoE layers
-themselves are not wired (docs/moe.md): this is the mapping alone, exact both ways.
+expert-parallel rank). The post-attention norm is `pre_mlp_layernorm` as in a dense layer. The layer itself is
+models/megatron_moe.py.
 
 Tied embeddings: at pp = 1 the one `embedding.word_embeddings.weight` serves both HF names; at pp > 1
 the last stage's `output_layer.weight` is its own copy under `lm_head.weight` (as the native stages do).

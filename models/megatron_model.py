@@ -1,4 +1,4 @@
-"""megatron-core `GPTModel` for the Llama family, built from our `ModelConfig`, with the project's attention.
+"""megatron-core `GPTModel` for the Llama family and Qwen3-MoE, built from our `ModelConfig`, with our attention.
 
     gpt = build_megatron_model(cfg, pg_collection=pgc, pre_process=True, post_process=True, head="lm")
     h = megatron_hidden(gpt, input_ids, position_ids, attn=DocumentAttention(position_ids))  # [T, B, H]
@@ -17,6 +17,8 @@ and "score" drop it and add `score` = Linear(H, 1 | num_labels) replicated over 
 `score.weight`). We never call GPTModel.forward: `megatron_hidden` returns final-normed hidden
 states so log-probs come from the chunked vocab-parallel path (no [T, V] logits).
 The process groups arrive in `pg_collection`: this module never reads megatron's globals.
+A Qwen3-MoE model's sparse layers are megatron-core's MoE layer (models/megatron_moe.py): `megatron_hidden(...,
+routing=trace)` routes them through a models.moe.RouterTrace, as the native model's forward does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from torch import nn
 from models.config import ModelConfig
 from models.llama import apply_rotary, causal_attention, compute_inv_freq, rotary_cos_sin
 from models.megatron_map import HEADS, stage_layers
-from models.megatron_moe import decoder_block_spec, finish_moe_layers, host_token_dispatch, moe_config_fields, set_routing
+from models.megatron_moe import (
+    decoder_block_spec,
+    finish_moe_layers,
+    host_token_dispatch,
+    moe_config_fields,
+    set_routing,
+)
 
 try:  # importing megatron-core is optional for the rest of the project
     from megatron.core.models.gpt import GPTModel

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.mixin import with_mixin
 from models.megatron_map import stage_layers
+from models.mixin import with_mixin
 from models.moe import RouterTrace
 
 try:
@@ -71,7 +71,7 @@ class _TraceTopK:
         self.trace, self.layer = trace, layer
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        """scores [N, E] (logits, or probabilities with pre-softmax) -> (their top-k values [N, k], expert ids [N, k])."""
+        """scores [N, E] (logits; probabilities with pre-softmax) -> (their top-k values [N, k], expert ids [N, k])."""
         top, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         trace = self.trace
         recorded = trace.recorded.get(self.layer) if trace.recorded else None
@@ -124,8 +124,9 @@ class HostSplits:
         if self.drop_and_pad or point != self.cuda_dtoh_point:
             return tokens_per_expert
         # as numpy arrays, as megatron's own copy leaves them (maybe_move_tensor_to_cpu converts CUDA tensors only)
+        splits = (self.input_splits, self.output_splits, self.output_splits_tp)
         self.input_splits, self.output_splits, self.output_splits_tp = (
-            t.numpy() if torch.is_tensor(t) else t for t in (self.input_splits, self.output_splits, self.output_splits_tp))
+            t.numpy() if torch.is_tensor(t) else t for t in splits)
         return tokens_per_expert
 
 

@@ -228,7 +228,8 @@ class MegatronRunner:
     # ---- compute
     def _hidden(self, mb, *, hidden_in=None, trace=None) -> torch.Tensor:
         """One micro-batch through this stage: [T, 1, H] (sequence-first, megatron's p2p layout). trace: a mixture
-        of experts' models.moe.RouterTrace (parallel.runner.router_trace: the engine's experts, replayed or compared)."""
+        of experts' models.moe.RouterTrace (parallel.runner.router_trace: the engine's experts, replayed or
+        compared)."""
         attn = attention_for(self.attn_factory, mb)
         return megatron_hidden(self.gpt, mb.input_ids if self.has_first else None, mb.position_ids, attn=attn,
                                hidden_in=hidden_in, routing=trace)

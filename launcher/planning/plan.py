@@ -140,8 +140,8 @@ def _validate_megatron_moe(role: str, sec) -> None:
     if sec.ep > 1:
         raise UserError(f"{role}.backend=megatron: {role}.ep={sec.ep}: megatron-core's expert parallelism is wired and "
                         "its forward, gradients, export and reshard equal ep=1 on CPU, but its DDP and distributed "
-                        "optimizer over expert groups have not run on GPUs yet (tests/parallel/test_megatron_moe_gpu.py, "
-                        f"2 GPUs); use {role}.ep=1 with the megatron backend, or {role}.backend=native")
+                        "optimizer over expert groups have not run on GPUs yet (test_megatron_moe_gpu.py, 2 GPUs); "
+                        f"use {role}.ep=1 with the megatron backend, or {role}.backend=native")
 
 
 def validate_moe(cfg: Config, model: ModelConfig) -> None:

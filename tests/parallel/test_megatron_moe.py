@@ -5,7 +5,8 @@ One world of 2 ranks (each its own row): at ep = 1 the logits, every MoE layer's
 the load-balancing loss and every parameter's gradient (log-probs + coefficient x aux loss) equal the native model's;
 routing replay routes exactly as recorded with perturbed routers (and the forward equals the native replay), without
 replay the routers differ from the record; at ep = 2 (each rank 2 of the 4 experts, tokens by all-to-all) the logits
-and gradients equal ep = 1's (an expert's: summed over the ranks whose tokens reach it), the export equals the native weights and the reshard to whole generation weights too.
+and gradients equal ep = 1's (an expert's: summed over the ranks whose tokens reach it), the export equals the native
+weights and the reshard to whole generation weights too.
 """
 
 import copy
@@ -97,9 +98,8 @@ def _ep1_case(native, runner, ids, pos) -> dict:
 
 def _replay_case(native, runner, ids, pos, *, recorded) -> dict:
     """Routers perturbed on both sides: replay routes every token as recorded and equals the native replay."""
-    from models.moe import RouterTrace
-
     from models.megatron_model import megatron_hidden
+    from models.moe import RouterTrace
 
     native = copy.deepcopy(native)
     gen = torch.Generator().manual_seed(7)
