@@ -4,7 +4,7 @@ experts; models/megatron_moe.py), on CPU over gloo, fp32, against the native mod
 One world of 2 ranks (each its own row): at ep = 1 the logits, every MoE layer's router logits and chosen experts,
 the load-balancing loss and every parameter's gradient (log-probs + coefficient x aux loss) equal the native model's;
 routing replay routes exactly as recorded with perturbed routers (and the forward equals the native replay), without
-replay the routers differ from the record; at ep = 2 (each rank 2 of the 4 experts, tokens by all-to-all) the logits
+replay the routers differ from the record; the reshard to whole generation weights is exact; at ep = 2 (each rank 2 of the 4 experts, tokens by all-to-all) the logits
 and gradients equal ep = 1's (an expert's: summed over the ranks whose tokens reach it), the export equals the native
 weights and the reshard to whole generation weights too.
 """
@@ -125,8 +125,6 @@ def _replay_case(native, runner, ids, pos, *, recorded) -> dict:
 
 def _ep2_case(native, runner, ids, pos, rank, *, ref_logits, ref_grads) -> dict:
     from models.moe import RouterTrace
-    from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
-    from parallel.reshard_exec import build_reshard_groups, execute_reshard
 
     out = {}
     logits, grads = _megatron_pass(runner, ids, pos, RouterTrace())
@@ -148,13 +146,23 @@ def _ep2_case(native, runner, ids, pos, rank, *, ref_logits, ref_grads) -> dict:
     export = runner.export_state_dict()
     out["ep2_export"] = (export is None) if rank else (set(export) == set(full)
                                                        and all(torch.equal(export[n], full[n]) for n in full))
-    train, gen = TrainLayout(dp=2, ep=2), GenLayout(tp=1, dp=2)
+    out["ep2_reshard"] = _reshard_is_exact(native, runner, rank, ep=2)
+    return out
+
+
+def _reshard_is_exact(native, runner, rank, *, ep) -> bool:
+    """The hybrid engine's reshard of the runner's training shards (dp 2) to whole weights on each rank (the
+    engine's layout) equals the native weights."""
+    from parallel.reshard import GenLayout, TrainLayout, param_specs, plan_reshard
+    from parallel.reshard_exec import build_reshard_groups, execute_reshard
+
+    full = {n: p.detach() for n, p in native.named_parameters()}
+    train, gen = TrainLayout(dp=2, ep=ep), GenLayout(tp=1, dp=2)
     groups = build_reshard_groups((train, gen), [0, 1])
     plan = plan_reshard(train, gen, param_specs(native.config, itemsize=4), only_rank=rank)
     with torch.no_grad():
         got = execute_reshard(plan, runner.training_shards(), groups=groups, bucket_bytes=1 << 16)
-    out["ep2_reshard"] = set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
-    return out
+    return set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
 
 
 def _body(rank, world):
@@ -165,6 +173,7 @@ def _body(rank, world):
     pos = torch.arange(13)[None]
     ep1 = _runner(native, ep=1)
     out = _ep1_case(native, ep1, ids, pos)
+    out["ep1_reshard"] = _reshard_is_exact(native, ep1, rank, ep=1)
     from models.moe import RouterTrace
 
     ref_logits, ref_grads = _megatron_pass(ep1, ids, pos, RouterTrace())
@@ -184,7 +193,8 @@ def test_megatron_moe_layer_matches_native_and_ep2_matches_ep1():
     for res in run_world(_body, world_size=2, timeout=300):
         for key in ("logits", "runner_logits", "router_logits", "aux", "grads", "ep2_logits", "ep2_grads"):
             assert res[key] < TOL, (key, res[key])
-        for key in ("same_experts", "router_grad_nonzero", "ep2_export", "ep2_reshard", "globals_untouched"):
+        for key in ("same_experts", "router_grad_nonzero", "ep1_reshard", "ep2_export", "ep2_reshard",
+                    "globals_untouched"):
             assert res[key] is True, key
         err, as_recorded, mismatched, native_mismatched = res["replay_True"]
         assert err < TOL and as_recorded and mismatched == native_mismatched > 0, res["replay_True"]
