@@ -4,9 +4,9 @@ experts; models/megatron_moe.py), on CPU over gloo, fp32, against the native mod
 One world of 2 ranks (each its own row): at ep = 1 the logits, every MoE layer's router logits and chosen experts,
 the load-balancing loss and every parameter's gradient (log-probs + coefficient x aux loss) equal the native model's;
 routing replay routes exactly as recorded with perturbed routers (and the forward equals the native replay), without
-replay the routers differ from the record; the reshard to whole generation weights is exact; at ep = 2 (each rank 2 of the 4 experts, tokens by all-to-all) the logits
-and gradients equal ep = 1's (an expert's: summed over the ranks whose tokens reach it), the export equals the native
-weights and the reshard to whole generation weights too.
+replay the routers differ from the record; the reshard to whole generation weights is exact. At ep = 2 (each rank 2
+of the 4 experts, tokens by all-to-all) the logits and gradients equal ep = 1's (an expert's: summed over the ranks
+whose tokens reach it), the export equals the native weights and the reshard too.
 """
 
 import copy
