@@ -62,7 +62,9 @@ def _megatron_pass(runner, ids, pos, trace):
     w, _ = runner.head("lm_head")
     logits = megatron_hidden(runner.gpt, ids, pos, routing=trace).transpose(0, 1) @ w.t()
     _loss(logits, ids, trace).backward()
-    return logits.detach(), {n: p.grad for n, p in runner.gpt.named_parameters()}
+    # an expert no token reached may have no gradient: zero, as the native stacked experts' rows are
+    return logits.detach(), {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                             for n, p in runner.gpt.named_parameters()}
 
 
 def _ep1_case(native, runner, ids, pos) -> dict:

@@ -114,7 +114,9 @@ def _parity_body(rank, world):
 
     loss(ref, tn).backward()
     loss(got, tm).backward()
-    grads = megatron_to_hf({n: p.grad for n, p in runner.gpt.named_parameters()}, cfg, tp=1, pp=1, pp_rank=0)
+    # an expert no token reached may have no gradient: zero, as the native stacked experts' rows are
+    grads = megatron_to_hf({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                            for n, p in runner.gpt.named_parameters()}, cfg, tp=1, pp=1, pp_rank=0)
     params = dict(native.named_parameters())
     out = dict(
         shapes={n: list(p.shape) for n, p in runner.gpt.named_parameters()
@@ -189,7 +191,10 @@ def _train_body(rank, world):
                 optimizers=len(megatron_optimizers(runner.optimizer)),
                 expert_buffers=len(getattr(runner.ddp, "expert_parallel_buffers", [])),
                 router_moved=min(v for n, v in moved.items() if n.endswith("mlp.router.weight")),
-                experts_moved=min(v for n, v in moved.items() if ".local_experts." in n),
+                # an expert no token reached in the 3 steps keeps its weights: the largest and the share that moved
+                experts_moved=max(v for n, v in moved.items() if ".local_experts." in n),
+                experts_moved_share=sum(v > 0 for n, v in moved.items() if ".local_experts." in n)
+                / sum(".local_experts." in n for n in moved),
                 checkpoint_params_equal=same, checkpoint_optimizers=len(saved.get("dist_optim", [])),
                 checkpoint_masters_equal=same_opt)
 
