@@ -5,7 +5,7 @@ experts (the local spec: no Transformer Engine, no grouped-GEMM package), with r
     spec = decoder_block_spec(cfg, dense_layer_spec, pp=1, pp_rank=0)  # per-layer specs: dense or MoE
     with host_token_dispatch():                          # building on a machine without CUDA
         gpt = GPTModel(config, spec, ...)
-    finish_moe_layers(gpt)                               # CPU dispatch, the HF layer index of each router
+    routers = finish_moe_layers(gpt)                     # CPU dispatch; the stage's TraceRouters
     set_routing(gpt, trace)                              # before each forward (models.megatron_model.megatron_hidden)
 
 Routing equals the native `models.moe.SparseMoeBlock.route`: with norm_topk_prob megatron's top-k of the logits then a

@@ -4,7 +4,8 @@ experts; models/megatron_moe.py), on CPU over gloo, fp32, against the native mod
 One world of 2 ranks (each its own row): at ep = 1 the logits, every MoE layer's router logits and chosen experts,
 the load-balancing loss and every parameter's gradient (log-probs + coefficient x aux loss) equal the native model's;
 routing replay routes exactly as recorded with perturbed routers (and the forward equals the native replay), without
-replay the routers differ from the record; the reshard to whole generation weights is exact. At ep = 2 (each rank 2
+replay the routers differ from the record; the reshard to whole generation weights is exact; without
+norm_topk_prob (softmax, then top-k, not renormalised) the logits equal too. At ep = 2 (each rank 2
 of the 4 experts, tokens by all-to-all) the logits and gradients equal ep = 1's (an expert's: summed over the ranks
 whose tokens reach it), the export equals the native weights and the reshard too.
 """
@@ -24,13 +25,14 @@ TOL = 1e-5
 COEF = 0.1  # the load-balancing loss's weight: large enough that a missing aux gradient shows
 
 
-def _native():
+def _native(norm_topk_prob: bool = True):
     from models.config import preset_config
     from models.llama import LlamaForCausalLM, init_weights
 
     # 4 experts, top-2 renormalised; layer 0 dense, layers 1-2 sparse (the aux loss pools two layers)
     cfg = preset_config("tiny-qwen3-moe", hidden_size=32, num_hidden_layers=3, head_dim=16, intermediate_size=64,
-                        num_experts=4, moe_intermediate_size=16, mlp_only_layers=[0], router_aux_loss_coef=COEF)
+                        num_experts=4, moe_intermediate_size=16, mlp_only_layers=[0], router_aux_loss_coef=COEF,
+                        norm_topk_prob=norm_topk_prob)
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
     with torch.no_grad():  # routers with decisive logits, so routing does not hinge on rounding
@@ -170,12 +172,22 @@ def _reshard_is_exact(native, runner, rank, *, ep) -> bool:
 def _body(rank, world):
     from megatron.core import parallel_state
 
+    from models.megatron_model import megatron_hidden
+
     native = _native()
     ids = torch.randint(3, native.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))[rank:rank + 1]
     pos = torch.arange(13)[None]
     ep1 = _runner(native, ep=1)
     out = _ep1_case(native, ep1, ids, pos)
     out["ep1_reshard"] = _reshard_is_exact(native, ep1, rank, ep=1)
+    # norm_topk_prob=False: megatron's softmax-then-top-k (moe_router_pre_softmax), not renormalised
+    plain = _native(norm_topk_prob=False)
+    with torch.no_grad():
+        runner = _runner(plain, ep=1)
+        w, _ = runner.head("lm_head")
+        got = megatron_hidden(runner.gpt, ids, pos).transpose(0, 1) @ w.t()
+        out["unnormalised_logits"] = (got - plain(ids, pos)).abs().max().item()
+        out["unnormalised_pre_softmax"] = runner.gpt.config.moe_router_pre_softmax
     from models.moe import RouterTrace
 
     ref_logits, ref_grads = _megatron_pass(ep1, ids, pos, RouterTrace())
@@ -193,7 +205,9 @@ def _body(rank, world):
 @pytest.mark.distributed
 def test_megatron_moe_layer_matches_native_and_ep2_matches_ep1():
     for res in run_world(_body, world_size=2, timeout=300):
-        for key in ("logits", "runner_logits", "router_logits", "aux", "grads", "ep2_logits", "ep2_grads"):
+        assert res.pop("unnormalised_pre_softmax") is True
+        for key in ("logits", "runner_logits", "router_logits", "aux", "grads", "ep2_logits", "ep2_grads",
+                    "unnormalised_logits"):
             assert res[key] < TOL, (key, res[key])
         for key in ("same_experts", "router_grad_nonzero", "ep1_reshard", "ep2_export", "ep2_reshard",
                     "globals_untouched"):
