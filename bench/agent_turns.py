@@ -15,9 +15,11 @@ Each mode is timed after one untimed multi-turn pass (CUDA graphs of its decode 
 mode is measured). Reported: single-turn generated tokens/s, and per mode (keys prefixed `keep_` / `reprefill_`):
 tokens/s and its ratio to single-turn (the issue's target: >= 0.8), prefilled tokens (all, and per later turn:
 what turns 2..T prefilled, per trajectory and turn), tokens the kept KV spared, parked KV evicted for room and
-turns that re-prefilled anyway, the engine steps taken while a tool slept, and busy_while_tools: the share of the
+turns that re-prefilled anyway, the engine steps taken while a tool slept, busy_while_tools: the share of the
 wall time the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to
-decode / the time some tool was sleeping). One JSON line.
+decode / the time some tool was sleeping), the engine's prefill and decode steps and the seconds inside each
+(NativeEngine.stats; single-turn's steps too), and driver_host_ms_per_step: the wall time outside the engine's
+steps and tool waits (the driver's and the loops' Python) per engine step. One JSON line.
 """
 
 from __future__ import annotations
@@ -102,15 +104,16 @@ def main(argv: list[str] | None = None) -> dict:
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     total_tokens = sum(sum(x) for x in lengths)
 
-    def single_turn() -> float:
+    def single_turn() -> tuple[float, dict]:
         params = [SamplingParams(temperature=1.0, max_tokens=sum(x), seed=i, ignore_eos=True)
                   for i, x in enumerate(lengths)]
+        before = dict(engine.stats)
         sync(args.device)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         sync(args.device)
         assert sum(len(c.token_ids) for c in outs) == total_tokens
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, {k: engine.stats[k] - before[k] for k in ("prefill_steps", "decode_steps")}
 
     def multi_turn(keep: bool) -> tuple[float, dict]:
         slept: list[tuple[float, float]] = []
@@ -118,12 +121,14 @@ def main(argv: list[str] | None = None) -> dict:
         starts = [Start(turns_loop(x, delay_s=args.tool_delay_ms / 1e3, obs=obs, slept=slept),
                         AgentTask(p, {}, None, max_response_tokens=max_len, max_total_tokens=max_len), i, key=i)
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
+        before = dict(engine.stats)
         sync(args.device)
         t0 = time.perf_counter()
         trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
         sync(args.device)
         wall = time.perf_counter() - t0
         pool.close()
+        spent = {k: engine.stats[k] - before[k] for k in ("prefill_steps", "decode_steps", "prefill_s", "decode_s")}
         assert sum(end - start for tr in trajs for start, end in tr.turns) == total_tokens
         sleeping = covered(slept)
         later = b * (args.turns - 1)
@@ -134,15 +139,17 @@ def main(argv: list[str] | None = None) -> dict:
                       "kv_misses": stats.kv_misses, "engine_steps": stats.engine_steps,
                       "steps_during_tools": stats.steps_during_tools, "tool_sleep_covered_s": sleeping,
                       "driver_idle_s": stats.tool_wait_s,
-                      "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None}
+                      "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None,
+                      **spent, "driver_host_ms_per_step":
+                      1e3 * (wall - spent["prefill_s"] - spent["decode_s"] - stats.tool_wait_s) / stats.engine_steps}
 
     single_turn()  # warm-up: CUDA graphs of the decode shapes, kernels
-    single_s = single_turn()
+    single_s, single_steps = single_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
            "trajectories": b, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
-           "single_turn_s": single_s}
+           "single_turn_s": single_s, **{f"single_turn_{k}": v for k, v in single_steps.items()}}
     multi_turn(keep=True)  # warm-up: the decode shapes of staggered turns and the continuation prefills
     for mode in modes:
         multi_s, detail = multi_turn(keep=mode == "keep")

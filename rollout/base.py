@@ -60,6 +60,9 @@ class RolloutConfig:
     max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     min_admit_fraction: float = 0.0625  # batch admissions: prefill once this share of slots is free
+    # continuations (kept KV: an agent's next turn) wait for that many of them, or at most this many engine steps,
+    # so returning turns share a prefill instead of each stalling the decode batch with its own
+    continuation_wait_steps: int = 16
     block_size: int = 32  # granule of the decode KV-length buckets (one CUDA graph per bucket)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)
@@ -95,6 +98,8 @@ class RolloutConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
+        if self.continuation_wait_steps < 0:
+            raise ValueError(f"continuation_wait_steps={self.continuation_wait_steps} must be >= 0")
         if not 0.0 <= self.min_admit_fraction <= 1.0:
             raise ValueError(f"min_admit_fraction={self.min_admit_fraction} must be in [0, 1]")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from itertools import islice
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class Sequence:
     cached: int = 0  # tokens whose KV the slot already holds at admission (a continuation prefills the rest)
     kv_start: object = None  # a parked slot's KV at position 0, saved before padding rows overwrite it
     kept: list[int] | None = None  # parked: its tokens when it finished (the lists handed out may grow after)
+    queued_at: int = 0  # Scheduler.steps when it was added (how long a waiting continuation has waited)
 
     @property
     def length(self) -> int:
@@ -95,7 +97,7 @@ def length_bucket(n: int, *, granule: int, cap: int) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_batched_tokens: int, max_model_len: int, granule: int,
-                 slot_len: int, eos_token_ids: list[int], min_admit: int = 1):
+                 slot_len: int, eos_token_ids: list[int], min_admit: int = 1, continuation_wait: int = 0):
         if slot_len < max_model_len:
             raise ValueError(f"slot_len({slot_len}) must hold max_model_len({max_model_len}) tokens")
         self.num_slots = num_slots
@@ -106,6 +108,10 @@ class Scheduler:
         # admit only once this many slots are free (or everything waiting fits): one prefill for a batch
         # of finished sequences instead of one stalled decode step per EOS
         self.min_admit = max(1, min_admit)
+        # continuations (kept KV, slot held) are admitted in waves too: once min_admit of them wait, or once the
+        # oldest has waited this many steps (one prefill for many returning agent turns, not one per turn)
+        self.continuation_wait = continuation_wait
+        self.steps = 0  # update() calls: engine steps (prefill or decode) whose tokens were applied
         self.buckets = batch_buckets(num_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -116,6 +122,7 @@ class Scheduler:
         self._reserved = 0  # waiting continuations that hold their slot
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_at = self.steps
         if seq.slot >= 0:  # a continuation holding its slot goes first: it needs no free one
             self.waiting.appendleft(seq)
             self._reserved += 1
@@ -150,10 +157,23 @@ class Scheduler:
         return [g for g in groups.values() if len(g[1]) > 1]
 
     def can_admit(self) -> bool:
-        # parked slots count as free (admission evicts them); a continuation brings its own slot
-        free = len(self._free) + len(self.parked) + self._reserved
-        return bool(self.waiting) and free > 0 and (
-            free >= min(self.min_admit, len(self.waiting)) or not self.running)
+        """Whether the next step is a prefill. An idle engine admits whatever waits. Fresh sequences go in once
+        min_admit slots are free (parked ones count: admission evicts them) or all of them fit; continuations
+        (their slot held) once min_admit of them wait or the oldest has waited `continuation_wait` steps; a
+        prefill admits every continuation waiting and the fresh ones that fit."""
+        if not self.waiting:
+            return False
+        if not self.running:
+            return True
+        fresh, room = len(self.waiting) - self._reserved, len(self._free) + len(self.parked)
+        if fresh and room and room >= min(self.min_admit, fresh):
+            return True
+        if not self._reserved:
+            return False
+        if self._reserved >= self.min_admit:
+            return True
+        oldest = min(s.queued_at for s in islice(self.waiting, self._reserved))  # continuations lead the queue
+        return self.steps - oldest >= self.continuation_wait
 
     def needs_compaction(self) -> bool:
         if self.waiting or not self.running:
@@ -262,6 +282,7 @@ class Scheduler:
 
     def update(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Sequence]:
         """Append one sampled token per sequence; returns the sequences that finished (slots freed)."""
+        self.steps += 1
         done = []
         for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(int(tok))

@@ -2,6 +2,8 @@
 the next turn (its tokens plus new ones) prefills only the new tokens; the same tokens and log-probs as
 re-prefilling the whole context, parked slots evicted (and re-prefilled) when a waiting sequence needs room."""
 
+import random
+
 import torch
 
 from rollout import NativeEngine, SamplingParams
@@ -128,3 +130,50 @@ def test_an_fp8_cache_keeps_quantized_kv_across_turns():
         assert engine.stats["kv_reused_tokens"] == (len(PROMPTS[2]) + 3 if keep else 0)
     assert second[True].token_ids[:2] == second[False].token_ids[:2]
     assert 0 < abs(second[True].logprobs[0] - second[False].logprobs[0]) < 0.1
+
+
+def staggered_turns(engine, n: int, *, turns=3, lengths=(3, 16)):
+    """n trajectories of `turns` turns of random lengths in `lengths` (so turns end at scattered steps), each next
+    turn added right after the last (a tool of no delay); per trajectory its context and log-probs."""
+    rng = random.Random(0)
+    ctx = {i: list(PROMPTS[i % len(PROMPTS)]) + [20 + i] for i in range(n)}
+    lps, turn, reqs = {i: [] for i in ctx}, dict.fromkeys(ctx, 0), {}
+    size = {(i, t): rng.randint(*lengths) for i in ctx for t in range(turns)}
+
+    def add(i):
+        p = SamplingParams(temperature=1.0, max_tokens=size[i, turn[i]], seed=100 * i + turn[i], ignore_eos=True)
+        reqs[engine.add_request(ctx[i], p, sessions=[("t", i)])] = i
+
+    for i in ctx:
+        add(i)
+    while engine.has_unfinished():
+        for c in engine.step():
+            i = reqs.pop(c.prompt_index)
+            ctx[i] += c.token_ids
+            lps[i] += c.logprobs
+            turn[i] += 1
+            if turn[i] < turns:
+                ctx[i] += OBS[i % len(OBS)]
+                add(i)
+            else:
+                engine.release_session(("t", i))
+    return ctx, lps
+
+
+def test_returning_turns_share_prefills_with_the_same_tokens():
+    # 16 trajectories x 2 later turns returning at scattered steps: admitted one by one (continuation_wait_steps=0,
+    # the engine before waves) most returns are a prefill step of their own, which stalls every other row's decode;
+    # in waves (4 waiting, or the oldest waited 2 steps) fewer prefills, no more engine steps in all, and the same
+    # tokens and log-probs
+    one_by_one = NativeEngine.from_model(model(), config=config(min_admit_fraction=0.25, continuation_wait_steps=0))
+    ref_ctx, ref_lps = staggered_turns(one_by_one, 16)
+    waves = NativeEngine.from_model(model(), config=config(min_admit_fraction=0.25, continuation_wait_steps=2))
+    ctx, lps = staggered_turns(waves, 16)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_lps[i]), atol=1e-5, rtol=0)
+    steps = lambda e: e.stats["prefill_steps"] + e.stats["decode_steps"]  # noqa: E731
+    assert one_by_one.stats["prefill_steps"] >= 12 and waves.stats["prefill_steps"] <= 9, (waves.stats,
+                                                                                          one_by_one.stats)
+    assert steps(waves) <= steps(one_by_one), (waves.stats, one_by_one.stats)
+    assert waves.stats["prefill_tokens"] == one_by_one.stats["prefill_tokens"] and waves.stats["kv_misses"] == 0

@@ -118,3 +118,40 @@ def test_admissions_are_batched():
     assert isinstance(step, PrefillBatch) and len(step.seqs) == 3
     s.update(running[3:4], [9], [0.0])  # one slot free and exactly one waiting: admit it
     assert [q.seq_id for q in s.schedule().seqs] == [11]
+
+
+
+def test_continuations_are_admitted_in_waves():
+    # returning agent turns (kept KV: their slot held) share a prefill: once min_admit of them wait, or once the
+    # oldest has waited continuation_wait steps; not one prefill (and a stalled decode batch) per returning turn
+    s = Scheduler(num_slots=8, max_num_batched_tokens=256, max_model_len=64, granule=16, slot_len=64,
+                  eos_token_ids=[2], min_admit=3, continuation_wait=2)
+    long = [_seq(i, i, 2, max_tokens=30) for i in range(5)]
+    turns = [_seq(5 + i, 5 + i, 2, max_tokens=1) for i in range(3)]
+    for seq in long + turns:
+        seq.session = seq.seq_id
+        s.add(seq)
+    step = s.schedule()
+    assert len(s.update(step.seqs, [5] * 8, [0.0] * 8)) == 3 and len(s.parked) == 3  # the turns end, parked
+    ids = iter(range(100, 200))
+
+    def back(parked):  # the next turn of a parked sequence, continuing in its slot
+        assert s.unpark(parked)
+        seq = _seq(next(ids), parked.prompt_index, 4, max_tokens=1)
+        seq.slot, seq.cached, seq.session = parked.slot, 2, parked.session
+        s.add(seq)
+        return seq
+
+    first = [back(p) for p in list(s.parked.values())]  # three return at once: min_admit -> one prefill
+    step = s.schedule()
+    assert isinstance(step, PrefillBatch) and {q.seq_id for q in step.seqs} == {q.seq_id for q in first}
+    s.update(step.seqs, [5] * 3, [0.0] * 3)  # parked again
+    parked = list(s.parked.values())
+    back(parked[0])
+    assert not s.can_admit() and isinstance(s.schedule(), DecodeBatch)  # one waits: the decode batch runs on
+    s.update(long, [5] * 5, [0.0] * 5)
+    back(parked[1])
+    assert not s.can_admit()  # two wait, the first for one step
+    s.update(long, [5] * 5, [0.0] * 5)
+    step = s.schedule()  # the first has waited two steps: both in one prefill
+    assert isinstance(step, PrefillBatch) and len(step.seqs) == 2 and s.can_admit() is False
