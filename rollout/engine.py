@@ -68,9 +68,13 @@ class NativeEngine:
         self._weights_changed = False
         # prefill_tokens: tokens run by prefills (a row shared by n samples counts once); kv_reused_tokens: tokens
         # a continuation did not re-run (its session's KV kept); kv_evictions: parked sessions evicted for room;
-        # kv_misses: continuations that re-prefilled (KV evicted, or the prompt did not extend the session's tokens)
+        # kv_misses: continuations that re-prefilled (KV evicted, or the prompt did not extend the session's tokens);
+        # device_drains: waits on the device that left it nothing queued while requests remained (pipeline bubbles;
+        # a prefill's wait, or a decode step collected with none launched behind it); prefill_s: a prefill's time,
+        # with the decode step it ran behind
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0}
+                      "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0,
+                      "device_drains": 0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -255,9 +259,10 @@ class NativeEngine:
         return bool(self._requests or self._ready)
 
     def step(self) -> list[Completion]:
-        """One engine iteration (a prefill, or one decode step); returns the completions of the requests
-        that finished in it, each request's `n` samples together. Decode stays pipelined one step ahead,
-        so a decode step may still be in flight on return: call settle() before swapping weights."""
+        """One engine iteration (a prefill, one decode step, or a prefill behind the decode step in flight and
+        that step); returns the completions of the requests that finished in it, each request's `n` samples
+        together. Decode stays pipelined one step ahead, so a decode step may still be in flight on return: call
+        settle() before swapping weights."""
         ready, self._ready = self._ready, []
         if self._weights_changed:  # weights swapped between steps with requests in flight
             self.runner.finish_loading()
@@ -337,27 +342,15 @@ class NativeEngine:
         """One iteration of prefill-first continuous batching. Decode is pipelined one step ahead: while
         step k runs, step k+1 is already enqueued (its inputs are produced on the device by step k), so
         host bookkeeping overlaps the GPU. A sequence that finishes at step k costs one discarded row in
-        step k+1."""
+        step k+1. Sequences admitted while step k runs are prefilled behind it (the prefill's launches overlap
+        step k; its tokens come back with step k's): one wait with the device left idle per admission, not two."""
         t0 = time.perf_counter()
         updates = self._updates  # decode rows to (re)write before the next launch
         if self._pending is None:
             step = sched.schedule()
             if isinstance(step, PrefillBatch):
-                tokens, logprobs, routes = self.runner.prefill(step)
-                if routes is not None:  # a mixture of experts: the tokens each row ran (a continuation's new ones)
-                    for r, row in enumerate(step.rows):
-                        for s in row:
-                            s.routes.append(routes[r])
-                for row in step.rows:
-                    self.stats["prefill_tokens"] += row[0].length - row[0].cached
-                    self.stats["kv_reused_tokens"] += row[0].cached
-                for s in sched.update(step.seqs, tokens, logprobs):
-                    self._finished.add(s.prompt_index)
-                    if sched.parked.get(s.slot) is s:
-                        self._park(s)
-                for s in step.seqs:
-                    updates[s.slot] = _PAD if s.finish_reason else _row(s)
-                self.stats["prefill_steps"] += 1
+                self.stats["device_drains"] += bool(sched.running.keys() - {s.slot for s in step.seqs})
+                self._prefill(sched, step)
                 self.stats["prefill_s"] += time.perf_counter() - t0
                 return
             moves = sched.compaction()
@@ -371,13 +364,41 @@ class NativeEngine:
             self._pending = (step.seqs, self._launch(step, updates))
         seqs, handle = self._pending
         self._pending = None
-        if not sched.can_admit() and not sched.needs_compaction():
+        if sched.can_admit():  # prefill behind step k (stream order: it reads and writes the KV after step k)
+            self.stats["device_drains"] += 1
+            self._prefill(sched, sched.schedule(), before=(seqs, handle))
+            self.stats["prefill_s"] += time.perf_counter() - t0
+            return
+        if not sched.needs_compaction():
             ahead = [s for s in seqs if s.finish_reason is None and not sched.surely_finishes_next(s)]
             if ahead:
                 self._pending = (ahead, self._launch(sched.decode_batch(ahead, lookahead=1), updates))
+        self.stats["device_drains"] += self._pending is None and sched.has_work()
         self._apply_decode(sched, seqs, handle)
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _prefill(self, sched: Scheduler, step: PrefillBatch, *, before: tuple | None = None) -> None:
+        """Run the admitted rows and apply their first tokens; `before`: the decode step in flight (its
+        sequences, its handle), applied first (the prefill's results wait for it anyway)."""
+        tokens, logprobs, routes = self.runner.prefill(step)
+        if before is not None:
+            self._apply_decode(sched, *before)
+            self.stats["decode_steps"] += 1
+        if routes is not None:  # a mixture of experts: the tokens each row ran (a continuation's new ones)
+            for r, row in enumerate(step.rows):
+                for s in row:
+                    s.routes.append(routes[r])
+        for row in step.rows:
+            self.stats["prefill_tokens"] += row[0].length - row[0].cached
+            self.stats["kv_reused_tokens"] += row[0].cached
+        for s in sched.update(step.seqs, tokens, logprobs):
+            self._finished.add(s.prompt_index)
+            if sched.parked.get(s.slot) is s:
+                self._park(s)
+        for s in step.seqs:
+            self._updates[s.slot] = _PAD if s.finish_reason else _row(s)
+        self.stats["prefill_steps"] += 1
 
     def _apply_decode(self, sched: Scheduler, seqs: list[Sequence], handle) -> None:
         tokens, logprobs, routes = self.runner.collect(handle)

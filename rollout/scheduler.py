@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import islice
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from rollout.base import SamplingParams
 

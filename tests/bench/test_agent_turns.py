@@ -15,6 +15,6 @@ def test_the_benchmark_measures_kept_kv_against_re_prefill():
     assert row["keep_kv_reused_tokens"] > 0 and row["reprefill_kv_reused_tokens"] == 0
     assert row["keep_kv_evictions"] == row["keep_kv_misses"] == 0
     assert row["keep_tokens_per_s"] > 0 and row["reprefill_tokens_per_s"] > 0
-    # the host-time breakdown: every engine step is a prefill or a decode step
-    assert row["keep_prefill_steps"] + row["keep_decode_steps"] == row["keep_engine_steps"]
+    # the host-time breakdown: every engine step ran a prefill or a decode step (or a prefill behind one)
+    assert row["keep_decode_steps"] <= row["keep_engine_steps"] <= row["keep_prefill_steps"] + row["keep_decode_steps"]
     assert row["single_turn_prefill_steps"] >= 1 and row["keep_driver_host_ms_per_step"] >= 0

@@ -163,17 +163,18 @@ def staggered_turns(engine, n: int, *, turns=3, lengths=(3, 16)):
 def test_returning_turns_share_prefills_with_the_same_tokens():
     # 16 trajectories x 2 later turns returning at scattered steps: admitted one by one (continuation_wait_steps=0,
     # the engine before waves) most returns are a prefill step of their own, which stalls every other row's decode;
-    # in waves (4 waiting, or the oldest waited 2 steps) fewer prefills, no more engine steps in all, and the same
-    # tokens and log-probs
+    # in waves (4 waiting, or the oldest waited 4 steps) half the prefills, no more engine steps in all, and the same
+    # tokens and log-probs. Each prefill leaves the device idle once (run behind the decode step in flight), and
+    # nothing else does but the tail's compaction
     one_by_one = NativeEngine.from_model(model(), config=config(min_admit_fraction=0.25, continuation_wait_steps=0))
     ref_ctx, ref_lps = staggered_turns(one_by_one, 16)
-    waves = NativeEngine.from_model(model(), config=config(min_admit_fraction=0.25, continuation_wait_steps=2))
+    waves = NativeEngine.from_model(model(), config=config(min_admit_fraction=0.25, continuation_wait_steps=4))
     ctx, lps = staggered_turns(waves, 16)
     assert ctx == ref_ctx
     for i in ctx:
         torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_lps[i]), atol=1e-5, rtol=0)
     steps = lambda e: e.stats["prefill_steps"] + e.stats["decode_steps"]  # noqa: E731
-    assert one_by_one.stats["prefill_steps"] >= 12 and waves.stats["prefill_steps"] <= 9, (waves.stats,
-                                                                                          one_by_one.stats)
+    assert waves.stats["prefill_steps"] <= one_by_one.stats["prefill_steps"] // 2, (waves.stats, one_by_one.stats)
     assert steps(waves) <= steps(one_by_one), (waves.stats, one_by_one.stats)
     assert waves.stats["prefill_tokens"] == one_by_one.stats["prefill_tokens"] and waves.stats["kv_misses"] == 0
+    assert waves.stats["device_drains"] <= waves.stats["prefill_steps"] + 2, waves.stats
