@@ -359,7 +359,12 @@ class MegatronRunner:
         param kind) its fp32 master shards with their Adam state (step, moments) keyed by parameter name, all
         cloned to CPU. Param-group hyperparameters are not saved: they come from the config, and the LR from
         the scheduler's own state. (`optimizer`: what build_optimizer returned; this runner holds its wrapper.)"""
-        state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()}}
+        from parallel.megatron_checkpoint import rank_layout
+
+        # layout (and each master shard's flat range): what converting the checkpoint for the native backend needs
+        # (parallel/megatron_checkpoint.py)
+        state = {"params": {n: p.detach().cpu().clone() for n, p in self.gpt.named_parameters()},
+                 "layout": rank_layout(self.pgc, self.gpt.head_kind)}
         opts = megatron_optimizers(self.optimizer) if self.optimizer is not None else []
         # before its first step the optimizer has no Adam state: the masters then equal the parameters, which is
         # what a fresh optimizer starts from
@@ -404,15 +409,24 @@ def _main_param(opt, model_param) -> torch.Tensor:
     return opt.optimizer.param_groups[group_index]["params"][group_order]
 
 
+def _shard_ranges(opt) -> dict:
+    """{model param: [start, end)} of the flattened (TP-local) parameter that this DP rank's master shard covers
+    (megatron's bucket `param_map[p]["param"]` Range)."""
+    return {p: [int(entry["param"].start), int(entry["param"].end)]
+            for gbuf_range_maps in opt.gbuf_ranges for buckets in gbuf_range_maps.values() for bucket in buckets
+            for p, entry in bucket["param_map"].items()}
+
+
 def _master_shards(opt, names: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """{megatron param name: {param (fp32 master shard), step, exp_avg, exp_avg_sq}} of one distributed optimizer.
+    """{megatron param name: {param (fp32 master shard), range ([start, end) of the flat parameter it covers), step,
+    exp_avg, exp_avg_sq}} of one distributed optimizer.
     Keyed by name, never by position: megatron's own pair (state_dict / load_state_dict plus the dp_reshardable
     getter / loader) matches entries by their order in the param groups and buckets, which differs between two
     builds of the same model (seen on the H200: a [1048576] master given a [256] parameter's Adam state)."""
     out = {}
-    for p in _bucket_params(opt):
+    for p, flat_range in _shard_ranges(opt).items():
         main = _main_param(opt, p)
-        out[names[p]] = {"param": main, **opt.optimizer.state[main]}
+        out[names[p]] = {"param": main, "range": flat_range, **opt.optimizer.state[main]}
     return out
 
 
@@ -434,7 +448,7 @@ def _load_master_shards(opt, shards: dict, *, names: dict) -> None:
             main.copy_(saved["param"])
         st = {}
         for k, v in saved.items():
-            if k == "param":
+            if k in ("param", "range"):  # range: where the shard sits (for the native conversion), not Adam state
                 continue
             if k == "step":
                 st[k] = v.to(dtype=torch.float32, device=main.device if step_on_device[id(main)] else "cpu").clone()

@@ -197,7 +197,7 @@ class TrainState:
         bounded by max_staleness, empty when starting fresh)."""
         from ppo.batch.ahead import BatchesAhead
         from ppo.run.checkpoint import checkpoint_world_size, load_checkpoint, load_shared_state, restore_rng_state
-        from ppo.run.relayout import check_same_backend, is_relayout
+        from ppo.run.relayout import check_same_backend, converted_roles, is_relayout
         from ppo.run.resume import select_checkpoint, supersede_metrics
 
         mode = self.run.resume
@@ -218,11 +218,16 @@ class TrainState:
             return 0, fresh
         shared = load_shared_state(path)
         saved_world = checkpoint_world_size(path)
-        if is_relayout(shared.get("layout"), saved_world, self.layout, world):
-            self._load_relayout(path, roles, shared=shared, saved_world=saved_world, world=world)
-        else:
+        relayout = is_relayout(shared.get("layout"), saved_world, self.layout, world)
+        if not relayout:
             per_rank, shared = load_checkpoint(path, rank=self.rank)
             _agree(lambda: check_same_backend(path, per_rank["workers"], roles))
+            # a megatron-trained role resuming with the native backend is converted from every saved rank's state:
+            # the relayout path, at this layout too
+            relayout = _any_rank(bool(converted_roles(per_rank["workers"], roles)))
+        if relayout:
+            self._load_relayout(path, roles, shared=shared, saved_world=saved_world, world=world)
+        else:
             load_roles_state(roles, per_rank["workers"])
             restore_rng_state(per_rank["rng"])
         self.sampler.load_state_dict(shared["sampler"])
@@ -246,15 +251,25 @@ class TrainState:
         can load it here (the verdicts gathered, so every rank stops alike), reshards its roles and re-seeds its
         RNG from (seed, step, rank)."""
         from ppo.run.checkpoint import load_rank_states
-        from ppo.run.relayout import check_relayout, describe_layout, describe_relayout, load_roles_resharded, seed_rng
+        from ppo.run.relayout import (check_relayout, converted_roles, describe_layout, describe_relayout,
+                                      load_roles_resharded, seed_rng)
 
         saved_layout, step = shared.get("layout") or {}, int(shared["step"])
         rank_states = load_rank_states(path, world_size=saved_world)
         _agree(lambda: check_relayout(path, rank_states, roles, saved_desc=describe_layout(saved_layout, saved_world)))
+        converted = sorted({name for st in rank_states for name in converted_roles(st["workers"], roles)})
         if self.rank == 0:
-            self.log.info(describe_relayout(step, saved_layout, saved_world, self.layout or {}, world))
+            self.log.info(describe_relayout(step, saved_layout, saved_world, self.layout or {}, world,
+                                            converted=converted))
         load_roles_resharded(roles, rank_states)
         seed_rng(self.run.seed, step=step, rank=self.rank)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    from ppo.batch.experience import all_gather_objects
+
+    return any(all_gather_objects(flag))
 
 
 def _agree(check) -> None:
