@@ -404,7 +404,24 @@ def _bucket_params(opt):
                 yield from bucket["param_map"]
 
 
-def _main_param(opt, model_param) -> torch.Tensor:
+def _main_params(opt) -> dict:
+    """{model param: the fp32 master shard the torch optimizer steps for it}, from the distributed optimizer's own
+    parallel group lists (16-bit params with their fp32 copies, fp32 params with their shard views). Not through
+    `model_param_group_index_map`: its positions count the params in bucket order, while each torch param group
+    lists the fp32 params' shards first, then the 16-bit params' masters, so with both kinds in a model (our
+    bf16 stages keep their norms in fp32) a position names another parameter's master."""
+    out = {}
+    for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                          (opt.model_fp32_groups, opt.shard_fp32_groups)):
+        for model_group, main_group in zip(models, mains):
+            out.update(zip(model_group, main_group))
+    return out
+
+
+def _legacy_main_param(opt, model_param) -> torch.Tensor:
+    """The master a checkpoint written before shards recorded their `range` filed under this param's name (by
+    `model_param_group_index_map`, see _main_params): such checkpoints load back through the same lookup, which
+    is self-consistent at the layout that wrote them."""
     group_index, group_order = opt.model_param_group_index_map[model_param]
     return opt.optimizer.param_groups[group_index]["params"][group_order]
 
@@ -423,9 +440,9 @@ def _master_shards(opt, names: dict) -> dict[str, dict[str, torch.Tensor]]:
     Keyed by name, never by position: megatron's own pair (state_dict / load_state_dict plus the dp_reshardable
     getter / loader) matches entries by their order in the param groups and buckets, which differs between two
     builds of the same model (seen on the H200: a [1048576] master given a [256] parameter's Adam state)."""
-    out = {}
+    out, mains = {}, _main_params(opt)
     for p, flat_range in _shard_ranges(opt).items():
-        main = _main_param(opt, p)
+        main = mains[p]
         out[names[p]] = {"param": main, "range": flat_range, **opt.optimizer.state[main]}
     return out
 
@@ -433,14 +450,15 @@ def _master_shards(opt, names: dict) -> dict[str, dict[str, torch.Tensor]]:
 def _load_master_shards(opt, shards: dict, *, names: dict) -> None:
     """Each master shard and its Adam state set by name; the state is rebuilt per parameter (own step tensor,
     placed as torch places a loaded step: on the parameter's device for fused/capturable groups, else CPU)."""
-    mine = {names[p]: p for p in _bucket_params(opt)}
+    mine, mains = {names[p]: p for p in _bucket_params(opt)}, _main_params(opt)
     if set(mine) != set(shards):
         raise KeyError("checkpoint's optimizer shards were written for another layout: parameters differ "
                        f"({sorted(set(mine) ^ set(shards))[:4]}); resume with the same plan")
     step_on_device = {id(q): bool(g.get("fused") or g.get("capturable"))
                       for g in opt.optimizer.param_groups for q in g["params"]}
     for name, p in mine.items():
-        main, saved = _main_param(opt, p), shards[name]
+        saved = shards[name]
+        main = mains[p] if "range" in saved else _legacy_main_param(opt, p)
         if saved["param"].shape != main.shape:
             raise KeyError(f"checkpoint's master shard of {name} has shape {tuple(saved['param'].shape)}, this run "
                            f"holds {tuple(main.shape)}; resume with the same plan")

@@ -251,8 +251,14 @@ class TrainState:
         can load it here (the verdicts gathered, so every rank stops alike), reshards its roles and re-seeds its
         RNG from (seed, step, rank)."""
         from ppo.run.checkpoint import load_rank_states
-        from ppo.run.relayout import (check_relayout, converted_roles, describe_layout, describe_relayout,
-                                      load_roles_resharded, seed_rng)
+        from ppo.run.relayout import (
+            check_relayout,
+            converted_roles,
+            describe_layout,
+            describe_relayout,
+            load_roles_resharded,
+            seed_rng,
+        )
 
         saved_layout, step = shared.get("layout") or {}, int(shared["step"])
         rank_states = load_rank_states(path, world_size=saved_world)

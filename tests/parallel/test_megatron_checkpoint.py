@@ -142,8 +142,8 @@ def test_a_megatron_checkpoint_that_cannot_convert_is_refused(megatron_states):
     states = _rank_states(megatron_states, expected, cfg)
     with pytest.raises(ConversionError, match=r"in no saved optimizer shard"):
         native_states([s for s in states if s["layout"]["dp_rank"] == 0], cfg, hparams=[{}])
-    old = [{**s, "dist_optim": [{n: {k: v for k, v in e.items() if k != "range"} for n, e in s["dist_optim"][0].items()}]}
-           for s in states]
+    old = [{**s, "dist_optim": [{n: {k: v for k, v in e.items() if k != "range"}
+                                 for n, e in s["dist_optim"][0].items()}]} for s in states]
     with pytest.raises(ConversionError, match=r"before megatron checkpoints recorded .* flat range"):
         native_states(old, cfg, hparams=[{}])
     with pytest.raises(ConversionError, match=r"\(pp_rank, tp_rank\) shards \[\(0, 1\)\]"):

@@ -11,8 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo.run.relayout import (check_relayout, check_same_backend, converted_roles, describe_relayout, is_relayout,
-                              seed_rng)
+from ppo.run.relayout import (
+    check_relayout,
+    check_same_backend,
+    converted_roles,
+    describe_relayout,
+    is_relayout,
+    seed_rng,
+)
 from ppo.run.resume import ResumeError
 
 OLD = {"actor": [[0, 1, 2, 3], 2, 2, 1], "critic": [[0, 1, 2, 3], 2, 2, 1], "rollout": [[0, 1, 2, 3], 2, 1, 2]}
