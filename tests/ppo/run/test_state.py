@@ -65,3 +65,49 @@ def test_checkpoint_restores_workers_sampler_and_controllers(world, tmp_path):
         torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0, msg=n)
     assert fresh.state.sampler.state_dict() == sampler and fresh.state.kl_ctrl.state_dict() == kl
     assert fresh.controller.state_dict() == ctl
+
+
+def _as_megatron(state: dict, cfg, head: str) -> dict:
+    """A native runner's state (one rank holding the whole model) in a megatron rank's checkpoint format: megatron
+    names and layouts (models/megatron_map.py), each fp32 master with its Adam state as one distributed-optimizer
+    shard covering the whole flat parameter (dp = 1)."""
+    from models.megatron_map import hf_to_megatron
+
+    names, optim = state["optim_names"], state["optim"]["state"]
+    hf = {"param": state["params"], **{k: {n: optim[i][k] for i, n in enumerate(names)} for k in ("exp_avg",
+                                                                                                 "exp_avg_sq")}}
+    mc = {k: hf_to_megatron(v, cfg, tp=1, pp=1, pp_rank=0, head=head) for k, v in hf.items()}
+    shards = {n: {"param": t.reshape(-1).clone(), "range": [0, t.numel()], "step": optim[0]["step"].clone(),
+                  **{k: mc[k][n].reshape(-1).clone() for k in ("exp_avg", "exp_avg_sq")}}
+              for n, t in mc["param"].items()}
+    return {"params": mc["param"], "dist_optim": [shards],
+            "layout": dict(tp=1, tp_rank=0, pp=1, pp_rank=0, dp=1, dp_rank=0, ep=1, head=head)}
+
+
+def test_a_megatron_checkpoint_resumes_with_the_native_backend(world, tmp_path, caplog):
+    """The same layout, actor and critic backend megatron -> native: maybe_resume takes the relayout path (every
+    rank's state) and converts both roles' states (parallel/megatron_checkpoint.py): weights, Adam moments and step
+    as saved. (The checkpoint is a native run's, written in megatron's format: megatron trains on CUDA only.)"""
+    t = _trainer(tmp_path)
+    t.step(0)
+    want = {}
+    for name, head in (("actor", "lm"), ("critic", "value")):
+        worker = getattr(t.roles, name)
+        native_state = worker.runner.checkpoint_state(worker.optimizer)
+        worker.runner.checkpoint_state = (lambda st, h, cfg: lambda opt: _as_megatron(st, cfg, h))(
+            native_state, head, worker.runner.model_config)
+        worker.runner.backend = "megatron"
+        want[name] = {n: (p.detach().clone(), worker.optimizer.state[p]["exp_avg_sq"].clone())
+                      for n, p in worker.runner.named_parameters()}
+        want[name + "_step"] = float(native_state["optim"]["state"][0]["step"])
+    t.state.save(1, t.roles, final=False)
+    fresh = _trainer(tmp_path, "trainer.resume=auto")
+    with caplog.at_level("INFO", logger="hybridrl"):
+        start, _ = fresh.state.maybe_resume(fresh.roles)
+    assert start == 1 and "the actor's megatron state converted for the native backend, the critic's" in caplog.text
+    for name in ("actor", "critic"):
+        worker = getattr(fresh.roles, name)
+        for n, p in worker.runner.named_parameters():
+            weight, exp_avg_sq = want[name][n]
+            assert torch.equal(p.detach(), weight) and torch.equal(worker.optimizer.state[p]["exp_avg_sq"], exp_avg_sq)
+            assert float(worker.optimizer.state[p]["step"]) == want[name + "_step"]
