@@ -3,6 +3,8 @@ that runs without megatron or a GPU: fused AdamW switch, master shards and Adam 
 (the one-sync grad norm is checked over gloo in tests/parallel/test_megatron.py's TP world).
 (The distributed optimizer itself needs CUDA: tests/parallel/test_megatron_gpu.py.)"""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,14 +57,22 @@ def test_fused_switch_refuses_an_optimizer_with_state():
 
 class _FakeDistOpt:
     """What the checkpoint reads of a megatron DistributedOptimizer: its param-group index map, its torch
-    optimizer over fp32 masters, and its buckets' param maps. `order` is the order of the groups and buckets,
-    which differs between two builds of the same model."""
+    optimizer over fp32 masters, its 16-bit / fp32 group lists and its buckets' param maps. `order` is the order of
+    the groups and buckets, which differs between two builds of the same model; `half` names the 16-bit params, whose
+    masters the torch param group lists after the fp32 params' (megatron's order), while the index map counts
+    positions in bucket order."""
 
-    def __init__(self, params: dict, order: list[str]):
+    def __init__(self, params: dict, order: list[str], half: tuple[str, ...] = ()):
         self.masters = {n: torch.nn.Parameter(params[n].detach().clone()) for n in order}
-        self.optimizer = torch.optim.AdamW([self.masters[n] for n in order], lr=1e-2, foreach=True)
+        fp32, from16 = [n for n in order if n not in half], [n for n in order if n in half]
+        self.optimizer = torch.optim.AdamW([self.masters[n] for n in fp32 + from16], lr=1e-2, foreach=True)
+        self.model_float16_groups = [[params[n] for n in from16]]
+        self.shard_fp32_from_float16_groups = [[self.masters[n] for n in from16]]
+        self.model_fp32_groups = [[params[n] for n in fp32]]
+        self.shard_fp32_groups = [[self.masters[n] for n in fp32]]
         self.model_param_group_index_map = {params[n]: (0, i) for i, n in enumerate(order)}
-        self.gbuf_ranges = [{torch.float32: [{"param_map": {params[n]: None for n in order}}]}]
+        self.gbuf_ranges = [{torch.float32: [{"param_map": {params[n]: {"param": SimpleNamespace(
+            start=0, end=params[n].numel())} for n in order}}]}]
 
     def train(self, seeds):
         for seed in seeds:
@@ -77,15 +87,23 @@ def _model_params():
             for n, k in zip(("w", "norm", "b"), (64, 4, 8))}
 
 
+def _clone(entry: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+
+
 def test_master_shards_and_adam_state_round_trip_by_name_whatever_the_order():
     a_params, b_params, ref_params = _model_params(), _model_params(), _model_params()
-    a = _FakeDistOpt(a_params, order=["w", "norm", "b"])
-    b = _FakeDistOpt(b_params, order=["b", "norm", "w"])  # another build: another order
-    ref = _FakeDistOpt(ref_params, order=["w", "norm", "b"])
+    half = ("w", "b")  # 16-bit weights, an fp32 norm: the torch param group lists norm first
+    a = _FakeDistOpt(a_params, order=["w", "norm", "b"], half=half)
+    b = _FakeDistOpt(b_params, order=["b", "norm", "w"], half=half)  # another build: another order
+    ref = _FakeDistOpt(ref_params, order=["w", "norm", "b"], half=half)
     a.train([0, 1])
     ref.train([0, 1])
-    saved = {n: {k: v.clone() for k, v in st.items()}
-             for n, st in _master_shards(a, {p: n for n, p in a_params.items()}).items()}
+    saved = {n: _clone(st) for n, st in _master_shards(a, {p: n for n, p in a_params.items()}).items()}
+    # each name holds its own master and the flat range it covers (the index map's position 0 is norm's master here)
+    assert {n: (tuple(st["param"].shape), st["range"]) for n, st in saved.items()} == \
+        {"w": ((64,), [0, 64]), "norm": ((4,), [0, 4]), "b": ((8,), [0, 8])}
+    assert all(st["param"] is not None and torch.equal(st["param"], a.masters[n]) for n, st in saved.items())
     _load_master_shards(b, saved, names={p: n for n, p in b_params.items()})
     b.train([2, 3])
     ref.train([2, 3])
@@ -99,6 +117,19 @@ def test_master_shards_and_adam_state_round_trip_by_name_whatever_the_order():
     wrong = dict(saved, w={**saved["w"], "param": torch.zeros(3)})
     with pytest.raises(KeyError, match="shape"):
         _load_master_shards(b, wrong, names={p: n for n, p in b_params.items()})
+
+
+def test_a_checkpoint_from_before_shard_ranges_loads_back_through_its_own_lookup():
+    """Written before the ranges (all fp32 here, so its by-position names were right): no range, the old lookup."""
+    a_params, b_params = _model_params(), _model_params()
+    a, b = _FakeDistOpt(a_params, order=["w", "norm", "b"]), _FakeDistOpt(b_params, order=["w", "norm", "b"])
+    a.train([0])
+    old = {n: {k: v for k, v in _clone(st).items() if k != "range"}
+           for n, st in _master_shards(a, {p: n for n, p in a_params.items()}).items()}
+    _load_master_shards(b, old, names={p: n for n, p in b_params.items()})
+    for n in a.masters:
+        assert torch.equal(b.masters[n], a.masters[n])
+        assert torch.equal(b.optimizer.state[b.masters[n]]["exp_avg"], a.optimizer.state[a.masters[n]]["exp_avg"])
 
 
 def test_megatron_optimizers_unwraps_the_chain_and_skips_stubs():
