@@ -358,8 +358,9 @@ class MegatronRunner:
         """This rank's model shard (megatron names), its `layout` (coordinates, head), and per distributed optimizer
         (megatron chains one per param kind) its fp32 master shards with their flat `range` in the parameter and
         their Adam state (step, moments) keyed by parameter name, all cloned to CPU (the layout and ranges let
-        parallel/megatron_checkpoint.py convert the checkpoint for the native backend). Param-group hyperparameters are not saved: they come from the config, and the LR from
-        the scheduler's own state. (`optimizer`: what build_optimizer returned; this runner holds its wrapper.)"""
+        parallel/megatron_checkpoint.py convert the checkpoint for the native backend). Param-group
+        hyperparameters are not saved: they come from the config, and the LR from the scheduler's own state.
+        (`optimizer`: what build_optimizer returned; this runner holds its wrapper.)"""
         from parallel.megatron_checkpoint import rank_layout
 
         # layout (and each master shard's flat range): what converting the checkpoint for the native backend needs

@@ -4,8 +4,9 @@
 
 One H200: bf16 log-probs vs native (tolerance beside the native-vs-fp32 difference), the training loop
 with the distributed optimizer (loss falls; grad norm and updated weights equal native AdamW), exact
-checkpoint round trip, a checkpoint resumed on the native backend. 2 and 4 GPUs (skipped with fewer): 1F1B grads equal pp=1, TP2 x PP2 parity,
-split placement of a megatron actor and critic, reshard TP2 -> TP1 from a megatron actor.
+checkpoint round trip, a checkpoint resumed on the native backend. 2 and 4 GPUs (skipped with fewer): 1F1B
+grads equal pp=1, TP2 x PP2 parity, split placement of a megatron actor and critic, reshard TP2 -> TP1 from a
+megatron actor.
 Each test prints one JSON line with its measurements (-s shows them).
 """
 
