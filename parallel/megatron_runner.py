@@ -336,6 +336,16 @@ class MegatronRunner:
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         return bool(ok > 0)
 
+    def adapter_state_dict(self) -> dict | None:
+        """The runner contract's LoRA adapters: none (empty on the exporter rank, None elsewhere)."""
+        return {} if self.is_exporter else None
+
+    @property
+    def lora_modules(self) -> dict:
+        """No LoRA adapters: the launcher refuses actor.lora with the megatron backend (the runner contract's
+        query, e.g. the supervised warm-up's "merge the adapters into the base" step)."""
+        return {}
+
     # ---- around generation (hybrid engine)
     def release_gradients(self) -> None:
         """Free DDP's fp32 gradient buffers (storage resized to 0, 4 bytes per parameter) while generating;

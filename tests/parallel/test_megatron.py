@@ -373,3 +373,13 @@ def test_tp2_pp2_build_names_shapes_and_logits():
             else:
                 assert val < TOL, (rank, key, val)
     assert sum(1 for res in results for k in res if k[1] == "pp_logits") == 6  # 2 last-stage ranks x 3 models
+
+
+def test_the_megatron_runner_has_every_member_of_the_runner_contract():
+    """Callers never branch on the backend (parallel.runner.ModelRunner): a member the megatron runner lacked
+    (lora_modules) crashed the supervised warm-up of a megatron actor on the GPU."""
+    from parallel.megatron_runner import MegatronRunner
+    from parallel.runner import ModelRunner
+
+    assert [n for n in vars(ModelRunner) if not n.startswith("_") and not hasattr(MegatronRunner, n)] == []
+    assert MegatronRunner.lora_modules.fget(None) == {}
