@@ -29,6 +29,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_world
+from tests.parallel.test_megatron_gpu import _batch as dense_batch
+from tests.parallel.test_megatron_gpu import _runner
 
 pytest.importorskip("megatron.core")
 
@@ -58,27 +60,9 @@ def _native(cfg, dtype=torch.float32):
     return m.to("cuda", dtype)
 
 
-def _runner(native, *, dtype=None, lr=None):
-    from models.llama import DocumentAttention
-    from parallel.backends import build_runner
-    from parallel.dims import ParallelDims, build_mesh
-
-    dims = ParallelDims()
-    mesh = build_mesh(dims, [0], device_type="cuda")
-    runner = build_runner(native, backend="megatron", mesh=mesh, dims=dims, param_dtype=dtype,
-                          attn_factory=DocumentAttention)
-    opt = runner.build_optimizer(lr=lr, betas=(0.9, 0.999), weight_decay=0.0) if lr is not None else None
-    return runner, opt
-
-
-def _batch(cfg, b=3, t=96, seed=0):
-    """b packed rows [1, t] (two documents each) and next-token targets."""
-    from parallel.runner import MicroBatch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, cfg.vocab_size, (b, t), generator=g).cuda()
-    pos = torch.cat([torch.arange(t // 2 + 5), torch.arange(t - t // 2 - 5)]).expand(b, t).contiguous().cuda()
-    return [MicroBatch(ids[i:i + 1], pos[i:i + 1]) for i in range(b)], torch.roll(ids, -1, 1)
+def _batch(cfg):
+    """3 packed rows [1, 96] (two documents each) and next-token targets (the dense GPU test's batches)."""
+    return dense_batch(cfg, b=3, t=96)
 
 
 def _guarded(rank, world, body):
