@@ -25,9 +25,23 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
+
+# SDPA backends of the engine's prefills (fresh prompts and continuations): every one but cuDNN. PyTorch puts cuDNN
+# SDPA first on sm90/sm100 once its cuDNN is >= 9.15.1 (torch 2.11's cu13 wheels), and cuDNN finalizes an execution
+# plan per new shape (rows, heads, query length, KV length): ~60 ms, once per prefill step, since a prefill's rows
+# and lengths change at every step (agent turns returning in waves: 73 ms per continuation prefill step on an H200).
+# Flash (causal fresh prompts) and memory-efficient (masked continuations) kernels are built ahead of time.
+PREFILL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def prefill_sdpa():
+    """Context in which a prefill's attention runs: SDPA restricted to PREFILL_SDPA_BACKENDS (the global choice is
+    restored on exit, so the trainer's attention in the same process keeps its own)."""
+    return sdpa_kernel(list(PREFILL_SDPA_BACKENDS))
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -91,19 +105,36 @@ class ContinuationAttention:
     """Prefill of continuations: row r's T new tokens sit at positions starts[r] + [0, lens[r]) of slot slots[r],
     whose first starts[r] positions already hold the KV of the tokens before them (a parked sequence's earlier
     turns). Writes the new K/V into the slot, then attends causally over the slot's positions [0, start + t].
-    Padding (t >= lens[r]) writes into the slot's spare last position, which nothing reads."""
+    Padding (t >= lens[r]) writes into the slot's spare last position, which nothing reads.
+
+    The SDPA call is one that the memory-efficient kernel takes (prefill_sdpa): an additive mask built once per
+    forward (not converted per layer), its rows padded to 16 positions (the kernel would copy an unaligned mask
+    every layer), and no `enable_gqa` (which that kernel lacks before torch 2.12: the call would fall to the
+    math path): the G query heads of a KV head become G blocks of query positions, as in DecodeAttention."""
 
     def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_len: int):
         self.cache, self.slots = cache, slots
         self.starts, self.lens = starts, lens
         self.kv_len = kv_len  # max(starts + lens), known on the host (no device sync per layer)
+        self.written: torch.Tensor | None = None  # [N, T] cache position of each new token (built by the 1st layer)
+        self.mask: torch.Tensor | None = None  # [N, 1, G T, kv_len] additive, in the query dtype
+
+    def _metadata(self, q: torch.Tensor, hkv: int) -> None:
+        n, hq, t, _ = q.shape
+        steps = torch.arange(t, device=q.device)
+        positions = self.starts[:, None] + steps[None, :]  # [N, T]
+        self.written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
+        g, width = hq // hkv, -(-self.kv_len // 16) * 16
+        valid = torch.arange(width, device=q.device)[None, None, :] <= positions[:, :, None]  # [N, T, width]
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        self.mask = mask[:, None].expand(n, g, t, width).reshape(n, 1, g * t, width)[..., : self.kv_len]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n, _, t, _ = k.shape
-        steps = torch.arange(t, device=k.device)
-        positions = self.starts[:, None] + steps[None, :]  # [N, T]
-        written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
-        kv_len = self.kv_len
+        n, hq, t, d = q.shape
+        hkv = k.shape[1]
+        if self.written is None:
+            self._metadata(q, hkv)
+        kv_len, written = self.kv_len, self.written
         slots, scales = self.slots, self.cache.scales
         out = []
         for i, x in enumerate((k, v)):
@@ -117,9 +148,9 @@ class ContinuationAttention:
             else:
                 self.cache.data[layer_idx, i][slots[:, None], :, written] = rows
                 out.append(self.cache.data[layer_idx, i][slots, :, :kv_len])
-        mask = torch.arange(kv_len, device=k.device)[None, None, :] <= positions[:, :, None]  # [N, T, L]
-        return F.scaled_dot_product_attention(q, out[0], out[1], attn_mask=mask[:, None],
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        # query head h = kv head h // G: [N, Hq, T, D] -> [N, Hkv, G T, D] (G blocks of T positions per KV head)
+        grouped = q.reshape(n, hkv, (hq // hkv) * t, d)
+        return F.scaled_dot_product_attention(grouped, out[0], out[1], attn_mask=self.mask).reshape(n, hq, t, d)
 
 
 @torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache", "scales"))

@@ -36,6 +36,7 @@ from rollout.kv_cache import (
     decode_kernels,
     fastest_decode_kernel,
     kv_bytes_per_token,
+    prefill_sdpa,
 )
 from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
@@ -334,18 +335,20 @@ class EngineModelRunner:
         fresh = [r for r, row in enumerate(batch.rows) if not row[0].cached]
         cont = [r for r, row in enumerate(batch.rows) if row[0].cached]
         parts, routes = [], [None] * len(batch.rows)
-        if fresh:
-            logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
-            parts.append(logits)
-            if fresh_routes is not None:
-                for i, r in enumerate(fresh):
-                    routes[r] = fresh_routes[i, : len(batch.rows[r][0].prompt_ids) + len(batch.rows[r][0].token_ids)]
-        if cont:
-            logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
-            parts.append(logits)
-            if cont_routes is not None:
-                for i, r in enumerate(cont):
-                    routes[r] = cont_routes[i, : batch.rows[r][0].length - batch.rows[r][0].cached]
+        with prefill_sdpa():  # no per-shape cuDNN plan build (rollout/kv_cache.py: PREFILL_SDPA_BACKENDS)
+            if fresh:
+                logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
+                parts.append(logits)
+                if fresh_routes is not None:
+                    for i, r in enumerate(fresh):
+                        row = batch.rows[r][0]
+                        routes[r] = fresh_routes[i, : len(row.prompt_ids) + len(row.token_ids)]
+            if cont:
+                logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
+                parts.append(logits)
+                if cont_routes is not None:
+                    for i, r in enumerate(cont):
+                        routes[r] = cont_routes[i, : batch.rows[r][0].length - batch.rows[r][0].cached]
         seqs = [s for r in fresh + cont for s in batch.rows[r]]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         f = self._upload(torch.tensor([[float(s.params.temperature), float(s.params.top_p)] for s in seqs]))

@@ -178,3 +178,32 @@ def test_returning_turns_share_prefills_with_the_same_tokens():
     assert steps(waves) <= steps(one_by_one), (waves.stats, one_by_one.stats)
     assert waves.stats["prefill_tokens"] == one_by_one.stats["prefill_tokens"] and waves.stats["kv_misses"] == 0
     assert waves.stats["device_drains"] <= waves.stats["prefill_steps"] + 2, waves.stats
+
+
+def test_prefill_attention_avoids_per_shape_cudnn_plans(monkeypatch):
+    # every prefill step has new (rows, query length, KV length): a backend that builds a plan per shape (cuDNN SDPA,
+    # PyTorch's first choice on an H200) paid ~70 ms per continuation wave. Every SDPA call of the prefills (fresh
+    # and kept-KV) must run with cuDNN off, and a continuation's masked call must be one the memory-efficient kernel
+    # takes: no GQA flag (grouped query heads folded into query rows), an additive mask in the query dtype built once
+    # per forward (not per layer), its rows 16-aligned. The global SDPA choice is restored afterwards
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((torch.backends.cuda.cudnn_sdp_enabled(), q.shape[1] != k.shape[1] or kw.get("enable_gqa"),
+                      attn_mask))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    engine = NativeEngine.from_model(model(), config=config(max_num_seqs=8, min_admit_fraction=0.0,
+                                                            decode_attention="bmm"))  # decode: no SDPA call
+    ctx, _ = run_turns(engine, PROMPTS[:4], keep=True)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    masked = [(gqa, m) for _, gqa, m in calls if m is not None]
+    assert calls and not any(cudnn for cudnn, _, _ in calls)
+    layers = engine.model_config.num_hidden_layers
+    assert masked and not any(gqa for gqa, _ in masked)
+    assert len({id(m) for _, m in masked}) * layers == len(masked)  # one mask per continuation forward
+    for _, m in masked:
+        assert m.dtype == torch.float32 and all(s % 16 == 0 for s in m.stride()[:-1])
+    assert len(calls) - len(masked) == layers  # the first turn: one fresh prefill (causal, no mask)
