@@ -18,7 +18,8 @@ what turns 2..T prefilled, per trajectory and turn), tokens the kept KV spared, 
 turns that re-prefilled anyway, the engine steps taken while a tool slept, busy_while_tools: the share of the
 wall time the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to
 decode / the time some tool was sleeping), the engine's prefill and decode steps and the seconds inside each
-(NativeEngine.stats; single-turn's steps too), and driver_host_ms_per_step: the wall time outside the engine's
+(NativeEngine.stats; single-turn's steps too), compiled_graphs: the graphs torch.compile built in the timed pass
+(--compile; 0 unless a new shape recompiled), and driver_host_ms_per_step: the wall time outside the engine's
 steps and tool waits (the driver's and the loops' Python) per engine step. One JSON line.
 """
 
@@ -30,6 +31,7 @@ import random
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from bench.generate import random_model
 from models import preset_config
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="keep,reprefill", help="comma-separated: keep, reprefill")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the engine (rollout.compile, the "
+                    "launcher's default on CUDA); off by default, as the recorded results ran")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"keep", "reprefill"}:
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = args.prompt_len + sum(max(x) for x in zip(*lengths)) + args.obs_tokens * args.turns + 8
     rc = RolloutConfig(max_model_len=max_len, max_num_seqs=b, max_num_batched_tokens=max(16384, max_len),
                        kv_cache_tokens=None if args.device == "cuda" else max_len * b,
-                       gpu_memory_fraction=0.8)
+                       gpu_memory_fraction=0.8, compile=args.compile)
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     total_tokens = sum(sum(x) for x in lengths)
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                         AgentTask(p, {}, None, max_response_tokens=max_len, max_total_tokens=max_len), i, key=i)
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
         before = dict(engine.stats)
+        graphs = counters["stats"]["unique_graphs"]
         sync(args.device)
         t0 = time.perf_counter()
         trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
@@ -140,12 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
                       "steps_during_tools": stats.steps_during_tools, "tool_sleep_covered_s": sleeping,
                       "driver_idle_s": stats.tool_wait_s,
                       "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None,
+                      "compiled_graphs": counters["stats"]["unique_graphs"] - graphs,
                       **spent, "driver_host_ms_per_step":
                       1e3 * (wall - spent["prefill_s"] - spent["decode_s"] - stats.tool_wait_s) / stats.engine_steps}
 
     single_turn()  # warm-up: CUDA graphs of the decode shapes, kernels
     single_s, single_steps = single_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
+           "compile": args.compile,
            "trajectories": b, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
