@@ -109,7 +109,7 @@ class ContinuationAttention:
 
     The SDPA call is one that the memory-efficient kernel takes (prefill_sdpa): an additive mask built once per
     forward (not converted per layer), its rows padded to 16 positions (the kernel would copy an unaligned mask
-    every layer), and no `enable_gqa` (which that kernel lacks before torch 2.12: the call would fall to the
+    every layer), and no `enable_gqa` (torch 2.11's memory-efficient kernel has no GQA: the call would fall to the
     math path): the G query heads of a KV head become G blocks of query positions, as in DecodeAttention."""
 
     def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_len: int):

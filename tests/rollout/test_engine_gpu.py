@@ -5,9 +5,10 @@
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from models import build_model, preset_config
-from rollout import NativeEngine, RolloutConfig, SamplingParams
+from rollout import NativeEngine, RolloutConfig, SamplingParams, kv_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -105,3 +106,18 @@ def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
     later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(4) for t in (1, 2))
     assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS[:4])) + later
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
+
+
+def test_kept_kv_prefills_run_prebuilt_sdpa_kernels_bf16(monkeypatch):
+    # the prefills' attention (fresh: causal flash; continuations: masked memory-efficient) must be served by the
+    # kernels built ahead of time: with cuDNN and the math path both off, SDPA raises "No available kernel" for a call
+    # neither takes (a GQA flag on the masked call, an unaligned mask, ...). Log-probs still close to the trainer's
+    from tests.rollout.test_kept_kv import run_turns
+
+    monkeypatch.setattr(kv_cache, "PREFILL_SDPA_BACKENDS", (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION))
+    model = _model(torch.bfloat16)
+    engine = NativeEngine.from_model(model, config=_config())
+    out = []
+    run_turns(engine, PROMPTS[:4], keep=True, completions=out)
+    assert len(out) == 12 and engine.stats["kv_misses"] == 0 and engine.stats["kv_reused_tokens"] > 0
+    assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 0.25
