@@ -51,14 +51,8 @@ demo: install
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-# the vLLM virtualenv installs (minutes of downloads and unpacking) while the main suite runs; its log is printed
-# when the install fails
-test: install
-	@$(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).install.log 2>&1 & vllm=$$!; rc=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" \
-	  $(PYTEST_ARGS) || rc=$$?; \
-	wait $$vllm || { cat $(VLLM_VENV).install.log; echo "installing $(VLLM_VENV) failed"; exit 1; }; \
-	[ $$rc = 0 ] || exit $$rc; \
+test: install install-vllm
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 # tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)
