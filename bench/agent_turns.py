@@ -86,9 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="keep,reprefill", help="comma-separated: keep, reprefill")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the engine (rollout.compile, the "
-                    "launcher's default on CUDA); off by default, as the recorded results ran")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the engine (rollout.compile); default: on CUDA, as the launcher's auto choice")
     args = ap.parse_args(argv)
+    if args.compile is None:
+        args.compile = torch.device(args.device).type == "cuda"
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"keep", "reprefill"}:
         ap.error(f"--modes {args.modes!r}: choose from keep, reprefill")

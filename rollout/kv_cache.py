@@ -112,10 +112,13 @@ class ContinuationAttention:
     every layer), and no `enable_gqa` (torch 2.11's memory-efficient kernel has no GQA: the call would fall to the
     math path): the G query heads of a KV head become G blocks of query positions, as in DecodeAttention."""
 
-    def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_len: int):
+    def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                 kv_index: torch.Tensor):
         self.cache, self.slots = cache, slots
         self.starts, self.lens = starts, lens
-        self.kv_len = kv_len  # max(starts + lens), known on the host (no device sync per layer)
+        # max(starts + lens), known on the host (no device sync per layer), carried as the length of
+        # kv_index = arange(kv_len): a dynamic dim for torch.compile, as in DecodeAttention
+        self.kv_len = kv_index.shape[0]
         self.written: torch.Tensor | None = None  # [N, T] cache position of each new token (built by the 1st layer)
         self.mask: torch.Tensor | None = None  # [N, 1, G T, kv_len] additive, in the query dtype
 
@@ -134,23 +137,39 @@ class ContinuationAttention:
         hkv = k.shape[1]
         if self.written is None:
             self._metadata(q, hkv)
-        kv_len, written = self.kv_len, self.written
-        slots, scales = self.slots, self.cache.scales
+        kv_len, slots, scales = self.kv_len, self.slots, self.cache.scales
+        write_continuation_kv(self.cache.data, scales, layer_idx, slots, self.written, k, v)
         out = []
-        for i, x in enumerate((k, v)):
-            rows = x.transpose(1, 2)  # [N, T, Hkv, D]: the index [slot, :, position] below puts N, T first
+        for i in (0, 1):
             if scales.numel():
-                values, row_scales = quantize_rows(rows)
-                self.cache.data[layer_idx, i].view(torch.uint8)[slots[:, None], :, written] = values.view(torch.uint8)
-                scales[layer_idx, i][slots[:, None], :, written] = row_scales
                 out.append(dequantized(self.cache.data[layer_idx, i][slots, :, :kv_len],
                                        scales[layer_idx, i][slots, :, :kv_len], q.dtype))
             else:
-                self.cache.data[layer_idx, i][slots[:, None], :, written] = rows
                 out.append(self.cache.data[layer_idx, i][slots, :, :kv_len])
         # query head h = kv head h // G: [N, Hq, T, D] -> [N, Hkv, G T, D] (G blocks of T positions per KV head)
         grouped = q.reshape(n, hkv, (hq // hkv) * t, d)
         return F.scaled_dot_product_attention(grouped, out[0], out[1], attn_mask=self.mask).reshape(n, hq, t, d)
+
+
+@torch.library.custom_op("hybridrl_rollout::write_continuation_kv", mutates_args=("cache", "scales"))
+def write_continuation_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, slots: torch.Tensor,
+                          written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache[layer, 0/1, slots[n], :, written[n, t]] = k/v[n, :, t] for continuation rows k/v [N, Hkv, T, D]
+    (quantized with their row scales into `scales` for an fp8 cache). Opaque to torch.compile, so the compiled
+    continuation mutates the cache in place instead of functionalising (copying) it."""
+    for i, x in enumerate((k, v)):
+        rows = x.transpose(1, 2)  # [N, T, Hkv, D]: the index [slot, :, position] below puts N, T first
+        if scales.numel():  # (fp8 copies as bytes: CPU index_put has no float8 kernel)
+            values, row_scales = quantize_rows(rows)
+            cache[layer, i].view(torch.uint8)[slots[:, None], :, written] = values.view(torch.uint8)
+            scales[layer, i][slots[:, None], :, written] = row_scales
+        else:
+            cache[layer, i][slots[:, None], :, written] = rows
+
+
+@write_continuation_kv.register_fake
+def _write_continuation_kv_fake(cache, scales, layer, slots, written, k, v) -> None:
+    return None
 
 
 @torch.library.custom_op("hybridrl_rollout::write_prefill_kv", mutates_args=("cache", "scales"))

@@ -80,7 +80,7 @@ class _DynamicRows:
                 return self.fn(*args)
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.error = f"{type(e).__name__}: {e}"[:500]
-            log.warning("torch.compile of the decode step failed; running eagerly: %s", self.error)
+            log.warning("torch.compile of %s failed; running eagerly: %s", self.eager.__name__, self.error)
             return self.eager(*args)
 
 
@@ -124,13 +124,14 @@ class EngineModelRunner:
         # the tables' members in use now (shared_prefix.members_for); 0 while no rows share a prompt: the decode
         # then runs the unshared kernel (no idle prompt programs, and its own tile)
         self._prefix_width = 0
-        self._decode, self._prefill = self._decode_fn, self._prefill_fn
+        self._decode, self._prefill, self._continue = self._decode_fn, self._prefill_fn, self._continue_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
             # surprise recompile never silently falls back to eager
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._decode = _DynamicRows(torch.compile(self._decode_fn), self._decode_fn)
             self._prefill = _DynamicRows(torch.compile(self._prefill_fn), self._prefill_fn)
+            self._continue = _DynamicRows(torch.compile(self._continue_fn), self._continue_fn)
         self.cache: KVCache | None = None
         self._allocate_runtime()
 
@@ -397,17 +398,27 @@ class EngineModelRunner:
                 self.restore_slot_start(s.slot, s.kv_start)
                 s.kv_start = None
         toks = [(s.prompt_ids + s.token_ids)[s.cached:] for s in seqs]
-        ids = torch.zeros(len(seqs), max(map(len, toks)), dtype=torch.int64)
+        meta = [[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)]
+        width = max(map(len, toks))
+        if self.config.compile:  # no size reaching the compiled graph may be 1 (as in _prefill_rows): one row
+            # runs twice (the same K/V written twice), one new token gets a padding column (the spare position)
+            copies = 2 if len(seqs) == 1 else 1
+            toks, meta, width = toks * copies, meta * copies, max(width, 2)
+        ids = torch.zeros(len(toks), width, dtype=torch.int64)
         for r, t in enumerate(toks):
             ids[r, : len(t)] = torch.tensor(t)
-        meta = self._upload(torch.tensor([[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)]))
-        return self._continue_fn(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], max(s.length for s in seqs))
+        meta = self._upload(torch.tensor(meta))
+        kv_index = torch.arange(max(s.length for s in seqs), device=self.device)
+        logits, routes = self._continue(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], kv_index)
+        return logits[: len(seqs)], None if routes is None else routes[: len(seqs)]
 
     def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                     kv_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Continuation rows ids [N, T] (right-padded; row r's first lens[r] tokens at positions starts[r] + t of
+        slot slots[r]), attending over kv_index = arange(kv_len) positions; what torch.compile sees."""
         n, t = ids.shape
         pos = starts[:, None] + torch.arange(t, device=ids.device)[None, :]
-        attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens, kv_len=kv_len)
+        attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens, kv_index=kv_index)
         trace = RouterTrace(keep_choice=True) if self.moe_layers else None
         if trace is None:
             h = self.model.hidden_states(ids, pos, attn=attn)

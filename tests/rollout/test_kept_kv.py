@@ -7,7 +7,7 @@ import random
 import torch
 
 from rollout import NativeEngine, SamplingParams
-from tests.rollout.test_engine import PROMPTS, config, trainer_logprobs
+from tests.rollout.test_engine import PROMPTS, config, naive_greedy, trainer_logprobs
 from tests.rollout.test_engine_steps import model
 
 OBS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -207,3 +207,31 @@ def test_prefill_attention_avoids_per_shape_cudnn_plans(monkeypatch):
     for _, m in masked:
         assert m.dtype == torch.float32 and all(s % 16 == 0 for s in m.stride()[:-1])
     assert len(calls) - len(masked) == layers  # the first turn: one fresh prefill (causal, no mask)
+
+
+def test_compiled_continuations_equal_eager_and_compile_once():
+    # rollout.compile: the continuation prefill is one dynamic-shape graph (rows, new tokens, KV length) whose K/V
+    # write mutates the cache in place; the same tokens and log-probs as the eager engine. One returning row of one
+    # new token (a turn with no observation: sizes of 1, which Dynamo specialises) then reaches the same graph
+    from torch._dynamo.utils import counters
+
+    cfg = dict(max_num_seqs=8, min_admit_fraction=0.0)
+    ref_ctx, ref_lps = run_turns(NativeEngine.from_model(model(), config=config(**cfg)), PROMPTS[:4], keep=True)
+    engine = NativeEngine.from_model(model(), config=config(**cfg, compile=True))
+    runner = engine.runner  # decode and fresh prefill eager here (their compiled graphs: test_engine.py)
+    runner._decode, runner._prefill = runner._decode_fn, runner._prefill_fn
+    ctx, lps = run_turns(engine, PROMPTS[:4], keep=True)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(sum(lps[i], [])), torch.tensor(sum(ref_lps[i], [])), atol=1e-5, rtol=0)
+    graphs = counters["stats"]["unique_graphs"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request(PROMPTS[4], greedy, sessions=["s"])
+    (first,) = [c for _ in range(6) for c in engine.step()]
+    reused = engine.stats["kv_reused_tokens"]
+    engine.add_request(PROMPTS[4] + first.token_ids, greedy, sessions=["s"])
+    (second,) = [c for _ in range(6) for c in engine.step()]
+    assert engine.stats["kv_reused_tokens"] - reused == len(PROMPTS[4]) + 2  # only the last sampled token ran
+    assert second.token_ids == naive_greedy(model(), PROMPTS[4] + first.token_ids, 3)
+    assert counters["stats"]["unique_graphs"] == graphs, "a continuation shape recompiled"
+    assert runner._continue.error is None
