@@ -108,17 +108,19 @@ class ContinuationAttention:
     Padding (t >= lens[r]) writes into the slot's spare last position, which nothing reads.
 
     The SDPA call is one that the memory-efficient kernel takes (prefill_sdpa): an additive mask built once per
-    forward (not converted per layer), its rows padded to 16 positions (the kernel would copy an unaligned mask
-    every layer), and no `enable_gqa` (torch 2.11's memory-efficient kernel has no GQA: the call would fall to the
-    math path): the G query heads of a KV head become G blocks of query positions, as in DecodeAttention."""
+    forward (not converted per layer), its rows 16-aligned (kv_len, below), and no `enable_gqa` (torch 2.11's
+    memory-efficient kernel has no GQA: the call would fall to the math path): the G query heads of a KV head
+    become G blocks of query positions, as in DecodeAttention."""
 
     def __init__(self, cache: KVCache, *, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                  kv_index: torch.Tensor):
         self.cache, self.slots = cache, slots
         self.starts, self.lens = starts, lens
-        # max(starts + lens), known on the host (no device sync per layer), carried as the length of
-        # kv_index = arange(kv_len): a dynamic dim for torch.compile, as in DecodeAttention
-        self.kv_len = kv_index.shape[0]
+        # kv_index = arange(kv_len): kv_len >= max(starts + lens), known on the host (no device sync per layer),
+        # a dynamic dim for torch.compile as in DecodeAttention; a multiple of 16 where the slot allows (the
+        # caller rounds it up): the mask's rows then need no padding copy in the kernel, and whether they do is
+        # not a guard that recompiles the graph
+        self.kv_index, self.kv_len = kv_index, kv_index.shape[0]
         self.written: torch.Tensor | None = None  # [N, T] cache position of each new token (built by the 1st layer)
         self.mask: torch.Tensor | None = None  # [N, 1, G T, kv_len] additive, in the query dtype
 
@@ -127,10 +129,10 @@ class ContinuationAttention:
         steps = torch.arange(t, device=q.device)
         positions = self.starts[:, None] + steps[None, :]  # [N, T]
         self.written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
-        g, width = hq // hkv, -(-self.kv_len // 16) * 16
-        valid = torch.arange(width, device=q.device)[None, None, :] <= positions[:, :, None]  # [N, T, width]
+        valid = self.kv_index[None, None, :] <= positions[:, :, None]  # [N, T, kv_len]
         mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
-        self.mask = mask[:, None].expand(n, g, t, width).reshape(n, 1, g * t, width)[..., : self.kv_len]
+        g = hq // hkv
+        self.mask = mask[:, None].expand(n, g, t, self.kv_len).reshape(n, 1, g * t, self.kv_len)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, hq, t, d = q.shape

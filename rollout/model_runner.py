@@ -408,7 +408,8 @@ class EngineModelRunner:
         for r, t in enumerate(toks):
             ids[r, : len(t)] = torch.tensor(t)
         meta = self._upload(torch.tensor(meta))
-        kv_index = torch.arange(max(s.length for s in seqs), device=self.device)
+        kv_len = max(s.length for s in seqs)  # rounded up to 16 positions (masked) where the slot has them
+        kv_index = torch.arange(min(-(-kv_len // 16) * 16, self.cache.slot_len), device=self.device)
         logits, routes = self._continue(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], kv_index)
         return logits[: len(seqs)], None if routes is None else routes[: len(seqs)]
 
