@@ -121,14 +121,19 @@ class ContinuationAttention:
         # caller rounds it up): the mask's rows then need no padding copy in the kernel, and whether they do is
         # not a guard that recompiles the graph
         self.kv_index, self.kv_len = kv_index, kv_index.shape[0]
-        self.written: torch.Tensor | None = None  # [N, T] cache position of each new token (built by the 1st layer)
+        self.flat: torch.Tensor | None = None  # [N Hkv T] cache row of each new K/V row (built by the 1st layer)
         self.mask: torch.Tensor | None = None  # [N, 1, G T, kv_len] additive, in the query dtype
 
     def _metadata(self, q: torch.Tensor, hkv: int) -> None:
         n, hq, t, _ = q.shape
         steps = torch.arange(t, device=q.device)
         positions = self.starts[:, None] + steps[None, :]  # [N, T]
-        self.written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)
+        written = torch.where(steps[None, :] < self.lens[:, None], positions, self.cache.slot_len)  # [N, T]
+        # each new K/V row's index in cache[layer, i] viewed as [slots * Hkv * positions, D], in k's [N, Hkv, T]
+        # order: (slot * Hkv + head) * (slot_len + 1) + position
+        heads = torch.arange(hkv, device=q.device)
+        self.flat = ((self.slots[:, None, None] * hkv + heads[None, :, None]) * (self.cache.slot_len + 1)
+                     + written[:, None, :]).reshape(-1)
         valid = self.kv_index[None, None, :] <= positions[:, :, None]  # [N, T, kv_len]
         mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
         g = hq // hkv
@@ -137,10 +142,11 @@ class ContinuationAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, hq, t, d = q.shape
         hkv = k.shape[1]
-        if self.written is None:
+        if self.flat is None:
             self._metadata(q, hkv)
         kv_len, slots, scales = self.kv_len, self.slots, self.cache.scales
-        write_continuation_kv(self.cache.data, scales, layer_idx, slots, self.written, k, v)
+        write = write_continuation_kv if torch.compiler.is_compiling() else _write_rows
+        write(self.cache.data, scales, layer_idx, self.flat, k, v)
         out = []
         for i in (0, 1):
             if scales.numel():
@@ -153,24 +159,31 @@ class ContinuationAttention:
         return F.scaled_dot_product_attention(grouped, out[0], out[1], attn_mask=self.mask).reshape(n, hq, t, d)
 
 
-@torch.library.custom_op("hybridrl_rollout::write_continuation_kv", mutates_args=("cache", "scales"))
-def write_continuation_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, slots: torch.Tensor,
-                          written: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """cache[layer, 0/1, slots[n], :, written[n, t]] = k/v[n, :, t] for continuation rows k/v [N, Hkv, T, D]
-    (quantized with their row scales into `scales` for an fp8 cache). Opaque to torch.compile, so the compiled
-    continuation mutates the cache in place instead of functionalising (copying) it."""
+def _write_rows(cache: torch.Tensor, scales: torch.Tensor, layer: int, flat: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """cache[layer, 0/1] viewed as rows of head_dim values: row flat[j] = the j-th row of k/v [N, Hkv, T, D] in
+    that order (quantized with their row scales into `scales` for an fp8 cache). One index_copy_ per tensor."""
+    d = k.shape[-1]
     for i, x in enumerate((k, v)):
-        rows = x.transpose(1, 2)  # [N, T, Hkv, D]: the index [slot, :, position] below puts N, T first
-        if scales.numel():  # (fp8 copies as bytes: CPU index_put has no float8 kernel)
+        rows = x.reshape(-1, d)
+        if scales.numel():  # (fp8 copies as bytes: CPU index_copy has no float8 kernel)
             values, row_scales = quantize_rows(rows)
-            cache[layer, i].view(torch.uint8)[slots[:, None], :, written] = values.view(torch.uint8)
-            scales[layer, i][slots[:, None], :, written] = row_scales
+            cache[layer, i].view(torch.uint8).view(-1, d).index_copy_(0, flat, values.view(torch.uint8))
+            scales[layer, i].view(-1).index_copy_(0, flat, row_scales)
         else:
-            cache[layer, i][slots[:, None], :, written] = rows
+            cache[layer, i].view(-1, d).index_copy_(0, flat, rows)
+
+
+@torch.library.custom_op("hybridrl_rollout::write_continuation_kv", mutates_args=("cache", "scales"))
+def write_continuation_kv(cache: torch.Tensor, scales: torch.Tensor, layer: int, flat: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor) -> None:
+    """_write_rows as an op opaque to torch.compile, so the compiled continuation mutates the cache in place
+    instead of functionalising (copying) it. Eager callers call _write_rows itself (no dispatch overhead)."""
+    _write_rows(cache, scales, layer, flat, k, v)
 
 
 @write_continuation_kv.register_fake
-def _write_continuation_kv_fake(cache, scales, layer, slots, written, k, v) -> None:
+def _write_continuation_kv_fake(cache, scales, layer, flat, k, v) -> None:
     return None
 
 
