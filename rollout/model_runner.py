@@ -26,6 +26,7 @@ from models.lora import LoRASpec
 from models.moe import RouterTrace
 from rollout import triton_sampling
 from rollout.base import RolloutConfig
+from rollout.continuation_graphs import ContinuationGraphs
 from rollout.engine_lora import EngineAdapters
 from rollout.kv_cache import (
     FP8,
@@ -201,6 +202,11 @@ class EngineModelRunner:
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        # kept-KV continuation waves replay graphs of their bucket (a mixture of experts runs them un-graphed: its
+        # experts per token would need a static buffer per bucket)
+        self.continuations = ContinuationGraphs(
+            self._continue_hidden, device=self.device, spare_slot=slots, slot_len=slot_len,
+            stream=self._capture_stream, pool=self._graph_pool) if self.use_graphs and not self.moe_layers else None
 
     @property
     def num_slots(self) -> int:
@@ -212,7 +218,7 @@ class EngineModelRunner:
 
     def free_runtime(self, *, drop_weights: bool) -> None:
         self.graphs.clear()
-        self.graph_pool = None
+        self.graph_pool = self.continuations = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
         self.routes_out = self._host_routes = None
         self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
@@ -273,6 +279,8 @@ class EngineModelRunner:
                 self.norms_loaded.add(id(p))
         if changed:
             self.graphs.clear()
+            if self.continuations is not None:
+                self.continuations.clear()
 
     def holds_weights(self) -> bool:
         """Whether every base weight is loaded now (kept across sleep with rollout drop_weights_on_sleep=False)."""
@@ -398,34 +406,46 @@ class EngineModelRunner:
                 self.restore_slot_start(s.slot, s.kv_start)
                 s.kv_start = None
         toks = [(s.prompt_ids + s.token_ids)[s.cached:] for s in seqs]
-        meta = [[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)]
-        width = max(map(len, toks))
-        if self.config.compile:  # no size reaching the compiled graph may be 1 (as in _prefill_rows): one row
-            # runs twice (the same K/V written twice), one new token gets a padding column (the spare position)
-            copies = 2 if len(seqs) == 1 else 1
-            toks, meta, width = toks * copies, meta * copies, max(width, 2)
-        ids = torch.zeros(len(toks), width, dtype=torch.int64)
+        width, kv_len = max(map(len, toks)), max(s.length for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.int64)
         for r, t in enumerate(toks):
             ids[r, : len(t)] = torch.tensor(t)
-        meta = self._upload(torch.tensor(meta))
-        kv_len = max(s.length for s in seqs)  # rounded up to 16 positions (masked) where the slot has them
+        meta = torch.tensor([[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)])
+        key = self.continuations.bucket_for(len(seqs), width, kv_len) if self.continuations is not None else None
+        if key is not None:  # a CUDA graph of the wave's bucket (rollout/continuation_graphs.py)
+            h = self.continuations.run(key, ids, meta, self._upload)
+            if h is not None:
+                return self._logits(h), None
+        if self.config.compile:  # no size reaching the compiled graph may be 1 (as in _prefill_rows): one row
+            # runs twice (the same K/V written twice), one new token gets a padding column (the spare position)
+            if len(seqs) == 1:
+                ids, meta = ids.repeat(2, 1), meta.repeat(2, 1)
+            if width == 1:
+                ids = torch.cat([ids, torch.zeros_like(ids)], dim=1)
+        meta = self._upload(meta)
+        # the KV length rounded up to 16 positions (masked) where the slot has them
         kv_index = torch.arange(min(-(-kv_len // 16) * 16, self.cache.slot_len), device=self.device)
         logits, routes = self._continue(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], kv_index)
         return logits[: len(seqs)], None if routes is None else routes[: len(seqs)]
 
     def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                      kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [N, V] of the continuation rows' last new tokens and (a mixture of experts) the experts of every
+        token they ran; what torch.compile sees."""
+        trace = RouterTrace(keep_choice=True) if self.moe_layers else None
+        h = self._continue_hidden(ids, slots, starts, lens, kv_index, trace)
+        return self._logits(h), self._routes(trace, tuple(ids.shape))
+
+    def _continue_hidden(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                         kv_index: torch.Tensor, trace: RouterTrace | None = None) -> torch.Tensor:
         """Continuation rows ids [N, T] (right-padded; row r's first lens[r] tokens at positions starts[r] + t of
-        slot slots[r]), attending over kv_index = arange(kv_len) positions; what torch.compile sees."""
+        slot slots[r]), attending over kv_index = arange(kv_len) positions -> the final hidden state [N, H] of each
+        row's last new token (what a continuation graph captures)."""
         n, t = ids.shape
         pos = starts[:, None] + torch.arange(t, device=ids.device)[None, :]
         attn = ContinuationAttention(self.cache, slots=slots, starts=starts, lens=lens, kv_index=kv_index)
-        trace = RouterTrace(keep_choice=True) if self.moe_layers else None
-        if trace is None:
-            h = self.model.hidden_states(ids, pos, attn=attn)
-        else:
-            h = self.model.hidden_states(ids, pos, attn=attn, routing=trace)
-        return self._logits(h[torch.arange(n, device=ids.device), lens - 1]), self._routes(trace, (n, t))
+        h = self.model.hidden_states(ids, pos, attn=attn, routing=trace)
+        return h[torch.arange(n, device=ids.device), lens - 1]
 
     def save_slot_start(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A copy of the KV (and fp8 scales) at position 0 of `slot`, which padding decode rows write."""
@@ -636,10 +656,8 @@ class EngineModelRunner:
         with torch.cuda.stream(stream):
             self._decode_step(*step)  # warm-up: compiles / loads every kernel outside the capture
             self.meta_i.copy_(saved)
-            if self.graph_pool is None:
-                self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.graph_pool)
+            graph.capture_begin(pool=self._graph_pool())
             try:
                 self._decode_step(*step)
             finally:
@@ -647,6 +665,12 @@ class EngineModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graphs[key] = graph
         graph.replay()
+
+    def _graph_pool(self):
+        """The memory pool every captured graph shares (decode and continuation graphs replay on one stream)."""
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        return self.graph_pool
 
     def move_slots(self, moves: list[tuple[int, int]], *, lengths: list[int]) -> None:
         with torch.inference_mode():

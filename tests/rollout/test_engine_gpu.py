@@ -103,6 +103,8 @@ def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
     out = []
     run_turns(engine, PROMPTS[:4], keep=True, completions=out)
     assert len(out) == 12 and engine.stats["kv_misses"] == 0 and len(engine.runner.graphs) > 0
+    conts = engine.runner.continuations  # the returning waves replayed captured graphs (continuation_graphs.py)
+    assert conts.error is None and len(conts.graphs) > 0, conts.error
     later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(4) for t in (1, 2))
     assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS[:4])) + later
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
@@ -120,4 +122,5 @@ def test_kept_kv_prefills_run_prebuilt_sdpa_kernels_bf16(monkeypatch):
     out = []
     run_turns(engine, PROMPTS[:4], keep=True, completions=out)
     assert len(out) == 12 and engine.stats["kv_misses"] == 0 and engine.stats["kv_reused_tokens"] > 0
+    assert engine.runner.continuations.error is None and engine.runner.continuations.graphs
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 0.25

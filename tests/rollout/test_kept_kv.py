@@ -235,3 +235,35 @@ def test_compiled_continuations_equal_eager_and_compile_once():
     assert second.token_ids == naive_greedy(model(), PROMPTS[4] + first.token_ids, 3)
     assert counters["stats"]["unique_graphs"] == graphs, "a continuation shape recompiled"
     assert runner._continue.error is None
+
+
+def test_continuation_graph_buckets_pad_without_changing_results(monkeypatch):
+    # rollout/continuation_graphs.py: a returning wave runs in its bucket's static buffers (rows up to a power of two,
+    # padding rows on the cache's spare slot; new tokens up to a multiple of 16; KV positions rounded up, masked;
+    # 32 here so buckets stay below the 96-position slot). CPU has no CUDA graphs, so the replay here runs the
+    # captured forward over those buffers (test_engine_gpu.py captures): the same tokens and log-probs as
+    # un-bucketed continuations
+    from rollout import continuation_graphs
+
+    monkeypatch.setattr(continuation_graphs, "KV", 32)
+    cfg = dict(min_admit_fraction=0.25, continuation_wait_steps=4)
+    ref_ctx, ref_lps = staggered_turns(NativeEngine.from_model(model(), config=config(**cfg)), 16)
+    engine = NativeEngine.from_model(model(), config=config(**cfg))
+    runner = engine.runner
+    graphs = continuation_graphs.ContinuationGraphs(runner._continue_hidden, device=runner.device, stream=None,
+                                                    spare_slot=runner.num_slots, slot_len=runner.slot_len,
+                                                    pool=lambda: None)
+    replayed = []
+
+    def replay(key):
+        replayed.append(key)
+        graphs.static[key] = (*graphs.static[key][:3], graphs._forward(key))
+
+    graphs.replay, runner.continuations = replay, graphs
+    runner._continue = None  # every wave fits a bucket: none runs un-graphed
+    ctx, lps = staggered_turns(engine, 16)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_lps[i]), atol=1e-5, rtol=0)
+    assert all(rows >= 2 and rows & (rows - 1) == 0 and tokens == 16 and kv % 32 == 0 for rows, tokens, kv in replayed)
+    assert len({rows for rows, _, _ in replayed}) > 1 and len({kv for _, _, kv in replayed}) > 1, replayed
