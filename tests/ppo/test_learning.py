@@ -78,6 +78,7 @@ def test_grpo_learns_two_steps_stale(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.extended  # 19 s beyond make test's budget: a check of the learning checks, not of the trainer
 def test_a_run_at_learning_rate_0_does_not_pass_the_check(tmp_path):
     """The control: the same warm-up, then PPO whose actor cannot move; the check above must fail on it (20
     steps: the two windows; with the policy frozen the reward is stationary, more steps change nothing)."""
