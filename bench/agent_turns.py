@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--obs-tokens", type=int, default=32)
     ap.add_argument("--tool-delay-ms", type=float, default=200.0)
     ap.add_argument("--tool-workers", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="the engine's slots (rollout.max_num_seqs); 0: every trajectory at once. Fewer: the rest wait "
+                         "in the engine's queue, as an RL step's trajectories do, and take the slots tools free")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
@@ -103,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(b)]
     obs = [rng.randrange(cfg.vocab_size) for _ in range(args.obs_tokens)]
     max_len = args.prompt_len + sum(max(x) for x in zip(*lengths)) + args.obs_tokens * args.turns + 8
-    rc = RolloutConfig(max_model_len=max_len, max_num_seqs=b, max_num_batched_tokens=max(16384, max_len),
-                       kv_cache_tokens=None if args.device == "cuda" else max_len * b,
+    slots = args.max_num_seqs or b
+    rc = RolloutConfig(max_model_len=max_len, max_num_seqs=slots, max_num_batched_tokens=max(16384, max_len),
+                       kv_cache_tokens=None if args.device == "cuda" else max_len * slots,
                        gpu_memory_fraction=0.8, compile=args.compile)
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     single_s, single_steps = single_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
            "compile": args.compile,
-           "trajectories": b, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
+           "trajectories": b, "max_num_seqs": slots, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
            "single_turn_s": single_s, **{f"single_turn_{k}": v for k, v in single_steps.items()}}
