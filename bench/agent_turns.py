@@ -19,7 +19,8 @@ turns that re-prefilled anyway, the engine steps taken while a tool slept, busy_
 wall time the tools slept in which the engine had decode work (1 - the time the driver waited with nothing to
 decode / the time some tool was sleeping), the engine's prefill and decode steps and the seconds inside each
 (NativeEngine.stats; single-turn's steps too), compiled_graphs: the graphs torch.compile built in the timed pass
-(--compile; 0 unless a new shape recompiled), and driver_host_ms_per_step: the wall time outside the engine's
+(--compile; 0 unless a new shape recompiled), decode_graphs_captured: the decode CUDA graphs captured in it (0
+unless a new decode shape came up), and driver_host_ms_per_step: the wall time outside the engine's
 steps and tool waits (the driver's and the loops' Python) per engine step. One JSON line.
 """
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                         AgentTask(p, {}, None, max_response_tokens=max_len, max_total_tokens=max_len), i, key=i)
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
         before = dict(engine.stats)
-        graphs = counters["stats"]["unique_graphs"]
+        graphs, captured = counters["stats"]["unique_graphs"], len(engine.runner.graphs)
         sync(args.device)
         t0 = time.perf_counter()
         trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
@@ -152,14 +153,15 @@ def main(argv: list[str] | None = None) -> dict:
                       "driver_idle_s": stats.tool_wait_s,
                       "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None,
                       "compiled_graphs": counters["stats"]["unique_graphs"] - graphs,
+                      "decode_graphs_captured": len(engine.runner.graphs) - captured,
                       **spent, "driver_host_ms_per_step":
                       1e3 * (wall - spent["prefill_s"] - spent["decode_s"] - stats.tool_wait_s) / stats.engine_steps}
 
     single_turn()  # warm-up: CUDA graphs of the decode shapes, kernels
     single_s, single_steps = single_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
-           "compile": args.compile,
-           "trajectories": b, "max_num_seqs": slots, "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
+           "compile": args.compile, "trajectories": b, "max_num_seqs": slots,
+           "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
            "single_turn_s": single_s, **{f"single_turn_{k}": v for k, v in single_steps.items()}}

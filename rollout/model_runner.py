@@ -589,6 +589,17 @@ class EngineModelRunner:
             self.kernel_for[(b, kv_len)] = self._time_kernels(b, kv_len)
         return self.kernel_for[(b, kv_len)]
 
+    def _graph_kv_len(self, b: int, kv_len: int) -> int:
+        """The KV length a decode step over rows [0, b) runs (and its graph is keyed) with. The Triton kernel
+        bounds each row by its position and picks its tile by kv_len only up to 32 positions, so where it is the
+        kernel whatever kv_len is (compiled, or set), every longer step runs at the slot length: one graph per row
+        bucket instead of one per (rows, KV bucket) pair, which turns of staggered lengths (agents) kept
+        capturing mid-run. SDPA and bmm read exactly kv_len positions and keep the bucket."""
+        fixed = self.config.compile or self.config.decode_attention != "auto"
+        if fixed and kv_len > 32 and self._pick_kernel(b, kv_len) == "triton":
+            return self.cache.slot_len
+        return kv_len
+
     def _time_kernels(self, b: int, kv_len: int) -> str:
         best, times = fastest_decode_kernel(self.cache, rows=b, kv_index=self.kv_index[:kv_len],
                                             num_heads=self.cfg.num_attention_heads // self.tp, sync=self._sync)
@@ -598,7 +609,7 @@ class EngineModelRunner:
     @torch.inference_mode()
     def launch_decode(self, num_rows: int, kv_len: int, filtered: bool) -> DecodeHandle:
         """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result."""
-        step = (num_rows, kv_len, filtered)
+        step = (num_rows, self._graph_kv_len(num_rows, kv_len), filtered)
         key = (*step, self._prefix_width)  # the decode kernel's shared-prompt tile is part of the graph
         if not self.use_graphs:
             self._decode_step(*step)
