@@ -40,6 +40,8 @@ from ppo.agents.driver import Start, ToolPool, drive
 from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 
+STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  # NativeEngine.stats per pass
+
 
 def turns_loop(lengths: list[int], *, delay_s: float, obs: list[int], slept: list[float]):
     """A loop of len(lengths) turns of exactly those token counts, a sleeping tool between turns."""
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         outs = engine.generate(prompts, params)
         sync(args.device)
         assert sum(len(c.token_ids) for c in outs) == total_tokens
-        return time.perf_counter() - t0, {k: engine.stats[k] - before[k] for k in ("prefill_steps", "decode_steps")}
+        return time.perf_counter() - t0, {k: engine.stats[k] - before[k] for k in STEP_STATS}
 
     def multi_turn(keep: bool) -> tuple[float, dict]:
         slept: list[tuple[float, float]] = []
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync(args.device)
         wall = time.perf_counter() - t0
         pool.close()
-        spent = {k: engine.stats[k] - before[k] for k in ("prefill_steps", "decode_steps", "prefill_s", "decode_s")}
+        spent = {k: engine.stats[k] - before[k] for k in (*STEP_STATS, "prefill_s", "decode_s")}
         assert sum(end - start for tr in trajs for start, end in tr.turns) == total_tokens
         sleeping = covered(slept)
         later = b * (args.turns - 1)
