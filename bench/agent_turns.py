@@ -35,6 +35,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.generate import random_model
+from launcher.dist import limit_host_threads
 from models import preset_config
 from ppo.agents.driver import Start, ToolPool, drive
 from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"keep", "reprefill"}:
         ap.error(f"--modes {args.modes!r}: choose from keep, reprefill")
+    limit_host_threads(torch.device(args.device).type)  # as the launcher does on a CUDA rank
     dtype = getattr(torch, args.dtype) if args.device != "cpu" else torch.float32
     cfg = preset_config(args.model)
     model = random_model(args.model, device=args.device, dtype=dtype, seed=args.seed)

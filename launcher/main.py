@@ -79,7 +79,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     """auto_choices: the settings load_config chose (launcher.config.auto), logged by rank 0."""
     import torch.distributed as dist
 
-    from launcher.dist import broadcast_plan, build_role_groups, init_distributed, resolve_device
+    from launcher.dist import broadcast_plan, build_role_groups, init_distributed, limit_host_threads, resolve_device
     from launcher.log import add_file_log, setup_logging
     from launcher.planning.fit import fit_memory
     from launcher.planning.plan import (
@@ -112,6 +112,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     validate_context(cfg, model_cfg)
     device = resolve_device(cfg.trainer.device)
     validate_kv_cache(cfg, plan, cuda=device == "cuda")
+    auto_choices = [*auto_choices, *filter(None, [limit_host_threads(device)])]
 
     env = init_distributed(device=device, backend=cfg.trainer.dist_backend, timeout_s=cfg.trainer.dist_timeout_s)
     logger = setup_logging(rank=env.rank, world_size=env.world_size)

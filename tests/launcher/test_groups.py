@@ -63,3 +63,22 @@ def test_every_rank_same_plan_and_groups(world, overrides):
     for rank, (_, members) in enumerate(results):
         for (role, dim), got in members.items():
             assert got == _expected(plan_json, role, dim, rank), (rank, role, dim)
+
+
+def test_a_cuda_rank_runs_one_host_thread_unless_omp_num_threads_is_set(monkeypatch):
+    import torch
+
+    from launcher.dist import limit_host_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert limit_host_threads("cpu") is None and torch.get_num_threads() == 2
+        line = limit_host_threads("cuda")
+        assert torch.get_num_threads() == 1 and line.startswith("torch intra-op threads 1") and "2 before" in line
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert limit_host_threads("cuda") is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
