@@ -20,9 +20,9 @@ $(VENV)/.installed: setup.py
 	  if $(PY_SYS) -c "import torch" 2>/dev/null; then \
 	    echo "using the importable torch of $(PY_SYS)"; $(PY_SYS) -m venv --system-site-packages $(VENV); \
 	  else $(PY_SYS) -m venv $(VENV); fi; fi
-	$(PY) -m pip install -q --no-compile --upgrade pip
-	@if ! $(PY) -c "import torch" 2>/dev/null; then echo "installing $(TORCH_SPEC)"; $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q --no-compile -e ".[dev,megatron]"
+	$(PY) -m pip install -q --upgrade pip
+	@if ! $(PY) -c "import torch" 2>/dev/null; then echo "installing $(TORCH_SPEC)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e ".[dev,megatron]"
 	@# shellcheck (Debian) lints the Slurm templates in the tests; best effort, the test skips without it
 	@command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get install -y -qq shellcheck >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && \
@@ -35,8 +35,8 @@ install: $(VENV)/.installed
 # requirements but break `import vllm` on CPU (text models need none of them)
 $(VLLM_VENV)/.installed: setup.py
 	@[ -x $(VLLM_PY) ] || $(PY_SYS) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --no-compile --upgrade pip
-	$(VLLM_PY) -m pip install -q --no-compile "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
