@@ -51,14 +51,8 @@ demo: install
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-# vLLM's virtualenv installs in the background while the main suite runs (its log: $(VLLM_VENV)/install.log)
-test: install
-	@mkdir -p $(VLLM_VENV); echo "installing vLLM's virtualenv in the background: $(VLLM_VENV)/install.log"; \
-	( $(MAKE) --no-print-directory install-vllm > $(VLLM_VENV)/install.log 2>&1; echo $$? > $(VLLM_VENV)/install.rc ) & \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS); \
-	rc=$$?; wait; \
-	if [ "$$(cat $(VLLM_VENV)/install.rc)" != 0 ]; then cat $(VLLM_VENV)/install.log; echo "vLLM install failed"; exit 1; fi; \
-	exit $$rc
+test: install install-vllm
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
 # tests beyond the CI budget of `make test` (e.g. LoRA on vLLM)

@@ -9,8 +9,19 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _slow_seconds(item) -> float:
+    """A `slow` test's expected seconds on a 2-core CI machine (`@pytest.mark.slow(seconds=...)`, else 30); 0 for
+    the others."""
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 30))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    # slow tests first, the longest first: pytest-xdist's worksteal hands each worker a contiguous share of the
+    # collection and steals from its back, so a long test collected late runs alone at the end of `make test`
+    items.sort(key=lambda item: -_slow_seconds(item))
 
     if "chaos" not in (config.getoption("markexpr") or ""):  # minutes: only when asked for (make test-chaos)
         skip_chaos = pytest.mark.skip(reason="the chaos run: make test-chaos (pytest -m chaos)")

@@ -60,6 +60,7 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=60)
 def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
     """Over-provisioned partial rollouts on two generation replicas (rollout.batches_in_flight=2,
     trainer.max_staleness=1): each rank's checkpoint of step 2 holds its replica's groups in flight, the shared
@@ -91,6 +92,7 @@ def test_kill9_of_a_rank_restarts_and_equals_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=65)
 def test_sigterm_checkpoints_the_current_step_and_a_relaunch_continues(tmp_path):
     run = tmp_path / "pre"
     common = ["trainer.save_every=0", "trainer.resume=auto", f"reward.function={FAULTS}:task_reward_with_fault"]

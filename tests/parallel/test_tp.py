@@ -166,7 +166,7 @@ def _compiled_body(rank, world):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_tp2_compiled_layers_with_full_ac_match_eager():
     """torch.compile'd TP layers under full activation checkpointing (two torch 2.13 pitfalls: see apply.py)."""
     ids = _batch()

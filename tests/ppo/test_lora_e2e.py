@@ -31,6 +31,7 @@ def _same(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=40)
 def test_lora_grpo_resumes_exactly_and_exports_a_peft_adapter(tmp_path):
     peft = pytest.importorskip("peft")
     import transformers

@@ -124,6 +124,7 @@ def test_grpo_split_async_controller_four_ranks(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=40)
 def test_grpo_shared_prompts_match_unshared(tmp_path):
     """trainer.share_prompts packs each prompt once with its n responses (fewer tokens, same math):
     step 1 (same samples, same weights) must give the same losses and engine/trainer agreement."""
@@ -201,6 +202,7 @@ def test_existing_run_dir_is_never_clobbered(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=35)
 def test_pipeline_parallel_actor_four_ranks(tmp_path):
     """Actor and critic pp=2 x dp=2 (1F1B over gloo, FSDP2 inside each stage): the actor's log-probs
     equal the rollout engine's on the same weights and the first update sees ratio exactly 1."""

@@ -63,6 +63,7 @@ def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=40)
 def test_verl_task_and_reward_learn_with_validation(tmp_path):
     res = run_recipe(tmp_path)
     assert res.returncode == 0, f"STDOUT\n{res.stdout[-3000:]}\nSTDERR\n{res.stderr[-5000:]}"

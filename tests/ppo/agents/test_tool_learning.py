@@ -44,6 +44,7 @@ def _rewards(tmp_path, *overrides: str) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=200)
 def test_grpo_with_the_lookup_tool_learns(tmp_path):
     rewards = _rewards(tmp_path)
     last = statistics.mean(rewards[-WINDOW:])
@@ -51,6 +52,7 @@ def test_grpo_with_the_lookup_tool_learns(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(seconds=70)
 def test_without_the_tool_the_reward_stays_low(tmp_path):
     rewards = _rewards(tmp_path, "agent.default=single_turn")
     assert max(rewards) < LOW, f"a step's reward reached {max(rewards):.3f} without the tool"
