@@ -31,12 +31,18 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
-# the stamp keeps a second `make test` from reinstalling; torchvision/torchaudio/torchcodec come in with vLLM's
-# requirements but break `import vllm` on CPU (text models need none of them)
-$(VLLM_VENV)/.installed: setup.py
+# the stamps keep a second `make test` from reinstalling. vLLM itself installs beside the main virtualenv (`make -j2`:
+# two single-threaded pips on two cores); the project goes in after the main one's (both write hybridrl.egg-info
+# into this tree). torchvision/torchaudio/torchcodec come in with vLLM's requirements but break `import vllm` on
+# CPU (text models need none of them).
+$(VLLM_VENV)/.engine:
 	@[ -x $(VLLM_PY) ] || $(PY_SYS) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
+	@touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.engine $(VENV)/.installed setup.py
+	$(VLLM_PY) -m pip install -q -e ".[dev]"
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
@@ -51,7 +57,8 @@ demo: install
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-test: install install-vllm
+test:
+	@$(MAKE) --no-print-directory -j2 install install-vllm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm and not extended and not chaos" $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m "vllm and not gpu and not extended" $(PYTEST_ARGS) tests/*/test_vllm_*.py
 
