@@ -61,6 +61,7 @@ def test_ppo_with_a_critic_learns(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.extended  # for the CI budget: synchronous GRPO learns in make test through the verl recipe, MoE and LoRA
 def test_grpo_learns(tmp_path):
     rows = _run(tmp_path, "conf/grpo_tiny.yaml", "trainer.total_steps=60", "data.batch_size=32",
                 "trainer.sft_warmup_steps=70")
