@@ -40,8 +40,8 @@ def resolve_device(kind: str) -> str:
 def limit_host_threads(device: str) -> str | None:
     """On a CUDA rank torch's intra-op pool serves only small host-side ops (the engine's bookkeeping, packing,
     advantages), and a pool of one thread per core spinning between them starves the rank's own loop and an
-    agent's tool threads: multi-turn decode steps ran 1.7x slower on an H200 host of 16 cores than with one
-    thread. So one thread, as torchrun sets for several ranks per node, unless OMP_NUM_THREADS says otherwise.
+    agent's tool threads (docs/results.md, multi-turn agent generation). So one thread, as torchrun sets for
+    several ranks per node, unless OMP_NUM_THREADS says otherwise.
     -> the auto line for the run log, or None (CPU runs, or OMP_NUM_THREADS set: left as they are)."""
     if device != "cuda" or "OMP_NUM_THREADS" in os.environ:
         return None
