@@ -43,6 +43,7 @@ from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
 from rollout.shared_prefix import members_for, members_per_entry, shared_prefix_tables, table_entries
+from rollout.triton_attention import SHORT_KV
 
 log = logging.getLogger(__name__)
 
@@ -591,12 +592,12 @@ class EngineModelRunner:
 
     def _graph_kv_len(self, b: int, kv_len: int) -> int:
         """The KV length a decode step over rows [0, b) runs (and its graph is keyed) with. The Triton kernel
-        bounds each row by its position and picks its tile by kv_len only up to 32 positions, so where it is the
+        bounds each row by its position and picks its tile by kv_len only up to SHORT_KV positions, so where it is the
         kernel whatever kv_len is (compiled, or set), every longer step runs at the slot length: one graph per row
         bucket instead of one per (rows, KV bucket) pair, which turns of staggered lengths (agents) kept
         capturing mid-run. SDPA and bmm read exactly kv_len positions and keep the bucket."""
         fixed = self.config.compile or self.config.decode_attention != "auto"
-        if fixed and kv_len > 32 and self._pick_kernel(b, kv_len) == "triton":
+        if fixed and kv_len > SHORT_KV and self._pick_kernel(b, kv_len) == "triton":
             return self.cache.slot_len
         return kv_len
 

@@ -37,6 +37,8 @@ try:
 except ImportError:  # CPU-only installs: the engine then never offers the "triton" kernel
     triton = None
 
+SHORT_KV = 32  # tile_config's shortest tile: KV lengths up to this take it, every longer one the same tile
+
 
 def available(device: torch.device, head_dim: int) -> bool:
     """Whether the kernel can run here: CUDA with triton (or its CPU interpreter) and a power-of-two
@@ -383,7 +385,8 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
         block, warps, stages = (64, 4, 2) if rows >= 128 else (32, 4, 3) if rows >= 64 else (64, 4, 3)
     else:
         block, warps, stages = 32, 4, 3
-    tile = dict(BLOCK_N=min(block, max(32, triton.next_power_of_2(kv_len))), num_warps=warps, num_stages=stages)
+    tile = dict(BLOCK_N=min(block, max(SHORT_KV, triton.next_power_of_2(kv_len))), num_warps=warps,
+                num_stages=stages)
     return tile | {"maxnreg": 96} if shared or rows >= 256 else tile
 
 
