@@ -17,7 +17,8 @@ tokens/s and its ratio to single-turn (the issue's target: >= 0.8; critical_path
 continuations cost nothing and decode steps what single-turn's did, single-turn's time plus the longest trajectory's
 (turns - 1) tool calls, with every trajectory in the slots at once; an estimate, not a bound: steps of fewer rows
 run faster), prefilled tokens (all, and per later turn: what turns 2..T prefilled, per trajectory and turn), tokens
-the kept KV spared, parked KV evicted for room and turns that re-prefilled anyway, the engine steps taken while a
+the kept KV spared, parked KV evicted for room and turns that re-prefilled anyway, parked KV copied between decode
+and park slots (kv_relocations; --max-parked-seqs), the engine steps taken while a
 tool slept, busy_while_tools: the share of the wall time the tools slept in which the engine had decode work (1 -
 the time the driver waited with nothing to decode / the time some tool was sleeping), the engine's prefill and
 decode steps and the seconds inside each (NativeEngine.stats; single-turn's steps too), compiled_graphs: the graphs
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="the engine's slots (rollout.max_num_seqs); 0: every trajectory at once. Fewer: the rest wait "
                          "in the engine's queue, as an RL step's trajectories do, and take the slots tools free")
+    ap.add_argument("--max-parked-seqs", type=int, default=None,
+                    help="KV slots beyond --max-num-seqs where a trajectory's KV waits while its tool runs "
+                         "(rollout.max_parked_seqs); default: the trajectories beyond the slots, as the launcher's "
+                         "auto choice. 0: parked KV is evicted when queued trajectories need its slot")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
@@ -114,8 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
     obs = [rng.randrange(cfg.vocab_size) for _ in range(args.obs_tokens)]
     max_len = args.prompt_len + sum(max(x) for x in zip(*lengths)) + args.obs_tokens * args.turns + 8
     slots = args.max_num_seqs or b
-    rc = RolloutConfig(max_model_len=max_len, max_num_seqs=slots, max_num_batched_tokens=max(16384, max_len),
-                       kv_cache_tokens=None if args.device == "cuda" else max_len * slots,
+    parked = max(0, b - slots) if args.max_parked_seqs is None else args.max_parked_seqs
+    rc = RolloutConfig(max_model_len=max_len, max_num_seqs=slots, max_parked_seqs=parked,
+                       max_num_batched_tokens=max(16384, max_len),
+                       kv_cache_tokens=None if args.device == "cuda" else max_len * (slots + parked),
                        gpu_memory_fraction=0.8, compile=args.compile)
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync(args.device)
         wall = time.perf_counter() - t0
         pool.close()
-        spent = {k: engine.stats[k] - before[k] for k in (*STEP_STATS, "prefill_s", "decode_s")}
+        spent = {k: engine.stats[k] - before[k] for k in (*STEP_STATS, "prefill_s", "decode_s", "kv_relocations")}
         assert sum(end - start for tr in trajs for start, end in tr.turns) == total_tokens
         sleeping = covered(slept)
         later = b * (args.turns - 1)
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "prefill_tokens_per_later_turn": (stats.prefill_tokens - b * args.prompt_len) / later
                       if later else None,
                       "kv_reused_tokens": stats.kv_reused_tokens, "kv_evictions": stats.kv_evictions,
-                      "kv_misses": stats.kv_misses, "engine_steps": stats.engine_steps,
+                      "kv_misses": stats.kv_misses, "kv_relocations": spent["kv_relocations"],
+                      "engine_steps": stats.engine_steps,
                       "steps_during_tools": stats.steps_during_tools, "tool_sleep_covered_s": sleeping,
                       "driver_idle_s": stats.tool_wait_s,
                       "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None,
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     single_s, single_steps = single_turn()
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
            "compile": args.compile, "trajectories": b, "max_num_seqs": slots,
+           "max_parked_seqs": parked, "park_slots": engine.runner.park_slots,
            "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,

@@ -50,12 +50,14 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         sft_lr=cfg.trainer.sft_lr)
     max_len = cfg.data.max_prompt_length + r.max_response_length
     engine = RolloutConfig(gpu_memory_fraction=r.gpu_memory_fraction, max_num_seqs=r.max_num_seqs,
+                           max_parked_seqs=r.max_parked_seqs,
                            max_model_len=max_len, enable_cuda_graph=r.enable_cuda_graph, compile=r.compile,
                            decode_attention=r.decode_attention, share_prompt_kv=r.share_prompt_kv,
                            fold_norms=r.fold_norms, free_memory_on_sleep=r.free_memory_on_sleep is not False,
                            kv_cache_dtype=r.kv_cache_dtype,
                            # CPU has no memory fraction to size the KV cache from: room for every sequence
-                           kv_cache_tokens=None if device.type == "cuda" else max_len * r.max_num_seqs,
+                           kv_cache_tokens=None if device.type == "cuda" else
+                           max_len * (r.max_num_seqs + r.max_parked_seqs),
                            seed=cfg.trainer.seed)
     vllm = None
     if r.engine == "vllm":  # the settings only vLLM reads

@@ -57,6 +57,10 @@ class RolloutConfig:
 
     gpu_memory_fraction: float = 0.5  # of the free GPU memory after weights, for the KV cache
     max_num_seqs: int = 256  # running sequences (KV slots) at most
+    # KV slots beyond max_num_seqs where finished sequences keep their KV under a session (an agent's trajectory
+    # while its tool runs, a partial rollout between steps) when more sequences wait than decode at once: a parked
+    # slot a waiting sequence needs is copied there instead of evicted. 0: parked KV lives in the decode slots only
+    max_parked_seqs: int = 0
     max_num_batched_tokens: int = 16384  # prefill budget per step, counted as padded rows x length
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     min_admit_fraction: float = 0.0625  # batch admissions: prefill once this share of slots is free
@@ -98,6 +102,8 @@ class RolloutConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len}; raise kv_cache_tokens or lower max_model_len")
+        if self.max_parked_seqs < 0:
+            raise ValueError(f"max_parked_seqs={self.max_parked_seqs} must be >= 0")
         if self.continuation_wait_steps < 0:
             raise ValueError(f"continuation_wait_steps={self.continuation_wait_steps} must be >= 0")
         if not 0.0 <= self.min_admit_fraction <= 1.0:

@@ -68,13 +68,14 @@ class NativeEngine:
         self._weights_changed = False
         # prefill_tokens: tokens run by prefills (a row shared by n samples counts once); kv_reused_tokens: tokens
         # a continuation did not re-run (its session's KV kept); kv_evictions: parked sessions evicted for room;
+        # kv_relocations: parked KV copied between a decode slot and a park slot (RolloutConfig.max_parked_seqs);
         # kv_misses: continuations that re-prefilled (KV evicted, or the prompt did not extend the session's tokens);
         # device_drains: waits on the device that left it nothing queued while requests remained (pipeline bubbles;
         # a prefill's wait, or a decode step collected with none launched behind it); prefill_s: a prefill's time,
         # with the decode step it ran behind
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0,
-                      "device_drains": 0}
+                      "kv_relocations": 0, "device_drains": 0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -179,7 +180,7 @@ class NativeEngine:
                 max_model_len=self.config.max_model_len, granule=self.config.block_size,
                 slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
                 min_admit=int(self.config.min_admit_fraction * self.runner.num_slots),
-                continuation_wait=self.config.continuation_wait_steps)
+                continuation_wait=self.config.continuation_wait_steps, park_slots=self.runner.park_slots)
             self._sched.on_evict = self._evicted
         else:  # a scheduler kept alive by parked sessions follows the budget the batch controller moves
             self._sched.max_num_batched_tokens = self.config.max_num_batched_tokens
@@ -210,7 +211,7 @@ class NativeEngine:
         seq = self._sessions.pop(key, None)
         if seq is not None and self._sched is not None and self._sched.unpark(seq):
             self._sched.free_slot(seq.slot)
-        if not self._requests and not self._ready and self._sched is not None and not self._sched.parked:
+        if not self._requests and not self._ready and self._sched is not None and not self._sched.has_parked():
             self._idle()
 
     def _continue(self, seq: Sequence, parked: Sequence | None) -> None:
@@ -293,7 +294,8 @@ class NativeEngine:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
                 if park and s.session is not None and self._sched.park_unfinished(s):
-                    self._updates[s.slot] = _PAD
+                    if s.slot < self._sched.num_slots:  # a decode row (not a continuation waiting in a park slot)
+                        self._updates[s.slot] = _PAD
                     self._park(s)
                     continue
                 if self._sched.release(s):  # was running: its device row must stop advancing
@@ -327,14 +329,14 @@ class NativeEngine:
             self._save_parked()
             self.runner.set_rows(self._updates)
             self._updates.clear()
-            if not self._sched.parked:
+            if not self._sched.has_parked():
                 self._sched = None
 
     def _save_parked(self) -> None:
         """Save position 0 of the slots parked since the last decode launch: padding rows write there."""
         for s in self._to_save:
             waiting = s.cached and s.prefill_row < 0 and s.finish_reason is None  # a continuation not yet admitted
-            if self._sched.parked.get(s.slot) is s or waiting:
+            if self._sched.is_parked(s) or waiting:
                 s.kv_start = self.runner.save_slot_start(s.slot)
         self._to_save.clear()
 
@@ -381,6 +383,10 @@ class NativeEngine:
     def _prefill(self, sched: Scheduler, step: PrefillBatch, *, before: tuple | None = None) -> None:
         """Run the admitted rows and apply their first tokens; `before`: the decode step in flight (its
         sequences, its handle), applied first (the prefill's results wait for it anyway)."""
+        if sched.relocations:  # parked KV admission moved between decode and park slots (stream-ordered)
+            moves, sched.relocations = sched.relocations, []
+            self.runner.move_slots([m[:2] for m in moves], lengths=[m[2] for m in moves])
+            self.stats["kv_relocations"] += len(moves)
         tokens, logprobs, routes = self.runner.prefill(step)
         if before is not None:
             self._apply_decode(sched, *before)
@@ -394,7 +400,7 @@ class NativeEngine:
             self.stats["kv_reused_tokens"] += row[0].cached
         for s in sched.update(step.seqs, tokens, logprobs):
             self._finished.add(s.prompt_index)
-            if sched.parked.get(s.slot) is s:
+            if sched.is_parked(s):
                 self._park(s)
         for s in step.seqs:
             self._updates[s.slot] = _PAD if s.finish_reason else _row(s)
@@ -409,7 +415,7 @@ class NativeEngine:
         for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
             self._updates[s.slot] = _PAD
             self._finished.add(s.prompt_index)
-            if sched.parked.get(s.slot) is s:
+            if sched.is_parked(s):
                 self._park(s)
 
     def _launch(self, step: DecodeBatch, updates: dict[int, tuple]):

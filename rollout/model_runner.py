@@ -138,7 +138,8 @@ class EngineModelRunner:
         self._allocate_runtime()
 
     # ---- memory ----
-    def _num_slots(self, slot_len: int) -> int:
+    def _num_slots(self, slot_len: int) -> tuple[int, int]:
+        """(decode slots, park slots) the KV cache holds: max_num_seqs and max_parked_seqs, as memory allows."""
         per_tok = kv_bytes_per_token(num_layers=self.cfg.num_hidden_layers, head_dim=self.cfg.head_dim,
                                      num_kv_heads=self.cfg.num_key_value_heads // self.tp, dtype=self.kv_dtype)
         if self.config.kv_cache_tokens is not None:
@@ -157,13 +158,14 @@ class EngineModelRunner:
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
                 tokens = int(t.item())
         else:
-            tokens = self.config.max_num_seqs * slot_len  # CPU: as many slots as sequences allowed
+            # CPU: as many slots as sequences allowed
+            tokens = (self.config.max_num_seqs + self.config.max_parked_seqs) * slot_len
         slots = min(self.config.max_num_seqs, tokens // slot_len)
         if slots < 1:
             raise RuntimeError(f"KV cache of {tokens} tokens ({tokens * per_tok / 2**30:.2f} GiB) holds no slot of "
                                f"max_model_len={self.config.max_model_len}; raise gpu_memory_fraction / "
                                f"kv_cache_tokens or lower max_model_len")
-        return slots
+        return slots, min(self.config.max_parked_seqs, tokens // slot_len - slots)
 
     def absent_weight_bytes(self) -> int:
         """Bytes of the engine's weights that are not on the device now (dropped by sleep, or never loaded)."""
@@ -172,10 +174,12 @@ class EngineModelRunner:
 
     def _allocate_runtime(self) -> None:
         slot_len = self.config.max_model_len
-        slots = self._num_slots(slot_len)
-        self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots, slot_len=slot_len,
+        slots, self.park_slots = self._num_slots(slot_len)
+        self.cache = KVCache(num_layers=self.cfg.num_hidden_layers, num_slots=slots + self.park_slots,
+                             slot_len=slot_len,
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
                              dtype=self.kv_dtype, device=self.device)
+        self.num_slots = slots  # decode rows: slots [0, slots); park slots follow them in the cache
         # static decode rows per slot: token, position, key, top_k, active (int64) / temperature, top_p (fp32)
         self.meta_i = torch.zeros(5, slots, dtype=torch.int64, device=self.device)
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
@@ -206,12 +210,8 @@ class EngineModelRunner:
         # kept-KV continuation waves replay graphs of their bucket (a mixture of experts runs them un-graphed: its
         # experts per token would need a static buffer per bucket)
         self.continuations = ContinuationGraphs(
-            self._continue_hidden, device=self.device, spare_slot=slots, slot_len=slot_len,
+            self._continue_hidden, device=self.device, spare_slot=self.cache.num_slots, slot_len=slot_len,
             stream=self._capture_stream, pool=self._graph_pool) if self.use_graphs and not self.moe_layers else None
-
-    @property
-    def num_slots(self) -> int:
-        return self.cache.num_slots
 
     @property
     def slot_len(self) -> int:

@@ -14,7 +14,10 @@ max_model_len tokens finishes with "length" exactly at that limit, never silentl
 Parking (kept KV across an agent's turns): a finished sequence with a `session` keeps its slot instead of
 freeing it, so a later request that extends its tokens (the engine's continuation) prefills only the new
 tokens into the same slot. Parked slots never make a waiting sequence wait: admission counts them as free and
-evicts the least recently parked one when no slot is free (`on_evict`; the session then re-prefills).
+takes the least recently parked one when no slot is free. With park slots (slots past the decode rows, for more
+sessions than decode at once) that parked sequence is relocated there (its KV copied: `relocations`, run by the
+engine before the prefill) and comes back to a free decode slot when its next turn is admitted; without a free
+park slot it is evicted (`on_evict`; the session then re-prefills).
 """
 
 from __future__ import annotations
@@ -97,10 +100,11 @@ def length_bucket(n: int, *, granule: int, cap: int) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_batched_tokens: int, max_model_len: int, granule: int,
-                 slot_len: int, eos_token_ids: list[int], min_admit: int = 1, continuation_wait: int = 0):
+                 slot_len: int, eos_token_ids: list[int], min_admit: int = 1, continuation_wait: int = 0,
+                 park_slots: int = 0):
         if slot_len < max_model_len:
             raise ValueError(f"slot_len({slot_len}) must hold max_model_len({max_model_len}) tokens")
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # decode rows: slots [0, num_slots); park slots follow them
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.granule, self.slot_len = granule, slot_len
@@ -118,16 +122,31 @@ class Scheduler:
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
         self._rows_admitted = 0  # prefill rows so far (Sequence.prefill_row)
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # slot -> finished sequence keeping its KV (LRU first)
+        self._park_free = list(range(num_slots, num_slots + park_slots))  # a heap of free park slots
+        self.spare = num_slots + park_slots  # the cache's spare slot (kv_cache.KVCache): a swap's scratch
+        self.stored: OrderedDict[int, Sequence] = OrderedDict()  # park slot -> parked sequence (LRU first)
+        # KV copies (src slot, dst slot, positions) decided by admission, for the engine to run before the prefill
+        self.relocations: list[tuple[int, int, int]] = []
         self.on_evict: Callable[[Sequence], None] | None = None
-        self._reserved = 0  # waiting continuations that hold their slot
+        self._reserved = 0  # waiting continuations that hold a decode slot (they lead the queue, need no room)
 
     def add(self, seq: Sequence) -> None:
         seq.queued_at = self.steps
-        if seq.slot >= 0:  # a continuation holding its slot goes first: it needs no free one
+        if 0 <= seq.slot < self.num_slots:  # a continuation holding its decode slot goes first: it needs no free one
             self.waiting.appendleft(seq)
             self._reserved += 1
+        elif seq.slot >= 0:  # one in a park slot needs a decode slot: after those, before fresh sequences
+            at = next((i for i, s in enumerate(self.waiting) if s.slot < 0), len(self.waiting))
+            self.waiting.insert(at, seq)
         else:
             self.waiting.append(seq)
+
+    def is_parked(self, seq: Sequence) -> bool:
+        """Whether `seq` keeps its KV parked now (in a decode slot or a park slot)."""
+        return seq.slot >= 0 and (self.parked.get(seq.slot) is seq or self.stored.get(seq.slot) is seq)
+
+    def has_parked(self) -> bool:
+        return bool(self.parked or self.stored)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -165,6 +184,7 @@ class Scheduler:
             return False
         if not self.running:
             return True
+        # fresh sequences and continuations in park slots need a decode slot (parked ones count: they move or go)
         fresh, room = len(self.waiting) - self._reserved, len(self._free) + len(self.parked)
         if fresh and room and room >= min(self.min_admit, fresh):
             return True
@@ -188,7 +208,7 @@ class Scheduler:
     def _admit(self) -> PrefillBatch:
         rows: dict[tuple[int, int], list[Sequence]] = {}
         padded = 0
-        while self.waiting and (self._free or self.parked or self.waiting[0].slot >= 0):
+        while self.waiting and (self._free or self.parked or 0 <= self.waiting[0].slot < self.num_slots):
             seq = self.waiting[0]
             # only fresh samples share a row
             row_key = (seq.prompt_index, seq.seq_id if seq.token_ids or seq.cached else -1)
@@ -203,6 +223,8 @@ class Scheduler:
             self.waiting.popleft()
             if seq.slot < 0:
                 seq.slot = self._take_slot()
+            elif seq.slot >= self.num_slots:  # a continuation in a park slot: its KV comes back to a decode slot
+                self._bring_back(seq)
             else:  # a continuation keeps the slot that holds its KV
                 self._reserved -= 1
             seq.prefill_row = self._rows_admitted
@@ -210,10 +232,33 @@ class Scheduler:
             rows[row_key].append(seq)
         return PrefillBatch(list(rows.values()), padded)
 
+    def _bring_back(self, seq: Sequence) -> None:
+        """Give a continuation waiting in a park slot a decode slot, its KV copied there. The park slot is freed first,
+        so a parked sequence the decode slot is taken from moves into it (a swap, through the cache's spare slot)
+        rather than being evicted when every park slot is full."""
+        park = seq.slot
+        heapq.heappush(self._park_free, park)
+        mark = len(self.relocations)
+        seq.slot = self._take_slot()
+        displaced = self.relocations[mark:]  # the parked sequence moved out of that decode slot, if any
+        if displaced and displaced[0][1] == park:
+            self.relocations[mark:] = [(park, self.spare, seq.cached), displaced[0], (self.spare, seq.slot, seq.cached)]
+        else:
+            self.relocations.append((park, seq.slot, seq.cached))
+
     def _take_slot(self) -> int:
+        """A decode slot: a free one, else the least recently parked one's, which moves to a free park slot (or
+        is evicted when none is free)."""
         if self._free:
             return heapq.heappop(self._free)
-        slot, seq = self.parked.popitem(last=False)  # the least recently parked
+        slot, seq = self.parked.popitem(last=False)
+        if self._park_free:
+            seq.slot = heapq.heappop(self._park_free)
+            # a finished sequence holds the KV of its whole length (the last position is never read); a
+            # continuation parked again before its prefill only its first `cached` positions
+            self.relocations.append((slot, seq.slot, seq.length if seq.finish_reason else seq.cached))
+            self.stored[seq.slot] = seq
+            return slot
         seq.slot, seq.kv_start = -1, None
         if self.on_evict is not None:
             self.on_evict(seq)
@@ -222,9 +267,10 @@ class Scheduler:
     def unpark(self, seq: Sequence) -> bool:
         """Take a parked sequence out of the parked set (its slot stays reserved for the caller); False if it
         was evicted meanwhile."""
-        if seq.slot >= 0 and self.parked.get(seq.slot) is seq:
-            del self.parked[seq.slot]
-            return True
+        for held in (self.parked, self.stored):
+            if seq.slot >= 0 and held.get(seq.slot) is seq:
+                del held[seq.slot]
+                return True
         return False
 
     def park_unfinished(self, seq: Sequence) -> bool:
@@ -234,6 +280,9 @@ class Scheduler:
             del self.running[seq.slot]
         elif seq.slot >= 0 and any(s is seq for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if s is not seq)
+            if seq.slot >= self.num_slots:
+                self.stored[seq.slot] = seq
+                return True
             self._reserved -= 1
         else:
             return False
@@ -242,7 +291,7 @@ class Scheduler:
 
     def free_slot(self, slot: int) -> None:
         """Give back a slot reserved by unpark()."""
-        heapq.heappush(self._free, slot)
+        heapq.heappush(self._free if slot < self.num_slots else self._park_free, slot)
 
     def compaction(self) -> list[tuple[int, int]]:
         """Slot moves (src, dst) that shrink the decode bucket; applied here, the caller copies the KV."""
@@ -267,8 +316,8 @@ class Scheduler:
             heapq.heappush(self._free, seq.slot)
             return True
         if seq.slot >= 0 and any(s is seq for s in self.waiting):  # a continuation's reserved slot
-            heapq.heappush(self._free, seq.slot)
-            self._reserved -= 1
+            self.free_slot(seq.slot)
+            self._reserved -= seq.slot < self.num_slots
         self.waiting = deque(s for s in self.waiting if s is not seq)
         return False
 

@@ -9,7 +9,7 @@ each choice as one line (launcher/main.py).
 
 from __future__ import annotations
 
-from launcher.config.schema import MODEL_ROLES, Config, active_roles, role_section
+from launcher.config.schema import MODEL_ROLES, Config, active_roles, kept_kv_sessions, role_section
 
 
 def on_cuda(cfg: Config) -> bool:
@@ -79,6 +79,14 @@ def _resolve_engine_memory(cfg: Config, cuda: bool, choose, choices: list[str]) 
         rows = cfg.data.batch_size * r.n
         choose("rollout.max_num_seqs", rows, f"the step's rows (data.batch_size {cfg.data.batch_size} x n {r.n}) "
                                              f"decode in one wave when the KV cache holds them")
+    if r.max_parked_seqs is None:
+        rows = cfg.data.batch_size * r.n * (r.batches_in_flight if r.partial_kv == "keep" else 1)
+        if kept_kv_sessions(cfg) and rows > r.max_num_seqs:
+            choose("rollout.max_parked_seqs", rows - r.max_num_seqs,
+                   f"{rows} rows in flight keep their KV between turns beside rollout.max_num_seqs={r.max_num_seqs} "
+                   f"decoding at once")
+        else:
+            r.max_parked_seqs = 0  # nothing parks beyond the decode slots (no line: nothing to choose)
     if r.free_memory_on_sleep is None and not (cuda and r.engine == "native"):
         why = "no CUDA device" if not cuda else f"rollout.engine={r.engine} sleeps with its own levels"
         choose("rollout.free_memory_on_sleep", True, why)

@@ -238,6 +238,10 @@ class RolloutRoleConfig:
     # is freed for training, 0.5 with rollout.free_memory_on_sleep=false (training needs the rest)
     gpu_memory_fraction: float | None = None
     max_num_seqs: int | None = None  # sequences decoded at once; unset: the step's rows (data.batch_size x n)
+    # native engine, kept KV (agent.keep_kv multi-turn loops, rollout.partial_kv=keep): KV slots beyond
+    # max_num_seqs where a parked trajectory's KV waits for its next turn instead of being evicted when more
+    # sequences wait than decode at once (as memory allows); unset: the rows in flight beyond max_num_seqs
+    max_parked_seqs: int | None = None
     enable_cuda_graph: bool = True  # capture the decode step in CUDA graphs
     compile: bool | None = None  # torch.compile the native engine's decode forward; unset: on with CUDA
     decode_attention: str = "auto"  # native decode attention kernel: auto (timed per shape) | triton | sdpa | ...
@@ -411,6 +415,13 @@ MODEL_ROLES = ("actor", "critic", "ref", "reward")  # the roles that may hold a 
 def role_section(cfg: Config, role: str) -> ParallelConfig | None:
     """A model role's layout section: reward.model for the reward role (None for a rule reward)."""
     return cfg.reward.model if role == "reward" else getattr(cfg, role)
+
+
+def kept_kv_sessions(cfg: Config) -> bool:
+    """Whether the native engine keeps KV under sessions: multi-turn agent loops with agent.keep_kv, or partial
+    rollouts with rollout.partial_kv=keep."""
+    multi_turn = bool(cfg.agent.tools_file or cfg.agent.loop_file) and cfg.agent.keep_kv
+    return cfg.rollout.engine == "native" and (multi_turn or cfg.rollout.partial_kv == "keep")
 
 
 def reward_is_model(cfg: Config) -> bool:

@@ -18,6 +18,7 @@ from launcher.config.schema import (
     Config,
     FilterGroupsConfig,
     OverlongBufferConfig,
+    kept_kv_sessions,
     resolved_rollout_correction,
     reward_is_model,
     role_section,
@@ -178,6 +179,12 @@ def validate_config(cfg: Config) -> None:
     if r.engine == "vllm":
         _validate_vllm(cfg)
     _validate_agent(cfg)
+    if r.max_parked_seqs is not None and r.max_parked_seqs < 0:
+        raise UserError(f"rollout.max_parked_seqs={r.max_parked_seqs} must be >= 0")
+    if r.max_parked_seqs and not kept_kv_sessions(cfg):
+        raise UserError(f"rollout.max_parked_seqs={r.max_parked_seqs} acts only where the native engine keeps KV "
+                        "between turns (rollout.engine=native with a multi-turn agent loop and agent.keep_kv, or "
+                        "rollout.partial_kv=keep): nothing parks here; remove rollout.max_parked_seqs")
     for pool in cfg.placement.pools:
         for role in pool.roles:
             if role not in ROLES:

@@ -110,6 +110,20 @@ def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
 
 
+def test_park_slots_on_cuda_graphs_equal_the_trainer_fp32():
+    # 5 trajectories through 2 decode slots and 3 park slots: parked KV copied out of the graphed decode rows and back
+    # (stream-ordered behind the decode step in flight); every turn's log-probs equal the trainer's, nothing evicted
+    from tests.rollout.test_kept_kv import run_turns
+
+    model = _model(torch.float32)
+    engine = NativeEngine.from_model(model, config=_config(max_num_seqs=2, max_parked_seqs=3, min_admit_fraction=0.0))
+    out = []
+    run_turns(engine, PROMPTS, keep=True, completions=out)
+    assert len(out) == 15 and engine.stats["kv_relocations"] > 0
+    assert engine.stats["kv_evictions"] == engine.stats["kv_misses"] == 0
+    assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
+
+
 def test_kept_kv_prefills_run_prebuilt_sdpa_kernels_bf16(monkeypatch):
     # the prefills' attention (fresh: causal flash; continuations: masked memory-efficient) must be served by the
     # kernels built ahead of time: with cuDNN and the math path both off, SDPA raises "No available kernel" for a call

@@ -267,3 +267,28 @@ def test_continuation_graph_buckets_pad_without_changing_results(monkeypatch):
         torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_lps[i]), atol=1e-5, rtol=0)
     assert all(rows >= 2 and rows & (rows - 1) == 0 and tokens == 16 and kv % 32 == 0 for rows, tokens, kv in replayed)
     assert len({rows for rows, _, _ in replayed}) > 1 and len({kv for _, _, kv in replayed}) > 1, replayed
+
+
+def test_park_slots_keep_the_kv_of_more_trajectories_than_decode_slots():
+    # 5 trajectories through 2 decode slots. Without park slots a waiting trajectory takes a parked one's slot, whose
+    # next turn then re-prefills its whole context; with 3 park slots (one per trajectory beyond the decode slots) the
+    # parked KV is copied there and back (swapped through the cache's spare slot when the returning turn's own park
+    # slot is the free one): nothing evicted, only new tokens prefilled, the same tokens and log-probs
+    two = dict(max_num_seqs=2, min_admit_fraction=0.0)
+    ref_ctx, ref_lps = run_turns(NativeEngine.from_model(model(), config=config(**two)), PROMPTS, keep=False)
+    evicting = NativeEngine.from_model(model(), config=config(**two))
+    assert run_turns(evicting, PROMPTS, keep=True)[0] == ref_ctx and evicting.stats["kv_evictions"] > 0
+    engine = NativeEngine.from_model(model(), config=config(**two, max_parked_seqs=3))
+    runner = engine.runner
+    assert (runner.num_slots, runner.park_slots, runner.cache.num_slots) == (2, 3, 5)
+    moves, move_slots = [], runner.move_slots
+    runner.move_slots = lambda m, lengths: (moves.extend(m), move_slots(m, lengths=lengths))
+    ctx, lps = run_turns(engine, PROMPTS, keep=True)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(sum(lps[i], [])), torch.tensor(sum(ref_lps[i], [])), atol=1e-5, rtol=0)
+    assert engine.stats["kv_evictions"] == engine.stats["kv_misses"] == 0
+    assert engine.stats["kv_relocations"] == len(moves) and any(dst == 5 for _, dst in moves), moves
+    later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(len(PROMPTS)) for t in (1, 2))
+    assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS)) + later
+    assert not engine.has_unfinished() and engine._sched is None

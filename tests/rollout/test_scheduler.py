@@ -155,3 +155,53 @@ def test_continuations_are_admitted_in_waves():
     s.update(long, [5] * 5, [0.0] * 5)
     step = s.schedule()  # the first has waited two steps: both in one prefill
     assert isinstance(step, PrefillBatch) and len(step.seqs) == 2 and s.can_admit() is False
+
+
+def test_park_slots_keep_sessions_that_outnumber_the_decode_slots():
+    # 2 decode slots, 2 park slots: a waiting sequence takes the slot of the least recently parked session, whose KV
+    # is copied to a park slot (a relocation the engine runs before the prefill), not evicted; its next turn comes
+    # back to a free decode slot (another relocation); with the park slots full the next one is evicted
+    s = Scheduler(num_slots=2, max_num_batched_tokens=256, max_model_len=64, granule=16, slot_len=64,
+                  eos_token_ids=[2], park_slots=2)
+    evicted = []
+    s.on_evict = evicted.append
+    assert s.buckets == [2]  # the decode batch never covers park slots
+    turns = [_seq(i, i, 3, max_tokens=1) for i in range(5)]
+    for seq in turns:
+        seq.session = seq.seq_id
+
+    def run(*seqs):
+        for seq in seqs:
+            s.add(seq)
+        step = s.schedule()
+        assert isinstance(step, PrefillBatch) and {q.seq_id for q in step.seqs} == {q.seq_id for q in seqs}
+        s.update(step.seqs, [5] * len(seqs), [0.0] * len(seqs))  # each turn ends at once: parked
+
+    run(turns[0], turns[1])
+    assert sorted(s.parked) == [0, 1] and s.relocations == []
+    run(turns[2])  # slot 0 (parked first) is copied to park slot 2: 4 positions (prompt and its token)
+    assert s.relocations == [(0, 2, 4)] and turns[0].slot == 2 and turns[2].slot == 0
+    assert s.is_parked(turns[0]) and s.has_parked() and not evicted
+    s.relocations.clear()
+    run(turns[3])
+    assert s.relocations == [(1, 3, 4)] and sorted(s.stored) == [2, 3]
+    s.relocations.clear()
+    run(turns[4])  # the park slots are full: the least recently parked in a decode slot (turn 2) is evicted
+    assert evicted == [turns[2]] and turns[2].slot == -1 and s.relocations == []
+    # turn 0's next turn waits in park slot 2 and needs a decode slot, as a fresh sequence does: it takes the one of
+    # the least recently parked (turn 3), which moves into the park slot turn 0 leaves (a swap through the spare
+    # slot 4); the fresh sequence then takes turn 4's decode slot, and with no park slot free turn 4 is evicted
+    assert s.unpark(turns[0])
+    nxt = _seq(10, 0, 6, max_tokens=1)
+    nxt.slot, nxt.cached, nxt.session = turns[0].slot, 4, 0
+    fresh = _seq(11, 11, 2, max_tokens=1)
+    s.add(fresh)
+    s.add(nxt)
+    assert list(s.waiting) == [nxt, fresh]  # a continuation in a park slot goes before fresh sequences
+    assert s.can_admit()
+    step = s.schedule()
+    assert [q.seq_id for q in step.seqs] == [10, 11] and nxt.slot == 1 and fresh.slot == 0
+    assert s.relocations == [(2, 4, 4), (1, 2, 4), (4, 1, 4)] and turns[3].slot == 2 and s.is_parked(turns[3])
+    assert evicted == [turns[2], turns[4]] and not s._park_free
+    s.update(step.seqs, [5, 5], [0.0] * 2)
+    assert s.is_parked(nxt) and s.unpark(turns[3]) and s.free_slot(2) is None and s._park_free == [2]

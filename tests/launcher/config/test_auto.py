@@ -73,3 +73,19 @@ def test_shared_prompts_on_for_groups_of_responses_where_packing_allows_it():
     assert any(c.startswith("trainer.share_prompts=false (auto: pipeline") for c in choices)
     cfg, _ = _load("rollout.n=4", "trainer.share_prompts=false")
     assert cfg.trainer.share_prompts is False
+
+
+def test_park_slots_for_multi_turn_trajectories_beyond_the_decode_slots(tmp_path):
+    # kept KV between agent turns: the trajectories beyond rollout.max_num_seqs get park slots (their KV waits there
+    # while their tools run instead of being evicted for queued ones); none without sessions or when all decode at once
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
+    agent = (f"agent.tools_file={tools}", "data.batch_size=24", "rollout.n=5")
+    cfg, choices = _load(*agent, "rollout.max_num_seqs=32")
+    assert cfg.rollout.max_parked_seqs == 88
+    assert any(c.startswith("rollout.max_parked_seqs=88 (auto: 120 rows in flight") for c in choices)
+    for overrides in ((*agent,), (*agent, "rollout.max_num_seqs=32", "agent.keep_kv=false"),
+                      ("data.batch_size=24", "rollout.n=5", "rollout.max_num_seqs=32")):
+        cfg, choices = _load(*overrides)
+        assert cfg.rollout.max_parked_seqs == 0 and not any("max_parked_seqs" in c for c in choices), overrides
+    assert _load(*agent, "rollout.max_num_seqs=32", "rollout.max_parked_seqs=8")[0].rollout.max_parked_seqs == 8

@@ -45,3 +45,12 @@ def test_multi_turn_loops_run_on_both_engines_but_not_across_weight_swaps(tmp_pa
     assert "agent.keep_kv=false acts only with rollout.engine=native" in refused(
         "rollout.engine=vllm", "agent.keep_kv=false", f"agent.tools_file={tools}")
     assert load_config(None, ["agent.keep_kv=false", f"agent.tools_file={tools}"]).agent.keep_kv is False
+
+
+def test_park_slots_are_refused_where_nothing_parks(tmp_path):
+    tools = tmp_path / "ok.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
+    assert "max_parked_seqs=8 acts only where the native engine keeps KV" in refused("rollout.max_parked_seqs=8")
+    assert "acts only where" in refused(f"agent.tools_file={tools}", "agent.keep_kv=false", "rollout.max_parked_seqs=8")
+    assert "must be >= 0" in refused(f"agent.tools_file={tools}", "rollout.max_parked_seqs=-1")
+    assert load_config(None, [f"agent.tools_file={tools}", "rollout.max_parked_seqs=8"]).rollout.max_parked_seqs == 8
