@@ -2,6 +2,8 @@
 
     python -m bench.agent_turns --model qwen3-0.6b --trajectories 256 --turn-tokens 128 --turns 3 \
         --tool-delay-ms 200 --device cuda --dtype bfloat16
+    python -m bench.agent_turns --model qwen3-0.6b --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 \
+        --turn-tokens 128 --turns 3 --tool-delay-ms 200 --device cuda --dtype bfloat16   # an RL step's queue
     python -m bench.agent_turns --model tiny --device cpu --trajectories 8 --turn-tokens 8 --tool-delay-ms 20
 
 Random-init weights (bench.generate.random_model), random prompts, ignore_eos. Each trajectory runs `--turns`

@@ -74,7 +74,8 @@ class DocumentAttention:
     forwards) when its waste is at most DENSE_MAX_WASTE, else varlen, each when the tensors allow it
     and a one-time probe on this GPU agrees with the mask path; else the mask. Training passes keep
     varlen: there cuDNN's backward is within 15% of FA2's, and the dense view's extra gathers and
-    scatters made GRPO's update slower (measured in docs/history/measurements.md).
+    scatters made GRPO's update slower (measured in docs/history/measurements.md). Off CUDA, auto takes
+    dense (SDPA per row, training too) where it scores far fewer positions than the mask (cpu_prefers_dense).
     """
 
     def __init__(self, position_ids: torch.Tensor, *, backend: str = "auto", layout: DocumentLayout | None = None):
@@ -90,6 +91,7 @@ class DocumentAttention:
         # eagerly, so layers compiled with torch.compile see only tensor work in __call__. `layout` (the
         # packer computes it on the host: models/document_layout.py) saves the one device->host copy.
         self.dense_fits = False  # auto: the dense view wastes little enough for cuDNN to win
+        self.cpu_dense = False  # auto off CUDA: the dense view instead of the mask (cpu_prefers_dense)
         if backend == "dense" or (position_ids.is_cuda and backend != "mask"):
             self.layout = layout or DocumentLayout.from_positions(position_ids)
             self.dense_fits = self.layout.dense_waste <= DENSE_MAX_WASTE
@@ -100,6 +102,8 @@ class DocumentAttention:
                         _fused_ok("varlen", position_ids.device, dtype, prefix=True)
                     if self.dense_fits:
                         _fused_ok("dense", position_ids.device, dtype, prefix=True)
+        elif backend == "auto" and layout is not None and cpu_prefers_dense(layout, position_ids.shape):
+            self.layout, self.cpu_dense = layout, True
         else:
             self._mask = self._document_mask(position_ids)
 
@@ -133,9 +137,9 @@ class DocumentAttention:
         return (mask | sees_root)[:, None]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.backend == "dense" or (self.backend == "auto" and self.dense_fits and not torch.is_grad_enabled()
-                                       and q.dtype in _HALF and q.shape[-1] <= 128
-                                       and _fused_ok("dense", q.device, q.dtype, prefix=True)):
+        if self.backend == "dense" or self.cpu_dense or (
+                self.backend == "auto" and self.dense_fits and not torch.is_grad_enabled() and q.dtype in _HALF
+                and q.shape[-1] <= 128 and _fused_ok("dense", q.device, q.dtype, prefix=True)):
             return self._dense_attention(q, k, v)
         use_varlen = self.layout is not None and (
             self.backend == "varlen"
@@ -178,6 +182,15 @@ class DocumentAttention:
         out = causal_rows(*(x.transpose(1, 2) for x in (q, k, v)))  # [rows, H, S, D] over [rows, S, H, D]
         out = out.transpose(1, 2).reshape(-1, hq, d).index_select(0, lay.dense_own)
         return out.view(b, t, hq, d).transpose(1, 2)
+
+
+def cpu_prefers_dense(layout: DocumentLayout, shape: torch.Size) -> bool:
+    """Off CUDA (no fused kernel takes the packed documents): the dense view, when its scores (a row of the longest
+    segment's width per segment) are under half the mask path's (a [T, T] square per packed row; the other half
+    pays for the dense view's gathers). A row of many short documents, such as a supervised warm-up's packed
+    demonstrations, scores ~T / width times fewer positions."""
+    rows, width = layout.dense_index.shape
+    return 2 * rows * width * width < shape[0] * shape[1] * shape[1]
 
 
 def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

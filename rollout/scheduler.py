@@ -128,7 +128,10 @@ class Scheduler:
         # KV copies (src slot, dst slot, positions) decided by admission, for the engine to run before the prefill
         self.relocations: list[tuple[int, int, int]] = []
         self.on_evict: Callable[[Sequence], None] | None = None
-        self._reserved = 0  # waiting continuations that hold a decode slot (they lead the queue, need no room)
+        # the queue holds, in order: continuations holding a decode slot (they need no room), continuations whose KV
+        # waits in a park slot, fresh sequences
+        self._reserved = 0
+        self._returning = 0
 
     def add(self, seq: Sequence) -> None:
         seq.queued_at = self.steps
@@ -136,8 +139,8 @@ class Scheduler:
             self.waiting.appendleft(seq)
             self._reserved += 1
         elif seq.slot >= 0:  # one in a park slot needs a decode slot: after those, before fresh sequences
-            at = next((i for i, s in enumerate(self.waiting) if s.slot < 0), len(self.waiting))
-            self.waiting.insert(at, seq)
+            self.waiting.insert(self._reserved + self._returning, seq)
+            self._returning += 1
         else:
             self.waiting.append(seq)
 
@@ -224,6 +227,7 @@ class Scheduler:
             if seq.slot < 0:
                 seq.slot = self._take_slot()
             elif seq.slot >= self.num_slots:  # a continuation in a park slot: its KV comes back to a decode slot
+                self._returning -= 1
                 self._bring_back(seq)
             else:  # a continuation keeps the slot that holds its KV
                 self._reserved -= 1
@@ -281,6 +285,7 @@ class Scheduler:
         elif seq.slot >= 0 and any(s is seq for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if s is not seq)
             if seq.slot >= self.num_slots:
+                self._returning -= 1
                 self.stored[seq.slot] = seq
                 return True
             self._reserved -= 1
@@ -317,7 +322,10 @@ class Scheduler:
             return True
         if seq.slot >= 0 and any(s is seq for s in self.waiting):  # a continuation's reserved slot
             self.free_slot(seq.slot)
-            self._reserved -= seq.slot < self.num_slots
+            if seq.slot < self.num_slots:
+                self._reserved -= 1
+            else:
+                self._returning -= 1
         self.waiting = deque(s for s in self.waiting if s is not seq)
         return False
 

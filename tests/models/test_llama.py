@@ -380,6 +380,29 @@ def test_dense_view_equals_mask_with_grads_on_random_rows():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_cpu_auto_takes_the_dense_view_for_rows_of_short_documents():
+    """Off CUDA, auto with the packer's layout: a row of many short documents (a supervised warm-up's packed
+    demonstrations) runs the dense view, equal to the mask in outputs and gradients; one long document keeps the
+    mask (its dense view is no smaller); without a layout the mask as before."""
+    from ppo.batch.packing import pack
+
+    gen = torch.Generator().manual_seed(3)
+    short = pack([torch.randint(1, 50, (int(n),), generator=gen) for n in torch.randint(3, 9, (12,), generator=gen)],
+                 pad_id=0)
+    long = pack([torch.randint(1, 50, (40,), generator=gen)], pad_id=0)
+    assert DocumentAttention(short.position_ids, layout=short.layout).cpu_dense
+    assert not DocumentAttention(long.position_ids, layout=long.layout).cpu_dense
+    assert not DocumentAttention(short.position_ids).cpu_dense
+    t = short.position_ids.shape[1]
+    qkv = [torch.randn(1, h, t, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    out = DocumentAttention(short.position_ids, layout=short.layout)(0, *qkv)
+    ref = DocumentAttention(short.position_ids, backend="mask")(0, *qkv)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_dense_view_of_shared_prompts_and_its_waste():
     """A prompt of 4 with responses of 3, 2, 3 (the first in the root): rows [prompt + own keys], the
     own positions, the prompt's extra copies, and the waste = padded causal pairs / the own pairs."""

@@ -205,3 +205,33 @@ def test_park_slots_keep_sessions_that_outnumber_the_decode_slots():
     assert evicted == [turns[2], turns[4]] and not s._park_free
     s.update(step.seqs, [5, 5], [0.0] * 2)
     assert s.is_parked(nxt) and s.unpark(turns[3]) and s.free_slot(2) is None and s._park_free == [2]
+
+
+def test_a_continuation_waiting_in_a_park_slot_can_be_released_or_parked_again():
+    # the queue: continuations holding a decode slot, then those whose KV waits in a park slot, then fresh ones
+    s = Scheduler(num_slots=2, max_num_batched_tokens=256, max_model_len=64, granule=16, slot_len=64,
+                  eos_token_ids=[2], park_slots=2)
+    first = [_seq(i, i, 3, max_tokens=1) for i in range(3)]
+    for seq in first:
+        seq.session = seq.seq_id
+        s.add(seq)
+    s.update(s.schedule().seqs, [5, 5], [0.0] * 2)  # two run and park; the third waits for a slot
+    s.update(s.schedule().seqs, [5], [0.0])  # it takes slot 0: its parked owner moves to park slot 2
+    assert first[0].slot == 2 and s.is_parked(first[0]) and s._park_free == [3]
+
+    def turn(i, parked):  # the next turn of a parked sequence, its KV where the parked one left it
+        assert s.unpark(parked)
+        seq = _seq(i, parked.prompt_index, 6, max_tokens=1)
+        seq.slot, seq.cached = parked.slot, 4
+        s.add(seq)
+        return seq
+
+    fresh = _seq(10, 10, 2, max_tokens=1)
+    s.add(fresh)
+    returning = turn(11, first[0])  # in park slot 2
+    holding = turn(12, first[1])  # still in decode slot 1
+    assert list(s.waiting) == [holding, returning, fresh]
+    s.release(returning)  # dropped while waiting: its park slot is free again, the order kept
+    assert sorted(s._park_free) == [2, 3] and list(s.waiting) == [holding, fresh]
+    assert s.park_unfinished(holding) and s.is_parked(holding) and list(s.waiting) == [fresh]
+    assert s._reserved == s._returning == 0
