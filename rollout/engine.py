@@ -164,8 +164,9 @@ class NativeEngine:
 
         sessions: one key per sample (kept KV across turns). A sample that finishes ("stop"/"length") keeps its
         KV slot parked under its key; a later request under that key whose prompt extends the sample's tokens
-        (its prompt, its tokens, then anything new) prefills only the new tokens. A parked slot is evicted when
-        a waiting sequence needs room (the continuation then re-prefills: stats "kv_evictions", "kv_misses");
+        (its prompt, its tokens, then anything new) prefills only the new tokens. When a waiting sequence needs its
+        slot, the parked KV moves to a park slot (RolloutConfig.max_parked_seqs; stats "kv_relocations"), or without a
+        free one is evicted (the continuation then re-prefills: stats "kv_evictions", "kv_misses");
         release_session() frees it at once."""
         if self.asleep:
             raise RuntimeError("add_request on a sleeping engine: call wake_up() (and update_weights) first")

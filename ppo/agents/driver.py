@@ -46,12 +46,17 @@ class DriveStats:
     engine_steps: int = 0
     steps_during_tools: int = 0  # engine steps taken while at least one tool call was running
     tool_wait_s: float = 0.0  # wall time the driver waited on tools with nothing to decode
-    # the engine's prefill work (native engine: rollout.engine.NativeEngine.stats): tokens prefilled, tokens
-    # whose KV a later turn kept instead (keep_kv), parked KV evicted for room, turns that re-prefilled anyway
+    # the engine's prefill work (native engine: rollout.engine.NativeEngine.stats; ENGINE_COUNTERS): tokens
+    # prefilled, tokens whose KV a later turn kept instead (keep_kv), parked KV evicted for room, turns that
+    # re-prefilled anyway, parked KV moved between decode and park slots (rollout.max_parked_seqs)
     prefill_tokens: int = 0
     kv_reused_tokens: int = 0
     kv_evictions: int = 0
     kv_misses: int = 0
+    kv_relocations: int = 0
+
+
+ENGINE_COUNTERS = ("prefill_tokens", "kv_reused_tokens", "kv_evictions", "kv_misses", "kv_relocations")
 
 
 class ToolPool:
@@ -263,7 +268,7 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
             for tid in range(len(live)):
                 engine.release_session(("agent", tid))
     after = getattr(engine, "stats", {})
-    for name in ("prefill_tokens", "kv_reused_tokens", "kv_evictions", "kv_misses"):
+    for name in ENGINE_COUNTERS:
         setattr(stats, name, int(after.get(name, 0) - engine_stats.get(name, 0)))
     return [t.result for t in live], stats
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ppo.agents.driver import Start, ToolPool, drive, tp_tool_sync
+from ppo.agents.driver import ENGINE_COUNTERS, Start, ToolPool, drive, tp_tool_sync
 from ppo.agents.loop import AgentTask, single_turn
 from ppo.agents.registry import build_registry
 from ppo.batch.experience import Sample, all_gather_objects
@@ -242,7 +242,7 @@ class RolloutRole:
             out.metrics["agent/decode_steps_during_tools"] = float(stats.steps_during_tools)
             out.metrics["agent/tool_wait_s"] = stats.tool_wait_s
             # the engine's prefill work: tokens prefilled, tokens a later turn's kept KV spared, evicted KV
-            for name in ("prefill_tokens", "kv_reused_tokens", "kv_evictions", "kv_misses"):
+            for name in ENGINE_COUNTERS:
                 out.metrics[f"agent/{name}"] = float(getattr(stats, name))
         if self.gen_tp_rank != 0:
             return out

