@@ -2,7 +2,7 @@
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
 #   parts: env tests megatron megatron_moe attn tail partial heavy_tail adamw train gen agent agent_queued reshard grpo grpo_long recipe ppo placement async2 lora moe
-# Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
+# Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
 #      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), ASYNC2_STEPS (10), T_<PART> (time limits, s; T_PLACEMENT
@@ -73,7 +73,7 @@ for p in "${parts[@]}"; do
       [ -d "$fx/model" ] || python3 -m bench.recipe_fixture --preset "${RECIPE_PRESET:-qwen3-0.6b}" --out "$fx" \
         > "$OUT/logs/recipe_fixture.json"
       run "recipe_${RECIPE_PRESET:-qwen3-0.6b}${RECIPE_TAG:-}" "${T_RECIPE:-560}" python3 -m bench.placement \
-        --config conf/grpo_gsm8k_qwen3.yaml --nproc 1 --warmup 2 --modes colocated-sync "${prof_grpo[@]}" \
+        --config conf/grpo_gsm8k_qwen3.yaml --nproc 1 --warmup "${RECIPE_WARMUP:-2}" --modes colocated-sync "${prof_grpo[@]}" \
         model.path="$fx/model" "data.train_files=[$fx/data/train.parquet]" "data.val_files=[]" \
         trainer.val_before_train=false trainer.test_freq=0 trainer.total_epochs=0 \
         trainer.total_steps="${RECIPE_STEPS:-5}" ${EXTRA:-} ;;
