@@ -37,7 +37,7 @@ from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs
 from ppo.roles.build import build_roles
 from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
 from ppo.roles.placement import Placement
-from ppo.roles.step_plan import old_logp_source, ref_beside_actor
+from ppo.roles.step_plan import old_logp_share, old_logp_source, ref_beside_actor
 from ppo.roles.workers import PendingResults
 from ppo.run.checkpoint import seal_directory, verify_sealed
 from ppo.run.state import TrainState
@@ -121,15 +121,17 @@ class PPOTrainer:
                                     set_rollout_tokens=None if rollout is None else rollout.set_token_budget)
 
     # ------------------------------------------------------------------ one step
-    def old_logp_source(self) -> str:
-        """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step."""
+    def old_logp_source(self, samples: int | None = None) -> str:
+        """The step's old-log-prob source (ppo.roles.step_plan.old_logp_source), decided once per step from its
+        batch's samples (default data.batch_size x rollout.n; an agent's cut trajectories make more)."""
         from ppo.algos.rollout_correction import resolve_mode
 
         s, update = self.settings, self.settings.roles.actor_update
         k = s.loop.max_staleness
         return old_logp_source(max_staleness=k, rollout_correction=resolve_mode(
                                    s.loop.advantages.rollout_correction, max_staleness=k), ppo_epochs=update.epochs,
-                               mini_batch_size=update.mini_batch_size, samples=s.data.batch_size * s.generation.n,
+                               mini_batch_size=update.mini_batch_size,
+                               samples=samples or s.data.batch_size * s.generation.n,
                                kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
 
     def generate(self, step: int, timer: StageTimer, *, version: int | None = None, index_offset: int = 0
@@ -187,19 +189,24 @@ class PPOTrainer:
         pen = self.overlong_penalties(exp)
         return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
-    def score(self, exp: Experience, timer: StageTimer, *, old_logp: bool, reward: bool = True,
+    def score(self, exp: Experience, timer: StageTimer, *, old_logp: str, reward: bool = True,
               route: ReferenceRoute = ReferenceRoute()) -> tuple[dict, PendingResults | None]:
         """Each role group over its DP shard (concurrently in split placement); reward=False when
-        dynamic sampling scored the samples already. The forwards (old log-probs, reference, values) are
-        enqueued first and waited for last: rule rewards are scored on the host while their kernels run.
+        dynamic sampling scored the samples already. old_logp: the step's old-log-prob source: "recompute"
+        forwards the actor over the batch (with the entropy metric), "fused_first" over the mini-batches after the
+        first (the update measures the entropy), the others not at all. The forwards (old log-probs, reference,
+        values) are enqueued first and waited for last: rule rewards are scored on the host while their kernels
+        run.
         route.defer: the reference's forward is not waited for but returned, still running (for
         reference_logprobs); route.span marks its device time. -> (results by key, the deferred reference pass
         on this rank's reference ranks, else None)."""
         roles, results, launched = self.roles, {}, {}
-        if roles.actor is not None and old_logp:
+        if roles.actor is not None and old_logp in ("recompute", "fused_first"):
+            later = old_logp == "fused_first"  # the first mini-batch's are its update forward's
             with timer("old_log_prob", sync=False):
                 launched["old_log_prob"] = self.budgets.run("old_log_prob", "actor", lambda b: (
-                    roles.actor.launch_logprobs(exp, roles.actor_plan(exp, b), with_entropy=True)))
+                    roles.actor.launch_logprobs(exp, roles.actor_plan(exp, b)[1 if later else 0:],
+                                                with_entropy=not later)))
         if roles.ref is not None:
             with timer("ref", sync=False), route.span or nullcontext():
                 launched["ref"] = self.budgets.run("ref", "ref", lambda b: roles.ref.launch_logprobs(
@@ -221,16 +228,15 @@ class PPOTrainer:
         """One step, in the order of the data flow (docs/design.md): batch, scoring, advantages, updates."""
         timer = self.stage_timer(step)
         t_step = time.perf_counter()
-        old_logp = self.old_logp_source()
         # 1. the batch: generated now (on-policy), up to trainer.max_staleness steps ago (generated ahead), or,
         #    with DAPO's dynamic sampling, generated and scored in rounds until every group carries signal
         generated = [] if len(self.ahead) else None  # the batches this step generates (None: its own, now)
         exp, gen, rewards, sampling_m = self.draw_batch(step, timer)
         generated = [exp] if generated is None else generated
-        # 2. scoring: old log-probs (only "recompute", see old_logp_source), reference, values, rewards
+        # 2. scoring: old log-probs (see old_logp_source), reference, values, rewards
+        old_logp = self.old_logp_source(len(exp.samples))
         route = self.reference_route(old_logp)
-        results, ref_pass = self.score(exp, timer, old_logp=old_logp == "recompute", reward=rewards is None,
-                                       route=route)
+        results, ref_pass = self.score(exp, timer, old_logp=old_logp, reward=rewards is None, route=route)
         for index in self.ahead.to_generate(step=step, total_steps=self.total_steps):
             # the actor ranks generate batches up to k+K with this step's weights while the others score batch k
             ahead, gen = self.generate(index, timer, version=step)
@@ -261,7 +267,9 @@ class PPOTrainer:
         if self.sample_log is not None and self.sample_log.due(step):
             self.sample_log.write(step, exp.samples, batch.scores, tensorboard=self.state.tensorboard())
         return self.metrics.collect(step, exp, batch, adv_metrics, actor_m, critic_m, timer.times,
-                                    gen_metrics=gen.metrics, old_logp=old_logp)
+                                    gen_metrics=gen.metrics, old_logp_share=old_logp_share(
+                                        old_logp, mini_batch_size=self.settings.roles.actor_update.mini_batch_size,
+                                        samples=len(exp.samples)))
 
     def stage_timer(self, step: int) -> StageTimer:
         """The step's stage timer: the heartbeat hears each stage, the profiler marks them on profiled steps."""
@@ -321,7 +329,8 @@ class PPOTrainer:
         forward still runs (deferred). Placed on the actor's ranks alike, they even stay on the device: the update
         reads them there and is enqueued right behind the reference's forward, with no wait between. The same
         on every rank (a function of the plan and the settings)."""
-        deferred = "ref" in self.plan.groups and old_logp == "fused" and not self.loop.advantages.use_kl_penalty
+        deferred = ("ref" in self.plan.groups and old_logp in ("fused", "fused_first")
+                    and not self.loop.advantages.use_kl_penalty)
         on_device = deferred and self.ref_beside_actor
         return ReferenceRoute(defer=deferred, on_device=on_device, span=DeviceSpan(self.device) if on_device else None)
 
@@ -368,7 +377,7 @@ class PPOTrainer:
             return None
         with timer("update_actor"):
             m = self.budgets.run("update_actor", "actor", lambda b: self.roles.update_actor(
-                exp, batch, max_tokens=b, fused_old_logp=old_logp == "fused"),
+                exp, batch, max_tokens=b, old_logp=old_logp),
                 retry_safe=lambda: actor.optimizer_steps_in_update == 0)
         if ref_span is not None:  # the reference's kernels that ran on into the update's window count as its own
             overlap = timer.starts["ref"] + ref_span.seconds() - timer.starts["update_actor"]

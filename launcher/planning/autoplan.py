@@ -95,8 +95,8 @@ def role_layouts(w: Workload, cal: Calibration, role: str, *, gpus: int, model, 
             lay = (tp, pp, dp)
             train = role in TRAINED
             secs = model_pass_s(w, cal, role, m, layout=lay, train=train)
-            if role == "actor" and w.old_logp_forward:
-                secs += model_pass_s(w, cal, role, m, layout=lay, train=False)
+            if role == "actor" and w.old_logp_share:
+                secs += w.old_logp_share * model_pass_s(w, cal, role, m, layout=lay, train=False)
             if role == "critic":
                 secs += model_pass_s(w, cal, role, m, layout=lay, train=False)
             per = 16 if train else 4

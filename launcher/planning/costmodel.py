@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ppo.metrics.flops import update_matmul_flops
-from ppo.roles.step_plan import old_logp_source
+from ppo.roles.step_plan import old_logp_share, old_logp_source
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
 # mixed precision: fp32 master + fp32 grad + Adam m, v (fp32); the 2-byte weights the forward reads (FSDP2's
@@ -135,9 +135,10 @@ class Workload:
     ppo_epochs: int = 1
     critic_epochs: int = 1
     share_prompts: bool = False
-    fused_old_logp: bool = False  # one epoch, one mini-batch, no in-reward KL: the update's forward serves
+    # the share of the batch the old-log-prob forward runs over (ppo.roles.step_plan.old_logp_share): 0 where the
+    # update's forward or the engine's log-probs serve, the later mini-batches' share where the first's serves
+    old_logp_share: float = 1.0
     is_async: bool = False
-    decoupled: bool = False  # async with a rollout correction: the proximal policy's log-probs are computed
     uses_gae: bool = True
     ac: dict = field(default_factory=dict)  # role -> activation checkpointing (none | full | selective)
     micro_batch_tokens: dict = field(default_factory=dict)  # role -> max tokens per micro-batch
@@ -177,10 +178,6 @@ class Workload:
             return self.prompts * (prompt + self.n * response)
         return self.samples * (prompt + response)
 
-    @property
-    def old_logp_forward(self) -> bool:
-        """The actor's forward before the update runs (ppo.roles.step_plan.old_logp_source: "recompute")."""
-        return not (self.fused_old_logp or (self.is_async and not self.decoupled))
 
 def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = None,
                    response_len: int | None = None, is_async: bool | None = None) -> Workload:
@@ -213,7 +210,7 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         response_len=response_len or cfg.rollout.max_response_length,
         ppo_epochs=a.ppo_epochs, critic_epochs=cfg.critic.ppo_epochs,
         share_prompts=cfg.trainer.share_prompts and a.pp == 1 and cfg.ref.pp == 1,
-        fused_old_logp=source == "fused", decoupled=is_async and source != "behaviour",
+        old_logp_share=old_logp_share(source, mini_batch_size=a.mini_batch_size, samples=samples),
         is_async=is_async, uses_gae=cfg.algorithm.name == "ppo",
         ac={"actor": a.activation_checkpointing, "critic": cfg.critic.activation_checkpointing},
         micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,

@@ -193,8 +193,9 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     }
     owner = {"gen": "actor", "reshard": "actor", "old_log_prob": "actor", "ref": "ref", "values": "critic",
              "reward": "reward", "update_actor": "actor", "update_critic": "critic"}
-    if w.old_logp_forward:
-        stages["old_log_prob"] = model_pass_s(w, cal, "actor", w.actor, layout=c.layout("actor"), train=False)
+    if w.old_logp_share:
+        stages["old_log_prob"] = w.old_logp_share * model_pass_s(w, cal, "actor", w.actor, layout=c.layout("actor"),
+                                                                 train=False)
     for role, stage in (("ref", "ref"), ("critic", "values"), ("reward", "reward")):
         m = _role_model(w, role)
         if m is not None:
@@ -240,5 +241,5 @@ def useful_flops(w: Workload) -> float:
         n_params_ref=w.actor.n_matmul if w.ref else None, n_params_rm=w.actor.n_matmul if w.reward_model else None,
         trained_tokens=trained, generated_tokens=w.samples * w.response_len,
         prefill_tokens=w.samples * w.prompt_len // max(1, w.n), ppo_epochs=w.ppo_epochs,
-        old_logp_forward=w.old_logp_forward,
+        old_logp_share=w.old_logp_share,
         policy_tokens=w.tokens("actor") if w.share_prompts else None)

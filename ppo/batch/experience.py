@@ -96,13 +96,15 @@ class Experience:
         return self.stack({s.uid: torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
                            for s in self.samples})
 
-    def stack(self, per_uid: dict[int, torch.Tensor], *, fill: float = 0.0) -> torch.Tensor:
-        """{uid: [R_i]} -> [B, R] in sample order, padded with `fill`."""
+    def stack(self, per_uid: dict[int, torch.Tensor], *, fill: float = 0.0, partial: bool = False) -> torch.Tensor:
+        """{uid: [R_i]} -> [B, R] in sample order, padded with `fill` (partial: a sample missing from per_uid is a
+        row of `fill`; otherwise every sample must be there)."""
         r = self.max_response_len
         out = torch.full((len(self.samples), r), fill, dtype=torch.float32)
         for i, s in enumerate(self.samples):
-            v = per_uid[s.uid]
-            out[i, : v.numel()] = v.float()
+            v = per_uid.get(s.uid) if partial else per_uid[s.uid]
+            if v is not None:
+                out[i, : v.numel()] = v.float()
         return out
 
 

@@ -120,7 +120,8 @@ def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor
     ref_logp, actor_mask as the step has them), the step's advantage metrics, and the KL the in-reward penalty
     observed (None without one), which the caller feeds to its KL controller: this function changes nothing
     outside it. n: samples per prompt; kl_coef: the KL penalty's coefficient this step (algorithm.use_kl_penalty);
-    old_logp: the step's old_logp_source (fused: no old log-probs yet); ref_logp: [B, R] the reference's
+    old_logp: the step's old_logp_source (fused: no old log-probs yet; fused_first: those of the mini-batches
+    after the first); ref_logp: [B, R] the reference's
     log-probs when they are here before the advantages (the KL penalty and the KL metric read them);
     token_staleness: [B, R] each token's version gap (trainer.max_staleness >= 1): with recomputed old log-probs
     the engine-vs-trainer metrics are also given per gap g, rollout_corr/staleness_<g>/<key>."""
@@ -128,8 +129,8 @@ def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor
     scores = torch.tensor([float(merged["score"][s.uid]) for s in exp.samples])
     token_rewards = algos.scores_to_token_rewards(scores, mask)
     b = StepBatch(mask=mask, scores=scores, ref_logp=ref_logp)
-    if "old_logp" in merged:
-        b.old_logp = exp.stack(merged["old_logp"])
+    if "old_logp" in merged:  # fused_first: the later mini-batches' rows (zeros in the first's, never read)
+        b.old_logp = exp.stack(merged["old_logp"], partial=old_logp == "fused_first")
     metrics: dict[str, float] = reward_extra_metrics(merged)  # reward/<key>/mean of dict results
     if old_logp != "behaviour":
         # the engine's log-probs: the actor loss measures (and corrects, algorithm.rollout_correction)
@@ -155,7 +156,7 @@ def compute_step_batch(exp: Experience, merged: dict[str, dict[int, torch.Tensor
     if merged.get("entropy"):
         metrics["actor/entropy"] = float(algos.masked_mean(exp.stack(merged["entropy"]), mask.float()))
     kl_seen = None
-    if ref_logp is not None and b.old_logp is not None:
+    if ref_logp is not None and b.old_logp is not None and old_logp != "fused_first":
         kl = algos.kl_estimate(b.old_logp, ref_logp, kind=a.kl_penalty)
         metrics["actor/kl"] = float(algos.masked_mean(kl, mask.float()))
         if a.use_kl_penalty:

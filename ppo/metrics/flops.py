@@ -52,7 +52,7 @@ def ppo_stage_flops(
     generated_tokens: int,
     ppo_epochs: int,
     prefill_tokens: int = 0,
-    old_logp_forward: bool = True,
+    old_logp_share: float = 1.0,
     policy_tokens: int | None = None,
     attention_policy: float = 0.0,
     attention_full: float = 0.0,
@@ -69,9 +69,10 @@ def ppo_stage_flops(
     pack (prompts once per group with shared prompts; the engine attends the same pairs), `attention_full` over
     whole sequences (the critic's packs); x3 with a backward. Defaults 0: matmuls only.
     A None model is absent (GRPO: no critic; kl_coef 0: no ref; rule reward: no RM).
-    old_logp_forward=False: no separate old-log-prob forward ran (async rollout takes the behaviour
-    log-probs of generation; one epoch over one mini-batch reuses the update's forward), so none is
-    counted: GRPO with a reference is then the 8N per trained token of 6N update + 2N reference.
+    old_logp_share: the share of the batch a separate old-log-prob forward ran over (ppo.roles.step_plan:
+    0 where async rollout takes the behaviour log-probs of generation or one epoch over one mini-batch reuses
+    the update's forward, GRPO with a reference then being the 8N per trained token of 6N update + 2N
+    reference; (M - 1) / M where the first of M mini-batches reuses its forward).
     policy_tokens: the tokens the actor and reference forwards really process when that is fewer than
     trained_tokens (trainer.share_prompts packs a prompt once per group), so useful FLOPs never count
     work that was not needed.
@@ -84,7 +85,7 @@ def ppo_stage_flops(
     ap, af = attention_policy, attention_full
     out = {
         "gen": 2.0 * n_params_actor * (generated_tokens + prefill_tokens) + ap,
-        "old_log_prob": 2.0 * n_params_actor * tp + ap if old_logp_forward else 0.0,
+        "old_log_prob": (2.0 * n_params_actor * tp + ap) * old_logp_share,
         "ref": 2.0 * n_params_ref * tp + ap if n_params_ref else 0.0,
         "reward": 2.0 * n_params_rm * t if n_params_rm else 0.0,  # its shape may differ: matmuls only
         "values": 2.0 * n_params_critic * t + af if n_params_critic else 0.0,

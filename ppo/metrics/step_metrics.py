@@ -4,7 +4,7 @@ accounting against the device's spec peak (ppo.metrics.flops).
     metrics = StepMetrics(plan=plan, rank=rank, device=device, model_config=cfg, gc_pauses=pauses, n=4,
                           ppo_epochs=1, share_prompts=True, reward_model=False)
     row = metrics.collect(step, exp, batch, adv_metrics, actor_m, critic_m, timer.times,
-                          gen_metrics=gen.metrics, old_logp="recompute")   # collective; {} off rank 0
+                          gen_metrics=gen.metrics, old_logp_share=1.0)   # collective; {} off rank 0
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ class StepMetrics:
 
     def collect(self, step: int, exp: Experience, batch: StepBatch, adv_metrics: dict, actor_m: dict | None,
                 critic_m: dict | None, times: dict[str, float], *, gen_metrics: dict[str, float],
-                old_logp: str) -> dict[str, float]:
+                old_logp_share: float) -> dict[str, float]:
         """batch: the step's (its mask and scores); actor_m / critic_m: this rank's update metrics when it owns
-        a shard of that role's metrics (None elsewhere). Collective over the world; the row on rank 0, {} on the
+        a shard of that role's metrics (None elsewhere); old_logp_share: the share of the batch an old-log-prob
+        forward ran over (ppo.roles.step_plan.old_logp_share). Collective over the world; the row on rank 0, {} on the
         others."""
         mine = {"times": times, "gen": gen_metrics, "actor": actor_m, "critic": critic_m,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -81,7 +82,7 @@ class StepMetrics:
         n_tokens = float(sum(s.length for s in exp.samples))
         m["perf/samples_per_s"] = len(exp.samples) / step_s
         m["perf/tokens_per_s"] = n_tokens / step_s
-        m.update(self.flop_metrics(exp, m, old_logp_forward=old_logp == "recompute"))
+        m.update(self.flop_metrics(exp, m, old_logp_share=old_logp_share))
         for key in set().union(*(p["gen"] for p in parts)):
             vals = [p["gen"][key] for p in parts if key in p["gen"]]
             # bytes received and tokens sampled (reported by each replica's leader) add up over the actor ranks;
@@ -99,7 +100,7 @@ class StepMetrics:
         m["host/gc_full"] = max(p["gc_full"] for p in parts)
         return m
 
-    def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_forward: bool) -> dict[str, float]:
+    def flop_metrics(self, exp: Experience, m: dict[str, float], *, old_logp_share: float) -> dict[str, float]:
         """The step's model FLOPs (perf/flops) and, where the device's spec peak is known, the useful
         utilization of the whole step and the actor update's MFU."""
         roles = self.plan.groups
@@ -118,7 +119,7 @@ class StepMetrics:
             trained_tokens=sum(s.length for s in exp.samples),
             generated_tokens=sum(len(s.response_ids) for s in exp.samples),
             prefill_tokens=sum(len(s.prompt_ids) for s in exp.samples) // max(1, self.n),
-            ppo_epochs=self.ppo_epochs, old_logp_forward=old_logp_forward, policy_tokens=policy,
+            ppo_epochs=self.ppo_epochs, old_logp_share=old_logp_share, policy_tokens=policy,
             adapter_params_actor=self.adapter_params, **attention)
         out = {"perf/flops": sum(flops.values())}
         if self.peak_flops is None:

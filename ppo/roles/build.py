@@ -158,14 +158,22 @@ class Roles:
         return RolloutConfig().max_num_batched_tokens
 
     def update_actor(self, exp: Experience, batch: StepBatch, *, max_tokens: int,
-                     fused_old_logp: bool) -> dict[str, float]:
-        """fused_old_logp: the old log-probs are this forward's, detached (ratio == 1; the step decided).
-        batch.ref_logp may be DeviceRows: the reference's log-probs, computed on these ranks and read on the
-        device, never sent through the host."""
-        settings = self.settings.policy_loss
+                     old_logp: str = "recompute") -> dict[str, float]:
+        """old_logp: the step's old-log-prob source (ppo.roles.step_plan.old_logp_source). "fused": the old
+        log-probs are this forward's, detached (ratio == 1); "fused_first": so in the first mini-batch, before
+        any optimizer step, and batch.old_logp's rows (recomputed before the update) after it; otherwise
+        batch.old_logp's rows throughout. batch.ref_logp may be DeviceRows: the reference's log-probs, computed
+        on these ranks and read on the device, never sent through the host."""
+        settings, actor = self.settings.policy_loss, self.actor
+        plan = self.actor_plan(exp, max_tokens)
+        if old_logp == "fused" and len(plan) > 1:
+            raise RuntimeError(f"fused old log-probs with {len(plan)} mini-batches: the step needs 'fused_first'")
+
+        def fused() -> bool:  # the policy still the one that sampled: the forward is the old log-probs'
+            return old_logp == "fused" or (old_logp == "fused_first" and actor.optimizer_steps_in_update == 0)
 
         def loss_fn(logp, entropy, t: StepBatch, denom):
-            return compute_policy_loss(logp, old_logp=logp.detach() if fused_old_logp else t.old_logp,
+            return compute_policy_loss(logp, old_logp=logp.detach() if fused() else t.old_logp,
                                        advantages=t.advantages, mask=t.mask, settings=settings,
                                        entropy=entropy, ref_logp=t.ref_logp, rollout_logp=t.rollout_logp,
                                        denom=denom, sync_metrics=False)  # the update converts them after its loop
@@ -173,12 +181,11 @@ class Roles:
         # only what the loss reads goes to the device; DAPO's overlong filter: truncated responses carry no policy
         # gradient (nor count in the denominator); the engine's log-probs for the rollout correction
         mine = StepBatch(mask=batch.mask if batch.actor_mask is None else batch.actor_mask,
-                         advantages=batch.advantages, old_logp=None if fused_old_logp else batch.old_logp,
+                         advantages=batch.advantages, old_logp=None if old_logp == "fused" else batch.old_logp,
                          ref_logp=batch.ref_logp if settings.needs_ref else None, rollout_logp=batch.rollout_logp)
         # fused: no scoring forward measured the entropy, so the update reports it
-        return self.actor.update(exp, self.actor_plan(exp, max_tokens), mine,
-                                 epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
-                                 with_entropy=settings.needs_entropy or fused_old_logp, agg=settings.agg)
+        return actor.update(exp, plan, mine, epochs=self.settings.actor_update.epochs, loss_fn=loss_fn,
+                            with_entropy=settings.needs_entropy or old_logp.startswith("fused"), agg=settings.agg)
 
     def update_critic(self, exp: Experience, batch: StepBatch, *, max_tokens: int) -> dict[str, float]:
         v = self.settings.value_loss

@@ -110,7 +110,7 @@ def test_step_composition_by_hand():
     score = max(s["old_log_prob"], s["ref"] + s["values"] + s["reward"])
     expect = s["gen"] + s["reshard"] + score + s["adv"] + s["transfer"] + max(s["update_actor"], s["update_critic"])
     assert split.step_s == pytest.approx(expect)
-    asy = estimate(dataclasses.replace(w, is_async=True), CAL,
+    asy = estimate(dataclasses.replace(w, is_async=True, old_logp_share=0.0), CAL,  # the behaviour log-probs serve
                    _cand("split", [(("actor", "rollout"), 1), (("ref", "critic", "reward"), 1)], is_async=True))
     s = asy.stages
     assert "old_log_prob" not in s

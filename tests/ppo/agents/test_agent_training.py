@@ -30,12 +30,13 @@ def test_grpo_step_on_two_turn_trajectories(tmp_path):
                        "rollout.temperature=1.0", config="conf/grpo_tiny.yaml")
         (tmp_path / "out").mkdir()
         trainer = run.trainer(tmp_path / "out")
-        assert trainer.old_logp_source() == "recompute"
+        assert trainer.old_logp_source() == "fused_first"
         m = trainer.step(0)
     assert m["agent/turns_mean"] == 2 and m["agent/observation_tokens_mean"] == 5
     assert m["agent/sampled_tokens_mean"] <= 6 and m["agent/tool_calls_mean"] == 0
-    # the engine's behaviour log-probs and the trainer's recomputed ones, over the sampled tokens of both turns
-    assert m["rollout/logprob_diff_max"] <= 1e-5
+    # the engine's behaviour log-probs and the trainer's (the first mini-batch's update forward, the second's forward
+    # before the update), over the sampled tokens of both turns
+    assert m["rollout_corr/logprob_diff_max"] <= 1e-5
     assert m["response_length/mean"] == m["agent/sampled_tokens_mean"]  # observation tokens are not response
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert rows and all("|obs|" in r["response"] and r["turns"] == 2 for r in rows)

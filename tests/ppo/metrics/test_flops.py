@@ -25,8 +25,13 @@ def test_flop_counts_follow_design_rule():
                           trained_tokens=t, generated_tokens=g, ppo_epochs=2)
     assert grpo == pytest.approx((2 * 6 + 2 + 2) * n * t + 2 * n * g)
     fused = ppo_step_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
-                           trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_forward=False)
+                           trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_share=0.0)
     assert fused == pytest.approx(8 * n * t + 2 * n * g)  # the GRPO rule: 6N update + 2N reference
+    # fused_first over 2 mini-batches: the second half's forward only
+    half = ppo_stage_flops(n_params_actor=n, n_params_critic=None, n_params_ref=n, n_params_rm=None,
+                           trained_tokens=t, generated_tokens=g, ppo_epochs=1, old_logp_share=0.5,
+                           attention_policy=1e9)
+    assert half["old_log_prob"] == pytest.approx((2 * n * t + 1e9) / 2)
     shared = ppo_stage_flops(n_params_actor=n, n_params_critic=n, n_params_ref=n, n_params_rm=None,
                              trained_tokens=t, generated_tokens=g, ppo_epochs=1, policy_tokens=600)
     assert shared["update_actor"] == 6 * n * 600 and shared["ref"] == 2 * n * 600

@@ -1,9 +1,11 @@
 """ppo/roles/workers.py and ppo/roles/build.py in one process: the workers' log-probs and values equal a plain
-per-sequence forward of the same weights, and the fused old-log-prob update equals the recomputed one."""
+per-sequence forward of the same weights, and the fused old-log-prob updates (one mini-batch, or the first of
+several) equal the recomputed one."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from ppo.batch.step_batch import DeviceRows, StepBatch
 from ppo.metrics.timing import StageTimer
 from ppo.roles.build import _build
 from ppo.run.state import load_worker_state, worker_state
+from ppo.settings import UpdateSettings
 from tests.ppo.world import tiny_run, world_of_one
 
 
@@ -77,12 +80,12 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
     before = copy.deepcopy(worker_state(actor))  # model shards, optimizer and LR schedule
     start = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
-    fused_m = roles.update_actor(exp, StepBatch(mask=mask, advantages=adv), max_tokens=40, fused_old_logp=True)
+    fused_m = roles.update_actor(exp, StepBatch(mask=mask, advantages=adv), max_tokens=40, old_logp="fused")
     fused = {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
     load_worker_state(actor, before)
     old = actor.compute_logprobs(exp, roles.actor_plan(exp, 40))["logp"]
     batch = StepBatch(mask=mask, advantages=adv, old_logp=exp.stack(old))
-    recomputed_m = roles.update_actor(exp, batch, max_tokens=40, fused_old_logp=False)
+    recomputed_m = roles.update_actor(exp, batch, max_tokens=40, old_logp="recompute")
     for n, p in actor.runner.named_parameters():
         torch.testing.assert_close(p.detach(), fused[n], rtol=0, atol=1e-6, msg=n)
         assert not torch.equal(p.detach(), start[n]), f"{n} did not move"
@@ -91,6 +94,50 @@ def test_fused_old_logp_update_equals_recomputed(trainer):
     assert fused_m["pg_loss"] == pytest.approx(recomputed_m["pg_loss"], abs=1e-6)
     assert "entropy" in fused_m and "entropy" not in recomputed_m  # fused: the update measures the entropy
     load_worker_state(actor, before)
+
+
+def test_fused_first_update_equals_recomputed_over_two_mini_batches(trainer):
+    """One epoch over two mini-batches: the first takes its old log-probs from its own forward (before any optimizer
+    step), the second from a forward of its samples only, before the update; the update equals the one that
+    recomputed every sample's, and it does read the second mini-batch's rows."""
+    t, exp = trainer
+    roles, actor = t.roles, t.roles.actor
+    saved = roles.settings
+    roles.settings = dataclasses.replace(saved, actor_update=UpdateSettings(epochs=1, mini_batch_size=4))
+    try:
+        plan = roles.actor_plan(exp, 40)
+        assert len(plan) == 2  # 8 samples in mini-batches of 4
+        # the mini-batches' members do not depend on the token budget (the pass before and the update may differ)
+        assert [sorted(i for mb in mini for i in mb) for mini in roles.actor_plan(exp, 12)] == \
+            [sorted(i for mb in mini for i in mb) for mini in plan]
+        mask = exp.response_mask()
+        adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
+        before = copy.deepcopy(worker_state(actor))
+
+        def update(old_logp, source):
+            load_worker_state(actor, before)
+            m = roles.update_actor(exp, StepBatch(mask=mask, advantages=adv, old_logp=old_logp), max_tokens=40,
+                                   old_logp=source)
+            return m, {n: p.detach().clone() for n, p in actor.runner.named_parameters()}
+
+        every = exp.stack(actor.compute_logprobs(exp, plan)["logp"])
+        later = actor.compute_logprobs(exp, plan[1:])["logp"]
+        first = {exp.samples[i].uid for mb in plan[0] for i in mb}
+        assert set(later) == {s.uid for s in exp.samples} - first
+        recomputed_m, recomputed = update(every, "recompute")
+        fused_m, fused = update(exp.stack(later, partial=True), "fused_first")
+        for n, p in fused.items():
+            torch.testing.assert_close(p, recomputed[n], rtol=0, atol=1e-6, msg=n)
+        assert fused_m["pg_loss"] == pytest.approx(recomputed_m["pg_loss"], abs=1e-6)
+        assert "entropy" in fused_m and "entropy" not in recomputed_m  # the update measures the entropy
+        # the second mini-batch's rows are read: wrong ones train differently
+        _, wrong = update(exp.stack(later, partial=True) - 1.0, "fused_first")
+        assert any(not torch.allclose(p, recomputed[n], atol=1e-6) for n, p in wrong.items())
+        with pytest.raises(RuntimeError, match="fused_first"):
+            roles.update_actor(exp, StepBatch(mask=mask, advantages=adv), max_tokens=40, old_logp="fused")
+    finally:
+        roles.settings = saved
+        load_worker_state(actor, before)
 
 
 def test_loss_metrics_do_not_depend_on_the_micro_batch_count(trainer):
@@ -104,9 +151,9 @@ def test_loss_metrics_do_not_depend_on_the_micro_batch_count(trainer):
     old = actor.compute_logprobs(exp, roles.actor_plan(exp, 10_000))["logp"]
     batch = StepBatch(mask=mask, advantages=adv, old_logp=exp.stack(old))
     assert len(roles.actor_plan(exp, 24)[0]) > 2 and len(roles.actor_plan(exp, 10_000)[0]) == 1
-    many = roles.update_actor(exp, batch, max_tokens=24, fused_old_logp=False)
+    many = roles.update_actor(exp, batch, max_tokens=24, old_logp="recompute")
     load_worker_state(actor, before)
-    one = roles.update_actor(exp, batch, max_tokens=10_000, fused_old_logp=False)
+    one = roles.update_actor(exp, batch, max_tokens=10_000, old_logp="recompute")
     load_worker_state(actor, before)
     # at the generating policy the ratios are 1: the loss is minus the token mean of the advantages
     want = -(adv * mask).sum().item() / mask.sum().item()
@@ -152,7 +199,7 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     result = PendingResults.result
     monkeypatch.setattr(PendingResults, "result", lambda self: calls.append("wait") or result(self))
     timer = StageTimer(t.device)
-    got, ref_pass = t.score(exp, timer, old_logp=True)
+    got, ref_pass = t.score(exp, timer, old_logp="recompute")
     assert calls == ["launch actor", "launch ref", "launch critic", "reward", "wait", "wait", "wait"]
     assert ref_pass is None
     want = roles.ref.compute_logprobs(exp, roles.ref_plan(exp, t.budgets["ref"]))["logp"]
@@ -162,7 +209,7 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     # a deferred reference is launched but not waited for: the step's ReferenceLogprobs handle does that, once
     calls.clear()
     route = ReferenceRoute(defer=True)
-    got, ref_pass = t.score(exp, timer, old_logp=False, route=route)
+    got, ref_pass = t.score(exp, timer, old_logp="fused", route=route)
     assert calls == ["launch ref", "launch critic", "reward", "wait"] and "ref_logp" not in got
     ref = t.reference_logprobs(exp, got, ref_pass, route=route, timer=timer)
     assert ref.host is None and calls[-1] == "wait" and len(calls) == 4
@@ -170,12 +217,12 @@ def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monk
     assert calls[-1] == "wait" and len(calls) == 5 and ref.get() is late and len(calls) == 5
     torch.testing.assert_close(late, exp.stack(want), rtol=0, atol=0)
     # waited for with the other scores: the handle holds the host rows, for the advantages' KL
-    got, ref_pass = t.score(exp, timer, old_logp=False)
+    got, ref_pass = t.score(exp, timer, old_logp="fused")
     ref = t.reference_logprobs(exp, got, ref_pass, route=ReferenceRoute(), timer=timer)
     assert ref_pass is None and ref.host is ref.get() and torch.equal(ref.get(), late)
     # on the device: the deferred pass's rows, the same values, and no wait
     route = ReferenceRoute(defer=True, on_device=True)
-    got, ref_pass = t.score(exp, timer, old_logp=False, route=route)
+    got, ref_pass = t.score(exp, timer, old_logp="fused", route=route)
     calls.clear()
     rows = t.reference_logprobs(exp, got, ref_pass, route=route, timer=timer).get()
     assert isinstance(rows, DeviceRows) and calls == []

@@ -37,6 +37,12 @@ def test_step_metrics_follow_the_old_logp_source(world, tmp_path):
     m = grpo.step(0)
     assert "timing_s/old_log_prob" not in m and "rollout/logprob_diff_max" not in m
     assert m["actor/clipfrac"] == 0.0 and "actor/entropy" in m and "reshard/bytes_received" in m
+    # two mini-batches: the first's forward serves it, a forward before the update computes the second's only
+    halves = _trainer(tmp_path / "halves", "actor.mini_batch_size=16", config="conf/grpo_tiny.yaml")
+    assert halves.old_logp_source() == "fused_first"
+    m = halves.step(0)
+    assert "timing_s/old_log_prob" in m and "rollout/logprob_diff_max" not in m and "actor/entropy" in m
+    assert m["rollout_corr/logprob_diff_max"] < 1e-4  # the engine's log-probs against both mini-batches' old ones
     async_ = _trainer(tmp_path / "async", "trainer.max_staleness=1", config="conf/grpo_tiny.yaml")
     assert async_.old_logp_source() == "behaviour"
 
