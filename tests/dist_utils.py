@@ -90,7 +90,19 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo", env=None, lo
 
 
 def run_world(fn, world_size: int, args: tuple = (), *, timeout: float = 240.0, backend: str = "gloo") -> list:
-    """backend "nccl": one GPU per rank (cuda:rank set before the group starts)."""
+    """backend "nccl": one GPU per rank (cuda:rank set before the group starts). A world whose store could not
+    bind its port (taken between free_port() and the bind, e.g. by a process of another test worker) has run
+    nothing yet: it is started again on a fresh port, twice at most."""
+    for _ in range(2):
+        try:
+            return _run_world_once(fn, world_size, args, timeout=timeout, backend=backend)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+    return _run_world_once(fn, world_size, args, timeout=timeout, backend=backend)
+
+
+def _run_world_once(fn, world_size: int, args: tuple, *, timeout: float, backend: str) -> list:
     ctx = _context(backend)
     forked = ctx.get_start_method() == "forkserver"
     queue = ctx.Queue()
