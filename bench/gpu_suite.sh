@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron megatron_moe attn tail partial heavy_tail adamw train gen agent agent_queued reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env tests megatron megatron_moe attn tail partial heavy_tail adamw train gen gen_fp8 attn_fp8 agent agent_queued reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -60,6 +60,13 @@ for p in "${parts[@]}"; do
              ${TRAIN_ARGS:---sweep} "${prof_train[@]}" ;;
     gen) run generate "${T_GEN:-400}" python3 -m bench.generate --model llama-1b --prompt-len 128 --new-tokens 256 \
            --engine "${GEN_ENGINE:-both}" --batches "${GEN_BATCHES:-32,64,256}" --hf-cache dynamic --native-variants "${GEN_VARIANTS:-auto,triton+compile}" ${GEN_ARGS:-} ;;
+    gen_fp8)  # issue 39: the fp8 KV cache's decode against bf16 at the Qwen3-0.6B shape, 256 rows
+      run generate_fp8 "${T_GEN_FP8:-400}" python3 -m bench.generate --model qwen3-0.6b --batches 256 --engine native \
+        --native-variants auto+compile,auto+compile+fp8 --prompt-len 128 --new-tokens 256 --no-profile --repeats 2 ;;
+    attn_fp8)  # the fp8 cache's tiles: the recipe's shared-prompt launch (640 rows in groups of 5) over tiles and caps
+      run decode_attention_fp8 "${T_ATTN_FP8:-300}" python3 -m bench.decode_attention --kv-dtype fp8 --batches 640 \
+        --contexts 600 --no-sweep --samples-per-prompt 5 --prompt-len 80 --sweep-shared \
+        --shared-tiles 64:4:2,64:4:1,32:4:2,32:4:3,128:4:1 --maxnreg 96,128,168 ;;
     reshard) [ "$ngpu" -ge 2 ] && run reshard "${T_RESHARD:-180}" torchrun --standalone --nproc_per_node 2 -m bench.reshard \
                --model llama-1b --train-tp 2 --gen-tp 1 --verify --device cuda ;;
     grpo) run "grpo_a${GRPO_TAG:-}" "${T_GRPO:-420}" python3 -m bench.placement --config conf/bench_grpo_1b.yaml \

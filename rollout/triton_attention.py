@@ -54,8 +54,11 @@ if triton is not None:
         """Online-softmax state (m, l_sum, acc) of the query rows q [M, D] advanced over cache positions
         [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain). FP8:
         the cache holds float8 rows with fp32 scales at ks_row/vs_row (stride s_st): K's scale multiplies the
-        scores, V's the probabilities, and the dots run on the rows converted to q's dtype."""
+        scores, V's the probabilities, and the dots run on the rows converted to fp16 (q's dtype otherwise)."""
         d = tl.arange(0, D)
+        if FP8 and not IEEE:  # e4m3 -> fp16 is one instruction per two values on sm_89+ (-> bf16 goes through
+            q = q.to(tl.float16)  # fp16 first), so fp8 tiles meet q in fp16 (converted once, before the loop;
+            # the dots below convert the tiles and the probabilities to q's dtype)
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
@@ -421,7 +424,9 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     cos_, sin_ = (cos, sin) if rope else (qs, qs)  # unread without RoPE
     scale = (d ** -0.5) * 1.4426950408889634  # log2(e): the kernels use exp2
     cache_strides = tuple(cache.stride()[1:5])
-    ieee = q.dtype == torch.float32 or not q.is_cuda  # (the CPU interpreter has no bf16 dot)
+    # fp32 dots for fp32 queries, and under the CPU interpreter (it has no bf16 dot) unless the cache is fp8: those
+    # tiles meet q in fp16, which it has
+    ieee = q.dtype == torch.float32 or (not q.is_cuda and not scales.numel())
     tile = config or tile_config(b, kv_len, shared=prefix is not None)
     # unread without shared prefixes
     row_prefix = row_entry = members = group_len = counts_ = ws_acc = ws_ml = positions

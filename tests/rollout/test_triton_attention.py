@@ -349,6 +349,40 @@ def test_engine_with_fp8_kv_cache_stays_close_to_the_full_precision_engine():
     assert "ok" in out
 
 
+def test_fp8_cache_tiles_meet_bf16_queries_in_fp16_on_tensor_cores():
+    # bf16 queries over an fp8 cache take the tensor-core branch (fp16 dots: e4m3 -> fp16 is one instruction per
+    # two values on sm_89+, -> bf16 two more), which the interpreter runs too: the torch fallback's output within
+    # one bf16 ulp, shared prompts and not
+    run_interpreted("""
+        import torch
+        from rollout.kv_cache import FP8, DecodeAttention, KVCache
+        from rollout.shared_prefix import shared_prefix_tables
+        from rollout.triton_attention import attend, write_prefill
+        torch.manual_seed(1)
+        hkv, slot_len, d, b, g = 2, 100, 16, 6, 2
+        kv = dict(num_layers=2, num_slots=b, num_kv_heads=hkv, slot_len=slot_len, head_dim=d, device="cpu")
+        kp, vp = (3.0 * torch.randn(2, hkv, 40, d) for _ in range(2))
+        slots, rows = torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([0, 0, 0, 1, 1, 1])
+        q = torch.randn(b, hkv * g, 1, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, 1, d, dtype=torch.bfloat16) for _ in range(2))
+        pos = torch.tensor([40, 41, 70, 40, 55, 99])
+        for shared in (False, True):
+            cache, ref = KVCache(dtype=FP8, **kv), KVCache(dtype=FP8, **kv)
+            for c in (cache, ref):
+                write_prefill(c.data, 1, slots, rows, kp, vp, c.scales)
+            want = DecodeAttention(ref.data, positions=pos, kv_index=torch.arange(slot_len), mode="bmm",
+                                   scales=ref.scales)(1, q.float(), k.float(), v.float())
+            tables = shared_prefix_tables([(40, [0, 1, 2]), (40, [3, 4, 5])], rows=b, members_per_entry=4) \\
+                if shared else None
+            out = attend(cache.data, 1, pos, q, k, v, slot_len, prefix=tables, scales=cache.scales,
+                         config=dict(BLOCK_N=16, num_warps=4, num_stages=2))
+            assert out.dtype == torch.bfloat16
+            ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-3))) - 7)  # bf16's spacing at each value
+            assert ((out.float() - want).abs() <= ulp + 1e-3).all(), (shared, (out.float() - want).abs().max())
+        print("ok")
+    """)
+
+
 @pytest.mark.gpu
 def test_fp8_cache_kernels_on_cuda_equal_the_torch_fallback():
     """The compiled kernels (hardware fp8 casts) against write_prefill_kv / write_kv + the bmm path, bf16 queries,

@@ -1,0 +1,22 @@
+"""bench.decode_sass: the decode kernel compiled for sm_90 here (no GPU) and its per-tile loop read from the SASS."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_fp8_tiles_convert_to_fp16_once_per_two_values_and_bf16_tiles_need_no_conversion():
+    from bench.decode_sass import main
+
+    bf16 = main([])
+    fp8 = main(["--fp8"])
+    for row in (bf16, fp8):
+        assert row["arch"] == "sm_90" and row["registers"] <= 96  # the cap at 256+ rows
+        loop = row["loops"][0]
+        assert loop["HMMA"] == 32  # two [16 x 128] x [128 x 64] dots per 64-position tile on tensor cores
+    # fp8: e4m3x2 -> f16x2 (F2FP) for 64 x 128 bytes of K and of V over 128 threads, and no further F2F
+    # (e4m3 -> bf16 would take f16 -> bf16 per value: 128 more per tile)
+    assert fp8["loops"][0]["F2FP"] >= 64 and "F2F" not in fp8["loops"][0]
+    assert "F2F" not in bf16["loops"][0] and bf16["loops"][0]["LDSM"] > 0  # bf16 tiles: ldmatrix, as loaded
