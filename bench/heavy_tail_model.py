@@ -1,0 +1,99 @@
+"""What over-provisioned partial rollouts can gain on the heavy-tailed workload at best (issue 41): a step-level model
+of synchronous GRPO and of the partial scheduler's policy, with nothing lost to recompute, engine wake-ups or host
+work, so the ratio it gives is a ceiling for `bench.heavy_tail`'s measured one.
+
+    python -m bench.heavy_tail_model [--staleness 1] [--groups-in-flight 64] [--median-tokens 256] [--sigma 1]
+
+A decode step of R rows over T cached tokens takes max(floor, (weights + T x KV bytes per token) / bandwidth); the
+training stages of a step take --train-s. The defaults are llama-1b's bytes and bench.heavy_tail's workload (32
+prompts x 8 samples, 129-token prompts, per-prompt caps log-normal median 256, sigma 1, up to 3,967 tokens), with
+floor and bandwidth calibrated on the synchronous H200 run of bench/results/heavy_tail_h200.json (44.9 samples/s,
+step 5.70 s, generation 3.5 s: the model gives 45.3 and 5.66 s) and its update + reference + advantages (2.2 s).
+
+Synchronous: every step decodes its groups until the longest ends. Partial (rollout.batches_in_flight x
+data.batch_size = --groups-in-flight groups): each step refills to that many groups, decodes until the groups
+admitted --staleness steps ago are complete (pacing) and data.batch_size groups are, and trains data.batch_size of
+them, oldest first, none older than --staleness versions (asserted). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+
+class StepModel:
+    def __init__(self, *, weights_bytes: float = 2.47e9, kv_bytes_per_token: int = 32768,
+                 hbm_bytes_per_s: float = 2.5e12, floor_s: float = 1.5e-3, prompt_len: int = 129,
+                 samples_per_prompt: int = 8, groups: int = 32,
+                 train_s: float = 2.2, median: int = 256, sigma: float = 1.0, max_tokens: int = 3967):
+        self.w, self.kvb, self.bw, self.floor = weights_bytes, kv_bytes_per_token, hbm_bytes_per_s, floor_s
+        self.p, self.n, self.b, self.train_s = prompt_len, samples_per_prompt, groups, train_s
+        self.median, self.sigma, self.max_tokens = median, sigma, max_tokens
+
+    def decode_s(self, groups_tokens: list[int]) -> float:
+        """One decode step of these groups (each: its tokens generated so far)."""
+        kv = sum((self.p + t) * self.n for t in groups_tokens)
+        return max(self.floor, (self.w + kv * self.kvb) / self.bw) if groups_tokens else 0.0
+
+    def cap(self, rng: random.Random) -> int:
+        return min(self.max_tokens, max(16, int(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))))
+
+    def sync(self, steps: int, seed: int = 0) -> float:
+        """Mean step seconds of synchronous GRPO."""
+        rng, total = random.Random(seed), 0.0
+        for _ in range(steps):
+            caps = [self.cap(rng) for _ in range(self.b)]
+            total += self.train_s + sum(self.decode_s([s] * sum(c > s for c in caps)) for s in range(max(caps)))
+        return total / steps
+
+    def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0) -> tuple[float, float]:
+        """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing)."""
+        if in_flight > 2 * self.b:  # as the trainer: more batches in flight could leave groups staler than the bound
+            raise ValueError(f"{in_flight} groups in flight: at most 2 x {self.b} (rollout.batches_in_flight <= 2 "
+                             f"with pacing)")
+        rng, running, complete, total, paced = random.Random(seed), [], [], 0.0, 0.0
+        for k in range(steps):
+            while len(running) + len(complete) < in_flight:
+                running.append([self.cap(rng), 0, k])  # cap, tokens so far, step admitted
+            while running and (len(complete) < self.b or any(g[2] <= k - staleness for g in running)):
+                dt = self.decode_s([g[1] for g in running])
+                total += dt
+                paced += dt if len(complete) >= self.b else 0.0
+                for g in running:
+                    g[1] += 1
+                complete += [g for g in running if g[1] >= g[0]]
+                running = [g for g in running if g[1] < g[0]]
+            complete.sort(key=lambda g: g[2])
+            trained, complete = complete[:self.b], complete[self.b:]
+            assert all(k - g[2] <= staleness for g in trained), "a trained group is staler than the bound"
+            total += self.train_s
+        return total / steps, paced / steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.heavy_tail_model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--groups-in-flight", type=int, default=64)
+    ap.add_argument("--median-tokens", type=int, default=256)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--train-s", type=float, default=2.2)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args(argv)
+    m = StepModel(median=a.median_tokens, sigma=a.sigma, train_s=a.train_s)
+    sync_s = m.sync(a.steps)
+    part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1)
+    samples = m.b * m.n
+    out = {"bench": "heavy_tail_model", "staleness": a.staleness, "groups_in_flight": a.groups_in_flight,
+           "median_tokens": a.median_tokens, "sigma": a.sigma, "train_s": a.train_s,
+           "sync_samples_per_s": round(samples / sync_s, 2), "sync_step_s": round(sync_s, 3),
+           "partial_samples_per_s": round(samples / part_s, 2), "partial_step_s": round(part_s, 3),
+           "partial_paced_s": round(paced_s, 3), "ceiling_speedup": round(sync_s / part_s, 3)}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

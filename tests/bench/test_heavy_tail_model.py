@@ -1,0 +1,26 @@
+"""bench.heavy_tail_model: the step model's ceiling for partial rollouts on the heavy-tailed workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.heavy_tail_model import StepModel, main
+
+
+def test_without_a_tail_partial_rollouts_gain_nothing_and_with_one_the_bound_buys_more():
+    flat = StepModel(sigma=0.0)  # every response the same length: no tail to hide
+    assert flat.partial(20, in_flight=32, staleness=1)[0] == pytest.approx(flat.sync(20), rel=1e-9)
+    tail = StepModel()
+    sync = tail.sync(60)
+    assert sync == pytest.approx(5.70, rel=0.05)  # calibrated on the H200's synchronous run
+    k1, paced1 = tail.partial(60, in_flight=64, staleness=1, seed=1)
+    k2, paced2 = tail.partial(60, in_flight=64, staleness=2, seed=1)
+    assert sync / k1 > 1.1 and k2 < k1 and paced2 < paced1  # a looser bound paces less
+    with pytest.raises(ValueError, match="batches_in_flight"):
+        tail.partial(1, in_flight=96, staleness=2)
+
+
+def test_main_prints_the_ceiling(capsys):
+    row = main(["--steps", "20"])
+    assert row["ceiling_speedup"] == pytest.approx(row["sync_step_s"] / row["partial_step_s"], rel=1e-2)
+    assert '"bench": "heavy_tail_model"' in capsys.readouterr().out
