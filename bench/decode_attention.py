@@ -137,7 +137,8 @@ def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item:
     ref = reference(cache, scales if fp8 else cache.new_zeros(0), q, b, ctx)
     row = {"samples_per_prompt": n, "prompt_len": plen, "members_per_entry": tables[2].shape[1], "us": default["us"],
            "speedup_vs_unshared": round(unshared_us / default["us"], 3), "bytes_mb": round(nbytes / 1e6, 2),
-           "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5)}
+           "hbm_fraction": default["hbm_fraction"], "max_abs_err_vs_sdpa": round((out - ref).abs().max().item(), 5),
+           "default_tile": triton_attention.tile_config(b, ctx + 1, shared=True, fp8=fp8)}
     if sweep:
         ok = sorted((t for t in map(timed, configs(tiles, maxnreg)) if "us" in t), key=lambda t: t["us"])
         row["best"], row["top5"] = ok[0], ok[:5]

@@ -366,8 +366,9 @@ def write_prefill(cache: torch.Tensor, layer: int, slots: torch.Tensor, rows: to
         FP8=bool(scales.numel()), BLOCK_T=block_t, num_warps=4)
 
 
-def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
-    """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions.
+def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = False) -> dict:
+    """The kernel's tile (BLOCK_N, warps, stages) for a decode of `rows` rows over at most `kv_len` positions
+    (`fp8`: the cache is fp8 with scales).
 
     A fixed rule from H200 sweeps of every config (llama-1b heads, contexts 160-1280, with and without
     shared prompts), not Triton's run-time autotuner: that timed configs on the first decode step of each
@@ -378,7 +379,11 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
       >= 128 rows (32/4/3 at 64 rows, 64/4/3 below). The shared launch also holds the prompt programs, which
       ptxas would give 255 registers with spills (two programs per SM): the launch is capped at 96 registers
       (`maxnreg`). At 256 rows unshared rows take the same capped tile: in the engine's kernel profile it ran
-      50.8 us per layer where 128-position tiles ran 57.9.
+      50.8 us per layer where 128-position tiles ran 57.9. An fp8 cache's shared launch is capped at 128
+      instead: its tile loop converts and scales each value (656 SASS instructions per 64-position tile against
+      bf16's 310, bench.decode_sass) and spills 42 loads under 96 registers; on an H100 at the recipe's shape
+      (640 rows in groups of 5 over 600 positions, 16 layers) 64/4/2 ran 382 us capped at 128 against 515 at 96
+      (bench/results/decode_attention_fp8_h100.json).
     - Unshared rows below 256: 32-position tiles over 3 stages, the best when timed over 16 layers of KV (no
       L2 reuse between calls, as in the engine), e.g. 9.28 us per layer call at 32 rows x 160 positions
       (bench/results/decode_attention_splits_h200.json, which also holds the split-KV runs that were dropped).
@@ -390,7 +395,9 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False) -> dict:
         block, warps, stages = 32, 4, 3
     tile = dict(BLOCK_N=min(block, max(SHORT_KV, triton.next_power_of_2(kv_len))), num_warps=warps,
                 num_stages=stages)
-    return tile | {"maxnreg": 96} if shared or rows >= 256 else tile
+    if shared or rows >= 256:
+        return tile | {"maxnreg": 128 if fp8 and shared else 96}
+    return tile
 
 
 def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -427,7 +434,7 @@ def attend(cache: torch.Tensor, layer: int, positions: torch.Tensor, q: torch.Te
     # fp32 dots for fp32 queries, and under the CPU interpreter (it has no bf16 dot) unless the cache is fp8: those
     # tiles meet q in fp16, which it has
     ieee = q.dtype == torch.float32 or (not q.is_cuda and not scales.numel())
-    tile = config or tile_config(b, kv_len, shared=prefix is not None)
+    tile = config or tile_config(b, kv_len, shared=prefix is not None, fp8=bool(scales.numel()))
     # unread without shared prefixes
     row_prefix = row_entry = members = group_len = counts_ = ws_acc = ws_ml = positions
     n, m = 0, 1

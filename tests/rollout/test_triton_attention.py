@@ -431,3 +431,15 @@ def _torch_prefill(cache, slots, rows, k, v):
         values, scales = quantize_rows(x[rows])
         cache.data.view(torch.uint8)[1, i, slots, :, :t] = values.view(torch.uint8)
         cache.scales[1, i, slots, :, :t] = scales
+
+
+def test_register_caps_by_launch_and_cache_dtype():
+    from rollout.triton_attention import tile_config
+
+    # shared launches are capped (the prompt programs would get 255 registers); fp8 caches' at 128 (their tile loop
+    # spills under 96), bf16's and every unshared launch of >= 256 rows at 96; small unshared launches uncapped
+    assert tile_config(640, 601, shared=True, fp8=True) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+                                                            "maxnreg": 128}
+    assert tile_config(640, 601, shared=True)["maxnreg"] == 96
+    assert tile_config(256, 385, fp8=True)["maxnreg"] == 96
+    assert "maxnreg" not in tile_config(32, 161, fp8=True)
