@@ -15,8 +15,8 @@ and copies the master into the weight (6). `--layout bf16` (ShardLocalAdamW, bf1
 moments): 14 bytes per parameter on either path, plus torch's in-place scaling (4). `ms` is the time per
 step of steps run back to back (the device's, where the host keeps ahead, as in training), `ms_synced` the
 median of steps each synchronised (host preparation + device). Each path's
-`hbm_fraction` is its own bytes over `ms` against bench.common.H200_HBM_BYTES_PER_S, and
-`min_bytes_fraction` the kernel's minimum bytes over that path's time. The paths' weights after one step
+`hbm_fraction` is its own bytes over `ms` against the device's measured copy bandwidth (bench.common.hbm_bytes_per_s),
+and `min_bytes_fraction` the kernel's minimum bytes over that path's time. The paths' weights after one step
 from the same state are compared (`max_rel_diff_weights`). The last stdout line is one JSON object.
 """
 
@@ -28,9 +28,9 @@ import time
 import torch
 
 from bench.common import (
-    H200_HBM_BYTES_PER_S,
     add_device_args,
     emit_json,
+    hbm_bytes_per_s,
     resolve_device,
     run_info,
     synchronize,
@@ -99,8 +99,8 @@ def bench_paths(cfg, *, device, layout: str, grads_dtype, steps: int) -> dict:
         sec = _pipelined(lambda opt=opt: opt.step(grad_scale=0.999), device=device, steps=steps)
         moved = n * _bytes(layout, grads_dtype, kernel=kernel)
         out[name] = {"ms": sec * 1e3, "ms_synced": sorted(times)[len(times) // 2] * 1e3, "bytes": moved,
-                     "hbm_fraction": moved / sec / H200_HBM_BYTES_PER_S,
-                     "min_bytes_fraction": minimum / sec / H200_HBM_BYTES_PER_S}
+                     "hbm_fraction": moved / sec / hbm_bytes_per_s(),
+                     "min_bytes_fraction": minimum / sec / hbm_bytes_per_s()}
         del params, opt
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if len(weights) == 2:
@@ -123,7 +123,7 @@ def sweep(cfg, *, device, layout: str, grads_dtype, steps: int, configs: list[tu
             time_steps(lambda: opt.step(grad_scale=0.7), device=device, warmup=2, steps=1)  # compiles
             sec = _pipelined(lambda: opt.step(grad_scale=0.7), device=device, steps=steps)
             rows.append({"chunk": chunk, "block": block, "num_warps": warps, "ms": sec * 1e3,
-                         "hbm_fraction": minimum / sec / H200_HBM_BYTES_PER_S})
+                         "hbm_fraction": minimum / sec / hbm_bytes_per_s()})
             print("sweep:", rows[-1], flush=True)
     finally:
         triton_adamw.CHUNK, triton_adamw.BLOCK, triton_adamw.NUM_WARPS = saved

@@ -7,13 +7,14 @@
     emit_json({"bench": "x", "mfu": flops / s / H200_BF16_FLOPS, **run_info(device)})
 
 The benches' `mfu` fields divide by H200_BF16_FLOPS, the 989 TFLOP/s spec peak (docs/design.md, "FLOPs and
-MFU"); rooflines use the measured ceilings (790 TFLOP/s matmul, 4.3 TB/s copy). Every bench prints exactly one
-JSON object as its last stdout line (`emit_json`).
+MFU"); rooflines use the measured ceilings (790 TFLOP/s matmul; copy bandwidth per device, `hbm_bytes_per_s`).
+Every bench prints exactly one JSON object as its last stdout line (`emit_json`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -28,9 +29,22 @@ import torch
 H200_BF16_FLOPS = 989e12  # dense bf16 spec peak (ppo.metrics.flops): every bench's `mfu` divides by it
 H200_MATMUL_CEILING_FLOPS = 790e12  # dense bf16 matmul, measured: a roofline's ceiling and a second column
 H200_HBM_BYTES_PER_S = 4.3e12  # copy bandwidth, measured
+# bench.env_check's measured copy bandwidth (`copy_tb_s`) by a substring of the CUDA device's name: the HBM rooflines'
+# ceiling on that device (bench/results/env_check_h200.json, env_check_h100.json)
+MEASURED_COPY_BYTES_PER_S: tuple[tuple[str, float], ...] = (("H200", H200_HBM_BYTES_PER_S), ("H100", 3.02e12))
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
+
+
+@functools.cache
+def hbm_bytes_per_s(device_name: str | None = None) -> float:
+    """The HBM rooflines' bandwidth: the measured copy bandwidth of `device_name` (default: the current CUDA device).
+    A device not in MEASURED_COPY_BYTES_PER_S, the CPU included, gets the H200's, and every record states the figure
+    it used (`hbm_bytes_per_s`): measure a new device with bench.env_check before reading its fractions."""
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    return next((bw for key, bw in MEASURED_COPY_BYTES_PER_S if key in (device_name or "")), H200_HBM_BYTES_PER_S)
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

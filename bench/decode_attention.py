@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.generate import HBM_BYTES_PER_S
+from bench.common import hbm_bytes_per_s
 
 TILES = [(n, w, s) for n, (w, s) in itertools.product((32, 64, 128), ((2, 1), (4, 1), (4, 2), (4, 3), (4, 4), (8, 2),
                                                                        (8, 3)))]
@@ -102,7 +102,7 @@ def time_config(cache, pos, q, k, v, ctx: int, nbytes: int, cfg: dict | None, pr
     except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
         return {"config": cfg or "default", "error": f"{type(e).__name__}: {e}"[:120]}
     return {"config": cfg or "default", "us": round(ms * 1e3, 2), "tb_per_s": round(nbytes / (ms * 1e-3) / 1e12, 3),
-            "hbm_fraction": round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4)}
+            "hbm_fraction": round(nbytes / (ms * 1e-3) / hbm_bytes_per_s(), 4)}
 
 
 def shared_prompt_row(cache, pos, q, k, v, ctx: int, *, n: int, plen: int, item: int, unshared_us: float,
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"bench": "decode_attention", "partial": partial, "device_name": torch.cuda.get_device_name(),
                 "dtype": "bfloat16", "kv_dtype": args.kv_dtype, "layers": args.layers, "kv_heads": hkv, "group": g,
                 "head_dim": d,
-                "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows, "samples_per_prompt": args.samples_per_prompt,
+                "hbm_bytes_per_s": hbm_bytes_per_s(), "rows": rows, "samples_per_prompt": args.samples_per_prompt,
                 "prompt_len": args.prompt_len}
 
     item = torch.empty((), dtype=dtype).element_size()

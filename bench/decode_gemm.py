@@ -23,8 +23,7 @@ import sys
 
 import torch
 
-from bench.common import H200_MATMUL_CEILING_FLOPS
-from bench.generate import HBM_BYTES_PER_S
+from bench.common import H200_MATMUL_CEILING_FLOPS, hbm_bytes_per_s
 from models import preset_config
 
 
@@ -67,7 +66,7 @@ def _each(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 
 def ceiling_us(m: int, n: int, k: int, item: int) -> float:
-    return max(2 * m * n * k / H200_MATMUL_CEILING_FLOPS, (n * k + m * k + m * n) * item / HBM_BYTES_PER_S) * 1e6
+    return max(2 * m * n * k / H200_MATMUL_CEILING_FLOPS, (n * k + m * k + m * n) * item / hbm_bytes_per_s()) * 1e6
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"bench": "decode_gemm", "partial": partial, "model": args.model,
                 "device_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
                 "peak_flops": H200_MATMUL_CEILING_FLOPS,
-                "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows, "per_step_ms": per_step}
+                "hbm_bytes_per_s": hbm_bytes_per_s(), "rows": rows, "per_step_ms": per_step}
 
     for m in map(int, args.rows.split(",")):
         for name, (n, k, count) in shapes.items():

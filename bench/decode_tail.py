@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from bench.generate import HBM_BYTES_PER_S
+from bench.common import hbm_bytes_per_s
 
 
 def variants(b: int, vocab: int, slots: int, slot_len: int) -> dict:
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
             fn()  # compile outside the graph
             torch.cuda.synchronize()
             us = triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
-            hbm = b * args.vocab * 2 / (us * 1e-6) / HBM_BYTES_PER_S
+            hbm = b * args.vocab * 2 / (us * 1e-6) / hbm_bytes_per_s()
             row[name] = {"us": round(us, 2), "hbm_fraction": round(hbm, 4)}
         row["fused_saves_us"] = round(row["unfused"]["us"] - row["fused"]["us"], 2)
         rows.append(row)
         print(f"B={b:<4} unfused {row['unfused']['us']:7.2f} us  draw only {row['draw_only']['us']:7.2f}  "
               f"fused {row['fused']['us']:7.2f}  uncapped {row['fused_uncapped']['us']:7.2f}", flush=True)
     result = {"bench": "decode_tail", "device_name": torch.cuda.get_device_name(), "vocab": args.vocab,
-              "dtype": "bfloat16", "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows}
+              "dtype": "bfloat16", "hbm_bytes_per_s": hbm_bytes_per_s(), "rows": rows}
     print(json.dumps(result))
     return result
 

@@ -26,13 +26,12 @@ import traceback
 
 import torch
 
+from bench.common import hbm_bytes_per_s
 from bench.hf_engine import HFEngine
 from models import build_model, preset_config
 from models.config import ModelConfig
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 from rollout.kv_cache import kv_bytes_per_token
-
-HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (docs/design.md, "FLOPs and MFU")
 
 
 def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype,
@@ -54,7 +53,7 @@ def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens
     steps = range(1, new_tokens)
     kv_bytes = sum((batch * s + -(-batch // samples_per_prompt) * prompt_len) * per_tok for s in steps)
     total = len(steps) * weight_bytes + kv_bytes
-    seconds = total / HBM_BYTES_PER_S
+    seconds = total / hbm_bytes_per_s()
     return {"roofline_tokens_per_s": batch * new_tokens / seconds if seconds else float("inf"),
             "roofline_decode_s": seconds,
             "bytes_per_decode_step_gb": total / max(1, len(steps)) / 1e9,
@@ -242,7 +241,7 @@ def summarize(args, device, dtype, batches, results, checks, *, partial: bool) -
     return {"bench": "generate", "partial": partial, "model": args.model, "device": device,
             "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "samples_per_prompt": args.n, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "new_tokens": args.new_tokens, "samples_per_prompt": args.n, "hbm_bytes_per_s": hbm_bytes_per_s(),
             "results": results,
             "checks": checks, "native_over_hf_speedup": speedup}
 

@@ -22,10 +22,44 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(signal.Signals(signum).name)
+
+
+def run_session(cmd: list[str], *, env: dict | None = None, timeout: float) -> tuple[str | None, str]:
+    """Run `cmd` in a session of its own and return (error or None, its stderr). The whole tree is killed when
+    `timeout` passes or when this process gets SIGTERM (a GPU batch's own time limit): torchrun's workers would
+    otherwise outlive the bench and keep the GPU from the next one. After a SIGTERM the caller still summarises
+    the steps that finished."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+        return (f"exit {proc.returncode}" if proc.returncode else None), stderr
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout} s"
+    except _Terminated as e:
+        error = f"terminated by {e}"
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate()
+    return error, stderr
 
 
 def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int = 1, runs_dir: str | None = None,
@@ -39,16 +73,7 @@ def run_workload(config: str, *, nproc: int, overrides: list[str], warmup: int =
            # no final checkpoint: a 1B PPO run writes ~12 GB, and a GPU batch of runs filled a 128 GB disk
            "trainer.save_final=false", *overrides]
     t0 = time.perf_counter()
-    # a session of its own: on timeout the whole torchrun tree is killed (workers would keep the GPU)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-        error = f"exit {proc.returncode}" if proc.returncode else None
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        error = f"timed out after {timeout} s"
+    error, stderr = run_session(cmd, env=env, timeout=timeout)
     wall = time.perf_counter() - t0
     run_dir = runs / name
     metrics = run_dir / "metrics.jsonl"

@@ -24,3 +24,11 @@ def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypa
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_commit(str(tmp_path)) == sha + "+dirty"
     assert git_tree(str(tmp_path)) not in (None, tree.strip()[:7])  # the tree as its files are now
+
+
+def test_hbm_rooflines_use_the_devices_measured_copy_bandwidth():
+    from bench.common import hbm_bytes_per_s
+
+    assert hbm_bytes_per_s("NVIDIA H200") == 4.3e12
+    assert hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.02e12  # bench/results/env_check_h100.json
+    assert hbm_bytes_per_s("cpu") == 4.3e12  # not in the table: the H200's, stated in every record

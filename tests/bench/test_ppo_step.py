@@ -2,6 +2,7 @@
 per-step rates), and which steps compiled."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,37 @@ def test_steady_rate_leaves_out_the_last_steps_that_generate_nothing(tmp_path):
     sync = [{k: v for k, v in r.items() if k != "async/generated_tokens"} for r in rows]  # K = 0: every step
     assert _summary(sync, warmup=1, nproc=2, run_dir=tmp_path)["samples_per_s_steady"] == pytest.approx(
         _summary(sync, warmup=1, nproc=2, run_dir=tmp_path)["samples_per_s"])
+
+
+def test_a_sigterm_kills_the_workload_tree_and_still_returns(tmp_path):
+    """A GPU batch's time limit SIGTERMs the bench: the torchrun tree it started (its own session) must die with
+    it, or its workers keep the GPU from the next bench; the bench still returns its summary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = tmp_path / "driver.py"  # not bench.py: that would shadow the package
+    # the "workload": a child that starts a grandchild (as torchrun starts its workers), both sleeping
+    workload = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+                f"time.sleep(120)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    script.write_text("import sys\nfrom bench.ppo_step import run_session\n"
+                      f"error, _ = run_session([sys.executable, '-c', {workload!r}], timeout=100)\n"
+                      "print('RESULT', error, flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline and bench.poll() is None:
+        time.sleep(0.1)
+    grandchild = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    out, _ = bench.communicate(timeout=60)
+    assert bench.returncode == 0 and "RESULT terminated by SIGTERM" in out, out
+    time.sleep(0.5)
+    try:  # killed (and reaped by init, or a zombie at most: never running)
+        state = Path(f"/proc/{grandchild}/stat").read_text().split(")")[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
