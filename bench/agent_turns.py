@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="KV slots beyond --max-num-seqs where a trajectory's KV waits while its tool runs "
                          "(rollout.max_parked_seqs); default: the trajectories beyond the slots, as the launcher's "
                          "auto choice. 0: parked KV is evicted when queued trajectories need its slot")
+    ap.add_argument("--continuation-wait-steps", type=int, default=None,
+                    help="engine steps a returning turn whose KV holds its decode slot waits for company before its "
+                         "prefill (RolloutConfig.continuation_wait_steps; default: the engine's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     slots = args.max_num_seqs or b
     parked = max(0, b - slots) if args.max_parked_seqs is None else args.max_parked_seqs
     rc = RolloutConfig(max_model_len=max_len, max_num_seqs=slots, max_parked_seqs=parked,
-                       max_num_batched_tokens=max(16384, max_len), gpu_memory_fraction=0.8, compile=args.compile)
+                       max_num_batched_tokens=max(16384, max_len), gpu_memory_fraction=0.8, compile=args.compile,
+                       **({} if args.continuation_wait_steps is None
+                          else {"continuation_wait_steps": args.continuation_wait_steps}))
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     total_tokens = sum(sum(x) for x in lengths)
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"bench": "agent_turns", "model": args.model, "device": args.device, "dtype": str(dtype).split(".")[-1],
            "compile": args.compile, "trajectories": b, "max_num_seqs": slots,
            "max_parked_seqs": parked, "park_slots": engine.runner.park_slots,
+           "continuation_wait_steps": rc.continuation_wait_steps,
            "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,

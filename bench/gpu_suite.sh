@@ -5,7 +5,7 @@
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
-#      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), ASYNC2_STEPS (10), T_<PART> (time limits, s; T_PLACEMENT
+#      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), ASYNC2_STEPS (10), AGENT_ARGS (more bench.agent_turns flags for agent_queued, e.g. --continuation-wait-steps 2), T_<PART> (time limits, s; T_PLACEMENT
 #      and T_ASYNC2 are per mode).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
@@ -119,7 +119,7 @@ for p in "${parts[@]}"; do
     # an RL step's trajectories outnumbering the decode slots: the rest queue; sleeping trajectories' KV in park slots
     agent_queued) run agent_turns_queued "${T_AGENT_QUEUED:-300}" python3 -m bench.agent_turns --model qwen3-0.6b \
              --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 --turns 3 --turn-tokens 128 \
-             --tool-delay-ms 200 --device cuda --dtype bfloat16 ;;
+             --tool-delay-ms 200 --device cuda --dtype bfloat16 ${AGENT_ARGS:-} ;;
     *) echo "unknown part $p" ;;
   esac
 done

@@ -18,3 +18,11 @@ def test_the_benchmark_measures_kept_kv_against_re_prefill():
     # the host-time breakdown: every engine step ran a prefill or a decode step (or a prefill behind one)
     assert row["keep_decode_steps"] <= row["keep_engine_steps"] <= row["keep_prefill_steps"] + row["keep_decode_steps"]
     assert row["single_turn_prefill_steps"] >= 1 and row["keep_driver_host_ms_per_step"] >= 0
+    assert row["continuation_wait_steps"] == 16  # the engine's default, reported
+
+
+def test_the_continuation_wait_reaches_the_engine():
+    row = main(["--model", "tiny", "--device", "cpu", "--trajectories", "2", "--turn-tokens", "2", "--turns", "2",
+                "--tool-delay-ms", "1", "--prompt-len", "4", "--obs-tokens", "2", "--tool-workers", "2",
+                "--modes", "keep", "--continuation-wait-steps", "2"])
+    assert row["continuation_wait_steps"] == 2 and row["keep_prefill_tokens_per_later_turn"] == 1 + 2
