@@ -5,17 +5,22 @@
     python -m bench.agent_turns --model qwen3-0.6b --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 \
         --turn-tokens 128 --turns 3 --tool-delay-ms 200 --device cuda --dtype bfloat16   # an RL step's queue
     python -m bench.agent_turns --model tiny --device cpu --trajectories 8 --turn-tokens 8 --tool-delay-ms 20
+    python -m bench.agent_turns --model tiny --device cpu --dtype float32 --trajectories 256 --max-num-seqs 64 \
+        --tool-workers 256 --turns 3 --turn-tokens 64 --prompt-len 32 --obs-tokens 16 --tool-delay-steps 45
 
 Random-init weights (bench.generate.random_model), random prompts, ignore_eos. Each trajectory runs `--turns`
 assistant turns through the agent driver (ppo/agents/driver.py) over the native engine's step API; turn
 lengths are drawn in [T/2, 3T/2] so tool calls do not all fall on the same step; between turns a tool sleeps
-`--tool-delay-ms` in the driver's thread pool and returns `--obs-tokens` observation tokens. The single-turn
+`--tool-delay-ms` in the driver's thread pool (or, with `--tool-delay-steps K`, until the engine has taken K steps:
+StepClock, for scheduling comparisons independent of the machine's step time, e.g. on a CPU) and returns
+`--obs-tokens` observation tokens. The single-turn
 baseline generates each trajectory's total sampled tokens in one turn (engine.generate). The multi-turn run is
 measured in each of `--modes`: `keep` (agent.keep_kv=true: a trajectory's KV stays in the engine while its tool
 sleeps, the next turn prefills only its new tokens) and `reprefill` (every turn prefills its whole context).
 Each mode is timed after one untimed multi-turn pass (CUDA graphs of its decode shapes captured before either
 mode is measured). Reported: single-turn generated tokens/s, and per mode (keys prefixed `keep_` / `reprefill_`):
-tokens/s and its ratio to single-turn (the issue's target: >= 0.8; critical_path_over_single: the ratio when
+tokens/s and its ratio to single-turn (none on the step clock), generated tokens per decode step
+(rows_per_decode_step), the ratio's target: >= 0.8; critical_path_over_single: the ratio when
 continuations cost nothing and decode steps what single-turn's did, single-turn's time plus the longest trajectory's
 (turns - 1) tool calls, with every trajectory in the slots at once; an estimate, not a bound: steps of fewer rows
 run faster), prefilled tokens (all, and per later turn: what turns 2..T prefilled, per trajectory and turn), tokens
@@ -32,8 +37,10 @@ outside the engine's steps and tool waits (the driver's and the loops' Python) p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
+import threading
 import time
 
 import torch
@@ -49,8 +56,30 @@ from rollout import NativeEngine, RolloutConfig, SamplingParams
 STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  # NativeEngine.stats per pass
 
 
-def turns_loop(lengths: list[int], *, delay_s: float, obs: list[int], slept: list[float]):
-    """A loop of len(lengths) turns of exactly those token counts, a sleeping tool between turns."""
+class StepClock:
+    """Engine steps as the tools' clock (--tool-delay-steps): a tool returns once the engine has taken that many
+    steps since its call, so how full the decode rows run no longer depends on how fast this machine steps (on a CPU
+    the scheduling comparisons are then repeatable). While the engine has nothing to run (every trajectory in a
+    tool) the clock ticks on its own every 0.5 ms, so the earliest caller still returns first."""
+
+    def __init__(self, engine):
+        self.engine, self.idle_ticks, self.lock, self.last = engine, 0, threading.Lock(), time.perf_counter()
+
+    def now(self) -> int:
+        return self.engine.stats["decode_steps"] + self.engine.stats["prefill_steps"] + self.idle_ticks
+
+    def wait(self, steps: int) -> None:
+        deadline = self.now() + steps
+        while self.now() < deadline:
+            time.sleep(2e-4)
+            with self.lock:
+                t = time.perf_counter()
+                if not self.engine.has_unfinished() and t - self.last > 5e-4:
+                    self.idle_ticks, self.last = self.idle_ticks + 1, t
+
+
+def turns_loop(lengths: list[int], *, tool, obs: list[int], slept: list[float]):
+    """A loop of len(lengths) turns of exactly those token counts, `tool()` (a sleep) between turns."""
 
     def run(task: AgentTask):
         traj = TrajectoryBuilder(task.prompt_ids)
@@ -58,7 +87,7 @@ def turns_loop(lengths: list[int], *, delay_s: float, obs: list[int], slept: lis
             traj.add_sampled((yield Generate(traj.token_ids, n)))
             if turn < len(lengths) - 1:
                 began = time.perf_counter()
-                yield CallTool(lambda: time.sleep(delay_s))
+                yield CallTool(tool)
                 slept.append((began, time.perf_counter()))
                 traj.add_observation(obs)
         return traj.finish(text=None)
@@ -90,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--obs-tokens", type=int, default=32)
     ap.add_argument("--tool-delay-ms", type=float, default=200.0)
+    ap.add_argument("--tool-delay-steps", type=int, default=0,
+                    help="instead of --tool-delay-ms: a tool returns after this many engine steps (StepClock), for "
+                         "scheduling comparisons that do not depend on the machine's step time")
     ap.add_argument("--tool-workers", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="the engine's slots (rollout.max_num_seqs); 0: every trajectory at once. Fewer: the rest wait "
@@ -132,6 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     total_tokens = sum(sum(x) for x in lengths)
+    if args.tool_delay_steps:
+        tool = functools.partial(StepClock(engine).wait, args.tool_delay_steps)
+    else:
+        tool = functools.partial(time.sleep, args.tool_delay_ms / 1e3)
 
     def single_turn() -> tuple[float, dict]:
         params = [SamplingParams(temperature=1.0, max_tokens=sum(x), seed=i, ignore_eos=True)
@@ -147,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     def multi_turn(keep: bool) -> tuple[float, dict]:
         slept: list[tuple[float, float]] = []
         pool = ToolPool(workers=args.tool_workers, timeout_s=600.0)
-        starts = [Start(turns_loop(x, delay_s=args.tool_delay_ms / 1e3, obs=obs, slept=slept),
+        starts = [Start(turns_loop(x, tool=tool, obs=obs, slept=slept),
                         AgentTask(p, {}, None, max_response_tokens=max_len, max_total_tokens=max_len), i, key=i)
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
         before = dict(engine.stats)
@@ -183,17 +219,21 @@ def main(argv: list[str] | None = None) -> dict:
            "max_parked_seqs": parked, "park_slots": engine.runner.park_slots,
            "continuation_wait_steps": rc.continuation_wait_steps,
            "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
-           "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens, "tool_delay_ms": args.tool_delay_ms,
+           "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens,
+           "tool_delay_ms": None if args.tool_delay_steps else args.tool_delay_ms,
+           "tool_delay_steps": args.tool_delay_steps or None,
            "generated_tokens": total_tokens, "single_turn_tokens_per_s": total_tokens / single_s,
            "single_turn_s": single_s, **{f"single_turn_{k}": v for k, v in single_steps.items()},
            # a trajectory's turns run in sequence: the longest one's decode steps (single-turn's run, when every
            # trajectory fits the slots at once) and its tool calls are the multi-turn run's critical path
            "critical_path_over_single": single_s / (single_s + (args.turns - 1) * args.tool_delay_ms / 1e3)
-           if b <= slots else None}
+           if b <= slots and not args.tool_delay_steps else None}
     multi_turn(keep=True)  # warm-up: the decode shapes of staggered turns and the continuation prefills
     for mode in modes:
         multi_s, detail = multi_turn(keep=mode == "keep")
-        out[f"{mode}_over_single"] = single_s / multi_s
+        # (on the step clock the wall time includes its tools' polling: compare decode steps and rows per step)
+        out[f"{mode}_over_single"] = None if args.tool_delay_steps else single_s / multi_s
+        out[f"{mode}_rows_per_decode_step"] = total_tokens / detail["decode_steps"]
         out.update({f"{mode}_{k}": v for k, v in detail.items()})
     print(json.dumps(out))
     return out

@@ -128,8 +128,11 @@ class Scheduler:
         # KV copies (src slot, dst slot, positions) decided by admission, for the engine to run before the prefill
         self.relocations: list[tuple[int, int, int]] = []
         self.on_evict: Callable[[Sequence], None] | None = None
-        # the queue holds, in order: continuations holding a decode slot (they need no room), continuations whose KV
-        # waits in a park slot, fresh sequences
+        # the queue holds continuations holding a decode slot first (they need no room), then in arrival order
+        # continuations whose KV waits in a park slot and fresh sequences: a returning turn needs a decode slot as a
+        # fresh one does, and putting it ahead of sequences queued before it finishes trajectories one by one while
+        # the queued ones start late, so an RL step's last trajectories run their turns and tool calls with the
+        # decode rows half empty (bench.agent_turns --tool-delay-steps: 1,001 decode steps against 835)
         self._reserved = 0
         self._returning = 0
 
@@ -138,8 +141,8 @@ class Scheduler:
         if 0 <= seq.slot < self.num_slots:  # a continuation holding its decode slot goes first: it needs no free one
             self.waiting.appendleft(seq)
             self._reserved += 1
-        elif seq.slot >= 0:  # one in a park slot needs a decode slot: after those, before fresh sequences
-            self.waiting.insert(self._reserved + self._returning, seq)
+        elif seq.slot >= 0:  # one in a park slot needs a decode slot: in arrival order with fresh sequences
+            self.waiting.append(seq)
             self._returning += 1
         else:
             self.waiting.append(seq)

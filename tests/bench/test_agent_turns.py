@@ -26,3 +26,17 @@ def test_the_continuation_wait_reaches_the_engine():
                 "--tool-delay-ms", "1", "--prompt-len", "4", "--obs-tokens", "2", "--tool-workers", "2",
                 "--modes", "keep", "--continuation-wait-steps", "2"])
     assert row["continuation_wait_steps"] == 2 and row["keep_prefill_tokens_per_later_turn"] == 1 + 2
+
+
+def test_on_the_step_clock_returning_turns_queue_behind_earlier_trajectories():
+    """Tools that return after K engine steps (StepClock) make the schedule independent of this machine's speed.
+    Twelve trajectories through four decode slots: kept KV decodes in as few steps as re-prefill (its returning turns
+    queue in arrival order behind the trajectories waiting to start, as re-prefilled turns do; ahead of them the last
+    trajectories would start late and decode their turns with the rows half empty) and prefills far fewer tokens."""
+    row = main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--trajectories", "12", "--max-num-seqs",
+                "4", "--tool-workers", "12", "--turns", "3", "--turn-tokens", "8", "--prompt-len", "8", "--obs-tokens",
+                "2", "--tool-delay-steps", "6"])
+    assert row["tool_delay_steps"] == 6 and row["keep_over_single"] is None and row["keep_kv_evictions"] == 0
+    assert row["keep_decode_steps"] <= row["reprefill_decode_steps"] + 2
+    assert row["keep_prefill_tokens"] < row["reprefill_prefill_tokens"]
+    assert row["keep_rows_per_decode_step"] >= row["reprefill_rows_per_decode_step"] * 0.95

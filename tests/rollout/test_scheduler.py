@@ -195,9 +195,9 @@ def test_park_slots_keep_sessions_that_outnumber_the_decode_slots():
     nxt = _seq(10, 0, 6, max_tokens=1)
     nxt.slot, nxt.cached, nxt.session = turns[0].slot, 4, 0
     fresh = _seq(11, 11, 2, max_tokens=1)
-    s.add(fresh)
     s.add(nxt)
-    assert list(s.waiting) == [nxt, fresh]  # a continuation in a park slot goes before fresh sequences
+    s.add(fresh)
+    assert list(s.waiting) == [nxt, fresh]  # a continuation in a park slot queues as a fresh sequence does
     assert s.can_admit()
     step = s.schedule()
     assert [q.seq_id for q in step.seqs] == [10, 11] and nxt.slot == 1 and fresh.slot == 0
@@ -208,7 +208,8 @@ def test_park_slots_keep_sessions_that_outnumber_the_decode_slots():
 
 
 def test_a_continuation_waiting_in_a_park_slot_can_be_released_or_parked_again():
-    # the queue: continuations holding a decode slot, then those whose KV waits in a park slot, then fresh ones
+    # the queue: continuations holding a decode slot, then in arrival order those whose KV waits in a park slot and
+    # fresh ones
     s = Scheduler(num_slots=2, max_num_batched_tokens=256, max_model_len=64, granule=16, slot_len=64,
                   eos_token_ids=[2], park_slots=2)
     first = [_seq(i, i, 3, max_tokens=1) for i in range(3)]
@@ -230,7 +231,7 @@ def test_a_continuation_waiting_in_a_park_slot_can_be_released_or_parked_again()
     s.add(fresh)
     returning = turn(11, first[0])  # in park slot 2
     holding = turn(12, first[1])  # still in decode slot 1
-    assert list(s.waiting) == [holding, returning, fresh]
+    assert list(s.waiting) == [holding, fresh, returning]  # fresh queued before the returning turn
     s.release(returning)  # dropped while waiting: its park slot is free again, the order kept
     assert sorted(s._park_free) == [2, 3] and list(s.waiting) == [holding, fresh]
     assert s.park_unfinished(holding) and s.is_parked(holding) and list(s.waiting) == [fresh]
