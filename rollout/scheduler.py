@@ -132,7 +132,7 @@ class Scheduler:
         # continuations whose KV waits in a park slot and fresh sequences: a returning turn needs a decode slot as a
         # fresh one does, and putting it ahead of sequences queued before it finishes trajectories one by one while
         # the queued ones start late, so an RL step's last trajectories run their turns and tool calls with the
-        # decode rows half empty (bench.agent_turns --tool-delay-steps: 1,001 decode steps against 835)
+        # decode rows half empty (bench.agent_turns --tool-delay-steps: 999-1,003 decode steps against 835)
         self._reserved = 0
         self._returning = 0
 
