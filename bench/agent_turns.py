@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import heapq
+import itertools
 import json
 import random
 import threading
@@ -59,23 +61,39 @@ STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  #
 class StepClock:
     """Engine steps as the tools' clock (--tool-delay-steps): a tool returns once the engine has taken that many
     steps since its call, so how full the decode rows run no longer depends on how fast this machine steps (on a CPU
-    the scheduling comparisons are then repeatable). While the engine has nothing to run (every trajectory in a
-    tool) the clock ticks on its own every 0.5 ms, so the earliest caller still returns first."""
+    the scheduling comparisons are then repeatable). One watcher thread reads the engine's step count every 0.2 ms
+    and wakes the tools whose time has come (the tools block on events: a thousand of them polling would starve
+    the engine's own thread); while the engine has nothing to run (every trajectory in a tool) the clock ticks on
+    its own every 0.5 ms, so the earliest caller still returns first."""
 
     def __init__(self, engine):
-        self.engine, self.idle_ticks, self.lock, self.last = engine, 0, threading.Lock(), time.perf_counter()
+        self.engine, self.idle_ticks, self.lock = engine, 0, threading.Lock()
+        self.due: list[tuple[int, int, threading.Event]] = []  # (deadline, call number, event), a heap
+        self.calls = itertools.count()
+        threading.Thread(target=self._watch, daemon=True, name="step-clock").start()
 
     def now(self) -> int:
         return self.engine.stats["decode_steps"] + self.engine.stats["prefill_steps"] + self.idle_ticks
 
     def wait(self, steps: int) -> None:
-        deadline = self.now() + steps
-        while self.now() < deadline:
+        event = threading.Event()
+        with self.lock:
+            heapq.heappush(self.due, (self.now() + steps, next(self.calls), event))
+        event.wait()
+
+    def _watch(self) -> None:
+        last_tick = time.perf_counter()
+        while True:
             time.sleep(2e-4)
             with self.lock:
+                if not self.due:
+                    continue
                 t = time.perf_counter()
-                if not self.engine.has_unfinished() and t - self.last > 5e-4:
-                    self.idle_ticks, self.last = self.idle_ticks + 1, t
+                if not self.engine.has_unfinished() and t - last_tick > 5e-4:
+                    self.idle_ticks, last_tick = self.idle_ticks + 1, t
+                now = self.now()
+                while self.due and self.due[0][0] <= now:
+                    heapq.heappop(self.due)[2].set()
 
 
 def turns_loop(lengths: list[int], *, tool, obs: list[int], slept: list[float]):
