@@ -64,13 +64,19 @@ class StepClock:
     the scheduling comparisons are then repeatable). One watcher thread reads the engine's step count every 0.2 ms
     and wakes the tools whose time has come (the tools block on events: a thousand of them polling would starve
     the engine's own thread); while the engine has nothing to run (every trajectory in a tool) the clock ticks on
-    its own every 0.5 ms, so the earliest caller still returns first."""
+    its own every 0.5 ms, so the earliest caller still returns first. close() stops the watcher."""
 
     def __init__(self, engine):
         self.engine, self.idle_ticks, self.lock = engine, 0, threading.Lock()
         self.due: list[tuple[int, int, threading.Event]] = []  # (deadline, call number, event), a heap
         self.calls = itertools.count()
-        threading.Thread(target=self._watch, daemon=True, name="step-clock").start()
+        self.closed = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, daemon=True, name="step-clock")
+        self.watcher.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.watcher.join()
 
     def now(self) -> int:
         return self.engine.stats["decode_steps"] + self.engine.stats["prefill_steps"] + self.idle_ticks
@@ -83,8 +89,7 @@ class StepClock:
 
     def _watch(self) -> None:
         last_tick = time.perf_counter()
-        while True:
-            time.sleep(2e-4)
+        while not self.closed.wait(2e-4):
             with self.lock:
                 if not self.due:
                     continue
@@ -182,10 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     engine = NativeEngine.from_model(model, config=rc)
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     total_tokens = sum(sum(x) for x in lengths)
-    if args.tool_delay_steps:
-        tool = functools.partial(StepClock(engine).wait, args.tool_delay_steps)
-    else:
-        tool = functools.partial(time.sleep, args.tool_delay_ms / 1e3)
+    clock = StepClock(engine) if args.tool_delay_steps else None
+    tool = functools.partial(clock.wait, args.tool_delay_steps) if clock else \
+        functools.partial(time.sleep, args.tool_delay_ms / 1e3)
 
     def single_turn() -> tuple[float, dict]:
         params = [SamplingParams(temperature=1.0, max_tokens=sum(x), seed=i, ignore_eos=True)
@@ -246,13 +250,17 @@ def main(argv: list[str] | None = None) -> dict:
            # trajectory fits the slots at once) and its tool calls are the multi-turn run's critical path
            "critical_path_over_single": single_s / (single_s + (args.turns - 1) * args.tool_delay_ms / 1e3)
            if b <= slots and not args.tool_delay_steps else None}
-    multi_turn(keep=True)  # warm-up: the decode shapes of staggered turns and the continuation prefills
-    for mode in modes:
-        multi_s, detail = multi_turn(keep=mode == "keep")
-        # (on the step clock the wall time includes its tools' polling: compare decode steps and rows per step)
-        out[f"{mode}_over_single"] = None if args.tool_delay_steps else single_s / multi_s
-        out[f"{mode}_rows_per_decode_step"] = total_tokens / detail["decode_steps"]
-        out.update({f"{mode}_{k}": v for k, v in detail.items()})
+    try:
+        multi_turn(keep=True)  # warm-up: the decode shapes of staggered turns and the continuation prefills
+        for mode in modes:
+            multi_s, detail = multi_turn(keep=mode == "keep")
+            # (on the step clock the wall time is the CPU's and the clock's: compare decode steps and rows per step)
+            out[f"{mode}_over_single"] = None if clock else single_s / multi_s
+            out[f"{mode}_rows_per_decode_step"] = total_tokens / detail["decode_steps"]
+            out.update({f"{mode}_{k}": v for k, v in detail.items()})
+    finally:
+        if clock is not None:  # its watcher thread would outlive the bench (a test process runs more than this)
+            clock.close()
     print(json.dumps(out))
     return out
 

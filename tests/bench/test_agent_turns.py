@@ -4,6 +4,8 @@ whole context."""
 
 from __future__ import annotations
 
+import threading
+
 from bench.agent_turns import main
 
 
@@ -40,3 +42,4 @@ def test_on_the_step_clock_returning_turns_queue_behind_earlier_trajectories():
     assert row["keep_decode_steps"] <= row["reprefill_decode_steps"] + 2
     assert row["keep_prefill_tokens"] < row["reprefill_prefill_tokens"]
     assert row["keep_rows_per_decode_step"] >= row["reprefill_rows_per_decode_step"] * 0.95
+    assert not [t for t in threading.enumerate() if t.name == "step-clock"]  # the clock's watcher stopped
