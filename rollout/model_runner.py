@@ -42,7 +42,7 @@ from rollout.kv_cache import (
 from rollout.local_model import build_local_model, fuse_projections
 from rollout.sampler import sample, uniform_from_counter
 from rollout.scheduler import PrefillBatch, Sequence
-from rollout.shared_prefix import members_for, members_per_entry, shared_prefix_tables, table_entries
+from rollout.shared_prefix import member_widths, members_for, members_per_entry, shared_prefix_tables, table_entries
 from rollout.triton_attention import SHORT_KV
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,11 @@ class EngineModelRunner:
             entries = table_entries(slots)
             self.row_prefix = torch.zeros(slots, dtype=torch.int32, device=self.device)
             self.row_entry = torch.full((slots,), -1, dtype=torch.int32, device=self.device)
-            self.prefix_table = torch.full((entries, self.prefix_members), -1, dtype=torch.int32, device=self.device)
+            # one members table per width members_for can pick (powers of two up to the cap), each contiguous: the
+            # decode takes a row slice of one as an argument, so a new width is a new size of a dynamic dim (and
+            # of the Triton tile), never a recompile of the compiled decode (a width read from `self` was a guard)
+            self.prefix_tables = {w: torch.full((entries, w), -1, dtype=torch.int32, device=self.device)
+                                  for w in member_widths(self.prefix_members)}
             self.prefix_len = torch.zeros(entries, dtype=torch.int32, device=self.device)
             # the decode kernel's arrival counters per (entry, KV head): zero, and left zero by every launch
             self.prefix_counts = torch.zeros(entries, self.cfg.num_key_value_heads // self.tp, dtype=torch.int32,
@@ -222,7 +226,7 @@ class EngineModelRunner:
         self.graph_pool = self.continuations = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
         self.routes_out = self._host_routes = None
-        self.row_prefix = self.row_entry = self.prefix_table = self.prefix_len = self.prefix_counts = None
+        self.row_prefix = self.row_entry = self.prefix_tables = self.prefix_len = self.prefix_counts = None
         self._prefix_groups = None
         if drop_weights:
             for p in self.params.values():
@@ -504,10 +508,8 @@ class EngineModelRunner:
         width = members_for(groups, cap=self.prefix_members)
         row_prefix, row_entry, members, group_len = shared_prefix_tables(groups, rows=self.num_slots,
                                                                          members_per_entry=width)
-        table = torch.full(self.prefix_table.shape, -1, dtype=torch.int32)  # columns past `width` stay -1
-        table[:, :width] = members
-        for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_table, self.prefix_len),
-                            (row_prefix, row_entry, table, group_len), strict=True):
+        for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_tables[width], self.prefix_len),
+                            (row_prefix, row_entry, members, group_len), strict=True):
             self._upload(src, into=dst)
         self._prefix_groups, self._prefix_width = groups, width
 
@@ -521,16 +523,24 @@ class EngineModelRunner:
             return src.to(self.device, non_blocking=pin)
         return into.copy_(src, non_blocking=pin)
 
-    def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+    def _decode_fn(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor,
+                   *prefix: torch.Tensor) -> torch.Tensor:
         """Forward of one token per row [B] -> logits [B, V]; what torch.compile sees (sampling stays out:
-        Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel")."""
-        prefix = None
-        if self._kernel == "triton" and self._prefix_width:  # entries fill from 0: at most b // 2 are used
-            b, entries = ids.shape[0], (ids.shape[0] + 1) // 2
-            prefix = (self.row_prefix[:b], self.row_entry[:b], self.prefix_table[:entries, :self._prefix_width],
-                      self.prefix_len[:entries], self.prefix_counts[:entries])
-        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix, mode=self._kernel,
+        Inductor's Triton backend cannot split the vocab-long cumsum, "NYI TritonSplitDimKernel"). prefix: the
+        rows' shared-prompt tables (_prefix_args), or none: arguments, so their sizes are dynamic dims."""
+        return self.decode_forward(ids, pos, kv_index, self.cache.data, prefix=prefix or None, mode=self._kernel,
                                    scales=self.cache.scales)
+
+    def _prefix_args(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The shared-prompt tables a decode over rows [0, b) reads (row_prefix, row_entry, members, group_len,
+        counts), views of the static tables; () without shared prompts or off the Triton kernel."""
+        if self._kernel != "triton" or not self._prefix_width:
+            return ()
+        # entries fill from 0: at most b // 2 are used; at least 2 (unused ones have length 0), since a dim of
+        # size 1 would be specialised by Dynamo: a recompile when the last rows share one prompt
+        entries = min(max(2, (b + 1) // 2), self.prefix_len.shape[0])
+        return (self.row_prefix[:b], self.row_entry[:b], self.prefix_tables[self._prefix_width][:entries],
+                self.prefix_len[:entries], self.prefix_counts[:entries])
 
     def decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv_index: torch.Tensor, cache: torch.Tensor, *,
                        prefix: tuple[torch.Tensor, ...] | None, mode: str,
@@ -556,7 +566,7 @@ class EngineModelRunner:
         (tokens then logprobs), then advances every active row in place (token <- sampled, position += 1)."""
         ids, pos, active = self.meta_i[0, :b], self.meta_i[1, :b], self.meta_i[4, :b]
         self._kernel = self._pick_kernel(b, kv_len)
-        logits = self._decode(ids, pos, self.kv_index[:kv_len])
+        logits = self._decode(ids, pos, self.kv_index[:kv_len], *self._prefix_args(b))
         if not filtered and self.device.type == "cuda" and triton_sampling.available(self.device):
             # the draw and the rows' advance below as one Triton kernel (~12 kernels and their launch gaps per
             # step otherwise): same draws as sample() up to CDF-boundary rounding; CPU keeps sample()

@@ -42,6 +42,11 @@ def members_for(groups: Iterable[tuple[int, Sequence[int]]], *, cap: int) -> int
     return min(cap, max(MIN_MEMBERS, 1 << max(0, largest - 1).bit_length()))
 
 
+def member_widths(cap: int) -> list[int]:
+    """Every width members_for can return under `cap`."""
+    return sorted({min(cap, MIN_MEMBERS << i) for i in range(max(1, cap.bit_length()))})
+
+
 def table_entries(rows: int) -> int:
     """Table entries for a decode batch of `rows` rows: every shared group has at least two rows."""
     return max(1, rows // 2)

@@ -58,3 +58,11 @@ def test_scheduler_groups_the_samples_of_one_prefill_row_only():
     sched.schedule()  # one prefill: two rows
     assert Scheduler.shared_prompts(seqs) == [(4, [0, 1, 2]), (2, [3, 4, 5])]
     assert Scheduler.shared_prompts([seqs[0], seqs[3], seqs[4]]) == [(2, [3, 4])]  # a lone row shares nothing
+
+
+def test_member_widths_hold_every_width_members_for_picks():
+    from rollout.shared_prefix import member_widths, members_for
+
+    for cap in (4, 8, 12, 16, 32):
+        picked = {members_for([(9, list(range(n)))], cap=cap) for n in range(1, 3 * cap)}
+        assert picked == set(member_widths(cap)), cap

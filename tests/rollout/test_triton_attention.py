@@ -62,6 +62,32 @@ def test_engine_with_triton_decode_matches_naive_greedy_and_trainer_logprobs(com
     assert "ok" in out
 
 
+def test_compiled_shared_prompt_decode_compiles_once_across_widths_and_lone_groups():
+    # the shared-prompt tables reach the compiled decode as arguments: a new members width (groups of 5, 3 or 9
+    # rows: tiles of 8, 4, 16) or a step whose rows share one prompt (one table entry used) must not recompile;
+    # it did, once per width, in measured recipe steps on an H100 (its rows' groups shrink as rows end). The
+    # unshared graph (no groups) is the one other graph. Tokens equal an engine that shares nothing.
+    out = run_interpreted("""
+        import torch
+        from torch._dynamo.utils import counters
+        from rollout import NativeEngine, SamplingParams
+        from tests.rollout.test_engine import PROMPTS, config, peaked_model
+        model = peaked_model(layers=2)
+        shared = NativeEngine.from_model(model, config=config(decode_attention="triton", compile=True))
+        plain = NativeEngine.from_model(model, config=config(decode_attention="triton", share_prompt_kv=False))
+        graphs = []
+        for k, n in ((3, 5), (3, 1), (1, 2), (2, 3), (2, 9), (5, 4)):
+            p = SamplingParams(temperature=1.0, max_tokens=4, n=n, seed=n, ignore_eos=True)
+            got = shared.generate(PROMPTS[:k], p)
+            assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(PROMPTS[:k], p)], (k, n)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[2:] == [graphs[1]] * 4, graphs  # prefill + shared decode, then the unshared decode only
+        assert shared.runner._decode.error is None
+        print("ok", graphs)
+    """)
+    assert "ok" in out
+
+
 def test_prefill_write_kernel_equals_the_indexed_copy():
     run_interpreted("""
         import torch
