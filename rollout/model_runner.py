@@ -167,6 +167,10 @@ class EngineModelRunner:
                                f"kv_cache_tokens or lower max_model_len")
         return slots, min(self.config.max_parked_seqs, tokens // slot_len - slots)
 
+    def _dynamic_slots(self, t: torch.Tensor, dim: int) -> None:
+        if self.config.compile and t.numel():
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
     def absent_weight_bytes(self) -> int:
         """Bytes of the engine's weights that are not on the device now (dropped by sleep, or never loaded)."""
         item = torch.empty(0, dtype=self.dtype).element_size()
@@ -180,6 +184,10 @@ class EngineModelRunner:
                              num_kv_heads=self.cfg.num_key_value_heads // self.tp, head_dim=self.cfg.head_dim,
                              dtype=self.kv_dtype, device=self.device)
         self.num_slots = slots  # decode rows: slots [0, slots); park slots follow them in the cache
+        # the slot count follows the memory free at each wake-up (the first step's is larger: no optimizer state
+        # yet), so the compiled graphs take it as a dynamic dim: a re-sized cache must not recompile them
+        self._dynamic_slots(self.cache.data, 2)
+        self._dynamic_slots(self.cache.scales, 2)
         # static decode rows per slot: token, position, key, top_k, active (int64) / temperature, top_p (fp32)
         self.meta_i = torch.zeros(5, slots, dtype=torch.int64, device=self.device)
         self.meta_f = torch.ones(2, slots, dtype=torch.float32, device=self.device)
@@ -206,6 +214,7 @@ class EngineModelRunner:
         if self.moe_layers:  # each decode row's experts [L_moe, k], written by the (graphed) step, copied out
             shape = (slots, len(self.moe_layers), self.cfg.num_experts_per_tok)
             self.routes_out = torch.zeros(shape, dtype=torch.int16, device=self.device)
+            self._dynamic_slots(self.routes_out, 0)
             self._host_routes = [torch.zeros(shape, dtype=torch.int16, pin_memory=pin) for _ in range(2)]
         self._flip = 0
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}

@@ -310,3 +310,26 @@ def test_compiled_prefill_and_decode_match_naive_greedy_across_shapes(model):
         graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
     assert counters["stats"]["unique_graphs"] == graphs, "a new prompt count or length recompiled"
     assert engine.runner._decode.error is None and engine.runner._prefill.error is None
+
+
+def test_a_wake_up_with_fewer_slots_recompiles_nothing(model):
+    """On a GPU the KV cache is sized at each wake-up from the memory free then (the first step has no optimizer
+    state yet: more slots than the next); the compiled prefill and decode take the slot count as a dynamic dim.
+    Each new size recompiled both, in the second step of the Qwen3 recipe on an H100."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    engine = NativeEngine.from_model(model, config=config(compile=True, free_memory_on_sleep=True))
+    p = SamplingParams(temperature=0.0, max_tokens=5, n=3, ignore_eos=True)
+    graphs, slots = [], []
+    for tokens in (96 * 16, 96 * 12, 96 * 9):
+        engine.sleep()
+        engine.runner.config = dataclasses.replace(engine.runner.config, kv_cache_tokens=tokens)
+        engine.wake_up()
+        outs = engine.generate(PROMPTS[:4], p)
+        assert [c.token_ids for c in outs] == [naive_greedy(model, q, 5) for q in PROMPTS[:4] for _ in range(3)]
+        graphs.append(counters["stats"]["unique_graphs"])
+        slots.append(engine.runner.num_slots)
+    assert slots == [16, 12, 9]
+    assert graphs[1:] == [graphs[0]] * 2, graphs
