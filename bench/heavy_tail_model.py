@@ -49,8 +49,13 @@ class StepModel:
             total += self.train_s + sum(self.decode_s([s] * sum(c > s for c in caps)) for s in range(max(caps)))
         return total / steps
 
-    def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0) -> tuple[float, float]:
-        """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing)."""
+    def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0,
+                overlap: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing).
+        overlap (decode_slow, train_slow): a policy not built, modelled to see whether it could reach the target:
+        the groups in flight keep decoding while the trainer updates (on the same GPU, beside it: decode steps
+        decode_slow x longer, the update train_slow x longer) with the weights before the update; none is
+        admitted meanwhile (it would count a version older against the bound)."""
         if in_flight > 2 * self.b:  # as the trainer: more batches in flight could leave groups staler than the bound
             raise ValueError(f"{in_flight} groups in flight: at most 2 x {self.b} (rollout.batches_in_flight <= 2 "
                              f"with pacing)")
@@ -69,7 +74,18 @@ class StepModel:
             complete.sort(key=lambda g: g[2])
             trained, complete = complete[:self.b], complete[self.b:]
             assert all(k - g[2] <= staleness for g in trained), "a trained group is staler than the bound"
-            total += self.train_s
+            if overlap is None:
+                total += self.train_s
+                continue
+            decode_slow, train_slow = overlap  # no refill here: new groups would be a version older when trained
+            update_s, t = self.train_s * train_slow, 0.0
+            while running and t < update_s:
+                t += self.decode_s([g[1] for g in running]) * decode_slow
+                for g in running:
+                    g[1] += 1
+                complete += [g for g in running if g[1] >= g[0]]
+                running = [g for g in running if g[1] < g[0]]
+            total += update_s
         return total / steps, paced / steps
 
 
@@ -81,13 +97,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--train-s", type=float, default=2.2)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--overlap", default=None, metavar="DECODE_SLOW:TRAIN_SLOW",
+                    help="model decoding beside the update (a policy not built): decode steps and the update that "
+                         "much slower while they share the GPU, e.g. 2:1.1")
     a = ap.parse_args(argv)
+    overlap = tuple(float(x) for x in a.overlap.split(":")) if a.overlap else None
     m = StepModel(median=a.median_tokens, sigma=a.sigma, train_s=a.train_s)
     sync_s = m.sync(a.steps)
-    part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1)
+    part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1, overlap=overlap)
     samples = m.b * m.n
     out = {"bench": "heavy_tail_model", "staleness": a.staleness, "groups_in_flight": a.groups_in_flight,
-           "median_tokens": a.median_tokens, "sigma": a.sigma, "train_s": a.train_s,
+           "median_tokens": a.median_tokens, "sigma": a.sigma, "train_s": a.train_s, "overlap": overlap,
            "sync_samples_per_s": round(samples / sync_s, 2), "sync_step_s": round(sync_s, 3),
            "partial_samples_per_s": round(samples / part_s, 2), "partial_step_s": round(part_s, 3),
            "partial_paced_s": round(paced_s, 3), "ceiling_speedup": round(sync_s / part_s, 3)}

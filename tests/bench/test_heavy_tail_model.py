@@ -24,3 +24,19 @@ def test_main_prints_the_ceiling(capsys):
     row = main(["--steps", "20"])
     assert row["ceiling_speedup"] == pytest.approx(row["sync_step_s"] / row["partial_step_s"], rel=1e-2)
     assert '"bench": "heavy_tail_model"' in capsys.readouterr().out
+
+
+def test_decoding_beside_the_update_raises_the_ceiling_only_as_far_as_sharing_the_gpu_allows():
+    tail = StepModel()
+    sync = tail.sync(60)
+    alone = tail.partial(60, in_flight=64, staleness=1, seed=1)[0]
+    free = tail.partial(60, in_flight=64, staleness=1, seed=1, overlap=(1.0, 1.0))[0]  # asserts the bound itself
+    shared = tail.partial(60, in_flight=64, staleness=1, seed=1, overlap=(2.0, 1.1))[0]
+    costly = tail.partial(60, in_flight=64, staleness=1, seed=1, overlap=(3.0, 1.3))[0]
+    assert free < shared < alone < costly  # a 30% slower update loses more than the tail decoded beside it
+    assert sync / free > 1.5
+
+
+def test_main_takes_the_overlap(capsys):
+    row = main(["--steps", "20", "--overlap", "2:1.1"])
+    assert row["overlap"] == (2.0, 1.1) and row["ceiling_speedup"] > 1.0
