@@ -9,12 +9,17 @@ accounting against the device's spec peak (ppo.metrics.flops).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ppo.batch.experience import Experience, all_gather_objects
 from ppo.batch.step_batch import StepBatch
 from ppo.metrics.flops import attention_forward_flops, ppo_stage_flops, spec_peak_flops, useful_utilization
+from ppo.metrics.recompiles import recompile_log, summary
 from ppo.metrics.timing import compiled_graphs, host_memory_gb
+
+log = logging.getLogger("hybridrl")
 
 # the generation metrics each replica counts for itself (summed over the replicas' reports; the others: the max)
 SUMMED_GEN_KEYS = ("reshard/bytes_received", "async/generated_tokens", "async/dropped_groups",
@@ -31,6 +36,7 @@ class StepMetrics:
         self.plan, self.rank, self.device, self.gc_pauses = plan, rank, device, gc_pauses
         self.n, self.ppo_epochs, self.share_prompts, self.reward_model = n, ppo_epochs, share_prompts, reward_model
         # the FLOP accounting's N (no embedding lookup): the policy's with its LM head, a value/reward head's without
+        self.recompiles = recompile_log()  # Dynamo's recompile reasons (None where TORCH_LOGS leaves them out)
         self.n_policy = model_config.matmul_params()
         self.n_head = model_config.matmul_params(lm_head=False)
         self.adapter_params = adapter_params  # a LoRA actor's (its base gets no weight gradients)
@@ -50,7 +56,8 @@ class StepMetrics:
         mine = {"times": times, "gen": gen_metrics, "actor": actor_m, "critic": critic_m,
                 "peak_gb": (torch.cuda.max_memory_allocated(self.device) / 2**30
                             if self.device.type == "cuda" else None),
-                "graphs": compiled_graphs(), **self.gc_pauses.take(), **host_memory_gb()}
+                "graphs": compiled_graphs(), "recompiles": self.recompiles.take() if self.recompiles else [],
+                **self.gc_pauses.take(), **host_memory_gb()}
         parts = all_gather_objects(mine)
         if self.device.type == "cuda":
             # colocated: the hybrid engine's last record reset the peak, so this is the training stages' peak
@@ -95,6 +102,13 @@ class StepMetrics:
         m["mem/host_rss_gb"] = max(p["host_rss_gb"] for p in parts)
         m["mem/host_peak_gb"] = max(p["host_peak_gb"] for p in parts)
         m["compile/graphs"] = max(p["graphs"] for p in parts)  # cumulative: a step that raises it compiled
+        # graphs compiled again (a guard failed) in this step, on the rank with the most; the first one's reason
+        # logged: after the first step each cost a measured step its compile time
+        worst = max(parts, key=lambda p: len(p["recompiles"]))["recompiles"]
+        m["compile/recompiles"] = len(worst)
+        if worst:
+            (log.warning if step > 0 else log.info)("step %d: %d recompile(s); the first: %s", step + 1, len(worst),
+                                                    summary(worst[0]))
         # the garbage collector's stalls inside the step on the slowest rank (a full collection: tenths of a second)
         m["host/gc_s"] = max(p["gc_s"] for p in parts)
         m["host/gc_full"] = max(p["gc_full"] for p in parts)
