@@ -46,24 +46,51 @@ def attach_main_grads(module: nn.Module) -> int:
     """Give every trainable 16-bit parameter of `module` an fp32 `main_grad` (None until its first gradient)
     fed by a post-accumulate-grad hook. Call after tensor parallelism (which replaces the parameters) and
     after hooks that fix a gradient's placement (they must run first). Returns the count."""
-    n = 0
+    n, accumulate = 0, _Accumulator()
     for p in module.parameters():
         if p.requires_grad and p.dtype in HALF and not hasattr(p, "main_grad"):
             p.main_grad = None
-            p.register_post_accumulate_grad_hook(_accumulate)
+            p.register_post_accumulate_grad_hook(accumulate)
             n += 1
     return n
 
 
-def _accumulate(p: torch.Tensor) -> None:
-    # the first gradient of a step becomes the main grad as it is (its fp32 sum of one term, exactly); the second
-    # converts it to fp32 and every later one adds into its local shard, which skips DTensor dispatch (the
-    # gradient has the parameter's placements)
-    if p.main_grad is None:
-        p.main_grad = p.grad
-    else:
-        fp32_grad(p).add_(local(p.grad))
-    p.grad = None
+class _Accumulator:
+    """The post-accumulate-grad hook of a model's parameters. The first gradient of a step becomes the main grad
+    as it is (its fp32 sum of one term, exactly). A later one waits in a bucket that is added into the fp32 main
+    grads (their local shards: no DTensor dispatch) by one foreach call once it holds BUCKET_BYTES, and at the end
+    of the backward: a separate add_ launched from Python per parameter left the GPU waiting on the host before
+    most of them (2,809 of the 10,105 idle gaps of the Qwen3 recipe's update on an H200)."""
+
+    BUCKET_BYTES = 64 << 20
+
+    def __init__(self):
+        self.pending: list[torch.Tensor] = []
+        self.bytes = 0
+        self.queued = False  # the end-of-backward flush is queued for the running backward
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if p.main_grad is None:
+            p.main_grad, p.grad = p.grad, None
+            return
+        self.pending.append(p)
+        self.bytes += p.grad.numel() * p.grad.element_size()
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.queued = True
+        if self.bytes >= self.BUCKET_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            torch._foreach_add_([fp32_grad(p) for p in self.pending], [local(p.grad) for p in self.pending])
+            for p in self.pending:
+                p.grad = None
+        self.pending, self.bytes = [], 0
+
+    def _end_of_backward(self) -> None:
+        self.queued = False
+        self.flush()
 
 
 def fp32_grad(p: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,30 @@ def test_first_gradient_stays_16_bit_and_the_second_sums_in_fp32():
     assert w.main_grad.dtype == torch.float32 and torch.equal(w.main_grad, want[0].float() + want[1].float())
 
 
+@pytest.mark.parametrize("bucket_bytes", [1, 200, 1 << 30], ids=["per-parameter", "mid-backward", "end-only"])
+def test_bucketed_main_grads_equal_per_parameter_sums_over_micro_batches(monkeypatch, bucket_bytes):
+    # later gradients wait in a bucket added by one foreach call when it fills (or at the end of the backward):
+    # the same fp32 sums as adding each gradient alone, wherever the bucket is cut; nothing is left pending
+    from parallel.master_weights import _Accumulator
+
+    monkeypatch.setattr(_Accumulator, "BUCKET_BYTES", bucket_bytes)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    hooked = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    hooked.load_state_dict(plain.state_dict())
+    attach_main_grads(hooked)
+    x = torch.randn(4, 3, 16).to(torch.bfloat16)
+    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
+    for part in x:
+        plain.zero_grad()
+        plain(part).float().square().sum().backward()
+        for n, p in plain.named_parameters():
+            want[n] += p.grad.float()
+        hooked(part).float().square().sum().backward()
+    for n, p in hooked.named_parameters():
+        assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want[n]), n
+
+
 def test_checkpoint_round_trip_keeps_fp32_masters():
     with _world_of_one() as (mesh, dims):
         _checkpoint_round_trip(mesh, dims)
