@@ -67,17 +67,20 @@ class _Accumulator:
     def __init__(self):
         self.pending: list[torch.Tensor] = []
         self.bytes = 0
-        self.queued = False  # the end-of-backward flush is queued for the running backward
+        self.task: int | None = None  # the backward (autograd graph task) whose end-of-backward flush is queued
 
     def __call__(self, p: torch.Tensor) -> None:
         if p.main_grad is None:
             p.main_grad, p.grad = p.grad, None
             return
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            # a backward that raised (a CUDA OOM the update retries after zero_grad) never ran its flush: what it
+            # left pending is dropped with it
+            self.pending, self.bytes, self.task = [], 0, task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.pending.append(p)
         self.bytes += p.grad.numel() * p.grad.element_size()
-        if not self.queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.queued = True
         if self.bytes >= self.BUCKET_BYTES:
             self.flush()
 
@@ -89,7 +92,7 @@ class _Accumulator:
         self.pending, self.bytes = [], 0
 
     def _end_of_backward(self) -> None:
-        self.queued = False
+        self.task = None
         self.flush()
 
 

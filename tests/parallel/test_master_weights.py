@@ -171,6 +171,45 @@ def test_bucketed_main_grads_equal_per_parameter_sums_over_micro_batches(monkeyp
         assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want[n]), n
 
 
+def test_a_backward_that_raises_leaves_nothing_pending_for_the_retry(monkeypatch):
+    # a CUDA OOM mid-backward: the update zeroes the gradients and reruns; what the failed backward left in the
+    # bucket (its end-of-backward flush never ran) must not reach the retry's main grads
+    from parallel.master_weights import MasterWeightAdamW, _Accumulator
+
+    monkeypatch.setattr(_Accumulator, "BUCKET_BYTES", 1 << 30)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    hooked = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    hooked.load_state_dict(plain.state_dict())
+    attach_main_grads(hooked)
+    opt = MasterWeightAdamW(list(hooked.parameters()), lr=1e-3)
+    x = torch.randn(3, 3, 16).to(torch.bfloat16)
+    for part in x[:2]:
+        hooked(part).float().square().sum().backward()
+    with pytest.raises(RuntimeError, match="simulated"):  # the second layer's gradients arrive, then it raises
+        hooked[1](Boom.apply(hooked[0](x[2]))).float().square().sum().backward()
+    opt.zero_grad(set_to_none=True)
+    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
+    for part in x[:2]:
+        plain.zero_grad()
+        plain(part).float().square().sum().backward()
+        for n, p in plain.named_parameters():
+            want[n] += p.grad.float()
+        hooked(part).float().square().sum().backward()
+    for n, p in hooked.named_parameters():
+        assert p.grad is None and torch.equal(p.main_grad, want[n]), n
+
+
 def test_checkpoint_round_trip_keeps_fp32_masters():
     with _world_of_one() as (mesh, dims):
         _checkpoint_round_trip(mesh, dims)
