@@ -56,6 +56,7 @@ from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 
 STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  # NativeEngine.stats per pass
+PREFILL_KINDS = ("prefill_fresh_s", "prefill_continue_s", "prefill_fresh_rows", "prefill_continue_rows")
 
 
 class StepClock:
@@ -216,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
         sync(args.device)
         wall = time.perf_counter() - t0
         pool.close()
-        spent = {k: engine.stats[k] - before[k] for k in (*STEP_STATS, "prefill_s", "decode_s")}
+        # prefill_{fresh,continue}_{s,rows}: the prefill forwards by kind (device seconds): what a prefill step costs
+        spent = {k: engine.stats[k] - before[k] for k in (*STEP_STATS, "prefill_s", "decode_s", *PREFILL_KINDS)}
         assert sum(end - start for tr in trajs for start, end in tr.turns) == total_tokens
         sleeping = covered(slept)
         later = b * (args.turns - 1)

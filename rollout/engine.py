@@ -72,10 +72,12 @@ class NativeEngine:
         # kv_misses: continuations that re-prefilled (KV evicted, or the prompt did not extend the session's tokens);
         # device_drains: waits on the device that left it nothing queued while requests remained (pipeline bubbles;
         # a prefill's wait, or a decode step collected with none launched behind it); prefill_s: a prefill's time,
-        # with the decode step it ran behind
+        # with the decode step it ran behind; prefill_{fresh,continue}_{s,rows}: the prefill forwards by kind, device
+        # seconds (EngineModelRunner.last_prefill)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0,
-                      "kv_relocations": 0, "device_drains": 0}
+                      "kv_relocations": 0, "device_drains": 0, "prefill_fresh_s": 0.0, "prefill_continue_s": 0.0,
+                      "prefill_fresh_rows": 0, "prefill_continue_rows": 0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -389,6 +391,8 @@ class NativeEngine:
             self.runner.move_slots([m[:2] for m in moves], lengths=[m[2] for m in moves])
             self.stats["kv_relocations"] += len(moves)
         tokens, logprobs, routes = self.runner.prefill(step)
+        for k, v in self.runner.last_prefill.items():
+            self.stats[k] += v
         if before is not None:
             self._apply_decode(sched, *before)
             self.stats["decode_steps"] += 1

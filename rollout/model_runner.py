@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,31 @@ class _DynamicRows:
             return self.eager(*args)
 
 
+class _PrefillClock:
+    """Times parts of one prefill step: CUDA events around each part (read once the step's results are on the
+    host: no extra sync), host time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, tuple] = {}
+
+    @contextmanager
+    def part(self, kind: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.marks[kind] = (start, end)
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.marks[kind] = (time.perf_counter() - t0,)
+
+    def read(self) -> dict[str, float]:
+        return {k: m[0].elapsed_time(m[1]) / 1e3 if self.cuda else m[0] for k, m in self.marks.items()}
+
+
 class EngineModelRunner:
     def __init__(self, cfg: ModelConfig, *, config: RolloutConfig, tp_group=None, device="cpu",
                  dtype=torch.float32, lora: LoRASpec | None = None):
@@ -117,6 +144,9 @@ class EngineModelRunner:
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
         self.graph_error: str | None = None
+        # the last prefill's forwards by kind (fresh rows from position 0; continuations onto kept KV): device
+        # seconds (CUDA events; host seconds on a CPU) and rows (NativeEngine.stats sums them)
+        self.last_prefill: dict[str, float] = {}
         self.kernel_for: dict[tuple[int, int], str] = {}  # (rows, kv_len) -> decode attention kernel ("auto")
         self._kernel = "sdpa"
         # rows per shared-prompt table entry (0: off); see rollout/shared_prefix.py
@@ -358,16 +388,19 @@ class EngineModelRunner:
         fresh = [r for r, row in enumerate(batch.rows) if not row[0].cached]
         cont = [r for r, row in enumerate(batch.rows) if row[0].cached]
         parts, routes = [], [None] * len(batch.rows)
+        clock = _PrefillClock(self.device)
         with prefill_sdpa():  # no per-shape cuDNN plan build (rollout/kv_cache.py: PREFILL_SDPA_BACKENDS)
             if fresh:
-                logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
+                with clock.part("fresh"):
+                    logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
                 parts.append(logits)
                 if fresh_routes is not None:
                     for i, r in enumerate(fresh):
                         row = batch.rows[r][0]
                         routes[r] = fresh_routes[i, : len(row.prompt_ids) + len(row.token_ids)]
             if cont:
-                logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
+                with clock.part("continue"):
+                    logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
                 parts.append(logits)
                 if cont_routes is not None:
                     for i, r in enumerate(cont):
@@ -383,6 +416,9 @@ class EngineModelRunner:
             tok, lp = sample(logits, temperature=f[:, 0], top_p=f[:, 1], keys=i[:, 0], top_k=i[:, 1],
                              positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
+        # after the copy's wait: the device's events are complete
+        self.last_prefill = {"prefill_fresh_rows": len(fresh), "prefill_continue_rows": len(cont),
+                             **{f"prefill_{kind}_s": seconds for kind, seconds in clock.read().items()}}
         by_seq = {id(s): (int(t), lp) for s, t, lp in zip(seqs, out[0], out[1].tolist(), strict=True)}
         ordered = [by_seq[id(s)] for s in batch.seqs]
         has_routes = any(x is not None for x in routes)

@@ -21,6 +21,10 @@ def test_the_benchmark_measures_kept_kv_against_re_prefill():
     assert row["keep_decode_steps"] <= row["keep_engine_steps"] <= row["keep_prefill_steps"] + row["keep_decode_steps"]
     assert row["single_turn_prefill_steps"] >= 1 and row["keep_driver_host_ms_per_step"] >= 0
     assert row["continuation_wait_steps"] == 16  # the engine's default, reported
+    # the prefill forwards by kind: re-prefill runs every turn from position 0, kept KV its later turns as continuations
+    assert row["reprefill_prefill_continue_rows"] == 0 and row["reprefill_prefill_fresh_rows"] >= 1
+    assert row["keep_prefill_continue_rows"] >= 1 and row["keep_prefill_continue_s"] > 0
+    assert row["keep_prefill_fresh_s"] + row["keep_prefill_continue_s"] <= row["keep_prefill_s"]
 
 
 def test_the_continuation_wait_reaches_the_engine():
