@@ -147,6 +147,20 @@ def test_first_gradient_stays_16_bit_and_the_second_sums_in_fp32():
     assert w.main_grad.dtype == torch.float32 and torch.equal(w.main_grad, want[0].float() + want[1].float())
 
 
+def _accumulate_and_compare(plain, hooked, micro_batches) -> None:
+    """Backward every micro-batch through `hooked` (main grads) and `plain` (each bf16 gradient summed in fp32
+    here): the main grads must equal those sums exactly, with no gradient left in .grad."""
+    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
+    for part in micro_batches:
+        plain.zero_grad()
+        plain(part).float().square().sum().backward()
+        for n, p in plain.named_parameters():
+            want[n] += p.grad.float()
+        hooked(part).float().square().sum().backward()
+    for n, p in hooked.named_parameters():
+        assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want[n]), n
+
+
 @pytest.mark.parametrize("bucket_bytes", [1, 200, 1 << 30], ids=["per-parameter", "mid-backward", "end-only"])
 def test_bucketed_main_grads_equal_per_parameter_sums_over_micro_batches(monkeypatch, bucket_bytes):
     # later gradients wait in a bucket added by one foreach call when it fills (or at the end of the backward):
@@ -160,15 +174,7 @@ def test_bucketed_main_grads_equal_per_parameter_sums_over_micro_batches(monkeyp
     hooked.load_state_dict(plain.state_dict())
     attach_main_grads(hooked)
     x = torch.randn(4, 3, 16).to(torch.bfloat16)
-    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
-    for part in x:
-        plain.zero_grad()
-        plain(part).float().square().sum().backward()
-        for n, p in plain.named_parameters():
-            want[n] += p.grad.float()
-        hooked(part).float().square().sum().backward()
-    for n, p in hooked.named_parameters():
-        assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want[n]), n
+    _accumulate_and_compare(plain, hooked, x)
 
 
 def test_a_backward_that_raises_leaves_nothing_pending_for_the_retry(monkeypatch):
@@ -199,15 +205,7 @@ def test_a_backward_that_raises_leaves_nothing_pending_for_the_retry(monkeypatch
     with pytest.raises(RuntimeError, match="simulated"):  # the second layer's gradients arrive, then it raises
         hooked[1](Boom.apply(hooked[0](x[2]))).float().square().sum().backward()
     opt.zero_grad(set_to_none=True)
-    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
-    for part in x[:2]:
-        plain.zero_grad()
-        plain(part).float().square().sum().backward()
-        for n, p in plain.named_parameters():
-            want[n] += p.grad.float()
-        hooked(part).float().square().sum().backward()
-    for n, p in hooked.named_parameters():
-        assert p.grad is None and torch.equal(p.main_grad, want[n]), n
+    _accumulate_and_compare(plain, hooked, x[:2])
 
 
 def test_checkpoint_round_trip_keeps_fp32_masters():
