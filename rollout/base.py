@@ -67,6 +67,10 @@ class RolloutConfig:
     # continuations (kept KV: an agent's next turn) wait for that many of them, or at most this many engine steps,
     # so returning turns share a prefill instead of each stalling the decode batch with its own
     continuation_wait_steps: int = 16
+    # whether a new sequence may take a parked session's slot by evicting its KV (its next turn then prefills the
+    # whole history) while other sequences run; False: it waits for a slot (an idle engine always admits). An
+    # experiment until a GPU prices prefill steps (docs/agents.md)
+    evict_parked_for_new: bool = True
     block_size: int = 32  # granule of the decode KV-length buckets (one CUDA graph per bucket)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)

@@ -183,7 +183,8 @@ class NativeEngine:
                 max_model_len=self.config.max_model_len, granule=self.config.block_size,
                 slot_len=self.runner.slot_len, eos_token_ids=self.eos_token_ids,
                 min_admit=int(self.config.min_admit_fraction * self.runner.num_slots),
-                continuation_wait=self.config.continuation_wait_steps, park_slots=self.runner.park_slots)
+                continuation_wait=self.config.continuation_wait_steps, park_slots=self.runner.park_slots,
+                evict_parked_for_new=self.config.evict_parked_for_new)
             self._sched.on_evict = self._evicted
         else:  # a scheduler kept alive by parked sessions follows the budget the batch controller moves
             self._sched.max_num_batched_tokens = self.config.max_num_batched_tokens

@@ -101,7 +101,7 @@ def length_bucket(n: int, *, granule: int, cap: int) -> int:
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_batched_tokens: int, max_model_len: int, granule: int,
                  slot_len: int, eos_token_ids: list[int], min_admit: int = 1, continuation_wait: int = 0,
-                 park_slots: int = 0):
+                 park_slots: int = 0, evict_parked_for_new: bool = True):
         if slot_len < max_model_len:
             raise ValueError(f"slot_len({slot_len}) must hold max_model_len({max_model_len}) tokens")
         self.num_slots = num_slots  # decode rows: slots [0, num_slots); park slots follow them
@@ -115,6 +115,8 @@ class Scheduler:
         # continuations (kept KV, slot held) are admitted in waves too: once min_admit of them wait, or once the
         # oldest has waited this many steps (one prefill for many returning agent turns, not one per turn)
         self.continuation_wait = continuation_wait
+        # False: a new sequence never evicts a parked KV while others run (RolloutConfig.evict_parked_for_new)
+        self.evict_parked_for_new = evict_parked_for_new
         self.steps = 0  # update() calls: engine steps (prefill or decode) whose tokens were applied
         self.buckets = batch_buckets(num_slots)
         self.waiting: deque[Sequence] = deque()
@@ -190,8 +192,12 @@ class Scheduler:
             return False
         if not self.running:
             return True
-        # fresh sequences and continuations in park slots need a decode slot (parked ones count: they move or go)
-        fresh, room = len(self.waiting) - self._reserved, len(self._free) + len(self.parked)
+        # fresh sequences and continuations in park slots need a decode slot (parked ones count: they move to a park
+        # slot, swap with a returning continuation's, or are evicted unless evict_parked_for_new is off)
+        fresh, new = len(self.waiting) - self._reserved, len(self.waiting) - self._reserved - self._returning
+        room = len(self._free) + len(self.parked)
+        if not self.evict_parked_for_new:
+            room = min(self._returning, room) + min(new, len(self._free) + min(len(self.parked), len(self._park_free)))
         if fresh and room and room >= min(self.min_admit, fresh):
             return True
         if not self._reserved:
@@ -214,8 +220,13 @@ class Scheduler:
     def _admit(self) -> PrefillBatch:
         rows: dict[tuple[int, int], list[Sequence]] = {}
         padded = 0
+        blocked: list[Sequence] = []  # new sequences that would evict: they keep their place at the queue's head
+        evict = self.evict_parked_for_new or not self.running
         while self.waiting and (self._free or self.parked or 0 <= self.waiting[0].slot < self.num_slots):
             seq = self.waiting[0]
+            if seq.slot < 0 and not self._free and not (self._park_free or evict):
+                blocked.append(self.waiting.popleft())
+                continue
             # only fresh samples share a row
             row_key = (seq.prompt_index, seq.seq_id if seq.token_ids or seq.cached else -1)
             if row_key not in rows:
@@ -237,6 +248,7 @@ class Scheduler:
             seq.prefill_row = self._rows_admitted
             self.running[seq.slot] = seq
             rows[row_key].append(seq)
+        self.waiting.extendleft(reversed(blocked))
         return PrefillBatch(list(rows.values()), padded)
 
     def _bring_back(self, seq: Sequence) -> None:

@@ -207,6 +207,41 @@ def test_park_slots_keep_sessions_that_outnumber_the_decode_slots():
     assert s.is_parked(nxt) and s.unpark(turns[3]) and s.free_slot(2) is None and s._park_free == [2]
 
 
+def test_without_eviction_for_new_sequences_they_wait_while_others_run():
+    # evict_parked_for_new=False: with every decode and park slot held, a new sequence does not take a parked
+    # session's slot while another sequence runs (it would evict that session's KV); a returning continuation behind it
+    # still goes in (it swaps with a parked one); once nothing runs the new one evicts (an idle engine admits)
+    s = Scheduler(num_slots=2, max_num_batched_tokens=256, max_model_len=64, granule=16, slot_len=64,
+                  eos_token_ids=[2], park_slots=1, evict_parked_for_new=False)
+    evicted = []
+    s.on_evict = evicted.append
+    first = [_seq(i, i, 3, max_tokens=1) for i in range(3)]
+    for q in first:
+        q.session = q.seq_id
+    for q in first[:2]:
+        s.add(q)
+    step = s.schedule()
+    s.update(step.seqs, [5, 5], [0.0, 0.0])  # both parked in decode slots 0 and 1
+    s.add(first[2])
+    step = s.schedule()  # slot 0's session moves to the park slot 2
+    assert [q.seq_id for q in step.seqs] == [2] and s.relocations == [(0, 2, 4)] and not evicted
+    s.relocations.clear()
+    new = _seq(20, 20, 2, max_tokens=5)
+    s.add(new)
+    assert not s.can_admit()  # sequence 2 runs; the only parked decode slot would evict sequence 1
+    assert isinstance(s.schedule(), DecodeBatch) and new.slot == -1 and not evicted
+    assert s.unpark(first[0])  # session 0's next turn, in park slot 2, arrives behind the new sequence
+    nxt = _seq(10, 0, 6, max_tokens=1)
+    nxt.slot, nxt.cached, nxt.session = first[0].slot, 4, 0
+    s.add(nxt)
+    step = s.schedule()
+    assert [q.seq_id for q in step.seqs] == [10] and list(s.waiting) == [new] and not evicted  # a swap, no eviction
+    s.update(step.seqs, [5], [0.0])
+    s.update([first[2]], [2], [0.0])  # sequence 2 ends (EOS): nothing runs now
+    assert not s.running and s.can_admit()
+    assert [q.seq_id for q in s.schedule().seqs] == [20] and len(evicted) == 1
+
+
 def test_a_continuation_waiting_in_a_park_slot_can_be_released_or_parked_again():
     # the queue: continuations holding a decode slot, then in arrival order those whose KV waits in a park slot and
     # fresh ones
