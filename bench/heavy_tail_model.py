@@ -67,10 +67,7 @@ class StepModel:
                 dt = self.decode_s([g[1] for g in running])
                 total += dt
                 paced += dt if len(complete) >= self.b else 0.0
-                for g in running:
-                    g[1] += 1
-                complete += [g for g in running if g[1] >= g[0]]
-                running = [g for g in running if g[1] < g[0]]
+                running = _decode_step(running, complete)
             complete.sort(key=lambda g: g[2])
             trained, complete = complete[:self.b], complete[self.b:]
             assert all(k - g[2] <= staleness for g in trained), "a trained group is staler than the bound"
@@ -81,12 +78,18 @@ class StepModel:
             update_s, t = self.train_s * train_slow, 0.0
             while running and t < update_s:
                 t += self.decode_s([g[1] for g in running]) * decode_slow
-                for g in running:
-                    g[1] += 1
-                complete += [g for g in running if g[1] >= g[0]]
-                running = [g for g in running if g[1] < g[0]]
+                running = _decode_step(running, complete)
             total += update_s
         return total / steps, paced / steps
+
+
+def _decode_step(running: list[list[int]], complete: list[list[int]]) -> list[list[int]]:
+    """One token for every running group ([cap, tokens so far, step admitted]); those that reach their cap move
+    to `complete` (in place). -> the groups still running."""
+    for g in running:
+        g[1] += 1
+    complete += [g for g in running if g[1] >= g[0]]
+    return [g for g in running if g[1] < g[0]]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -197,7 +197,7 @@ class Scheduler:
         fresh, new = len(self.waiting) - self._reserved, len(self.waiting) - self._reserved - self._returning
         room = len(self._free) + len(self.parked)
         if not self.evict_parked_for_new:
-            room = min(self._returning, room) + min(new, len(self._free) + min(len(self.parked), len(self._park_free)))
+            room = min(self._returning, room) + min(new, self._new_room(evict=False))
         if fresh and room and room >= min(self.min_admit, fresh):
             return True
         if not self._reserved:
@@ -217,6 +217,11 @@ class Scheduler:
         """True when the next token ends `seq` by length, whatever it is (no need to decode it further)."""
         return len(seq.token_ids) + 1 >= seq.params.max_tokens or seq.length + 1 >= self.max_model_len
 
+    def _new_room(self, *, evict: bool) -> int:
+        """Decode slots a new sequence can take now: free ones, and parked ones whose KV moves to a free park slot
+        (or, with `evict`, is evicted)."""
+        return len(self._free) + (len(self.parked) if evict else min(len(self.parked), len(self._park_free)))
+
     def _admit(self) -> PrefillBatch:
         rows: dict[tuple[int, int], list[Sequence]] = {}
         padded = 0
@@ -224,7 +229,7 @@ class Scheduler:
         evict = self.evict_parked_for_new or not self.running
         while self.waiting and (self._free or self.parked or 0 <= self.waiting[0].slot < self.num_slots):
             seq = self.waiting[0]
-            if seq.slot < 0 and not self._free and not (self._park_free or evict):
+            if seq.slot < 0 and not self._new_room(evict=evict):
                 blocked.append(self.waiting.popleft())
                 continue
             # only fresh samples share a row
