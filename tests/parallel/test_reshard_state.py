@@ -116,7 +116,10 @@ def test_tp2_pp2_state_resumes_at_tp2_and_at_dp4(tmp_path):
             assert len(r["loaded"]["exp_avg"]) == len(ref["loaded"]["exp_avg"])
             if r["losses"]:  # the last stage's micro-batch losses
                 torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=1e-7)
-            _same(r["after"], ref["after"], rtol=1e-4, atol=1e-6)
+            # an AdamW step moves a weight by up to lr (1e-3); where a gradient is near zero, the reduction order's
+            # noise in it moves that step by a few 1e-6 (seen: 2.5e-6 on one element of 11,264, torch 2.13 CPU): 1% of
+            # a step is the bound, far below what a misplaced shard or moment would give
+            _same(r["after"], ref["after"], rtol=1e-4, atol=1e-5)
 
 
 def test_assemble_reads_overlapping_chunks_and_names_a_gap():
