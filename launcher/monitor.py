@@ -60,6 +60,22 @@ def _visible_nvml_indices(count: int) -> list[int]:
     return [i for i in idx if 0 <= i < count]
 
 
+def smallest_gpu_memory_gb(*, nvml: Any | None = None) -> float | None:
+    """The memory of the smallest GPU this process can use, in GB (1e9), read through NVML, so no CUDA context is
+    made before the rank picks its device; None without NVML or a GPU."""
+    try:
+        nv = nvml if nvml is not None else _load_pynvml()
+        nv.nvmlInit()
+    except Exception:  # no driver, no library: nothing known
+        return None
+    try:
+        indices = _visible_nvml_indices(int(nv.nvmlDeviceGetCount()))
+        sizes = [nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).total / _GB for i in indices]
+        return min(sizes) if sizes else None
+    finally:
+        nv.nvmlShutdown()
+
+
 class GpuMonitor:
     """Background NVML sampler writing util.jsonl and summarising each step.
 

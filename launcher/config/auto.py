@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from launcher.config.schema import MODEL_ROLES, Config, active_roles, kept_kv_sessions, role_section
 
+# micro-batch token budgets off CUDA (on CUDA launcher.planning.fit sizes them from the GPU's memory): the trained
+# roles keep activations for a backward, the forward-only ones pack twice as many tokens
+CPU_MICRO_BATCH_TOKENS = {"actor": 4096, "critic": 4096, "ref": 8192, "reward": 8192}
+
 
 def on_cuda(cfg: Config) -> bool:
     """Whether the run trains on CUDA: trainer.device=cuda, or auto with a GPU visible."""
@@ -48,6 +52,11 @@ def resolve_auto(cfg: Config) -> list[str]:
             choose(f"{name}.compile", False, "megatron's full recompute wraps the layers itself")
         else:
             choose(f"{name}.compile", True, "CUDA: each transformer layer compiled (fused norms, RoPE, SiLU)")
+    for role in MODEL_ROLES:
+        sec, name = role_section(cfg, role), "reward.model" if role == "reward" else role
+        if not cuda and sec is not None and sec.max_tokens_per_micro_batch is None:
+            choose(f"{name}.max_tokens_per_micro_batch", CPU_MICRO_BATCH_TOKENS[role],
+                   "no CUDA device: a CPU micro-batch gains nothing from more tokens")
     r = cfg.rollout
     if r.compile is None:
         if not cuda:

@@ -134,7 +134,9 @@ class ActorConfig(ParallelConfig):
     optim: OptimConfig = field(default_factory=OptimConfig)  # the actor's optimizer
     ppo_epochs: int = 1  # passes over each batch
     mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
-    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
+    # token budget of one packed micro-batch; unset: CUDA: the largest up to 16,384 whose predicted peak fits 85% of
+    # the GPU (launcher.planning.fit); CPU: 4,096
+    max_tokens_per_micro_batch: int | None = None
     clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
     clip_high: float = 0.2  # PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher: 0.28)
     dual_clip_c: float = 3.0  # dual-clip bound for negative advantages
@@ -171,7 +173,7 @@ class CriticConfig(ParallelConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # the critic's optimizer
     ppo_epochs: int = 1  # passes over each batch
     mini_batch_size: int = 0  # samples per optimizer step; 0: the whole batch
-    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch
+    max_tokens_per_micro_batch: int | None = None  # as actor.max_tokens_per_micro_batch
     value_clip: float = 0.2  # clip of the value update around the old values
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
     offload_optimizer: bool | None = None  # as actor.offload_optimizer
@@ -182,7 +184,9 @@ class RefConfig(ParallelConfig):
     """The frozen reference: a layout and a forward, no backward, no optimizer."""
 
     enabled: bool = True  # needed for a KL penalty or KL loss
-    max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch
+    # token budget of one packed micro-batch; unset: CUDA: the largest up to 32,768 whose predicted peak fits 85% of
+    # the GPU (launcher.planning.fit); CPU: 8,192
+    max_tokens_per_micro_batch: int | None = None
 
 
 @dataclass
@@ -192,7 +196,7 @@ class RewardModelConfig(ParallelConfig):
 
     # its Hugging Face directory; unset: random-initialised (benchmarks only, beside a random-initialised policy)
     path: str | None = None
-    max_tokens_per_micro_batch: int = 8192  # token budget of one reward-model micro-batch
+    max_tokens_per_micro_batch: int | None = None  # one reward-model micro-batch; unset: as ref's
 
 
 @dataclass

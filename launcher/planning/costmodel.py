@@ -200,6 +200,12 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
     if cfg.reward.model is not None:
         rm = ModelShape.of(reward_model or model, value_head=True)
         rm_micro_batch_tokens = cfg.reward.model.max_tokens_per_micro_batch
+    from launcher.planning.fit import BUDGET_CAPS
+
+    # an unset budget (launcher.planning.fit sizes it at launch) reads as the first the fit tries: its cap
+    budgets = {r: BUDGET_CAPS[r] if v is None else v for r, v in (
+        ("actor", a.max_tokens_per_micro_batch), ("critic", cfg.critic.max_tokens_per_micro_batch),
+        ("ref", cfg.ref.max_tokens_per_micro_batch), ("reward", rm_micro_batch_tokens))}
     return Workload(
         actor=ModelShape.of(model, fp8_kv=cfg.rollout.kv_cache_dtype == "fp8"),
         critic=ModelShape.of(model, value_head=True) if uses_critic(cfg) else None,
@@ -213,8 +219,7 @@ def build_workload(cfg, *, model, reward_model=None, prompt_len: int | None = No
         old_logp_share=old_logp_share(source, mini_batch_size=a.mini_batch_size, samples=samples),
         is_async=is_async, uses_gae=cfg.algorithm.name == "ppo",
         ac={"actor": a.activation_checkpointing, "critic": cfg.critic.activation_checkpointing},
-        micro_batch_tokens={"actor": a.max_tokens_per_micro_batch, "critic": cfg.critic.max_tokens_per_micro_batch,
-                            "ref": cfg.ref.max_tokens_per_micro_batch, "reward": rm_micro_batch_tokens},
+        micro_batch_tokens=budgets,
         max_num_seqs=cfg.rollout.max_num_seqs, kv_memory_fraction=cfg.rollout.gpu_memory_fraction,
         free_memory_on_sleep=cfg.rollout.free_memory_on_sleep,
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,

@@ -49,6 +49,7 @@ class Estimate:
     busy_s: list[float]  # per pool: seconds its GPUs compute per step
     useful_flops: float
     peak_gb: list[float]  # per pool: peak memory per GPU
+    train_peak_gb: list[float]  # per pool: training's peak per GPU (states and activations; an engine kept resident)
     memory: list[dict[str, float]]  # per pool: GB per GPU by item
     reject: str | None = None
     kv_reject: str | None = None  # the engine's KV budget holds no sequence of the longest sample (with numbers)
@@ -71,7 +72,8 @@ class Estimate:
                 "layouts": {r: {"tp": t, "pp": p, "dp": d} for r, (t, p, d) in c.layouts}, "gen_tp": c.gen_tp,
                 "predicted_step_s": round(self.step_s, 4), "samples_per_s": round(self.samples_per_s, 2),
                 "useful_utilization": round(self.useful_utilization(cal), 4),
-                "peak_gb": round(max(self.peak_gb), 1),
+                "peak_gb": round(max(self.peak_gb), 1), "train_peak_gb": round(max(self.train_peak_gb), 2),
+                "hbm_gb": cal.hbm_gb,
                 "stages_s": {k: round(v, 4) for k, v in self.stages.items()}, "reject": self.reject,
                 "kv_reject": self.kv_reject}
 
@@ -159,6 +161,13 @@ def pool_memory(w: Workload, cal: Calibration, c: Candidate, pool: int) -> tuple
     return items, peak, slots
 
 
+def training_peak_gb(w: Workload, items: dict[str, float]) -> float:
+    """A pool's memory per GPU while it trains: every item but the engine's, whose KV cache is sized from the memory
+    left (its wake-up) and freed while training, unless rollout.free_memory_on_sleep=false keeps it."""
+    engine = items.get("engine_weights", 0.0) + items.get("kv_cache", 0.0)
+    return sum(items.values()) - (0.0 if w.free_memory_on_sleep is False else engine)
+
+
 def _busy(stages: dict[str, float], c: Candidate, owner: dict[str, str]) -> list[float]:
     busy = [0.0] * len(c.pools)
     for stage, s in stages.items():
@@ -170,12 +179,13 @@ def _busy(stages: dict[str, float], c: Candidate, owner: dict[str, str]) -> list
 def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     """Predicted stage seconds, step seconds, utilization and memory of candidate `c` (never raises on an
     infeasible plan: `reject` says why, and the times are those it would have if it fit)."""
-    memory, peaks, reject = [], [], None
+    memory, peaks, train_peaks, reject = [], [], [], None
     slots = 0
     for i, (roles, n) in enumerate(c.pools):
         items, peak, s = pool_memory(w, cal, c, i)
         memory.append({k: round(v, 2) for k, v in items.items()})
         peaks.append(peak)
+        train_peaks.append(training_peak_gb(w, items))
         slots = s or slots
         if peak > cal.hbm_gb and reject is None:
             top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(items.items(), key=lambda kv: -kv[1]))
@@ -227,8 +237,8 @@ def estimate(w: Workload, cal: Calibration, c: Candidate) -> Estimate:
     step = first + stages["adv"] + stages["transfer"] + max(per_pool(UPDATE_STAGES))
     busy = _busy({k: v for k, v in stages.items() if not (k == "reward" and not w.reward_model)}, c, owner)
     return Estimate(candidate=c, stages=stages, step_s=step, samples=w.samples, busy_s=busy,
-                    useful_flops=useful_flops(w), peak_gb=peaks, memory=memory, reject=reject,
-                    kv_reject=kv_reject)
+                    useful_flops=useful_flops(w), peak_gb=peaks, train_peak_gb=train_peaks, memory=memory,
+                    reject=reject, kv_reject=kv_reject)
 
 
 def useful_flops(w: Workload) -> float:

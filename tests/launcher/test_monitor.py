@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.monitor import GpuMonitor, main
+from launcher.monitor import GpuMonitor, main, smallest_gpu_memory_gb
 
 # (sm_util %, mem_used GB) per sample for two GPUs: a gen phase then a training phase
 TRACE = {
@@ -139,6 +139,22 @@ def test_no_nvml_logs_once_and_is_off(tmp_path, caplog):
             assert mon.sample_once() == []
     assert mon.step_summary() == {}
     assert not (tmp_path / "util.jsonl").exists()
+
+
+def test_the_smallest_visible_gpus_memory_sizes_the_launch(monkeypatch):
+    """launcher.planning.fit bounds the micro-batch budgets by it: NVML's total of the GPUs CUDA_VISIBLE_DEVICES
+    names, None without NVML or a GPU."""
+    class Sizes(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, h):
+            return SimpleNamespace(used=0, total=int((80.0 if h == 1 else 141.0) * 1e9), free=0)
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = Sizes()
+    assert smallest_gpu_memory_gb(nvml=nvml) == 80.0 and nvml.shutdown
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert smallest_gpu_memory_gb(nvml=Sizes()) == 141.0
+    assert smallest_gpu_memory_gb(nvml=FakeNvml(fail_init=True)) is None
+    assert smallest_gpu_memory_gb(nvml=FakeNvml({})) is None
 
 
 def test_no_gpu_visible_is_off(tmp_path):

@@ -58,7 +58,7 @@ def test_an_explicit_setting_wins():
     assert cfg.actor.compile is False and cfg.rollout.compile is False and cfg.ref.compile is True
     assert not any(c.startswith(("actor.", "rollout.compile")) for c in choices)
     cfg, choices = _load("trainer.device=cpu", "ref.compile=true")
-    assert cfg.ref.compile is True and not any(c.startswith("ref.") for c in choices)
+    assert cfg.ref.compile is True and not any(c.startswith("ref.compile") for c in choices)
 
 
 
