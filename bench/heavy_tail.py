@@ -3,6 +3,7 @@
     python -m bench.heavy_tail --modes colocated-sync          # one H200: 107 s at d4c1bd2
     python -m bench.heavy_tail --modes colocated-partial       # 217 s at d4c1bd2 (two steps compiled in generation)
     python -m bench.heavy_tail --modes colocated-partial-drop  # partial, trainer.stale_policy=drop
+    python -m bench.heavy_tail --modes colocated-partial-beside  # partial, decoding beside the update
     python -m bench.heavy_tail --modes colocated-sync,colocated-partial --steps 3 --max-tokens 64 \
         --config conf/grpo_tiny.yaml --nproc 1 trainer.device=cpu model.dtype=float32   # CPU check
 

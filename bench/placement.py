@@ -9,6 +9,7 @@ Modes (each a set of overrides on the same config):
     colocated-partial           ... two batches of prompts in flight, partial rollouts at staleness 1
                                 (rollout.batches_in_flight=2; its gain needs responses of unequal length)
     colocated-partial-drop      ... the groups one step old not waited for but dropped (trainer.stale_policy=drop)
+    colocated-partial-beside    ... the groups in flight decoding beside the scoring and update (rollout.decode_beside)
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
     split-async2                ... staleness bound 2: batches k+1 and k+2 generated ahead (issue 41 item 6)
@@ -31,6 +32,8 @@ MODES = {
     "colocated-partial": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2"],
     "colocated-partial-drop": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2",
                                "trainer.stale_policy=drop"],
+    "colocated-partial-beside": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2",
+                                 "rollout.decode_beside=true"],
     "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
     "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
     "split-async2": ["placement.mode=split", "trainer.max_staleness=2"],

@@ -70,7 +70,7 @@ def build_ppo_settings(cfg: Config, *, device: torch.device) -> PPOSettings:
         engine_kind=r.engine, engine=engine, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
         max_response_length=r.max_response_length, n=r.n, bucket_bytes=r.bucket_mb * 2**20,
         offload_optimizer_while_generating=a.offload_optimizer_while_generating,
-        settle_residency=r.free_memory_on_sleep is None, partial_kv=r.partial_kv,
+        settle_residency=r.free_memory_on_sleep is None, partial_kv=r.partial_kv, decode_beside=r.decode_beside,
         lora_sync=cfg.actor.lora.sync if cfg.actor.lora.rank > 0 else "merged",
         dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         vllm=vllm, agent=AgentSettings(**dataclasses.asdict(cfg.agent)))

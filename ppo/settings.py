@@ -79,6 +79,7 @@ class GenerationSettings:
     # whether it fits beside training (ppo.roles.generation.RolloutRole.settle_memory)
     settle_residency: bool = False
     partial_kv: str = "recompute"  # rollout.partial.PartialRollouts(kv=): recompute | keep the KV at a weight swap
+    decode_beside: bool = False  # partial rollouts decode on beside the scoring and the update (rollout/beside.py)
     agent: AgentSettings = AgentSettings()
 
 

@@ -233,36 +233,40 @@ class PPOTrainer:
         generated = [] if len(self.ahead) else None  # the batches this step generates (None: its own, now)
         exp, gen, rewards, sampling_m = self.draw_batch(step, timer)
         generated = [exp] if generated is None else generated
-        # 2. scoring: old log-probs (see old_logp_source), reference, values, rewards
-        old_logp = self.old_logp_source(len(exp.samples))
-        route = self.reference_route(old_logp)
-        results, ref_pass = self.score(exp, timer, old_logp=old_logp, reward=rewards is None, route=route)
-        for index in self.ahead.to_generate(step=step, total_steps=self.total_steps):
-            # the actor ranks generate batches up to k+K with this step's weights while the others score batch k
-            ahead, gen = self.generate(index, timer, version=step)
-            self.ahead.push(ahead)
-            generated.append(ahead)
-        merged = self.merge_scores(exp, results, rewards, old_logp=old_logp)
-        # 3. advantages: a pure function of the merged batch, computed identically on every rank; the
-        #    deferred reference forward may still run meanwhile (host work)
-        with timer("adv", sync=False):
-            ref = self.reference_logprobs(exp, merged, ref_pass, route=route, timer=timer)
-            batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host, step=step)
-        batch.ref_logp = ref.get()  # deferred: waited for (and merged) now, or left on the device for the update
-        adv_metrics.update(sampling_m)
-        if self.loop.max_staleness:
-            adv_metrics.update(staleness_metrics(exp, step=step, generated=generated, ahead=len(self.ahead)))
-        self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
-        # 4. updates: actor and critic groups (concurrent when placed apart); none on non-finite advantages (the
-        #    same on every rank: a function of the merged batch)
-        self.first_nonfinite = nonfinite_inputs(batch)
-        actor_m = critic_m = None
-        if self.first_nonfinite is None:
-            actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
-            critic_m = self.update_critic(exp, batch, timer)
-            self.first_nonfinite = next((f"{name}: {w.first_nonfinite}" for name, w in
-                                         (("actor", self.roles.actor), ("critic", self.roles.critic))
-                                         if w is not None and w.first_nonfinite is not None), None)
+        try:  # partial rollouts with rollout.decode_beside: the groups in flight decode on until the updates end
+            # 2. scoring: old log-probs (see old_logp_source), reference, values, rewards
+            old_logp = self.old_logp_source(len(exp.samples))
+            route = self.reference_route(old_logp)
+            results, ref_pass = self.score(exp, timer, old_logp=old_logp, reward=rewards is None, route=route)
+            for index in self.ahead.to_generate(step=step, total_steps=self.total_steps):
+                # the actor ranks generate batches up to k+K with this step's weights while the others score batch k
+                ahead, gen = self.generate(index, timer, version=step)
+                self.ahead.push(ahead)
+                generated.append(ahead)
+            merged = self.merge_scores(exp, results, rewards, old_logp=old_logp)
+            # 3. advantages: a pure function of the merged batch, computed identically on every rank; the
+            #    deferred reference forward may still run meanwhile (host work)
+            with timer("adv", sync=False):
+                ref = self.reference_logprobs(exp, merged, ref_pass, route=route, timer=timer)
+                batch, adv_metrics = self.compute_advantages(exp, merged, old_logp=old_logp, ref_logp=ref.host,
+                                                             step=step)
+            batch.ref_logp = ref.get()  # deferred: waited for (and merged) now, or left on the device for the update
+            adv_metrics.update(sampling_m)
+            if self.loop.max_staleness:
+                adv_metrics.update(staleness_metrics(exp, step=step, generated=generated, ahead=len(self.ahead)))
+            self.check_reward_failures(step, adv_metrics, num_samples=len(exp.samples))
+            # 4. updates: actor and critic groups (concurrent when placed apart); none on non-finite advantages (the
+            #    same on every rank: a function of the merged batch)
+            self.first_nonfinite = nonfinite_inputs(batch)
+            actor_m = critic_m = None
+            if self.first_nonfinite is None:
+                actor_m = self.update_actor(exp, batch, timer, old_logp=old_logp, ref_span=route.span)
+                critic_m = self.update_critic(exp, batch, timer)
+                self.first_nonfinite = next((f"{name}: {w.first_nonfinite}" for name, w in
+                                             (("actor", self.roles.actor), ("critic", self.roles.critic))
+                                             if w is not None and w.first_nonfinite is not None), None)
+        finally:
+            gen.metrics.update(self.roles.rollout.end_beside() if self.roles.rollout is not None else {})
         timer.times["step"] = time.perf_counter() - t_step
         if self.sample_log is not None and self.sample_log.due(step):
             self.sample_log.write(step, exp.samples, batch.scores, tensorboard=self.state.tensorboard())

@@ -73,11 +73,12 @@ class NativeEngine:
         # device_drains: waits on the device that left it nothing queued while requests remained (pipeline bubbles;
         # a prefill's wait, or a decode step collected with none launched behind it); prefill_s: a prefill's time,
         # with the decode step it ran behind; prefill_{fresh,continue}_{s,rows}: the prefill forwards by kind, device
-        # seconds (EngineModelRunner.last_prefill)
+        # seconds (EngineModelRunner.last_prefill); sampled_tokens: tokens sampled (a prefill's first token, each
+        # decode row's)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0,
                       "kv_relocations": 0, "device_drains": 0, "prefill_fresh_s": 0.0, "prefill_continue_s": 0.0,
-                      "prefill_fresh_rows": 0, "prefill_continue_rows": 0}
+                      "prefill_fresh_rows": 0, "prefill_continue_rows": 0, "sampled_tokens": 0}
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, *, config: RolloutConfig, device=None, dtype=None,
@@ -108,6 +109,11 @@ class NativeEngine:
     def holds_weights(self) -> bool:
         """Whether the engine still holds every base weight (then an update may send the LoRA adapters alone)."""
         return self.runner.holds_weights()
+
+    def set_graph_capture(self, allowed: bool) -> None:
+        """Whether a decode shape without a CUDA graph may capture one now (False while decoding runs beside
+        training, rollout/beside.py: such shapes run un-graphed meanwhile)."""
+        self.runner.may_capture = allowed
 
     def sleep(self) -> None:
         if self.asleep:
@@ -404,6 +410,7 @@ class NativeEngine:
         for row in step.rows:
             self.stats["prefill_tokens"] += row[0].length - row[0].cached
             self.stats["kv_reused_tokens"] += row[0].cached
+        self.stats["sampled_tokens"] += len(step.seqs)
         for s in sched.update(step.seqs, tokens, logprobs):
             self._finished.add(s.prompt_index)
             if sched.is_parked(s):
@@ -418,6 +425,7 @@ class NativeEngine:
         if routes is not None:  # the experts of the token each live row ran (its last one so far)
             for s in live:
                 s.routes.append(routes[s.slot: s.slot + 1])
+        self.stats["sampled_tokens"] += len(live)
         for s in sched.update(live, [tokens[s.slot] for s in live], [logprobs[s.slot] for s in live]):
             self._updates[s.slot] = _PAD
             self._finished.add(s.prompt_index)

@@ -213,21 +213,24 @@ class HybridEngine:
         return self._cycle(lambda: self.engine.generate(prompts, sampling))
 
     def generate_partial(self, rollouts, *, version: int, new_groups: list[tuple[list[int], object, object]],
-                         groups: int, due_before: int | None, wait: bool = True) -> HybridResult:
+                         groups: int, due_before: int | None, wait: bool = True, awake: bool = False) -> HybridResult:
         """The cycle with partial rollouts (rollout.partial.PartialRollouts over this engine): the suspended
         samples continue under the weights of `version` (their KV recomputed), `new_groups` (prompt, sampling
         params, tag) join them, and the first `groups` complete groups come back as the completions (lists of
         Trajectory; the due ones first, see run_until; wait=False: the due ones not waited for); the rest are
-        suspended again before the engine sleeps. The same calls on every rank of a generation replica."""
+        suspended again before the engine sleeps. awake: the rest stay in flight and the engine awake, for decoding
+        beside training (rollout/beside.py; the caller suspends them and puts the engine to sleep after). The same
+        calls on every rank of a generation replica."""
         def run():
             rollouts.resume(version=version)
             for prompt, params, tag in new_groups:
                 rollouts.add_group(prompt, params, tag=tag)
             done = rollouts.run_until(groups=groups, due_before=due_before, wait=wait)
-            rollouts.suspend()
+            if not awake:
+                rollouts.suspend()
             return done
 
-        return self._cycle(run)
+        return self._cycle(run, awake=awake)
 
     def run(self, work) -> HybridResult:
         """The cycle around `work(engine)`, which generates with the awake engine (its generate, or its step
@@ -257,8 +260,9 @@ class HybridEngine:
                                          stats=stats))
         return {**base, **adapters}
 
-    def _cycle(self, run) -> HybridResult:
-        """wake -> weights -> run() (the generation) -> sleep, with the training state released around it."""
+    def _cycle(self, run, *, awake: bool = False) -> HybridResult:
+        """wake -> weights -> run() (the generation) -> sleep (awake: left awake), with the training state
+        released around it."""
         cuda = self.device.type == "cuda"
         self._t0 = time.perf_counter()
         self.memory_log.clear()
@@ -282,7 +286,8 @@ class HybridEngine:
         completions = run()
         generate_s = time.perf_counter() - t
         self._record("generate")
-        self.engine.sleep()
+        if not awake:
+            self.engine.sleep()
         self._record("sleep")
         self._gen = None
         del shards

@@ -143,6 +143,9 @@ class EngineModelRunner:
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
+        # False while decoding runs beside training (rollout/beside.py): a capture there could meet the trainer's
+        # allocator freeing cached blocks, which no capture may see; shapes without a graph then run un-graphed
+        self.may_capture = True
         self.graph_error: str | None = None
         # the last prefill's forwards by kind (fresh rows from position 0; continuations onto kept KV): device
         # seconds (CUDA events; host seconds on a CPU) and rows (NativeEngine.stats sums them)
@@ -462,7 +465,8 @@ class EngineModelRunner:
             ids[r, : len(t)] = torch.tensor(t)
         meta = torch.tensor([[s.slot, s.cached, len(t)] for s, t in zip(seqs, toks)])
         key = self.continuations.bucket_for(len(seqs), width, kv_len) if self.continuations is not None else None
-        if key is not None:  # a CUDA graph of the wave's bucket (rollout/continuation_graphs.py)
+        # a CUDA graph of the wave's bucket (rollout/continuation_graphs.py); beside training only one captured already
+        if key is not None and (self.may_capture or key in self.continuations.graphs):
             h = self.continuations.run(key, ids, meta, self._upload)
             if h is not None:
                 return self._logits(h), None
@@ -642,6 +646,8 @@ class EngineModelRunner:
         if self.config.compile:  # one traced kernel, no retracing: the Triton kernel when there is one
             return "triton" if "triton" in decode_kernels(self.device, self.cfg.head_dim) else "sdpa"
         if (b, kv_len) not in self.kernel_for:
+            if not self.may_capture:  # beside training: no timing (it syncs the device); timed when alone
+                return "sdpa"
             self.kernel_for[(b, kv_len)] = self._time_kernels(b, kv_len)
         return self.kernel_for[(b, kv_len)]
 
@@ -667,7 +673,7 @@ class EngineModelRunner:
         """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result."""
         step = (num_rows, self._graph_kv_len(num_rows, kv_len), filtered)
         key = (*step, self._prefix_width)  # the decode kernel's shared-prompt tile is part of the graph
-        if not self.use_graphs:
+        if not self.use_graphs or (key not in self.graphs and not self.may_capture):
             self._decode_step(*step)
         elif key in self.graphs:
             self.graphs[key].replay()

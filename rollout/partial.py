@@ -107,8 +107,16 @@ class PartialRollouts:
 
     def step(self) -> list[list[Trajectory]]:
         """One engine iteration; the groups complete since the last report (handed over: no longer held)."""
-        self._absorb(self.engine.step())
+        self.advance()
         return self._take_complete(len(self._complete))
+
+    def advance(self) -> None:
+        """One engine iteration; groups that complete stay held (the next run_until hands them over first)."""
+        self._absorb(self.engine.step())
+
+    def settle(self) -> None:
+        """Wait for the engine's decode step in flight and take its tokens (nothing is left pending on the device)."""
+        self._absorb(self.engine.settle())
 
     def run_until(self, *, groups: int, due_before: int | None = None, wait: bool = True) -> list[list[Trajectory]]:
         """Step until `groups` groups are complete (or none is left in flight) and hand them over: the due

@@ -96,6 +96,8 @@ def _resolve_engine_memory(cfg: Config, cuda: bool, choose, choices: list[str]) 
                    f"decoding at once")
         else:
             r.max_parked_seqs = 0  # nothing parks beyond the decode slots (no line: nothing to choose)
+    if r.free_memory_on_sleep is None and r.decode_beside and not cuda:
+        choose("rollout.free_memory_on_sleep", False, "rollout.decode_beside decodes while the step trains")
     if r.free_memory_on_sleep is None and not (cuda and r.engine == "native"):
         why = "no CUDA device" if not cuda else f"rollout.engine={r.engine} sleeps with its own levels"
         choose("rollout.free_memory_on_sleep", True, why)

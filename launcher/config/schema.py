@@ -236,6 +236,10 @@ class RolloutRoleConfig:
     # new weights: every behaviour log-prob exact) | keep (it continues from the KV of the old weights, one token
     # prefilled; its later log-probs carry the stale-KV gap, docs/async.md; needs free_memory_on_sleep=false)
     partial_kv: str = "recompute"
+    # partial rollouts: the groups left in flight after a step's generation keep decoding (a thread and CUDA stream of
+    # their own, the step's weights) while the step scores and trains on the same GPUs, instead of waiting for the
+    # next step; needs the engine resident (free_memory_on_sleep=false, or unset and found to fit) and gen_tp=1
+    decode_beside: bool = False
     val_n: int = 1  # validation samples per prompt (pass@k uses k = 1 and val_n)
     val_temperature: float = 0.0  # validation sampling temperature (0: greedy)
     # share of the free GPU memory the KV cache may take when the engine wakes; unset: 0.9 while the engine's memory

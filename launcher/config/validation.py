@@ -173,6 +173,16 @@ def validate_config(cfg: Config) -> None:
         raise UserError("rollout.partial_kv=keep keeps the KV of samples in flight across the training step, which "
                         "needs the KV cache resident: set rollout.free_memory_on_sleep=false (the engine frees its "
                         "cache on sleep otherwise, and every sample would re-prefill)")
+    if r.decode_beside and r.batches_in_flight < 2:
+        raise UserError("rollout.decode_beside keeps the groups in flight of partial rollouts decoding while the step "
+                        "trains: set rollout.batches_in_flight=2 (and trainer.max_staleness >= 1), or remove it")
+    if r.decode_beside and cfg.trainer.stale_policy == "drop":
+        raise UserError("rollout.decode_beside keeps groups decoding after generation, where trainer.stale_policy=drop "
+                        "decides which to drop: use trainer.stale_policy=pace, or remove rollout.decode_beside")
+    if r.decode_beside and r.free_memory_on_sleep is True:
+        raise UserError("rollout.decode_beside needs the engine's KV cache kept while training, and "
+                        "rollout.free_memory_on_sleep=true frees it: set it false, or leave it unset (decided after "
+                        "the first step)")
     if r.batches_in_flight > 1 and r.engine != "native":
         raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
                         f"(rollout.engine=native); {r.engine} only generates whole batches")

@@ -345,6 +345,10 @@ def validate_batch(cfg: Config, plan: DevicePlan) -> None:
         raise UserError(f"rollout.batches_in_flight: each generation replica trains the same number of groups a "
                         f"step; data.batch_size({cfg.data.batch_size}) must be a multiple of the rollout's "
                         f"gen_dp({plan.gen_dp})")
+    if cfg.rollout.decode_beside and plan.gen_tp > 1:
+        raise UserError(f"rollout.decode_beside decodes on a thread of each generation replica while the trainer runs "
+                        f"its collectives; a replica of gen_tp={plan.gen_tp} ranks decodes by collectives too, in an "
+                        f"order the ranks could not agree on: set rollout.gen_tp=1 or remove rollout.decode_beside")
 
 
 def validate_context(cfg: Config, model: ModelConfig) -> None:

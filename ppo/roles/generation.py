@@ -187,6 +187,7 @@ class RolloutRole:
                                    optimizer=actor.optimizer, gen_dtype=settings.dtype,
                                    logger=logging.getLogger("hybridrl"), lora=lora, lora_sync=self.lora_sync)
         self.partial = None  # rollout.partial.PartialRollouts: the groups in flight (rollout.batches_in_flight > 1)
+        self.beside = None  # rollout.beside.DecodeBeside: those groups decoding while the step trains
 
     def _lora_sync(self, lora, train, gen, model_config, *, cuda: bool) -> str:
         """actor.lora.sync resolved (auto: choose_lora_sync's estimate), logged with its reason."""
@@ -293,24 +294,63 @@ class RolloutRole:
                                                   max_tokens=response_cap(row, r.max_response_length), n=r.n,
                                                   seed=request_seed(seed, step, row["index"])), row)
                for row in self.my_prompts(batch)]
-        stats = self.partial.stats
-        sampled, paced = stats["sampled_tokens"], stats.get("paced_s", 0.0)
+        # the engine's count of sampled tokens: the samples left in flight (decoding beside) have tokens not yet
+        # folded into their trajectories
+        sampled, paced = self.engine.stats["sampled_tokens"], self.partial.stats.get("paced_s", 0.0)
+        beside = self.decodes_beside()
         cycle = self.hybrid.generate_partial(self.partial, version=version, new_groups=new, groups=quota,
-                                             due_before=due_before, wait=not drop)
+                                             due_before=due_before, wait=not drop, awake=beside)
+        if beside:  # the last step's tokens are this cycle's
+            self.partial.settle()
         dropped = self.partial.drop(admitted_before=due_before) if drop else []  # host state only: the engine sleeps
         out = Generation([], reshard_s=cycle.reshard_s, metrics=cycle.metrics())
-        if self.gen_tp_rank != 0:
-            return out
+        try:
+            if self.gen_tp_rank == 0:
+                self._partial_report(out, cycle.completions, dropped, step=step, quota=quota, version=version,
+                                     sampled=sampled, paced=paced)
+        except BaseException:
+            if beside:  # as the cycle would have left them
+                self.partial.suspend()
+                self.engine.sleep()
+            raise
+        if beside:  # the groups left in flight decode on while the step scores and trains, until end_beside()
+            from rollout.beside import DecodeBeside
+
+            self.beside = DecodeBeside(self.partial, device=self.hybrid.device)
+        return out
+
+    def decodes_beside(self) -> bool:
+        """rollout.decode_beside, where it can act now: the engine stays resident (with
+        rollout.free_memory_on_sleep unset, from the step after that was decided)."""
+        return self.settings.decode_beside and self.engine.config.free_memory_on_sleep is False
+
+    def end_beside(self) -> dict[str, float]:
+        """Stop the decoding beside training (a no-op where none runs): the groups in flight are suspended and the
+        engine sleeps, as after any generation. -> its async/beside_* metrics."""
+        if self.beside is None:
+            return {}
+        beside, self.beside = self.beside, None
+        try:
+            metrics = beside.stop()
+        finally:
+            self.partial.suspend()
+            self.engine.sleep()
+        return metrics if self.gen_tp_rank == 0 else {}
+
+    def _partial_report(self, out: Generation, completions, dropped, *, step: int, quota: int, version: int,
+                        sampled: int, paced: float) -> None:
+        """generate_partial's samples and async/* metrics (a replica's leader)."""
+        r, stats = self.settings, self.partial.stats
         # tokens sampled in this cycle, all by `version` (summed over the replicas' leaders), the wait for due
         # groups (the slowest replica's), the groups dropped and those still held (sums)
-        out.metrics.update({"async/generated_tokens": float(stats["sampled_tokens"] - sampled),
+        out.metrics.update({"async/generated_tokens": float(self.engine.stats["sampled_tokens"] - sampled),
                             "async/paced_s": stats.get("paced_s", 0.0) - paced,
                             "async/dropped_groups": float(len(dropped)),
                             "async/dropped_samples": float(sum(map(len, dropped))),
                             "async/dropped_tokens": float(sum(len(t.token_ids) for g in dropped for t in g)),
                             "async/groups_in_flight": float(len(self.partial.groups))})
         out.dropped = [g[0].tag.get("source") for g in dropped]
-        for i, group in enumerate(cycle.completions):
+        for i, group in enumerate(completions):
             index = self.gen_dp_rank * quota + i
             for t in group:
                 row = t.tag
@@ -323,7 +363,6 @@ class RolloutRole:
                                           version=min(t.versions, default=version),
                                           token_versions=list(t.versions) if len(set(t.versions)) > 1 else None,
                                           routed_experts=t.routed_experts))
-        return out
 
     def restore_partial(self, state: dict) -> None:
         """The groups in flight of a checkpoint (rollout.partial.PartialRollouts.state_dict), suspended."""

@@ -272,3 +272,32 @@ def test_partial_rollouts_can_keep_their_kv_across_the_weight_swap(world, tmp_pa
     # more samples in flight than slots: some wait (no KV to keep) and parked ones may be evicted; the rest resume
     assert engine.stats["kv_reused_tokens"] > 0
     assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
+def test_groups_in_flight_decode_beside_the_update_and_keep_the_bound(world, tmp_path):
+    """rollout.decode_beside (a forced long tail, K=1, two batches in flight; the CPU's auto keeps the engine
+    resident for it): the groups left in flight after a step's generation decode on while the step trains, the rows
+    count those tokens, the bound holds, every drawn prompt is trained at most once, and a preemption finds them
+    suspended (nothing decoding into the checkpoint)."""
+    beside = "rollout.decode_beside=true"
+    t = _trainer(tmp_path / "straight", 1, "rollout.batches_in_flight=2", "rollout.max_response_length=12",
+                 "data.batch_size=4", SIGNAL, beside)
+    _long_tail(t)
+    ledger, rows, drawn = {}, [], []
+    _record_ledger(t, ledger)
+    draw, log = t.state.next_prompts, t.state.log_metrics
+    t.state.next_prompts = lambda step: [drawn.append((tuple(r["prompt_ids"]), r["ground_truth"])) or r
+                                         for r in draw(step)]
+    t.state.log_metrics = lambda m: rows.append(m) or log(m)
+    assert t.fit() is None
+    assert t.settings.generation.engine.free_memory_on_sleep is False
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert sum(r["async/beside_tokens"] for r in rows) > 0 and all("async/beside_s" in r for r in rows)
+    for p in (p for step in sorted(ledger) for p in ledger[step][::t.settings.generation.n]):
+        drawn.remove(p)  # each trained group consumes one drawn prompt: none twice, none that was not drawn
+    assert t.roles.rollout.beside is None and not t.roles.rollout.engine.has_unfinished()
+
+    t, _, rows = _partial_run(tmp_path / "stopped", "pace", beside, "trainer.resume=auto", stop_after=2)
+    assert t.roles.rollout.partial.in_flight() and not t.roles.rollout.engine.has_unfinished()
+    t, _, rows = _partial_run(tmp_path / "stopped", "pace", beside, "trainer.resume=auto")
+    assert len(rows) == STEPS - 2 and all(r["async/staleness_max"] <= 1 for r in rows)

@@ -154,3 +154,12 @@ def test_a_sample_whose_kv_cache_fits_no_engine_slot_is_refused_on_gpu_with_the_
     validate_kv_cache(cfg, plan, cuda=False)  # off CUDA the engine's cache is not budgeted
     ok = load_config("conf/ppo_7b.yaml", [])
     validate_kv_cache(ok, compute_plan(ok, world_size=8, model=L7B), cuda=True)
+
+
+def test_decoding_beside_training_needs_one_rank_per_generation_replica():
+    beside = ["trainer.max_staleness=1", "rollout.batches_in_flight=2", "rollout.decode_beside=true"]
+    cfg = load_config("conf/grpo_tiny.yaml", [*beside, "actor.tp=2", "ref.tp=2", "rollout.gen_tp=2"])
+    with pytest.raises(UserError, match=r"gen_tp=2 ranks decodes by collectives too.*set rollout.gen_tp=1"):
+        validate_batch(cfg, compute_plan(cfg, world_size=2, model=TINY))
+    cfg = load_config("conf/grpo_tiny.yaml", beside)
+    validate_batch(cfg, compute_plan(cfg, world_size=2, model=TINY))
