@@ -10,6 +10,9 @@ of one decode step is (bytes of all weights read + KV bytes of every active cont
 summed over the decode steps; `roofline_fraction` = measured new tokens/s over roofline tokens/s
 (the measured time includes prefill). The embedding table is not counted as read (a decode step
 gathers B of its rows); `roofline_fraction_all_weights` counts it, as issue 4 does (2-5% higher).
+`roofline_fraction_with_prefill_all_weights` adds the prefill's own floor to that roofline's time: its FLOPs (2 N
+per prompt token, causal attention, the LM head once per row) at the device's dense bf16 spec peak (a CUDA device
+in ppo.metrics.flops' table; None elsewhere), since the measured time includes the prefill.
 Native engines report the median of --repeats timed runs. The last stdout line is one JSON object;
 after each engine variant a partial one ("partial": true) goes to stderr, so a timeout still leaves
 the finished part. A mixture of experts' step reads only the experts its rows go to (step_weight_params):
@@ -30,6 +33,7 @@ from bench.common import hbm_bytes_per_s
 from bench.hf_engine import HFEngine
 from models import build_model, preset_config
 from models.config import ModelConfig
+from ppo.metrics.flops import flops_per_token, spec_peak_flops
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 from rollout.kv_cache import kv_bytes_per_token
 
@@ -58,6 +62,17 @@ def decode_roofline(cfg: ModelConfig, *, batch: int, prompt_len: int, new_tokens
             "roofline_decode_s": seconds,
             "bytes_per_decode_step_gb": total / max(1, len(steps)) / 1e9,
             "weight_gb": weight_bytes / 1e9, "kv_gb_per_token_x1e6": per_tok * 1e6 / 1e9}
+
+
+def prefill_floor_s(cfg: ModelConfig, *, batch: int, prompt_len: int, peak_flops: float,
+                    samples_per_prompt: int = 1) -> float:
+    """The least time the prompts' prefill takes at `peak_flops`: each prompt once (its n samples share it), 2 N_body
+    per token plus causal attention, and the LM head once per row (the first sampled token's logits)."""
+    prompts = -(-batch // samples_per_prompt)
+    per_token = flops_per_token(cfg.matmul_params(lm_head=False), layers=cfg.num_hidden_layers,
+                                attn_width=cfg.num_attention_heads * cfg.head_dim, context=(prompt_len + 1) / 2,
+                                train=False)
+    return (prompts * prompt_len * per_token + batch * 2 * cfg.vocab_size * cfg.hidden_size) / peak_flops
 
 
 def step_weight_params(cfg: ModelConfig, *, batch: int) -> float:
@@ -283,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_model(args.model, device=device, dtype=dtype, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     results, checks = [], {}
+    peak_flops = spec_peak_flops(torch.cuda.get_device_name() if device.startswith("cuda") else None)
 
     def record(engine_name, batch, wall, peak, outs, extra, kv_dtype=None):
         new = sum(len(c.token_ids) for c in outs)
@@ -291,11 +307,16 @@ def main(argv: list[str] | None = None) -> dict:
         roof_all = decode_roofline(cfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                    dtype=dtype, all_weights=True, samples_per_prompt=args.n, kv_dtype=kv_dtype)
         tps = new / wall
+        prefill = None if peak_flops is None else prefill_floor_s(
+            cfg, batch=batch, prompt_len=args.prompt_len, peak_flops=peak_flops, samples_per_prompt=args.n)
         row = {"engine": engine_name, "batch": batch, "new_tokens": new, "wall_s": round(wall, 4),
                "new_tokens_per_s": round(tps, 1), "peak_mem_gb": None if peak is None else round(peak, 3),
                "roofline_tokens_per_s": round(roof["roofline_tokens_per_s"], 1),
                "roofline_fraction": round(tps / roof["roofline_tokens_per_s"], 4),
                "roofline_fraction_all_weights": round(tps / roof_all["roofline_tokens_per_s"], 4),
+               "prefill_floor_s": None if prefill is None else round(prefill, 4),
+               "roofline_fraction_with_prefill_all_weights": None if prefill is None else round(
+                   tps * (roof_all["roofline_decode_s"] + prefill) / (batch * args.new_tokens), 4),
                "bytes_per_decode_step_gb": round(roof["bytes_per_decode_step_gb"], 4), **extra}
         results.append(row)
         print(f"{engine_name:>14} B={batch:<4} {tps:>10.0f} tok/s  {wall:7.3f} s  "

@@ -32,3 +32,15 @@ def test_async2_runs_plan_on_two_gpus(mode, staleness, capsys):
     assert plan.mode == "split" and plan.groups["actor"].ranks == [0] and plan.groups["critic"].ranks == [1]
     assert plan_main([CONFIG, *overrides, "--world-size", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["groups"]["rollout"]["ranks"] == [0]
+
+
+def test_the_heavy_tail_beside_mode_passes_the_launch_checks_on_one_gpu():
+    """bench/gpu_suite.sh part heavy_beside: conf/bench_grpo_1b.yaml with colocated-partial-beside on CUDA (its
+    engine resident from the start, gen_tp 1) passes validation and planning for one GPU."""
+    conf = str(Path(CONFIG).parent / "bench_grpo_1b.yaml")
+    cfg = load_config(conf, [*MODES["colocated-partial-beside"], "trainer.device=cuda"])
+    assert cfg.rollout.decode_beside and cfg.rollout.free_memory_on_sleep is False
+    model = resolve_model_config(cfg)
+    plan = compute_plan(cfg, world_size=1, model=model)
+    validate_batch(cfg, plan)
+    assert plan.gen_tp == 1
