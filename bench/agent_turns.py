@@ -56,7 +56,8 @@ from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 
 STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  # NativeEngine.stats per pass
-PREFILL_KINDS = ("prefill_fresh_s", "prefill_continue_s", "prefill_fresh_rows", "prefill_continue_rows")
+PREFILL_KINDS = ("prefill_fresh_s", "prefill_continue_s", "prefill_fresh_rows", "prefill_continue_rows",
+                 "prefill_fresh_tokens", "prefill_fresh_padded", "prefill_continue_tokens", "prefill_continue_padded")
 
 
 class StepClock:

@@ -392,10 +392,15 @@ class EngineModelRunner:
         cont = [r for r, row in enumerate(batch.rows) if row[0].cached]
         parts, routes = [], [None] * len(batch.rows)
         clock = _PrefillClock(self.device)
+        # prefill_{fresh,continue}_{tokens,padded}: the tokens run, and the positions computed with the rows' padding
+        work = dict.fromkeys(("prefill_fresh_tokens", "prefill_fresh_padded", "prefill_continue_tokens",
+                              "prefill_continue_padded"), 0)
         with prefill_sdpa():  # no per-shape cuDNN plan build (rollout/kv_cache.py: PREFILL_SDPA_BACKENDS)
             if fresh:
                 with clock.part("fresh"):
-                    logits, fresh_routes = self._prefill_rows([batch.rows[r] for r in fresh])
+                    logits, fresh_routes, padded = self._prefill_rows([batch.rows[r] for r in fresh])
+                work["prefill_fresh_tokens"] = sum(batch.rows[r][0].length for r in fresh)
+                work["prefill_fresh_padded"] = padded
                 parts.append(logits)
                 if fresh_routes is not None:
                     for i, r in enumerate(fresh):
@@ -403,7 +408,9 @@ class EngineModelRunner:
                         routes[r] = fresh_routes[i, : len(row.prompt_ids) + len(row.token_ids)]
             if cont:
                 with clock.part("continue"):
-                    logits, cont_routes = self._continue_rows([batch.rows[r][0] for r in cont])
+                    logits, cont_routes, padded = self._continue_rows([batch.rows[r][0] for r in cont])
+                work["prefill_continue_tokens"] = sum(batch.rows[r][0].length - batch.rows[r][0].cached for r in cont)
+                work["prefill_continue_padded"] = padded
                 parts.append(logits)
                 if cont_routes is not None:
                     for i, r in enumerate(cont):
@@ -420,7 +427,7 @@ class EngineModelRunner:
                              positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
         # after the copy's wait: the device's events are complete
-        self.last_prefill = {"prefill_fresh_rows": len(fresh), "prefill_continue_rows": len(cont),
+        self.last_prefill = {"prefill_fresh_rows": len(fresh), "prefill_continue_rows": len(cont), **work,
                              **{f"prefill_{kind}_s": seconds for kind, seconds in clock.read().items()}}
         by_seq = {id(s): (int(t), lp) for s, t, lp in zip(seqs, out[0], out[1].tolist(), strict=True)}
         ordered = [by_seq[id(s)] for s in batch.seqs]
@@ -428,8 +435,9 @@ class EngineModelRunner:
         return ([t for t, _ in ordered], [lp for _, lp in ordered],
                 [x.cpu() for x in routes] if has_routes else None)
 
-    def _prefill_rows(self, rows_of: list[list[Sequence]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fresh rows (each from position 0): logits [sequences, V] in row order, device routes [rows, T, ...]."""
+    def _prefill_rows(self, rows_of: list[list[Sequence]]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Fresh rows (each from position 0): logits [sequences, V] in row order, device routes [rows, T, ...], and
+        the positions the forward computed (rows x the longest row)."""
         padded = max(len(row[0].prompt_ids) + len(row[0].token_ids) for row in rows_of)
         ids = torch.zeros(len(rows_of), padded, dtype=torch.int64)
         last = []
@@ -449,11 +457,12 @@ class EngineModelRunner:
         rows = self._upload(torch.tensor(row_of))
         slots = self._upload(torch.tensor(slot_of))
         logits, routes = self._prefill(self._upload(ids), slots, rows, self._upload(torch.tensor(last)))
-        return logits[:n_seqs], None if routes is None else routes[: len(rows_of)]
+        return logits[:n_seqs], None if routes is None else routes[: len(rows_of)], ids.numel()
 
-    def _continue_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _continue_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Continuations (one sequence per row): the tokens after each one's `cached` run at their positions,
-        attending to the KV its slot holds; logits [rows, V], device routes [rows, T, ...]."""
+        attending to the KV its slot holds; logits [rows, V], device routes [rows, T, ...], and the positions the
+        forward computed (its graph bucket's rows x tokens, or rows x the longest row)."""
         for s in seqs:  # the parked slot's position 0, overwritten by padding decode rows meanwhile
             if s.kv_start is not None:
                 self.restore_slot_start(s.slot, s.kv_start)
@@ -469,7 +478,7 @@ class EngineModelRunner:
         if key is not None and (self.may_capture or key in self.continuations.graphs):
             h = self.continuations.run(key, ids, meta, self._upload)
             if h is not None:
-                return self._logits(h), None
+                return self._logits(h), None, key[0] * key[1]
         if self.config.compile:  # no size reaching the compiled graph may be 1 (as in _prefill_rows): one row
             # runs twice (the same K/V written twice), one new token gets a padding column (the spare position)
             if len(seqs) == 1:
@@ -480,7 +489,7 @@ class EngineModelRunner:
         # the KV length rounded up to 16 positions (masked) where the slot has them
         kv_index = torch.arange(min(-(-kv_len // 16) * 16, self.cache.slot_len), device=self.device)
         logits, routes = self._continue(self._upload(ids), meta[:, 0], meta[:, 1], meta[:, 2], kv_index)
-        return logits[: len(seqs)], None if routes is None else routes[: len(seqs)]
+        return logits[: len(seqs)], None if routes is None else routes[: len(seqs)], ids.numel()
 
     def _continue_fn(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                      kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

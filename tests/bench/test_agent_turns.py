@@ -25,6 +25,13 @@ def test_the_benchmark_measures_kept_kv_against_re_prefill():
     assert row["reprefill_prefill_continue_rows"] == 0 and row["reprefill_prefill_fresh_rows"] >= 1
     assert row["keep_prefill_continue_rows"] >= 1 and row["keep_prefill_continue_s"] > 0
     assert row["keep_prefill_fresh_s"] + row["keep_prefill_continue_s"] <= row["keep_prefill_s"]
+    # the tokens each kind ran (together the prefill's), and the positions computed with the rows' padding
+    for mode in ("keep", "reprefill"):
+        assert row[f"{mode}_prefill_fresh_tokens"] + row[f"{mode}_prefill_continue_tokens"] == \
+            row[f"{mode}_prefill_tokens"]
+        for kind in ("fresh", "continue"):
+            assert row[f"{mode}_prefill_{kind}_padded"] >= row[f"{mode}_prefill_{kind}_tokens"]
+    assert row["keep_prefill_continue_tokens"] == 4 * 2 * (1 + 3)  # each later turn: its last token, the observation
 
 
 def test_the_continuation_wait_reaches_the_engine():
