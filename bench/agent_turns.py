@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--evict-parked-for-new", action=argparse.BooleanOptionalAction, default=True,
                     help="RolloutConfig.evict_parked_for_new: --no-evict-parked-for-new makes a new trajectory wait "
                          "for a slot instead of evicting a parked one's KV while others run")
+    ap.add_argument("--fresh-rows-in-waves", action=argparse.BooleanOptionalAction, default=False,
+                    help="RolloutConfig.fresh_rows_in_waves: single-sequence fresh rows run in their prefill step's "
+                         "continuation wave (one forward, CUDA-graphed) instead of a prompt forward of their own")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parked = max(0, b - slots) if args.max_parked_seqs is None else args.max_parked_seqs
     rc = RolloutConfig(max_model_len=max_len, max_num_seqs=slots, max_parked_seqs=parked,
                        max_num_batched_tokens=max(16384, max_len), gpu_memory_fraction=0.8, compile=args.compile,
-                       evict_parked_for_new=args.evict_parked_for_new,
+                       evict_parked_for_new=args.evict_parked_for_new, fresh_rows_in_waves=args.fresh_rows_in_waves,
                        **({} if args.continuation_wait_steps is None
                           else {"continuation_wait_steps": args.continuation_wait_steps}))
     engine = NativeEngine.from_model(model, config=rc)
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
            "compile": args.compile, "trajectories": b, "max_num_seqs": slots,
            "max_parked_seqs": parked, "park_slots": engine.runner.park_slots,
            "continuation_wait_steps": rc.continuation_wait_steps, "evict_parked_for_new": rc.evict_parked_for_new,
+           "fresh_rows_in_waves": rc.fresh_rows_in_waves,
            "turns": args.turns, "turn_tokens_mean": total_tokens / (b * args.turns),
            "prompt_len": args.prompt_len, "obs_tokens": args.obs_tokens,
            "tool_delay_ms": None if args.tool_delay_steps else args.tool_delay_ms,

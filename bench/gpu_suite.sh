@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -126,6 +126,14 @@ for p in "${parts[@]}"; do
     agent_noevict) run agent_turns_queued_noevict "${T_AGENT_QUEUED:-300}" python3 -m bench.agent_turns \
              --model qwen3-0.6b --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 --turns 3 --turn-tokens 128 \
              --tool-delay-ms 200 --device cuda --dtype bfloat16 --modes keep --no-evict-parked-for-new ${AGENT_ARGS:-} ;;
+    # the same two kept-KV runs with single-sequence fresh rows in the graphed continuation waves (RolloutConfig)
+    agent_waves) run agent_turns_queued_waves "${T_AGENT_QUEUED:-300}" python3 -m bench.agent_turns \
+             --model qwen3-0.6b --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 --turns 3 --turn-tokens 128 \
+             --tool-delay-ms 200 --device cuda --dtype bfloat16 --modes keep --fresh-rows-in-waves ${AGENT_ARGS:-}
+      run agent_turns_queued_noevict_waves "${T_AGENT_QUEUED:-300}" python3 -m bench.agent_turns \
+             --model qwen3-0.6b --trajectories 1024 --max-num-seqs 256 --tool-workers 1024 --turns 3 --turn-tokens 128 \
+             --tool-delay-ms 200 --device cuda --dtype bfloat16 --modes keep --no-evict-parked-for-new \
+             --fresh-rows-in-waves ${AGENT_ARGS:-} ;;
     *) echo "unknown part $p" ;;
   esac
 done

@@ -71,6 +71,12 @@ class RolloutConfig:
     # whole history) while other sequences run; False: it waits for a slot (an idle engine always admits). An
     # experiment until a GPU prices prefill steps (docs/agents.md)
     evict_parked_for_new: bool = True
+    # single-sequence fresh rows (an agent's first turn, a turn whose KV was evicted) run in their prefill step's
+    # continuation wave, from position 0, instead of a prompt forward of their own: one forward per prefill step,
+    # replayed as a CUDA graph of its bucket (rollout/continuation_graphs.py) rather than launched from Python. Not
+    # with an fp8 cache (the wave attends to the cache's dequantized K/V) or a mixture of experts (no wave graphs).
+    # An experiment until a GPU prices it: a prefill step of the queued agents costs ~22 ms whatever its tokens
+    fresh_rows_in_waves: bool = False
     block_size: int = 32  # granule of the decode KV-length buckets (one CUDA graph per bucket)
     enable_cuda_graph: bool = True  # CUDA only; CPU always runs eagerly
     kv_cache_tokens: int | None = None  # explicit KV size in tokens (overrides gpu_memory_fraction; CPU default)

@@ -390,6 +390,9 @@ class EngineModelRunner:
         None."""
         fresh = [r for r, row in enumerate(batch.rows) if not row[0].cached]
         cont = [r for r, row in enumerate(batch.rows) if row[0].cached]
+        if self.config.fresh_rows_in_waves and self.kv_dtype != FP8 and not self.moe_layers:
+            cont = [r for r in fresh if len(batch.rows[r]) == 1] + cont  # from position 0: cached = 0
+            fresh = [r for r in fresh if len(batch.rows[r]) > 1]
         parts, routes = [], [None] * len(batch.rows)
         clock = _PrefillClock(self.device)
         # prefill_{fresh,continue}_{tokens,padded}: the tokens run, and the positions computed with the rows' padding

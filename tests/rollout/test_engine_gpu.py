@@ -110,6 +110,21 @@ def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
 
 
+def test_fresh_rows_in_waves_replay_graphs_and_equal_the_trainer_fp32():
+    # RolloutConfig.fresh_rows_in_waves: the first turns run in the continuation forward from position 0, replayed as
+    # CUDA graphs of their bucket beside the returning turns; every log-prob still equals the trainer's
+    from tests.rollout.test_kept_kv import run_turns
+
+    model = _model(torch.float32)
+    engine = NativeEngine.from_model(model, config=_config(fresh_rows_in_waves=True, min_admit_fraction=0.0))
+    out = []
+    run_turns(engine, PROMPTS[:4], keep=True, completions=out)
+    conts = engine.runner.continuations
+    assert len(out) == 12 and engine.stats["prefill_fresh_rows"] == 0 and engine.stats["kv_misses"] == 0
+    assert conts.error is None and len(conts.graphs) > 0, conts.error
+    assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4
+
+
 def test_park_slots_on_cuda_graphs_equal_the_trainer_fp32():
     # 5 trajectories through 2 decode slots and 3 park slots: parked KV copied out of the graphed decode rows and back
     # (stream-ordered behind the decode step in flight); every turn's log-probs equal the trainer's, nothing evicted

@@ -292,3 +292,28 @@ def test_park_slots_keep_the_kv_of_more_trajectories_than_decode_slots():
     later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(len(PROMPTS)) for t in (1, 2))
     assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS)) + later
     assert not engine.has_unfinished() and engine._sched is None
+
+
+def test_fresh_rows_in_waves_run_in_the_continuation_forward_with_the_same_results():
+    """RolloutConfig.fresh_rows_in_waves: single-sequence fresh rows (first turns here) run in the continuation
+    forward from position 0; the turns sample the same tokens, every log-prob equals the trainer's, the prefill runs
+    the same tokens, and no prompt forward runs; a row shared by n samples keeps its own prefill."""
+    prompts = PROMPTS[:4]
+    kw = dict(max_num_seqs=8, min_admit_fraction=0.0)
+    base = NativeEngine.from_model(model(), config=config(**kw))
+    ref_ctx, ref_lps = run_turns(base, prompts, keep=True)
+    engine = NativeEngine.from_model(model(), config=config(**kw, fresh_rows_in_waves=True))
+    ctx, lps = run_turns(engine, prompts, keep=True)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(sum(lps[i], [])), torch.tensor(sum(ref_lps[i], [])), atol=1e-5, rtol=0)
+    assert engine.stats["prefill_tokens"] == base.stats["prefill_tokens"]
+    assert engine.stats["prefill_fresh_rows"] == 0 and base.stats["prefill_fresh_rows"] == len(prompts)
+    assert engine.stats["prefill_continue_rows"] == base.stats["prefill_continue_rows"] + len(prompts)
+    # a prompt with n = 2 samples: one row, two slots; its prefill stays a prompt forward
+    engine.stats["prefill_fresh_rows"] = 0
+    out = engine.generate([PROMPTS[2]], SamplingParams(temperature=1.0, max_tokens=3, n=2, seed=5))
+    assert engine.stats["prefill_fresh_rows"] == 1
+    for c in out:
+        torch.testing.assert_close(torch.tensor(c.logprobs), trainer_logprobs(model(), PROMPTS[2], c.token_ids, 1.0),
+                                   atol=1e-5, rtol=0)
