@@ -16,8 +16,9 @@ gives the model's ceiling). What it costs is host time: both loops are Python, u
 switch interval is shortened while decoding runs beside (SWITCH_INTERVAL_S), or a decode step would wait up to the
 default 5 ms for the lock at each of its blocking waits.
 
-No CUDA graph is captured beside (NativeEngine.set_graph_capture(False)): a capture could meet the trainer's allocator
-releasing cached blocks, which no capture may see; a shape without a graph runs un-graphed meanwhile.
+Only the running rows decode beside (NativeEngine.set_beside_training): nothing waiting is admitted, since a prefill is
+compute-bound like the update and would share nothing with it, and no CUDA graph is captured (a capture could meet the
+trainer's allocator releasing cached blocks, which no capture may see; a shape without a graph runs un-graphed).
 
 Only a generation replica of one rank decodes beside (rollout.gen_tp=1): a TP group's decode steps are collectives,
 which would interleave with the trainer's in an order no two ranks agree on. The number of steps run beside depends
@@ -39,7 +40,7 @@ SWITCH_INTERVAL_S = 0.0005  # the interpreter's lock hand-over while decoding ru
 
 
 class DecodeBeside:
-    """A thread stepping `rollouts` until stop() (or until nothing is left in flight)."""
+    """A thread stepping `rollouts` until stop() (or until no row is left decoding)."""
 
     def __init__(self, rollouts: PartialRollouts, *, device: torch.device | str = "cpu"):
         self.rollouts = rollouts
@@ -52,7 +53,7 @@ class DecodeBeside:
         if self.device.type == "cuda":  # the engine's pending work (run_until's last step) first
             self._stream = torch.cuda.Stream(self.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        rollouts.engine.set_graph_capture(False)
+        rollouts.engine.set_beside_training(True)
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
         self._t0 = time.perf_counter()
@@ -62,7 +63,7 @@ class DecodeBeside:
     def _run(self) -> None:
         try:
             with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-                while not self._stop.is_set() and self.rollouts.engine.has_unfinished():
+                while not self._stop.is_set() and self.rollouts.engine.is_decoding():
                     self.rollouts.advance()
                     self.steps += 1
         except BaseException as e:  # raised to the caller by stop()
@@ -76,7 +77,7 @@ class DecodeBeside:
         self._stop.set()
         self._thread.join()
         sys.setswitchinterval(self._switch)
-        self.rollouts.engine.set_graph_capture(True)
+        self.rollouts.engine.set_beside_training(False)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         if self.error is not None:

@@ -113,10 +113,17 @@ class NativeEngine:
         """Whether the engine still holds every base weight (then an update may send the LoRA adapters alone)."""
         return self.runner.holds_weights()
 
-    def set_graph_capture(self, allowed: bool) -> None:
-        """Whether a decode shape without a CUDA graph may capture one now (False while decoding runs beside
-        training, rollout/beside.py: such shapes run un-graphed meanwhile)."""
-        self.runner.may_capture = allowed
+    def set_beside_training(self, on: bool) -> None:
+        """While decoding runs beside training (rollout/beside.py): no CUDA graph is captured (a shape without one
+        runs un-graphed) and nothing waiting is admitted (a prefill is compute-bound, as the update is: beside it, it
+        would share nothing and hold the host). step() then only decodes the running rows: see is_decoding()."""
+        self.runner.may_capture = not on
+        if self._sched is not None:
+            self._sched.admission_paused = on
+
+    def is_decoding(self) -> bool:
+        """Whether a step() would decode: rows running or a decode step in flight (waiting sequences aside)."""
+        return self._sched is not None and (bool(self._sched.running) or self._pending is not None)
 
     def sleep(self) -> None:
         if self.asleep:

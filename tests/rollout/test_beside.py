@@ -77,6 +77,28 @@ def test_it_stops_by_itself_when_nothing_is_left_and_hands_the_engine_back():
     assert [g[0].group for g in rollouts.run_until(groups=1)] == [1]  # complete and held: handed over first
 
 
+def test_nothing_waiting_is_admitted_beside_and_the_thread_ends_with_the_running_rows():
+    """Four groups of two samples through four slots: the samples that waited for a slot stay waiting while decoding
+    runs beside (no prefill), the thread ends once the running rows are done, and afterwards they are admitted."""
+    models = _versions()
+    engine = NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=4))
+    rollouts = PartialRollouts(engine, version=0)
+    for i, cap in enumerate((3, 12, 12, 12)):
+        rollouts.add_group(PROMPTS[i], _params(30 + i, max_tokens=cap))
+    rollouts.run_until(groups=1)  # group 0 done, two groups running, one waiting for slots
+    prefills = engine.stats["prefill_steps"]
+    beside = DecodeBeside(rollouts)
+    beside._thread.join(timeout=60)
+    assert not beside._thread.is_alive() and engine.stats["prefill_steps"] == prefills
+    assert engine.has_unfinished() and not engine.is_decoding()  # the waiting samples, untouched
+    beside.stop()
+    done = rollouts.run_until(groups=3)  # admitted now
+    assert sorted(g[0].group for g in done) == [1, 2, 3] and engine.stats["prefill_steps"] > prefills
+    for group in done:
+        for t in group:
+            _check_against_trainer(t, models)
+
+
 def test_an_error_on_the_thread_is_raised_by_stop():
     models = _versions()
     engine, rollouts = _in_flight(models)
