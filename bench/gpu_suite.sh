@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside heavy_keep adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -50,8 +50,11 @@ for p in "${parts[@]}"; do
     tail) run decode_tail "${T_TAIL:-90}" python3 -m bench.decode_tail --batches 32,64,256 ;;
     heavy_tail) run heavy_tail_sync "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-sync
       run heavy_tail_partial "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial ;;
-    heavy_beside) run heavy_tail_beside "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail \
-      --modes colocated-partial-beside ;;
+    heavy_beside) run heavy_tail_beside_keep "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail \
+      --modes colocated-partial-beside-keep
+      run heavy_tail_beside "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial-beside ;;
+    heavy_keep) run heavy_tail_partial_keep "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail \
+      --modes colocated-partial-keep ;;
     partial) run partial_rollouts "${T_PARTIAL:-540}" python3 -m bench.partial_rollouts --model llama-1b \
       --prompts 32 --n 8 --prompt-len 128 --max-tokens 4096 --steps 6 --warmup 1 --over 2 --max-staleness 1 ;;
     adamw) for case in masters:bf16 masters:fp32 bf16:bf16; do  # layout:grads

@@ -10,6 +10,8 @@ Modes (each a set of overrides on the same config):
                                 (rollout.batches_in_flight=2; its gain needs responses of unequal length)
     colocated-partial-drop      ... the groups one step old not waited for but dropped (trainer.stale_policy=drop)
     colocated-partial-beside    ... the groups in flight decoding beside the scoring and update (rollout.decode_beside)
+    colocated-partial-keep, colocated-partial-beside-keep   ... with rollout.partial_kv=keep (no re-prefill at the
+                                weight swap; needs the engine resident, as conf/bench_grpo_1b.yaml keeps it)
     split-sync                  actor+rollout | critic+ref+reward on disjoint GPUs, on-policy
     split-async                 ... batch k+1 generated while batch k is scored and trained
     split-async2                ... staleness bound 2: batches k+1 and k+2 generated ahead (issue 41 item 6)
@@ -34,6 +36,11 @@ MODES = {
                                "trainer.stale_policy=drop"],
     "colocated-partial-beside": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2",
                                  "rollout.decode_beside=true"],
+    "colocated-partial-keep": ["placement.mode=colocated", "trainer.max_staleness=1", "rollout.batches_in_flight=2",
+                               "rollout.partial_kv=keep"],
+    "colocated-partial-beside-keep": ["placement.mode=colocated", "trainer.max_staleness=1",
+                                      "rollout.batches_in_flight=2", "rollout.decode_beside=true",
+                                      "rollout.partial_kv=keep"],
     "split-sync": ["placement.mode=split", "trainer.max_staleness=0"],
     "split-async": ["placement.mode=split", "trainer.max_staleness=1"],
     "split-async2": ["placement.mode=split", "trainer.max_staleness=2"],

@@ -44,3 +44,13 @@ def test_the_heavy_tail_beside_mode_passes_the_launch_checks_on_one_gpu():
     plan = compute_plan(cfg, world_size=1, model=model)
     validate_batch(cfg, plan)
     assert plan.gen_tp == 1
+
+
+@pytest.mark.parametrize("mode", ["colocated-partial-keep", "colocated-partial-beside-keep"])
+def test_the_heavy_tail_kept_kv_modes_pass_the_launch_checks_on_one_gpu(mode):
+    """bench/gpu_suite.sh parts heavy_keep and heavy_beside: partial rollouts keeping their KV across the swap need the
+    engine resident, which conf/bench_grpo_1b.yaml keeps."""
+    conf = str(Path(CONFIG).parent / "bench_grpo_1b.yaml")
+    cfg = load_config(conf, [*MODES[mode], "trainer.device=cuda"])
+    assert cfg.rollout.partial_kv == "keep" and cfg.rollout.free_memory_on_sleep is False
+    validate_batch(cfg, compute_plan(cfg, world_size=1, model=resolve_model_config(cfg)))
