@@ -52,8 +52,8 @@ class StepModel:
     def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0,
                 overlap: tuple[float, float] | None = None) -> tuple[float, float]:
         """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing).
-        overlap (decode_slow, train_slow): the groups in flight keep decoding while the trainer updates
-        (rollout.decode_beside) (on the same GPU, beside it: decode steps
+        overlap (decode_slow, train_slow): the groups in flight keep decoding while the trainer updates, as
+        rollout.decode_beside does (on the same GPU, beside it: decode steps
         decode_slow x longer, the update train_slow x longer) with the weights before the update; none is
         admitted meanwhile (it would count a version older against the bound)."""
         if in_flight > 2 * self.b:  # as the trainer: more batches in flight could leave groups staler than the bound

@@ -9,7 +9,7 @@ each choice as one line (launcher/main.py).
 
 from __future__ import annotations
 
-from launcher.config.schema import MODEL_ROLES, Config, active_roles, kept_kv_sessions, role_section
+from launcher.config.schema import MODEL_ROLES, Config, active_roles, kept_kv_sessions, role_section, section_name
 
 # micro-batch token budgets off CUDA (on CUDA launcher.planning.fit sizes them from the GPU's memory): the trained
 # roles keep activations for a backward, the forward-only ones pack twice as many tokens
@@ -42,7 +42,7 @@ def resolve_auto(cfg: Config) -> list[str]:
             choices.append(f"{key}={str(value).lower()} (auto: {why})")
 
     for role in MODEL_ROLES:
-        sec, name = role_section(cfg, role), "reward.model" if role == "reward" else role
+        sec, name = role_section(cfg, role), section_name(role)
         if sec is None or sec.compile is not None:  # a rule reward has no model: nothing to choose
             continue
         if not cuda:
@@ -53,7 +53,7 @@ def resolve_auto(cfg: Config) -> list[str]:
         else:
             choose(f"{name}.compile", True, "CUDA: each transformer layer compiled (fused norms, RoPE, SiLU)")
     for role in MODEL_ROLES:
-        sec, name = role_section(cfg, role), "reward.model" if role == "reward" else role
+        sec, name = role_section(cfg, role), section_name(role)
         if not cuda and sec is not None and sec.max_tokens_per_micro_batch is None:
             choose(f"{name}.max_tokens_per_micro_batch", CPU_MICRO_BATCH_TOKENS[role],
                    "no CUDA device: a CPU micro-batch gains nothing from more tokens")

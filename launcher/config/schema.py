@@ -425,6 +425,11 @@ def role_section(cfg: Config, role: str) -> ParallelConfig | None:
     return cfg.reward.model if role == "reward" else getattr(cfg, role)
 
 
+def section_name(role: str) -> str:
+    """The dotted name of a model role's layout section in a config (role_section's): reward.model for the reward."""
+    return "reward.model" if role == "reward" else role
+
+
 def kept_kv_sessions(cfg: Config) -> bool:
     """Whether the native engine keeps KV under sessions: multi-turn agent loops with agent.keep_kv, or partial
     rollouts with rollout.partial_kv=keep."""

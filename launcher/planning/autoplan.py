@@ -195,6 +195,8 @@ def overrides_of(c: Candidate, *, reward_model: bool, max_staleness: int = 1) ->
     """key=value overrides that make a config launch candidate `c` (what placement.mode=auto applies).
     reward_model: the config scores with a reward model (reward.model set; a rule reward has no layout keys);
     max_staleness: the bound an async candidate launches with (the config's when it sets one)."""
+    from launcher.config.schema import section_name
+
     out = [f"placement.mode={c.mode}", f"rollout.gen_tp={c.gen_tp}",
            f"trainer.max_staleness={max(1, max_staleness) if c.is_async else 0}"]
     if c.mode == "split":
@@ -203,7 +205,7 @@ def overrides_of(c: Candidate, *, reward_model: bool, max_staleness: int = 1) ->
     for role, (tp, pp, _) in c.layouts:
         if role == "reward" and not reward_model:
             continue
-        key = "reward.model" if role == "reward" else role
+        key = section_name(role)
         out += [f"{key}.tp={tp}", f"{key}.pp={pp}", f"{key}.dp=0"]
     return out
 

@@ -27,7 +27,7 @@ import copy
 import math
 from collections.abc import Callable
 
-from launcher.config.schema import MODEL_ROLES, Config, active_roles, role_section
+from launcher.config.schema import MODEL_ROLES, Config, active_roles, role_section, section_name
 from launcher.errors import UserError
 
 TRAINED = ("actor", "critic")
@@ -88,7 +88,7 @@ def fit_memory(cfg: Config, predict: Callable[[Config], dict], *, cuda: bool | N
     limit = _memory_limit(pred, device_gb)
     for role in budgets:
         role_section(cfg, role).max_tokens_per_micro_batch = sizes[role]
-        name = "reward.model" if role == "reward" else role
+        name = section_name(role)
         cap = BUDGET_CAPS[role]
         why = (f"the largest up to {cap} that fits: predicted training peak {pred['train_peak_gb']:.1f} GB <= "
                f"{BUDGET_MEMORY_FRACTION:.0%} of {limit / BUDGET_MEMORY_FRACTION:.0f} GB" if fits else

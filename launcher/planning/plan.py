@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from launcher.config.load import load_config
-from launcher.config.schema import MODEL_ROLES, Config, PoolConfig, active_roles, role_section
+from launcher.config.schema import MODEL_ROLES, Config, PoolConfig, active_roles, role_section, section_name
 from launcher.errors import UserError
 from launcher.planning.layout import validate_role_layout
 from models.config import ModelConfig
@@ -302,7 +302,7 @@ def auto_plan(cfg: Config, *, world_size: int, model: ModelConfig,
     from launcher.planning.autoplan import search
     from launcher.planning.costmodel import load_calibration
 
-    sections = {("reward.model" if r == "reward" else r): role_section(cfg, r) for r in MODEL_ROLES}
+    sections = {section_name(r): role_section(cfg, r) for r in MODEL_ROLES}
     fixed = [f"{name}.{k}={getattr(sec, k)}" for name, sec in sections.items() if sec is not None
              for k in AUTO_CHOSEN if getattr(sec, k) != (0 if k == "dp" else 1)]
     fixed += [f"rollout.gen_tp={cfg.rollout.gen_tp}"] if cfg.rollout.gen_tp else []
