@@ -153,12 +153,12 @@ class PartialRollouts:
     def suspend(self) -> None:
         """Stop every sample in flight, keeping its tokens: the engine is left idle (it may sleep, and its
         weights may change); resume() continues them."""
-        self._absorb(self.engine.settle())
+        self.settle()
         for rid in list(self._requests):
             self._absorb(self.engine.abort(rid, **({"park": True} if self.keep_kv else {})), aborting=True)
         # nothing left in flight: settle() idles the engine, so the next request finishes loading the new
         # weights (the native engine folds the norms into the projections then, rollout.fold_norms)
-        self._absorb(self.engine.settle())
+        self.settle()
 
     def resume(self, *, version: int) -> None:
         """Continue every suspended sample on the engine, whose weights are now `version`'s: each is re-added as
