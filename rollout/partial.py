@@ -135,7 +135,7 @@ class PartialRollouts:
             if enough_at is None and len(self._complete) >= groups:
                 enough_at = time.perf_counter()
             steps += enough_at is not None
-            self._absorb(self.engine.step())
+            self.advance()
         if enough_at is not None:
             self.stats["paced_s"] = self.stats.get("paced_s", 0.0) + time.perf_counter() - enough_at
             self.stats["paced_steps"] = self.stats.get("paced_steps", 0) + steps
