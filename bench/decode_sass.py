@@ -1,14 +1,14 @@
 """The native engine's decode-attention kernel compiled for a GPU architecture on a machine without a GPU (Triton
 and its bundled ptxas / nvdisasm only), and what its machine code does per KV tile:
 
-    python -m bench.decode_sass [--fp8] [--shared] [--block-n 64] [--stages 2] [--maxnreg 96] [--arch 90]
+    python -m bench.decode_sass [--fp8] [--shared] [--block-n 64] [--stages N] [--maxnreg N] [--arch 90]
 
 Prints one JSON line: registers, stack bytes (spills), and the SASS instruction counts of each loop body (the
 per-tile loop over cache positions; with --shared the prompt programs' loop too), by opcode. The shape is the
 Qwen3-0.6B decode of the GSM8K recipe (head_dim 128, two query heads per KV head, RoPE and folded norms in the
-kernel); the tile defaults are rollout.triton_attention.tile_config's at 256+ rows. A static count says how much
-work each tile costs the SMs (conversions, spills to local memory, address arithmetic); only a GPU says how long
-it takes, so this guides kernel changes between GPU runs and is no timing.
+kernel); stages and register cap default to rollout.triton_attention.tile_config's at the recipe's 640 rows.
+A static count says how much work each tile costs the SMs (conversions, spills to local memory, address
+arithmetic); only a GPU says how long it takes, so this guides kernel changes between GPU runs and is no timing.
 """
 
 from __future__ import annotations
@@ -111,14 +111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) KV cache with per-row scales")
     p.add_argument("--shared", action="store_true", help="the shared-prompt launch (prompt programs too)")
     p.add_argument("--block-n", type=int, default=64)
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--maxnreg", type=int, default=96, help="0: no register cap")
+    p.add_argument("--stages", type=int, default=None, help="default: tile_config's at the recipe's shape")
+    p.add_argument("--maxnreg", type=int, default=None, help="0: no register cap; default: tile_config's")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
+    from rollout.triton_attention import tile_config
+
+    tile = tile_config(640, 1116, shared=a.shared, fp8=a.fp8)  # the recipe's decode launch
+    a.stages = tile["num_stages"] if a.stages is None else a.stages
+    a.maxnreg = tile.get("maxnreg", 0) if a.maxnreg is None else a.maxnreg
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
     out = {"bench": "decode_sass", "fp8": a.fp8, "shared": a.shared, "block_n": a.block_n, "stages": a.stages,
            "maxnreg": a.maxnreg, "arch": f"sm_{a.arch}"}

@@ -27,6 +27,8 @@ on CPU tensors (tests/rollout/test_triton_attention.py checks it against SDPA th
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from models.triton_support import triton_runs
@@ -47,6 +49,43 @@ def available(device: torch.device, head_dim: int) -> bool:
 
 
 if triton is not None:
+    _CVT_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # _e4m3_tile converts by PTX's cvt
+
+    @triton.jit
+    def _e4m3_tile(row_ptr, n, n_ok, s_ct, D: tl.constexpr):
+        """[N, D] fp16 of the e4m3 cache rows n (masked by n_ok), converted in registers (a hardware cvt per two
+        values), columns in _tile_order. Loaded as [N, D / 4] words, a conversion takes two neighbouring words
+        (the pack) into four fp16 pairs, o_j[c], o_j[c + 1] = values 8m + 2j, 8m + 2j + 1 (c = 2m) of the row, and
+        the tile is laid out [o_0 | o_1 | o_2 | o_3]: each pair stays in its register, where Triton's cast of an
+        fp8 tile (whose dot operand is staged through shared memory as bytes) repacks them one by one."""
+        if not _CVT_ASM:  # Triton's CPU interpreter runs no assembly: the same tile from its cast
+            x = tl.load(row_ptr + n[:, None] * s_ct + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
+            return _tile_order(x.to(tl.float16), D)
+        c = tl.arange(0, D // 4)
+        ptr = (row_ptr + n[:, None] * s_ct).to(tl.pointer_type(tl.int32)) + c[None, :]
+        w = tl.load(ptr, mask=n_ok[:, None], other=0)
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm="""{ .reg .b16 a0, a1, b0, b1;
+            mov.b32 {a0, a1}, $4;
+            mov.b32 {b0, b1}, $5;
+            cvt.rn.f16x2.e4m3x2 $0, a0;
+            cvt.rn.f16x2.e4m3x2 $1, a1;
+            cvt.rn.f16x2.e4m3x2 $2, b0;
+            cvt.rn.f16x2.e4m3x2 $3, b1; }""",
+            constraints="=r,=r,=r,=r,r,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+        x = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [N, D / 4, 2, 2]: o_(2a + b)[c] at [n, c, a, b]
+        return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (n.shape[0], D))
+
+    @triton.jit
+    def _tile_order(x, D: tl.constexpr):
+        """[M, D] columns in _e4m3_tile's order: column (D / 4) j + 2m + e holds value 8m + 2j + e."""
+        return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], D // 8, 4, 2)), (0, 2, 1, 3)), (x.shape[0], D))
+
+    @triton.jit
+    def _natural_order(x, D: tl.constexpr):
+        """The inverse of _tile_order."""
+        return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], 4, D // 8, 2)), (0, 2, 1, 3)), (x.shape[0], D))
 
     @triton.jit
     def _attend_range(q, k_row, v_row, ks_row, vs_row, lo, hi, s_ct, s_st, qk_scale, m, l_sum, acc,
@@ -56,13 +95,17 @@ if triton is not None:
         the cache holds float8 rows with fp32 scales at ks_row/vs_row (stride s_st): K's scale multiplies the
         scores, V's the probabilities, and the dots run on the rows converted to fp16 (q's dtype otherwise)."""
         d = tl.arange(0, D)
-        if FP8 and not IEEE:  # e4m3 -> fp16 is one instruction per two values on sm_89+ (-> bf16 goes through
-            q = q.to(tl.float16)  # fp16 first), so fp8 tiles meet q in fp16 (converted once, before the loop;
-            # the dots below convert the tiles and the probabilities to q's dtype)
+        TILE: tl.constexpr = FP8 and not IEEE  # fp8 tiles converted in registers, columns in tile order
+        if TILE:  # e4m3 -> fp16 is one instruction per two values on sm_89+ (-> bf16 goes through fp16 first), so
+            q = _tile_order(q.to(tl.float16), D)  # fp8 tiles meet q in fp16, q's columns in the tiles' order
+            acc = _tile_order(acc, D)  # (both once per range; the dots sum over the columns in any order)
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if TILE:
+                k = _e4m3_tile(k_row, n, n_ok, s_ct, D)
+            else:
+                k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
             if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -74,13 +117,18 @@ if triton is not None:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            if TILE:
+                v = _e4m3_tile(v_row, n, n_ok, s_ct, D)
+            else:
+                v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
             p_v = p * tl.load(vs_row + n * s_st, mask=n_ok, other=0.0)[None, :] if FP8 else p
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
             m = m_new
+        if TILE:
+            acc = _natural_order(acc, D)
         return m, l_sum, acc
 
     @triton.jit
@@ -379,14 +427,15 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = Fal
       >= 128 rows (32/4/3 at 64 rows, 64/4/3 below). The shared launch also holds the prompt programs, which
       ptxas would give 255 registers with spills (two programs per SM): the launch is capped at 96 registers
       (`maxnreg`). At 256 rows unshared rows take the same capped tile: in the engine's kernel profile it ran
-      50.8 us per layer where 128-position tiles ran 57.9. An fp8 cache's shared launch is capped at 128
-      instead: its tile loop converts and scales each value (656 SASS instructions per 64-position tile against
-      bf16's 310, bench.decode_sass) and spills 42 loads under 96 registers; on an H100 at the recipe's shape
-      (640 rows in groups of 5 over 600 positions, 16 layers) 64/4/2 ran 382 us capped at 128 against 515 at 96
-      (bench/results/decode_attention_fp8_h100.json).
+      50.8 us per layer where 128-position tiles ran 57.9.
     - Unshared rows below 256: 32-position tiles over 3 stages, the best when timed over 16 layers of KV (no
       L2 reuse between calls, as in the engine), e.g. 9.28 us per layer call at 32 rows x 160 positions
       (bench/results/decode_attention_splits_h200.json, which also holds the split-KV runs that were dropped).
+    - An fp8 cache (`fp8`): the same tile sizes over one stage, capped at 128 registers wherever a cap applies. Its
+      tiles are converted in registers (_e4m3_tile); staged through shared memory by a multi-stage pipeline the
+      bytes would be converted after it, value by value (bench.decode_sass at the recipe's shape: 405 SASS
+      instructions per 64-position tile over one stage at 128 registers, 535 over two, 656 with Triton's own cast
+      of the tile, bf16's 310; 242 per 32-position tile against 397). Not yet timed on a GPU.
 
     The sweeps and A/B runs behind the rule: docs/history/measurements.md."""
     if shared or rows >= 256:
@@ -395,8 +444,10 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = Fal
         block, warps, stages = 32, 4, 3
     tile = dict(BLOCK_N=min(block, max(SHORT_KV, triton.next_power_of_2(kv_len))), num_warps=warps,
                 num_stages=stages)
+    if fp8:
+        tile["num_stages"] = 1
     if shared or rows >= 256:
-        return tile | {"maxnreg": 128 if fp8 and shared else 96}
+        return tile | {"maxnreg": 128 if fp8 else 96}
     return tile
 
 

@@ -410,9 +410,10 @@ def test_fp8_cache_tiles_meet_bf16_queries_in_fp16_on_tensor_cores():
 
 
 @pytest.mark.gpu
-def test_fp8_cache_kernels_on_cuda_equal_the_torch_fallback():
-    """The compiled kernels (hardware fp8 casts) against write_prefill_kv / write_kv + the bmm path, bf16 queries,
-    shared prompts and not."""
+@pytest.mark.parametrize("b", [32, 256])  # 32-position tiles below 256 rows, 64 from there (tile_config)
+def test_fp8_cache_kernels_on_cuda_equal_the_torch_fallback(b):
+    """The compiled kernels (hardware fp8 casts, tiles converted in registers) against write_prefill_kv / write_kv +
+    the bmm path, bf16 queries, shared prompts and not."""
     import torch
 
     from rollout.kv_cache import FP8, DecodeAttention, KVCache
@@ -420,10 +421,10 @@ def test_fp8_cache_kernels_on_cuda_equal_the_torch_fallback():
     from rollout.triton_attention import attend, write_prefill
 
     torch.manual_seed(0)
-    b, hkv, g, d, slot_len, plen = 32, 8, 2, 128, 300, 100
+    hkv, g, d, slot_len, plen = 8, 2, 128, 300, 100
     kv = dict(num_layers=2, num_slots=b, num_kv_heads=hkv, slot_len=slot_len, head_dim=d, device="cuda")
     cache, ref = KVCache(dtype=FP8, **kv), KVCache(dtype=FP8, **kv)
-    kp, vp = (torch.randn(4, hkv, plen, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kp, vp = (torch.randn(b // 8, hkv, plen, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots, rows = torch.arange(b, device="cuda"), torch.arange(b, device="cuda") // 8
     write_prefill(cache.data, 1, slots, rows, kp, vp, cache.scales)
     _torch_prefill(ref, slots, rows, kp, vp)
@@ -462,10 +463,12 @@ def _torch_prefill(cache, slots, rows, k, v):
 def test_register_caps_by_launch_and_cache_dtype():
     from rollout.triton_attention import tile_config
 
-    # shared launches are capped (the prompt programs would get 255 registers); fp8 caches' at 128 (their tile loop
-    # spills under 96), bf16's and every unshared launch of >= 256 rows at 96; small unshared launches uncapped
-    assert tile_config(640, 601, shared=True, fp8=True) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+    # shared launches are capped (the prompt programs would get 255 registers), as is every unshared launch of
+    # >= 256 rows: bf16 at 96, fp8 at 128 (its tile converted in registers spills under 96); small unshared launches
+    # uncapped. fp8 tiles run over one stage (a pipeline would stage the bytes and convert them after it)
+    assert tile_config(640, 601, shared=True, fp8=True) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1,
                                                             "maxnreg": 128}
-    assert tile_config(640, 601, shared=True)["maxnreg"] == 96
-    assert tile_config(256, 385, fp8=True)["maxnreg"] == 96
-    assert "maxnreg" not in tile_config(32, 161, fp8=True)
+    assert tile_config(640, 601, shared=True) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "maxnreg": 96}
+    assert tile_config(256, 385, fp8=True) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "maxnreg": 128}
+    assert tile_config(32, 161, fp8=True) == {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    assert tile_config(32, 161) == {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
