@@ -435,7 +435,9 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = Fal
       tiles are converted in registers (_e4m3_tile); staged through shared memory by a multi-stage pipeline the
       bytes would be converted after it, value by value (bench.decode_sass at the recipe's shape: 405 SASS
       instructions per 64-position tile over one stage at 128 registers, 535 over two, 656 with Triton's own cast
-      of the tile, bf16's 310; 242 per 32-position tile against 397). Not yet timed on a GPU.
+      of the tile, bf16's 310; 242 per 32-position tile against 397). Not yet timed on a GPU. The cap of 128: the
+      earlier fp8 kernel's shared launch at the recipe's shape ran 382 us per layer there against 515 at 96 on an
+      H100 (bench/results/decode_attention_fp8_h100.json).
 
     The sweeps and A/B runs behind the rule: docs/history/measurements.md."""
     if shared or rows >= 256:
