@@ -78,6 +78,15 @@ if triton is not None:
         return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (n.shape[0], D))
 
     @triton.jit
+    def _cache_tile(row_ptr, n, n_ok, s_ct, D: tl.constexpr, TILE: tl.constexpr):
+        """The cache rows n [N, D] as stored, or (TILE) an fp8 tile converted in registers (_e4m3_tile)."""
+        if TILE:  # (one return: Triton checks every return's type, and the two differ)
+            x = _e4m3_tile(row_ptr, n, n_ok, s_ct, D)
+        else:
+            x = tl.load(row_ptr + n[:, None] * s_ct + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
+        return x
+
+    @triton.jit
     def _tile_order(x, D: tl.constexpr):
         """[M, D] columns in _e4m3_tile's order: column (D / 4) j + 2m + e holds value 8m + 2j + e."""
         return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], D // 8, 4, 2)), (0, 2, 1, 3)), (x.shape[0], D))
@@ -94,7 +103,6 @@ if triton is not None:
         [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain). FP8:
         the cache holds float8 rows with fp32 scales at ks_row/vs_row (stride s_st): K's scale multiplies the
         scores, V's the probabilities, and the dots run on the rows converted to fp16 (q's dtype otherwise)."""
-        d = tl.arange(0, D)
         TILE: tl.constexpr = FP8 and not IEEE  # fp8 tiles converted in registers, columns in tile order
         if TILE:  # e4m3 -> fp16 is one instruction per two values on sm_89+ (-> bf16 goes through fp16 first), so
             q = _tile_order(q.to(tl.float16), D)  # fp8 tiles meet q in fp16, q's columns in the tiles' order
@@ -102,10 +110,7 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            if TILE:
-                k = _e4m3_tile(k_row, n, n_ok, s_ct, D)
-            else:
-                k = tl.load(k_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            k = _cache_tile(k_row, n, n_ok, s_ct, D, TILE)
             if IEEE:  # fp32 caches, and every dtype under the CPU interpreter (no bf16 dot there)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -117,10 +122,7 @@ if triton is not None:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            if TILE:
-                v = _e4m3_tile(v_row, n, n_ok, s_ct, D)
-            else:
-                v = tl.load(v_row + n[:, None] * s_ct + d[None, :], mask=n_ok[:, None], other=0.0)
+            v = _cache_tile(v_row, n, n_ok, s_ct, D, TILE)
             p_v = p * tl.load(vs_row + n * s_st, mask=n_ok, other=0.0)[None, :] if FP8 else p
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p_v, v.to(tl.float32), input_precision="ieee")

@@ -16,8 +16,8 @@ import torch
 from rollout import NativeEngine
 from rollout.beside import DecodeBeside
 from rollout.partial import PartialRollouts
-from tests.rollout.test_engine import PROMPTS, config, trainer_logprobs
-from tests.rollout.test_partial import _params, _versions
+from tests.rollout.test_engine import PROMPTS, config
+from tests.rollout.test_partial import _check_against_trainer, _params, _versions
 
 pytestmark = pytest.mark.gpu
 
@@ -49,11 +49,6 @@ def test_decoding_beside_cuda_work_keeps_every_token_on_its_version():
     rest = rollouts.run_until(groups=2)
     assert sorted(g[0].group for g in rest) == [1, 3]
     for group in first + rest:
-        for t in group:
-            versions = torch.tensor(t.versions)
-            assert len(versions) == len(t.token_ids) and (versions.diff() >= 0).all()
-            for v in versions.unique().tolist():  # a GPU's fp32 against the CPU's: 1e-4 (tests/rollout/test_engine_gpu)
-                want = trainer_logprobs(models[v], t.prompt_ids, t.token_ids, 1.0)
-                got, at = torch.tensor(t.logprobs), versions == v
-                torch.testing.assert_close(got[at], want[at], atol=1e-4, rtol=0)
+        for t in group:  # a GPU's fp32 against the CPU's: 1e-4 (as tests/rollout/test_engine_gpu)
+            _check_against_trainer(t, models, atol=1e-4)
     assert not left or any(set(t.versions) == {0, 1} for g in rest for t in g)
