@@ -264,8 +264,8 @@ class EngineModelRunner:
         return self.cache.slot_len
 
     def free_runtime(self, *, drop_weights: bool) -> None:
-        self.graphs.clear()
-        self.graph_pool = self.continuations = None
+        self._drop_graphs()
+        self.continuations = None
         self.cache = self.meta_i = self.meta_f = self.out = self._host_out = self.u_table = None
         self.routes_out = self._host_routes = None
         self.row_prefix = self.row_entry = self.prefix_tables = self.prefix_len = self.prefix_counts = None
@@ -325,9 +325,7 @@ class EngineModelRunner:
             if id(p) in self.folded_norms:
                 self.norms_loaded.add(id(p))
         if changed:
-            self.graphs.clear()
-            if self.continuations is not None:
-                self.continuations.clear()
+            self._drop_graphs()
 
     def holds_weights(self) -> bool:
         """Whether every base weight is loaded now (kept across sleep with rollout drop_weights_on_sleep=False)."""
@@ -705,7 +703,7 @@ class EngineModelRunner:
                 self.graph_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", self.graph_error)
                 self.use_graphs = False
-                self.graphs.clear()
+                self._drop_graphs()
                 torch.cuda.synchronize(self.device)
                 self._decode_step(*step)
         buf = self._host_out[self._flip]
@@ -750,6 +748,15 @@ class EngineModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graphs[key] = graph
         graph.replay()
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool. The next capture starts a new pool: one into the old
+        pool once all its graphs are gone trips the caching allocator (the pool's use count is 0 while blocks it
+        holds still wait to be freed), and a capture that fails there leaves the CUDA generator broken."""
+        self.graphs.clear()
+        if self.continuations is not None:
+            self.continuations.clear()
+        self.graph_pool = None
 
     def _graph_pool(self):
         """The memory pool every captured graph shares (decode and continuation graphs replay on one stream)."""

@@ -53,29 +53,32 @@ if triton is not None:
 
     @triton.jit
     def _e4m3_tile(row_ptr, n, n_ok, s_ct, D: tl.constexpr):
-        """[N, D] fp16 of the e4m3 cache rows n (masked by n_ok), converted in registers (a hardware cvt per two
-        values), columns in _tile_order. Loaded as [N, D / 4] words, a conversion takes two neighbouring words
-        (the pack) into four fp16 pairs, o_j[c], o_j[c + 1] = values 8m + 2j, 8m + 2j + 1 (c = 2m) of the row, and
-        the tile is laid out [o_0 | o_1 | o_2 | o_3]: each pair stays in its register, where Triton's cast of an
-        fp8 tile (whose dot operand is staged through shared memory as bytes) repacks them one by one."""
-        if not _CVT_ASM:  # Triton's CPU interpreter runs no assembly: the same tile from its cast
-            x = tl.load(row_ptr + n[:, None] * s_ct + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
-            return _tile_order(x.to(tl.float16), D)
+        """[N, D] fp16 of the e4m3 cache rows n (masked by n_ok), converted in registers. Loaded as [N, D / 4]
+        32-bit words; each word's four values become four fp16 by two hardware conversions (e4m3x2 -> f16x2, the
+        low byte to the low half), joined back in the row's order. One word per conversion: with two (a pack),
+        which words meet follows Triton's register layout, and that pairs K's neighbouring columns but V's rows."""
         c = tl.arange(0, D // 4)
         ptr = (row_ptr + n[:, None] * s_ct).to(tl.pointer_type(tl.int32)) + c[None, :]
         w = tl.load(ptr, mask=n_ok[:, None], other=0)
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            asm="""{ .reg .b16 a0, a1, b0, b1;
-            mov.b32 {a0, a1}, $4;
-            mov.b32 {b0, b1}, $5;
-            cvt.rn.f16x2.e4m3x2 $0, a0;
-            cvt.rn.f16x2.e4m3x2 $1, a1;
-            cvt.rn.f16x2.e4m3x2 $2, b0;
-            cvt.rn.f16x2.e4m3x2 $3, b1; }""",
-            constraints="=r,=r,=r,=r,r,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
-        x = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [N, D / 4, 2, 2]: o_(2a + b)[c] at [n, c, a, b]
-        return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (n.shape[0], D))
+        if _CVT_ASM:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(
+                asm="""{ .reg .b16 lo, hi; .reg .b32 a, b;
+                mov.b32 {lo, hi}, $4;
+                cvt.rn.f16x2.e4m3x2 a, lo;
+                cvt.rn.f16x2.e4m3x2 b, hi;
+                mov.b32 {$0, $1}, a;
+                mov.b32 {$2, $3}, b; }""",
+                constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=1)
+        else:  # Triton's CPU interpreter runs no assembly: each byte through Triton's cast
+            v0, v1, v2, v3 = _e4m3_byte(w, 0), _e4m3_byte(w, 8), _e4m3_byte(w, 16), _e4m3_byte(w, 24)
+        x = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [N, D / 4, 2, 2]: value 4c + 2i + j at [n, c, i, j]
+        return tl.reshape(x, (n.shape[0], D))
+
+    @triton.jit
+    def _e4m3_byte(w, shift: tl.constexpr):
+        """The e4m3 value in bits [shift, shift + 8) of the words w, as fp16."""
+        return ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
     @triton.jit
     def _cache_tile(row_ptr, n, n_ok, s_ct, D: tl.constexpr, TILE: tl.constexpr):
@@ -87,26 +90,15 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _tile_order(x, D: tl.constexpr):
-        """[M, D] columns in _e4m3_tile's order: column (D / 4) j + 2m + e holds value 8m + 2j + e."""
-        return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], D // 8, 4, 2)), (0, 2, 1, 3)), (x.shape[0], D))
-
-    @triton.jit
-    def _natural_order(x, D: tl.constexpr):
-        """The inverse of _tile_order."""
-        return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], 4, D // 8, 2)), (0, 2, 1, 3)), (x.shape[0], D))
-
-    @triton.jit
     def _attend_range(q, k_row, v_row, ks_row, vs_row, lo, hi, s_ct, s_st, qk_scale, m, l_sum, acc,
                       D: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
         """Online-softmax state (m, l_sum, acc) of the query rows q [M, D] advanced over cache positions
         [lo, hi) of one (slot, KV head), streamed in BLOCK_N-position tiles (scores in the exp2 domain). FP8:
         the cache holds float8 rows with fp32 scales at ks_row/vs_row (stride s_st): K's scale multiplies the
         scores, V's the probabilities, and the dots run on the rows converted to fp16 (q's dtype otherwise)."""
-        TILE: tl.constexpr = FP8 and not IEEE  # fp8 tiles converted in registers, columns in tile order
+        TILE: tl.constexpr = FP8 and not IEEE  # fp8 tiles converted in registers (_e4m3_tile)
         if TILE:  # e4m3 -> fp16 is one instruction per two values on sm_89+ (-> bf16 goes through fp16 first), so
-            q = _tile_order(q.to(tl.float16), D)  # fp8 tiles meet q in fp16, q's columns in the tiles' order
-            acc = _tile_order(acc, D)  # (both once per range; the dots sum over the columns in any order)
+            q = q.to(tl.float16)  # fp8 tiles meet q in fp16
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
@@ -129,8 +121,6 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype))
             m = m_new
-        if TILE:
-            acc = _natural_order(acc, D)
         return m, l_sum, acc
 
     @triton.jit

@@ -1,5 +1,7 @@
 """NativeEngine on CPU (tiny preset, fp32) against the training forward and naive loops."""
 
+import copy
+
 import pytest
 import torch
 
@@ -207,6 +209,20 @@ def test_sleep_without_freeing_keeps_buffers_and_takes_new_weights_in_place(mode
     # nothing was re-allocated, so captured CUDA graphs (which hold these pointers) stay valid
     assert engine.runner.cache.data.data_ptr() == cache
     assert engine.runner.params["lm_head.weight"].data_ptr() == weight
+
+
+def test_new_weight_storage_drops_the_graphs_and_their_pool(model):
+    """Weights that replace an aliased tensor's storage invalidate every captured graph; their pool goes with them,
+    since capturing into a pool whose graphs are all gone trips CUDA's caching allocator (seen on an H100)."""
+    engine = NativeEngine.from_model(copy.deepcopy(model), config=config(free_memory_on_sleep=False))
+    runner = engine.runner
+    runner.graphs[(8, 64, False, 0)], runner.graph_pool = object(), object()  # as a capture leaves them
+    engine.update_weights(model.state_dict().items())  # aliased -> own storage
+    assert runner.graphs == {} and runner.graph_pool is None
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    pool = runner.graph_pool = object()
+    engine.update_weights(peaked_model(seed=1).state_dict().items())  # copied in place: the graphs stay valid
+    assert runner.graph_pool is pool
 
 
 def test_an_engine_made_resident_while_asleep_reallocates_once_then_keeps_its_buffers(model):
