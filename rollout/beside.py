@@ -48,6 +48,7 @@ class DecodeBeside:
         self.steps, self.error = 0, None
         rollouts.settle()  # the step in flight from run_until is the generation's: its tokens are not counted here
         self._tokens = rollouts.engine.stats["sampled_tokens"]
+        self._ungraphed = rollouts.engine.runner.ungraphed_steps
         self._stop = threading.Event()
         self._stream = None
         if self.device.type == "cuda":  # the engine's pending work (run_until's last step) first
@@ -72,7 +73,8 @@ class DecodeBeside:
 
     def stop(self) -> dict[str, float]:
         """End the decoding (the step in flight finishes first), hand the engine's stream back to the caller's.
-        -> async/beside_steps, _tokens (sampled beside), _s (the thread's seconds), _stop_s (the wait)."""
+        -> async/beside_steps, _ungraphed_steps (of them, run without a CUDA graph: none of their shape was captured
+        before), _tokens (sampled beside), _s (the thread's seconds), _stop_s (the wait)."""
         t = time.perf_counter()
         self._stop.set()
         self._thread.join()
@@ -85,6 +87,7 @@ class DecodeBeside:
                                f"{self.error}") from self.error
         self.rollouts.settle()  # the last step launched beside: its tokens are counted here
         return {"async/beside_steps": float(self.steps),
+                "async/beside_ungraphed_steps": float(self.rollouts.engine.runner.ungraphed_steps - self._ungraphed),
                 "async/beside_tokens": float(self.rollouts.engine.stats["sampled_tokens"] - self._tokens),
                 "async/beside_s": self.seconds, "async/beside_stop_s": time.perf_counter() - t}
 

@@ -143,6 +143,7 @@ class EngineModelRunner:
         self.loaded: set[int] = set()  # ids of parameters loaded since the last allocation
         self.shared: set[int] = set()  # ids of parameters aliasing a caller's tensor (from_model)
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
+        self.ungraphed_steps = 0  # CUDA decode steps launched kernel by kernel (no graph of their shape or none may be)
         # False while decoding runs beside training (rollout/beside.py): a capture there could meet the trainer's
         # allocator freeing cached blocks, which no capture may see; shapes without a graph then run un-graphed
         self.may_capture = True
@@ -685,6 +686,7 @@ class EngineModelRunner:
         key = (*step, self._prefix_width)  # the decode kernel's shared-prompt tile is part of the graph
         if not self.use_graphs or (key not in self.graphs and not self.may_capture):
             self._decode_step(*step)
+            self.ungraphed_steps += self.device.type == "cuda"
         elif key in self.graphs:
             self.graphs[key].replay()
         else:

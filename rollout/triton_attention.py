@@ -423,13 +423,11 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = Fal
     - Unshared rows below 256: 32-position tiles over 3 stages, the best when timed over 16 layers of KV (no
       L2 reuse between calls, as in the engine), e.g. 9.28 us per layer call at 32 rows x 160 positions
       (bench/results/decode_attention_splits_h200.json, which also holds the split-KV runs that were dropped).
-    - An fp8 cache (`fp8`): the same tile sizes over one stage, capped at 128 registers wherever a cap applies. Its
-      tiles are converted in registers (_e4m3_tile); staged through shared memory by a multi-stage pipeline the
-      bytes would be converted after it, value by value (bench.decode_sass at the recipe's shape: 405 SASS
-      instructions per 64-position tile over one stage at 128 registers, 535 over two, 656 with Triton's own cast
-      of the tile, bf16's 310; 242 per 32-position tile against 397). Not yet timed on a GPU. The cap of 128: the
-      earlier fp8 kernel's shared launch at the recipe's shape ran 382 us per layer there against 515 at 96 on an
-      H100 (bench/results/decode_attention_fp8_h100.json).
+    - An fp8 cache (`fp8`): the same tiles and stages, capped at 128 registers wherever a cap applies. Its tiles are
+      loaded as 32-bit words and converted in registers (_e4m3_tile); a pipeline stages the words. On an H100 at
+      the recipe's shape (640 rows in groups of 5 sharing an 80-token prompt, 600 positions), the shared launch ran
+      369 us per layer at 64/4/2 capped at 128, 383 at 96, 415 over one stage, 393 with 32-position tiles (bf16:
+      484); unshared 376 at 64/4/2 against 394 over one stage (bench/results/decode_attention_fp8_h100.json).
 
     The sweeps and A/B runs behind the rule: docs/history/measurements.md."""
     if shared or rows >= 256:
@@ -438,8 +436,6 @@ def tile_config(rows: int, kv_len: int, *, shared: bool = False, fp8: bool = Fal
         block, warps, stages = 32, 4, 3
     tile = dict(BLOCK_N=min(block, max(SHORT_KV, triton.next_power_of_2(kv_len))), num_warps=warps,
                 num_stages=stages)
-    if fp8:
-        tile["num_stages"] = 1
     if shared or rows >= 256:
         return tile | {"maxnreg": 128 if fp8 else 96}
     return tile

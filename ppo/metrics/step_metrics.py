@@ -24,7 +24,7 @@ log = logging.getLogger("hybridrl")
 # the generation metrics each replica counts for itself (summed over the replicas' reports; the others: the max)
 SUMMED_GEN_KEYS = ("reshard/bytes_received", "async/generated_tokens", "async/dropped_groups",
                    "async/dropped_samples", "async/dropped_tokens", "async/groups_in_flight", "async/beside_tokens",
-                   "async/beside_steps")
+                   "async/beside_steps", "async/beside_ungraphed_steps")
 
 
 class StepMetrics:

@@ -21,7 +21,8 @@ def test_fp8_tiles_convert_to_fp16_once_per_two_values_and_bf16_tiles_need_no_co
     # (e4m3 -> bf16 would take f16 -> bf16 per value: 128 more per tile)
     assert fp8["loops"][0]["F2FP"] >= 64 and "F2F" not in fp8["loops"][0]
     assert "F2F" not in bf16["loops"][0] and bf16["loops"][0]["LDSM"] > 0  # bf16 tiles: ldmatrix, as loaded
-    # fp8 tiles converted in registers as loaded, then through shared memory as fp16 (ldmatrix): not read back
-    # byte by byte and repacked (Triton's cast of the tile: 97 LDS, 64 PRMT, 656 instructions)
-    assert fp8["loops"][0]["LDSM"] > 0 and fp8["loops"][0].get("LDS", 0) <= 16 and "PRMT" not in fp8["loops"][0]
+    # fp8 tiles converted in registers from 32-bit words (16 LDS per tile where the pipeline stages the words),
+    # then through shared memory as fp16 (ldmatrix): not read back byte by byte and repacked (Triton's cast of the
+    # tile: 97 LDS, 64 PRMT, 656 instructions)
+    assert fp8["loops"][0]["LDSM"] > 0 and fp8["loops"][0].get("LDS", 0) <= 24 and "PRMT" not in fp8["loops"][0]
     assert fp8["loops"][0]["instructions"] < 1.5 * bf16["loops"][0]["instructions"]
