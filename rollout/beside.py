@@ -18,7 +18,8 @@ default 5 ms for the lock at each of its blocking waits.
 
 Only the running rows decode beside (NativeEngine.set_beside_training): nothing waiting is admitted, since a prefill is
 compute-bound like the update and would share nothing with it, and no CUDA graph is captured (a capture could meet the
-trainer's allocator releasing cached blocks, which no capture may see; a shape without a graph runs un-graphed).
+trainer's allocator releasing cached blocks, which no capture may see; a shape without a graph replays the captured
+graph of more rows, padding rows included, and runs un-graphed only where there is none).
 
 Only a generation replica of one rank decodes beside (rollout.gen_tp=1): a TP group's decode steps are collectives,
 which would interleave with the trainer's in an order no two ranks agree on. The number of steps run beside depends
@@ -73,8 +74,8 @@ class DecodeBeside:
 
     def stop(self) -> dict[str, float]:
         """End the decoding (the step in flight finishes first), hand the engine's stream back to the caller's.
-        -> async/beside_steps, _ungraphed_steps (of them, run without a CUDA graph: none of their shape was captured
-        before), _tokens (sampled beside), _s (the thread's seconds), _stop_s (the wait)."""
+        -> async/beside_steps, _ungraphed_steps (of them, run without a CUDA graph: none of their shape or more rows was
+        captured before), _tokens (sampled beside), _s (the thread's seconds), _stop_s (the wait)."""
         t = time.perf_counter()
         self._stop.set()
         self._thread.join()

@@ -115,8 +115,9 @@ class NativeEngine:
 
     def set_beside_training(self, on: bool) -> None:
         """While decoding runs beside training (rollout/beside.py): no CUDA graph is captured (a shape without one
-        runs un-graphed) and nothing waiting is admitted (a prefill is compute-bound, as the update is: beside it, it
-        would share nothing and hold the host). step() then only decodes the running rows: see is_decoding()."""
+        replays the graph of more rows, or runs un-graphed) and nothing waiting is admitted (a prefill is
+        compute-bound, as the update is: beside it, it would share nothing and hold the host). step() then only
+        decodes the running rows: see is_decoding()."""
         self.runner.may_capture = not on
         if self._sched is not None:
             self._sched.admission_paused = on

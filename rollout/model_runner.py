@@ -145,7 +145,7 @@ class EngineModelRunner:
         self.use_graphs = config.enable_cuda_graph and self.device.type == "cuda"
         self.ungraphed_steps = 0  # CUDA decode steps launched kernel by kernel (no graph of their shape or none may be)
         # False while decoding runs beside training (rollout/beside.py): a capture there could meet the trainer's
-        # allocator freeing cached blocks, which no capture may see; shapes without a graph then run un-graphed
+        # allocator freeing cached blocks, which no capture may see; shapes without a graph then replay one of more rows
         self.may_capture = True
         self.graph_error: str | None = None
         # the last prefill's forwards by kind (fresh rows from position 0; continuations onto kept KV): device
@@ -681,9 +681,13 @@ class EngineModelRunner:
 
     @torch.inference_mode()
     def launch_decode(self, num_rows: int, kv_len: int, filtered: bool) -> DecodeHandle:
-        """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result."""
+        """Enqueue one decode step (graph replay on CUDA) and the async copy of its [2, num_rows] result (beside
+        training, where nothing is captured, of the graph of more rows it replays: the handle says how many)."""
         step = (num_rows, self._graph_kv_len(num_rows, kv_len), filtered)
         key = (*step, self._prefix_width)  # the decode kernel's shared-prompt tile is part of the graph
+        if self.use_graphs and key not in self.graphs and not self.may_capture:
+            key = self._graph_with_more_rows(key) or key
+            step, num_rows = (key[0], *step[1:]), key[0]
         if not self.use_graphs or (key not in self.graphs and not self.may_capture):
             self._decode_step(*step)
             self.ungraphed_steps += self.device.type == "cuda"
@@ -729,6 +733,14 @@ class EngineModelRunner:
         b = handle.num_rows
         routes = None if handle.routes is None else handle.routes.clone()  # the buffer is reused two steps on
         return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist(), routes
+
+    def _graph_with_more_rows(self, key: tuple) -> tuple | None:
+        """The key of the captured graph of the fewest rows above key's, at its KV length, sampling and shared-prompt
+        width (None if there is none): beside training, where nothing may be captured, a step replays it rather
+        than launching every kernel from the host. The rows past key's are the engine's padding rows (finished or
+        free slots: token 0 at position 0 of their slot, which the engine saves for slots parked with their KV)."""
+        rows = [k[0] for k in self.graphs if k[1:] == key[1:] and k[0] > key[0]]
+        return (min(rows), *key[1:]) if rows else None
 
     def _capture(self, key: tuple, step: tuple[int, int, bool]) -> None:
         """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once.

@@ -1,12 +1,14 @@
 """NativeEngine on CPU (tiny preset, fp32) against the training forward and naive loops."""
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from models import build_model, preset_config
 from rollout import NativeEngine, RolloutConfig, SamplingParams
+from rollout.scheduler import length_bucket
 
 PROMPTS = [[1, 17, 33, 9, 250], [1, 4], [1, 100, 200, 300, 400, 500, 7, 8, 9], [3] * 20, [1, 2, 3]]
 
@@ -223,6 +225,41 @@ def test_new_weight_storage_drops_the_graphs_and_their_pool(model):
     pool = runner.graph_pool = object()
     engine.update_weights(peaked_model(seed=1).state_dict().items())  # copied in place: the graphs stay valid
     assert runner.graph_pool is pool
+
+
+class _Replay:
+    """A captured decode graph's stand-in on the CPU: a replay runs the step it was captured for."""
+
+    def __init__(self, runner, step):
+        self.runner, self.step, self.replays = runner, step, 0
+
+    def replay(self):
+        self.replays += 1
+        self.runner._decode_step(*self.step)
+
+
+def test_steps_that_may_not_capture_replay_the_graph_of_more_rows(model):
+    """Beside training nothing is captured; a step of a shape without a graph replays the captured graph of more rows
+    (the rest padding rows) and samples what an eager step samples (filtered sampling, shared prompts, rows ending)."""
+    params = [SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_tokens=24, seed=1, ignore_eos=True),
+              SamplingParams(temperature=1.3, max_tokens=17, n=3, seed=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)]
+    eager = NativeEngine.from_model(copy.deepcopy(model), config=config()).generate(PROMPTS[:4], params)
+    engine = NativeEngine.from_model(copy.deepcopy(model), config=config())
+    runner = engine.runner
+    runner.use_graphs, runner.may_capture = True, False
+    widths = {0, *(runner.prefix_tables or {})}
+    kv_lens = {length_bucket(n, granule=16, cap=runner.slot_len) for n in range(1, runner.slot_len + 1)}
+    for kv, filtered, width in itertools.product(kv_lens, (False, True), widths):  # 16 rows: every slot
+        runner.graphs[(16, kv, filtered, width)] = _Replay(runner, (16, kv, filtered))
+    graphs = dict(runner.graphs)
+    out = engine.generate(PROMPTS[:4], params)
+    assert runner.graphs == graphs  # nothing captured
+    assert sum(g.replays for g in graphs.values()) == engine.stats["decode_steps"] > 20
+    for a, b in zip(eager, out, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
 def test_an_engine_made_resident_while_asleep_reallocates_once_then_keeps_its_buffers(model):
