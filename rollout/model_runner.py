@@ -160,6 +160,7 @@ class EngineModelRunner:
         # the tables' members in use now (shared_prefix.members_for); 0 while no rows share a prompt: the decode
         # then runs the unshared kernel (no idle prompt programs, and its own tile)
         self._prefix_width = 0
+        self._widths_written: set[int] = set()  # the widths whose member tables hold _prefix_groups
         self._decode, self._prefill, self._continue = self._decode_fn, self._prefill_fn, self._continue_fn
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
@@ -571,7 +572,15 @@ class EngineModelRunner:
         for dst, src in zip((self.row_prefix, self.row_entry, self.prefix_tables[width], self.prefix_len),
                             (row_prefix, row_entry, members, group_len), strict=True):
             self._upload(src, into=dst)
-        self._prefix_groups, self._prefix_width = groups, width
+        self._prefix_groups, self._prefix_width, self._widths_written = groups, width, {width}
+
+    def _write_members(self, width: int) -> None:
+        """The current groups' member table at a wider `width` too (a graph captured at that width reads it): no
+        group splits below the width members_for chose, so the row and entry tables are the same at any wider one."""
+        if width not in self._widths_written:
+            _, _, members, _ = shared_prefix_tables(self._prefix_groups, rows=self.num_slots, members_per_entry=width)
+            self._upload(members, into=self.prefix_tables[width])
+            self._widths_written.add(width)
 
     def _upload(self, host: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
         """A host tensor on the device (a new tensor, or copied into `into`) without a host sync: through
@@ -688,6 +697,8 @@ class EngineModelRunner:
         if self.use_graphs and key not in self.graphs and not self.may_capture:
             key = self._graph_with_more_rows(key) or key
             step, num_rows = (key[0], *step[1:]), key[0]
+            if key[3] != self._prefix_width:
+                self._write_members(key[3])
         if not self.use_graphs or (key not in self.graphs and not self.may_capture):
             self._decode_step(*step)
             self.ungraphed_steps += self.device.type == "cuda"
@@ -735,12 +746,16 @@ class EngineModelRunner:
         return [int(t) for t in handle.buf[:b].tolist()], handle.buf[b: 2 * b].tolist(), routes
 
     def _graph_with_more_rows(self, key: tuple) -> tuple | None:
-        """The key of the captured graph of the fewest rows above key's, at its KV length, sampling and shared-prompt
-        width (None if there is none): beside training, where nothing may be captured, a step replays it rather
-        than launching every kernel from the host. The rows past key's are the engine's padding rows (finished or
-        free slots: token 0 at position 0 of their slot, which the engine saves for slots parked with their KV)."""
-        rows = [k[0] for k in self.graphs if k[1:] == key[1:] and k[0] > key[0]]
-        return (min(rows), *key[1:]) if rows else None
+        """The key of the captured graph of the fewest rows at or above key's, at its KV length and sampling, and at
+        its shared-prompt width or (rows sharing prompts) a wider one (None if there is none): beside training,
+        where nothing may be captured, a step replays it rather than launching every kernel from the host. The
+        rows past key's are the engine's padding rows (finished or free slots: token 0 at position 0 of their slot,
+        which the engine saves for slots parked with their KV); a wider graph reads the groups' wider member table
+        (_write_members)."""
+        rows, kv_len, filtered, width = key
+        fits = [k for k in self.graphs if k[1:3] == (kv_len, filtered) and k[0] >= rows
+                and (k[3] == width or 0 < width < k[3])]
+        return min(fits, key=lambda k: (k[0], k[3])) if fits else None
 
     def _capture(self, key: tuple, step: tuple[int, int, bool]) -> None:
         """Warm up eagerly (then undo its row advance), capture, and replay once: the step runs exactly once.

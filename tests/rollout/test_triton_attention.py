@@ -261,6 +261,51 @@ def test_engine_sharing_prompt_kv_equals_every_row_reading_its_own_and_the_train
     assert "ok" in out
 
 
+def test_steps_that_may_not_capture_replay_a_graph_of_more_rows_at_a_wider_prompt_table():
+    # beside training nothing is captured: a decode step replays the graph of more rows at its member-table width
+    # or a wider one (stand-ins here: 8 rows, unshared or the widest table); the wider table is written for the
+    # current groups first, and every token and log-prob equals the eager engine's as groups shrink and move
+    out = run_interpreted("""
+        import itertools
+        import torch
+        from rollout import NativeEngine, SamplingParams
+        from rollout.scheduler import length_bucket
+        from tests.rollout.test_engine import PROMPTS, config, peaked_model
+
+        class Replay:  # a graph captured at `width`: its kernel reads that width's member table
+            def __init__(self, runner, step, width):
+                self.runner, self.step, self.width, self.seen = runner, step, width, []
+            def replay(self):
+                now, self.runner._prefix_width = self.runner._prefix_width, self.width
+                self.seen.append(now)
+                try:
+                    self.runner._decode_step(*self.step)
+                finally:
+                    self.runner._prefix_width = now
+
+        model = peaked_model(layers=2)
+        params = [SamplingParams(temperature=1.0, max_tokens=t, n=4, seed=5 + t, ignore_eos=True) for t in (2, 9, 5)]
+        kw = dict(decode_attention="triton", max_num_seqs=8, kv_cache_tokens=96 * 8)
+        eager = NativeEngine.from_model(model, config=config(**kw)).generate(PROMPTS[:3], params)
+        engine = NativeEngine.from_model(model, config=config(**kw))
+        runner = engine.runner
+        runner.use_graphs, runner.may_capture = True, False
+        widest = max(runner.prefix_tables)
+        kv_lens = {runner._graph_kv_len(8, length_bucket(n, granule=16, cap=runner.slot_len))
+                   for n in range(1, runner.slot_len + 1)}
+        for kv, width in itertools.product(kv_lens, (0, widest)):
+            runner.graphs[(8, kv, False, width)] = Replay(runner, (8, kv, False), width)
+        out = engine.generate(PROMPTS[:3], params)
+        seen = [(g.width, now) for g in runner.graphs.values() for now in g.seen]
+        assert len(seen) == engine.stats["decode_steps"] and (widest, 4) in seen, seen  # groups of 4: width 4
+        for a, b in zip(eager, out, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 @pytest.mark.gpu
 def test_shared_prompt_kernels_on_cuda_equal_unshared_and_the_engine_agrees():
     import torch
