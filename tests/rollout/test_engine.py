@@ -227,15 +227,20 @@ def test_new_weight_storage_drops_the_graphs_and_their_pool(model):
     assert runner.graph_pool is pool
 
 
-class _Replay:
-    """A captured decode graph's stand-in on the CPU: a replay runs the step it was captured for."""
+class GraphStandIn:
+    """A captured decode graph's stand-in on the CPU: a replay runs the step it was captured for, reading the
+    shared-prompt member table of the width it was captured at; `seen`: the runner's width at each replay."""
 
-    def __init__(self, runner, step):
-        self.runner, self.step, self.replays = runner, step, 0
+    def __init__(self, runner, step, width):
+        self.runner, self.step, self.width, self.seen = runner, step, width, []
 
     def replay(self):
-        self.replays += 1
-        self.runner._decode_step(*self.step)
+        now, self.runner._prefix_width = self.runner._prefix_width, self.width
+        self.seen.append(now)
+        try:
+            self.runner._decode_step(*self.step)
+        finally:
+            self.runner._prefix_width = now
 
 
 def test_steps_that_may_not_capture_replay_the_graph_of_more_rows(model):
@@ -252,11 +257,11 @@ def test_steps_that_may_not_capture_replay_the_graph_of_more_rows(model):
     widths = {0, *(runner.prefix_tables or {})}
     kv_lens = {length_bucket(n, granule=16, cap=runner.slot_len) for n in range(1, runner.slot_len + 1)}
     for kv, filtered, width in itertools.product(kv_lens, (False, True), widths):  # 16 rows: every slot
-        runner.graphs[(16, kv, filtered, width)] = _Replay(runner, (16, kv, filtered))
+        runner.graphs[(16, kv, filtered, width)] = GraphStandIn(runner, (16, kv, filtered), width)
     graphs = dict(runner.graphs)
     out = engine.generate(PROMPTS[:4], params)
     assert runner.graphs == graphs  # nothing captured
-    assert sum(g.replays for g in graphs.values()) == engine.stats["decode_steps"] > 20
+    assert sum(len(g.seen) for g in graphs.values()) == engine.stats["decode_steps"] > 20
     for a, b in zip(eager, out, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)

@@ -270,19 +270,7 @@ def test_steps_that_may_not_capture_replay_a_graph_of_more_rows_at_a_wider_promp
         import torch
         from rollout import NativeEngine, SamplingParams
         from rollout.scheduler import length_bucket
-        from tests.rollout.test_engine import PROMPTS, config, peaked_model
-
-        class Replay:  # a graph captured at `width`: its kernel reads that width's member table
-            def __init__(self, runner, step, width):
-                self.runner, self.step, self.width, self.seen = runner, step, width, []
-            def replay(self):
-                now, self.runner._prefix_width = self.runner._prefix_width, self.width
-                self.seen.append(now)
-                try:
-                    self.runner._decode_step(*self.step)
-                finally:
-                    self.runner._prefix_width = now
-
+        from tests.rollout.test_engine import PROMPTS, GraphStandIn, config, peaked_model
         model = peaked_model(layers=2)
         params = [SamplingParams(temperature=1.0, max_tokens=t, n=4, seed=5 + t, ignore_eos=True) for t in (2, 9, 5)]
         kw = dict(decode_attention="triton", max_num_seqs=8, kv_cache_tokens=96 * 8)
@@ -294,7 +282,7 @@ def test_steps_that_may_not_capture_replay_a_graph_of_more_rows_at_a_wider_promp
         kv_lens = {runner._graph_kv_len(8, length_bucket(n, granule=16, cap=runner.slot_len))
                    for n in range(1, runner.slot_len + 1)}
         for kv, width in itertools.product(kv_lens, (0, widest)):
-            runner.graphs[(8, kv, False, width)] = Replay(runner, (8, kv, False), width)
+            runner.graphs[(8, kv, False, width)] = GraphStandIn(runner, (8, kv, False), width)
         out = engine.generate(PROMPTS[:3], params)
         seen = [(g.width, now) for g in runner.graphs.values() for now in g.seen]
         assert len(seen) == engine.stats["decode_steps"] and (widest, 4) in seen, seen  # groups of 4: width 4
