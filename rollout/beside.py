@@ -38,6 +38,10 @@ import torch
 from rollout.partial import PartialRollouts
 
 SWITCH_INTERVAL_S = 0.0005  # the interpreter's lock hand-over while decoding runs beside (Python's default: 5 ms)
+# the decode stream's priority: the highest the device has (torch maps a value past the range onto its end), so the
+# GPU's block scheduler starts a decode kernel's blocks ahead of the update's waiting ones as SMs free up, instead of
+# after them; a CUDA graph replayed into the stream runs at its priority
+STREAM_PRIORITY = -100
 
 
 class DecodeBeside:
@@ -53,7 +57,7 @@ class DecodeBeside:
         self._stop = threading.Event()
         self._stream = None
         if self.device.type == "cuda":  # the engine's pending work (run_until's last step) first
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         rollouts.engine.set_beside_training(True)
         self._switch = sys.getswitchinterval()
@@ -93,4 +97,4 @@ class DecodeBeside:
                 "async/beside_s": self.seconds, "async/beside_stop_s": time.perf_counter() - t}
 
 
-__all__ = ["DecodeBeside", "SWITCH_INTERVAL_S"]
+__all__ = ["DecodeBeside", "STREAM_PRIORITY", "SWITCH_INTERVAL_S"]

@@ -33,6 +33,7 @@ def test_decoding_beside_cuda_work_keeps_every_token_on_its_version():
     assert sorted(g[0].group for g in first) == [0, 2] and len(engine.runner.graphs) > 0
     graphs = len(engine.runner.graphs)
     beside = DecodeBeside(rollouts, device="cuda")
+    assert beside._stream.priority < torch.cuda.current_stream().priority  # ahead of the trainer's kernels
     a, ran, t0 = torch.randn(4096, 4096, device="cuda"), 0, time.perf_counter()
     while ran < 8 or beside.steps < 10:  # the trainer's stand-in, on the default stream
         a = torch.tanh(a @ a.T / 64)
