@@ -14,10 +14,11 @@ Why it pays: the decode step of a partially filled batch reads the weights and K
 compute, and the update is compute-bound, so the two share the GPU better than they take turns (docs/async.md
 gives the model's ceiling). What it costs is host time: both loops are Python, under one interpreter lock, so the
 switch interval is shortened while decoding runs beside (SWITCH_INTERVAL_S), or a decode step would wait up to the
-default 5 ms for the lock at each of its blocking waits.
+default 5 ms for the lock at each torch call (each releases it), and the decode stream has the highest priority.
 
-Only the running rows decode beside (NativeEngine.set_beside_training): nothing waiting is admitted, since a prefill is
-compute-bound like the update and would share nothing with it, and no CUDA graph is captured (a capture could meet the
+Only the running rows decode beside (NativeEngine.set_beside_training): what waits for a slot is admitted before the
+thread starts (PartialRollouts.admit_waiting, the generation's last prefill), and nothing after, since a prefill is
+compute-bound like the update and would share nothing with it; no CUDA graph is captured (a capture could meet the
 trainer's allocator releasing cached blocks, which no capture may see; a shape without a graph replays the captured
 graph of more rows, padding rows included, and runs un-graphed only where there is none).
 
@@ -37,7 +38,10 @@ import torch
 
 from rollout.partial import PartialRollouts
 
-SWITCH_INTERVAL_S = 0.0005  # the interpreter's lock hand-over while decoding runs beside (Python's default: 5 ms)
+# the interpreter's lock hand-over while decoding runs beside (Python's default: 5 ms). Every torch call of the decode
+# thread releases the lock and waits up to this long to take it back from the trainer's thread (the convoy effect:
+# on the CPU, bench.beside_contention's decode beside a pure Python loop takes 100 ms a step at 0.5 ms, 30 at 0.1)
+SWITCH_INTERVAL_S = 0.0001
 # the decode stream's priority: the highest the device has (torch maps a value past the range onto its end), so the
 # GPU's block scheduler starts a decode kernel's blocks ahead of the update's waiting ones as SMs free up, instead of
 # after them; a CUDA graph replayed into the stream runs at its priority
@@ -51,6 +55,10 @@ class DecodeBeside:
         self.rollouts = rollouts
         self.device = torch.device(device)
         self.steps, self.error = 0, None
+        # what waits for a slot goes in first (on the caller's time, as the generation's last prefill): beside, nothing
+        # is admitted, and a step whose quota was met by groups completed earlier would leave its new groups waiting
+        # through the whole update (on an H100's heavy tail every third step did, the GPU decoding nothing beside)
+        rollouts.admit_waiting()
         rollouts.settle()  # the step in flight from run_until is the generation's: its tokens are not counted here
         self._tokens = rollouts.engine.stats["sampled_tokens"]
         self._ungraphed = rollouts.engine.runner.ungraphed_steps

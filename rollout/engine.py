@@ -122,6 +122,14 @@ class NativeEngine:
         if self._sched is not None:
             self._sched.admission_paused = on
 
+    def can_admit(self) -> bool:
+        """Whether the next step() would admit (prefill) sequences waiting for a slot."""
+        return self._sched is not None and self._sched.can_admit()
+
+    def num_waiting(self) -> int:
+        """Sequences waiting for a slot (fresh samples and continuations)."""
+        return 0 if self._sched is None else len(self._sched.waiting)
+
     def is_decoding(self) -> bool:
         """Whether a step() would decode: rows running or a decode step in flight (waiting sequences aside)."""
         return self._sched is not None and (bool(self._sched.running) or self._pending is not None)

@@ -114,6 +114,15 @@ class PartialRollouts:
         """One engine iteration; groups that complete stay held (the next run_until hands them over first)."""
         self._absorb(self.engine.step())
 
+    def admit_waiting(self) -> None:
+        """Step the engine while samples waiting for a slot can be admitted (each such step prefills them, beside the
+        decode step in flight): afterwards as many samples decode as the slots hold (rollout/beside.py)."""
+        while self.engine.can_admit():
+            waiting = self.engine.num_waiting()
+            self.advance()
+            if self.engine.num_waiting() >= waiting:
+                break  # nothing could go in (admission would have evicted a parked KV)
+
     def settle(self) -> None:
         """Wait for the engine's decode step in flight and take its tokens (nothing is left pending on the device)."""
         self._absorb(self.engine.settle())

@@ -78,16 +78,19 @@ def test_it_stops_by_itself_when_nothing_is_left_and_hands_the_engine_back():
 
 
 def test_nothing_waiting_is_admitted_beside_and_the_thread_ends_with_the_running_rows():
-    """Four groups of two samples through four slots: the samples that waited for a slot stay waiting while decoding
-    runs beside (no prefill), the thread ends once the running rows are done, and afterwards they are admitted."""
+    """Four groups of two samples through four slots: group 0 ends, the slots it frees take group 2 before the thread
+    starts (admit_waiting), group 3 stays waiting while decoding runs beside (no prefill), the thread ends once the
+    running rows are done, and afterwards it is admitted."""
     models = _versions()
     engine = NativeEngine.from_model(copy.deepcopy(models[0]), config=config(max_num_seqs=4))
     rollouts = PartialRollouts(engine, version=0)
     for i, cap in enumerate((3, 12, 12, 12)):
         rollouts.add_group(PROMPTS[i], _params(30 + i, max_tokens=cap))
-    rollouts.run_until(groups=1)  # group 0 done, two groups running, one waiting for slots
-    prefills = engine.stats["prefill_steps"]
+    rollouts.run_until(groups=1)  # group 0 done, group 1 running, groups 2 and 3 waiting for slots
+    assert engine.num_waiting() == 4
     beside = DecodeBeside(rollouts)
+    prefills = engine.stats["prefill_steps"]
+    assert engine.num_waiting() == 2  # group 2 went in first
     beside._thread.join(timeout=60)
     assert not beside._thread.is_alive() and engine.stats["prefill_steps"] == prefills
     assert engine.has_unfinished() and not engine.is_decoding()  # the waiting samples, untouched
@@ -112,3 +115,26 @@ def test_an_error_on_the_thread_is_raised_by_stop():
     with pytest.raises(RuntimeError, match="decoding beside the update failed: ValueError: decode step failed"):
         beside.stop()
     assert engine.runner.may_capture is True
+
+
+def test_samples_waiting_for_a_slot_are_admitted_before_the_thread_starts():
+    """A step whose quota is met by groups completed earlier hands them over at once, leaving its new groups waiting
+    (nothing ran): they are prefilled before decoding starts beside, so the update's time is not lost to them."""
+    models = _versions()
+    engine, rollouts = _in_flight(models, caps=(3, 3, 3))
+    assert [g[0].group for g in rollouts.run_until(groups=1)] == [0]  # 1 and 2 complete too, held
+    for i, cap in ((3, 12), (4, 12)):
+        rollouts.add_group(PROMPTS[i], _params(20 + i, max_tokens=cap))
+    prefills = engine.stats["prefill_steps"]
+    assert [g[0].group for g in rollouts.run_until(groups=2)] == [1, 2]  # met at once: 3 and 4 wait
+    assert engine.stats["prefill_steps"] == prefills and not engine.is_decoding()
+    beside = DecodeBeside(rollouts)
+    assert engine.stats["prefill_steps"] > prefills and engine.num_waiting() == 0
+    beside._thread.join(timeout=60)
+    report = beside.stop()
+    assert report["async/beside_tokens"] > 0 and not engine.has_unfinished()
+    done = rollouts.run_until(groups=2)
+    assert sorted(g[0].group for g in done) == [3, 4]
+    for group in done:
+        for t in group:
+            _check_against_trainer(t, models)
