@@ -16,13 +16,16 @@ prompts) runs on DecodeBeside's thread and stream while this thread runs a load 
 Each load also runs alone, so the row gives both sides of the sharing: the decode's milliseconds per step beside
 the load against alone, and the load's rate beside the decode against alone. Variants (--priorities,
 --switch-intervals) repeat the loads with the decode stream's priority and the interpreter's switch interval
-changed. Graphs are captured up front (a first decode of every length alone), so steps beside replay them
-(`ungraphed` counts those that did not). The last stdout line is one JSON object.
+changed, and --partitions with the load kept off some SMs: `carveout:N` (cuBLAS's matmuls leave N SMs free,
+torch._C._set_sm_carveout_experimental), `green:N` (the load runs on a stream of a CUDA green context of N SMs).
+Graphs are captured up front (a first decode of every length alone), so steps beside replay them (`ungraphed`
+counts those that did not). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -76,6 +79,28 @@ class Load:
         return self.units / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def partition(spec: str, device: torch.device):
+    """The load's SMs: 'none', 'carveout:N' or 'green:N' (module docstring)."""
+    kind, _, n = spec.partition(":")
+    if kind == "none":
+        yield
+    elif kind == "carveout":
+        torch._C._set_sm_carveout_experimental(int(n))
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+    elif kind == "green":
+        stream = torch.cuda.GreenContext.create(num_sms=int(n), device_id=device.index or 0).Stream()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(device).wait_stream(stream)
+    else:
+        raise SystemExit(f"--partitions: {spec!r} is none, carveout:N or green:N")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -106,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--priorities", default="-100,0", help="decode stream priorities (rollout.beside.STREAM_PRIORITY)")
     ap.add_argument("--switch-intervals", default="0.0005",
                     help="interpreter switch intervals, s (rollout.beside.SWITCH_INTERVAL_S)")
+    ap.add_argument("--partitions", default="none", help="the load's SMs: none, carveout:N, green:N (comma-separated)")
     ap.add_argument("--compile", action="store_true", help="the engine's decode forward compiled (rollout.compile)")
     ap.add_argument("--gemm-size", type=int, default=8192)
     ap.add_argument("--device", default="cuda", help="cpu: the mechanics only (tests), no timing worth reading")
@@ -123,7 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_model(args.model, device=dev, dtype=dtype, seed=0)
     vocab = preset_config(args.model).vocab_size
     loads, cases = args.loads.split(","), []
-    combos = [(int(p), float(s)) for p in args.priorities.split(",") for s in args.switch_intervals.split(",")]
     # each case starts its rows afresh; every length a case reaches is decoded alone first, so that the steps beside
     # replay captured graphs, as in the trainer
     max_tokens = args.max_tokens
@@ -139,12 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
     trainee = None
     if "train" in loads:
         trainee = random_model(args.model, device=dev, dtype=dtype, seed=1).train().requires_grad_(True)
+    combos = [(int(p), float(s), part) for p in args.priorities.split(",") for s in args.switch_intervals.split(",")
+              for part in args.partitions.split(",")]
     load_alone = {}
-    for kind in loads:
-        load = Load(kind, model=trainee, vocab=vocab, tokens=args.train_tokens, gemm=args.gemm_size, device=dev)
-        load.run(0.5)  # warm-up
-        load_alone[kind] = load.run(args.seconds)
-    for priority, switch in combos:
+    for part in dict.fromkeys(c[2] for c in combos):
+        for kind in loads:
+            load = Load(kind, model=trainee, vocab=vocab, tokens=args.train_tokens, gemm=args.gemm_size, device=dev)
+            with partition(part, dev):
+                load.run(0.5)  # warm-up
+                load_alone[kind, part] = load.run(args.seconds)
+    for priority, switch, part in combos:
         beside_mod.STREAM_PRIORITY, beside_mod.SWITCH_INTERVAL_S = priority, switch
         for i, kind in enumerate(loads):
             rollouts = PartialRollouts(engine, version=0)
@@ -154,17 +183,19 @@ def main(argv: list[str] | None = None) -> dict:
             _sync(dev)
             tokens0 = engine.stats["sampled_tokens"]
             beside = DecodeBeside(rollouts, device=dev)
-            rate = load.run(args.seconds)
+            with partition(part, dev):
+                rate = load.run(args.seconds)
             report = beside.stop()
             steps = max(1.0, report["async/beside_steps"])
-            cases.append({"load": kind, "priority": priority, "switch_interval_s": switch,
+            alone = load_alone[kind, part]
+            cases.append({"load": kind, "priority": priority, "switch_interval_s": switch, "partition": part,
                           "decode_ms_per_step": report["async/beside_s"] * 1e3 / steps,
                           "decode_steps": report["async/beside_steps"],
                           "rows_per_step": (engine.stats["sampled_tokens"] - tokens0) / steps,
                           "ungraphed": report["async/beside_ungraphed_steps"],
                           "finished_early": not engine.is_decoding(),
-                          "load_rate": rate, "load_rate_alone": load_alone[kind],
-                          "load_slowdown": load_alone[kind] / rate if rate else None})
+                          "load_rate": rate, "load_rate_alone": alone,
+                          "load_slowdown": alone / rate if rate else None})
             print(json.dumps(cases[-1]), flush=True)
             rollouts.suspend()
     row = {"bench": "beside_contention", "model": args.model, "rows": args.rows, "prompt_len": args.prompt_len,

@@ -130,6 +130,10 @@ class NativeEngine:
         """Sequences waiting for a slot (fresh samples and continuations)."""
         return 0 if self._sched is None else len(self._sched.waiting)
 
+    def free_slots(self) -> int:
+        """Decode slots free now (a parked KV's slot counts: admission moves or evicts it)."""
+        return 0 if self._sched is None else self._sched.room()
+
     def is_decoding(self) -> bool:
         """Whether a step() would decode: rows running or a decode step in flight (waiting sequences aside)."""
         return self._sched is not None and (bool(self._sched.running) or self._pending is not None)

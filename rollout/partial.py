@@ -115,13 +115,17 @@ class PartialRollouts:
         self._absorb(self.engine.step())
 
     def admit_waiting(self) -> None:
-        """Step the engine while samples waiting for a slot can be admitted (each such step prefills them, beside the
-        decode step in flight): afterwards as many samples decode as the slots hold (rollout/beside.py)."""
-        while self.engine.can_admit():
+        """Admit samples waiting for a slot into the slots free now (each step that admits prefills them, beside the
+        decode step in flight; slots freed meanwhile by rows ending are left to the next generation): afterwards as
+        many samples decode as those slots hold (rollout/beside.py)."""
+        room = self.engine.free_slots()
+        while room > 0 and self.engine.can_admit():
             waiting = self.engine.num_waiting()
             self.advance()
-            if self.engine.num_waiting() >= waiting:
+            admitted = waiting - self.engine.num_waiting()
+            if admitted <= 0:
                 break  # nothing could go in (admission would have evicted a parked KV)
+            room -= admitted
 
     def settle(self) -> None:
         """Wait for the engine's decode step in flight and take its tokens (nothing is left pending on the device)."""

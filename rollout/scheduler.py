@@ -197,7 +197,7 @@ class Scheduler:
         # fresh sequences and continuations in park slots need a decode slot (parked ones count: they move to a park
         # slot, swap with a returning continuation's, or are evicted unless evict_parked_for_new is off)
         fresh, new = len(self.waiting) - self._reserved, len(self.waiting) - self._reserved - self._returning
-        room = len(self._free) + len(self.parked)
+        room = self.room()
         if not self.evict_parked_for_new:
             room = min(self._returning, room) + min(new, self._new_room(evict=False))
         if fresh and room and room >= min(self.min_admit, fresh):
@@ -208,6 +208,10 @@ class Scheduler:
             return True
         oldest = min(s.queued_at for s in islice(self.waiting, self._reserved))  # continuations lead the queue
         return self.steps - oldest >= self.continuation_wait
+
+    def room(self) -> int:
+        """Decode slots a sequence can take now: free ones and parked ones (admission moves or evicts their KV)."""
+        return len(self._free) + len(self.parked)
 
     def needs_compaction(self) -> bool:
         if self.waiting or not self.running:
