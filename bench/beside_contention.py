@@ -16,10 +16,10 @@ prompts) runs on DecodeBeside's thread and stream while this thread runs a load 
 Each load also runs alone, so the row gives both sides of the sharing: the decode's milliseconds per step beside
 the load against alone, and the load's rate beside the decode against alone. Variants (--priorities,
 --switch-intervals) repeat the loads with the decode stream's priority and the interpreter's switch interval
-changed, and --partitions with the load kept off some SMs: `carveout:N` (cuBLAS's matmuls leave N SMs free,
-torch._C._set_sm_carveout_experimental), `green:N` (the load runs on a stream of a CUDA green context of N SMs).
-Graphs are captured up front (a first decode of every length alone), so steps beside replay them (`ungraphed`
-counts those that did not). The last stdout line is one JSON object.
+changed, and --partitions with the load kept off some SMs: `carveout:N` (the matmuls through cuBLASLt, leaving N
+SMs free: torch._C._set_sm_carveout_experimental; cuBLAS ignores it), `green:N` (the load runs on a stream of a
+CUDA green context of N SMs). Graphs are captured up front (a first decode of every length alone), so steps beside
+replay them (`ungraphed` counts those that did not). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -85,18 +85,27 @@ def partition(spec: str, device: torch.device):
     kind, _, n = spec.partition(":")
     if kind == "none":
         yield
-    elif kind == "carveout":
+    elif kind == "carveout":  # honoured by cuBLASLt only (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET): matmuls go there
+        cuda = device.type == "cuda"
+        library = torch.backends.cuda.preferred_blas_library()
+        if cuda:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(int(n))
         try:
             yield
         finally:
             torch._C._set_sm_carveout_experimental(None)
+            if cuda:
+                torch.backends.cuda.preferred_blas_library(library)
     elif kind == "green":
-        stream = torch.cuda.GreenContext.create(num_sms=int(n), device_id=device.index or 0).Stream()
+        context = torch.cuda.GreenContext.create(num_sms=int(n), device_id=device.index or 0)
+        stream = context.Stream()  # the context must outlive its stream's work: held here until the end
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield
         torch.cuda.current_stream(device).wait_stream(stream)
+        stream.synchronize()
+        del context
     else:
         raise SystemExit(f"--partitions: {spec!r} is none, carveout:N or green:N")
 
