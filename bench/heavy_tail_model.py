@@ -50,12 +50,14 @@ class StepModel:
         return total / steps
 
     def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0,
-                overlap: tuple[float, float] | None = None) -> tuple[float, float]:
+                overlap: tuple[float, float] | None = None, due_only: bool = False) -> tuple[float, float]:
         """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing).
         overlap (decode_slow, train_slow): the groups in flight keep decoding while the trainer updates, as
         rollout.decode_beside does (on the same GPU, beside it: decode steps
         decode_slow x longer, the update train_slow x longer) with the weights before the update; none is
-        admitted meanwhile (it would count a version older against the bound)."""
+        admitted meanwhile (it would count a version older against the bound). due_only: once data.batch_size groups
+        are complete, only the due groups decode (the others wait), so the due tail runs at the small batch's
+        step time (a policy not built)."""
         if in_flight > 2 * self.b:  # as the trainer: more batches in flight could leave groups staler than the bound
             raise ValueError(f"{in_flight} groups in flight: at most 2 x {self.b} (rollout.batches_in_flight <= 2 "
                              f"with pacing)")
@@ -64,10 +66,13 @@ class StepModel:
             while len(running) + len(complete) < in_flight:
                 running.append([self.cap(rng), 0, k])  # cap, tokens so far, step admitted
             while running and (len(complete) < self.b or any(g[2] <= k - staleness for g in running)):
-                dt = self.decode_s([g[1] for g in running])
+                pacing = len(complete) >= self.b
+                rest = [g for g in running if g[2] > k - staleness] if due_only and pacing else []
+                active = [g for g in running if not any(g is r for r in rest)]
+                dt = self.decode_s([g[1] for g in active])
                 total += dt
-                paced += dt if len(complete) >= self.b else 0.0
-                running = _decode_step(running, complete)
+                paced += dt if pacing else 0.0
+                running = _decode_step(active, complete) + rest
             complete.sort(key=lambda g: g[2])
             trained, complete = complete[:self.b], complete[self.b:]
             assert all(k - g[2] <= staleness for g in trained), "a trained group is staler than the bound"
@@ -103,14 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overlap", default=None, metavar="DECODE_SLOW:TRAIN_SLOW",
                     help="model decoding beside the update (a policy not built): decode steps and the update that "
                          "much slower while they share the GPU, e.g. 2:1.1")
+    ap.add_argument("--due-only", action="store_true",
+                    help="model pacing that decodes only the due groups (a policy not built)")
     a = ap.parse_args(argv)
     overlap = tuple(float(x) for x in a.overlap.split(":")) if a.overlap else None
     m = StepModel(median=a.median_tokens, sigma=a.sigma, train_s=a.train_s)
     sync_s = m.sync(a.steps)
-    part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1, overlap=overlap)
+    part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1, overlap=overlap,
+                                 due_only=a.due_only)
     samples = m.b * m.n
     out = {"bench": "heavy_tail_model", "staleness": a.staleness, "groups_in_flight": a.groups_in_flight,
            "median_tokens": a.median_tokens, "sigma": a.sigma, "train_s": a.train_s, "overlap": overlap,
+           "due_only": a.due_only,
            "sync_samples_per_s": round(samples / sync_s, 2), "sync_step_s": round(sync_s, 3),
            "partial_samples_per_s": round(samples / part_s, 2), "partial_step_s": round(part_s, 3),
            "partial_paced_s": round(paced_s, 3), "ceiling_speedup": round(sync_s / part_s, 3)}

@@ -40,3 +40,12 @@ def test_decoding_beside_the_update_raises_the_ceiling_only_as_far_as_sharing_th
 def test_main_takes_the_overlap(capsys):
     row = main(["--steps", "20", "--overlap", "2:1.1"])
     assert row["overlap"] == (2.0, 1.1) and row["ceiling_speedup"] > 1.0
+
+
+def test_pacing_on_the_due_groups_alone_loses_what_the_full_batch_decodes_meanwhile():
+    """The due tail runs at the small batch's step time, but the paused groups' tokens must be decoded later: at the
+    latency floor that costs more than it saves (why the trainer's pacing steps every running row)."""
+    tail = StepModel()
+    every = tail.partial(60, in_flight=64, staleness=1, seed=1)[0]
+    due = tail.partial(60, in_flight=64, staleness=1, seed=1, due_only=True)[0]  # asserts the bound itself
+    assert every < due < tail.sync(60)
