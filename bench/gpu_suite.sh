@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside heavy_keep adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside heavy_keep contention adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
 #      ADAMW_SWEEP (CHUNK:BLOCK:warps list for bench.adamw), ASYNC2_STEPS (10), AGENT_ARGS (more bench.agent_turns flags for agent_queued, e.g. --continuation-wait-steps 2), T_<PART> (time limits, s; T_PLACEMENT
-#      and T_ASYNC2 are per mode).
+#      and T_ASYNC2 are per mode), HEAVY_STEPS (9) / HEAVY_WARMUP (3) for the heavy_* parts, PARTITIONS (contention).
 # Each part has its own time limit so one failure cannot eat the lease; the last line of each log is
 # the benchmark's JSON. All logs are packed into $OUT/logs.tar.gz; a summary goes to $OUT/summary.jsonl.
 set -u
@@ -16,6 +16,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(env tests train gen reshard grpo ppo placement)
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 prof_grpo=(); prof_train=()
+# the heavy-tail runs: 9 steps, the first 3 (two compile) not measured: the partial modes reach their steady state
+heavy=(--steps "${HEAVY_STEPS:-9}" --warmup "${HEAVY_WARMUP:-3}" --runs-dir "$OUT/runs")
 # the long single-run parts keep their run directories (the launcher's log: how far a run got when its time limit ended it)
 keep_runs=(--runs-dir "$OUT/runs")
 if [ -n "${PROFILE:-}" ]; then
@@ -48,13 +50,18 @@ for p in "${parts[@]}"; do
                 --timeout 420 tests/parallel/test_megatron_moe_gpu.py ;;
     attn) run decode_attention "${T_ATTN:-240}" python3 -m bench.decode_attention --batches 32,64,256 --contexts 256,384 ;;
     tail) run decode_tail "${T_TAIL:-90}" python3 -m bench.decode_tail --batches 32,64,256 ;;
-    heavy_tail) run heavy_tail_sync "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-sync
-      run heavy_tail_partial "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial ;;
+    heavy_tail) run heavy_tail_sync "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-sync "${heavy[@]}"
+      run heavy_tail_partial "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial "${heavy[@]}" ;;
     heavy_beside) run heavy_tail_beside_keep "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail \
-      --modes colocated-partial-beside-keep
-      run heavy_tail_beside "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial-beside ;;
+      --modes colocated-partial-beside-keep "${heavy[@]}"
+      run heavy_tail_beside "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail --modes colocated-partial-beside \
+        "${heavy[@]}" ;;
     heavy_keep) run heavy_tail_partial_keep "${T_HEAVY_TAIL:-540}" python3 -m bench.heavy_tail \
-      --modes colocated-partial-keep ;;
+      --modes colocated-partial-keep "${heavy[@]}" ;;
+    # a decode step beside training-like loads, the load kept off SMs by a CUDA green context or cuBLASLt's carveout
+    contention) run beside_contention "${T_CONTENTION:-240}" python3 -m bench.beside_contention --model llama-1b \
+      --rows 64 --seconds 1.5 --loads none,gemm,train --priorities=-100 --switch-intervals 0.0001 \
+      --partitions "${PARTITIONS:-none,green:116,green:100,carveout:16,carveout:32}" ;;
     partial) run partial_rollouts "${T_PARTIAL:-540}" python3 -m bench.partial_rollouts --model llama-1b \
       --prompts 32 --n 8 --prompt-len 128 --max-tokens 4096 --steps 6 --warmup 1 --over 2 --max-staleness 1 ;;
     adamw) for case in masters:bf16 masters:fp32 bf16:bf16; do  # layout:grads

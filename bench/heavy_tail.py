@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--median-tokens", type=int, default=256)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs-dir", default=None, help="keep the run directories here (metrics.jsonl: async/* per step)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     from bench.placement import main as placement
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"rollout.max_response_length={args.max_tokens}", f"trainer.total_steps={args.steps}",
                      f"reward.function=builtin:task:random:{args.prompt_len}", *args.overrides]
         row = placement(["--config", args.config, "--nproc", str(args.nproc), "--modes", args.modes,
-                         "--warmup", str(args.warmup), *overrides])
+                         "--warmup", str(args.warmup), *(["--runs-dir", args.runs_dir] if args.runs_dir else []),
+                         *overrides])
     row["heavy_tail"] = {"median_tokens": args.median_tokens, "sigma": args.sigma, "max_tokens": args.max_tokens,
                          "mean_cap": sum(caps) / len(caps), "max_cap": max(caps)}
     print(json.dumps(row))
