@@ -79,6 +79,9 @@ class Load:
         return self.units / (time.perf_counter() - t0)
 
 
+_GREEN: dict[int, tuple] = {}  # SMs -> (green context, its stream)
+
+
 @contextlib.contextmanager
 def partition(spec: str, device: torch.device):
     """The load's SMs: 'none', 'carveout:N' or 'green:N' (module docstring)."""
@@ -98,14 +101,14 @@ def partition(spec: str, device: torch.device):
             if cuda:
                 torch.backends.cuda.preferred_blas_library(library)
     elif kind == "green":
-        context = torch.cuda.GreenContext.create(num_sms=int(n), device_id=device.index or 0)
-        stream = context.Stream()  # the context must outlive its stream's work: held here until the end
+        if int(n) not in _GREEN:  # a context must outlive its stream and the memory allocated on it: kept to the end
+            context = torch.cuda.GreenContext.create(num_sms=int(n), device_id=device.index or 0)
+            _GREEN[int(n)] = (context, context.Stream())
+        stream = _GREEN[int(n)][1]
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield
         torch.cuda.current_stream(device).wait_stream(stream)
-        stream.synchronize()
-        del context
     else:
         raise SystemExit(f"--partitions: {spec!r} is none, carveout:N or green:N")
 
