@@ -14,7 +14,8 @@ Why it pays: the decode step of a partially filled batch reads the weights and K
 compute, and the update is compute-bound, so the two share the GPU better than they take turns (docs/async.md
 gives the model's ceiling). What it costs is host time: both loops are Python, under one interpreter lock, so the
 switch interval is shortened while decoding runs beside (SWITCH_INTERVAL_S), or a decode step would wait up to the
-default 5 ms for the lock at each torch call (each releases it), and the decode stream has the highest priority.
+default 5 ms for the lock at each torch call (each releases it). What it cannot escape is the GPU: the update's kernels
+hold the SMs, and a decode step beside them takes several times its time alone (docs/async.md has the measurements).
 
 Only the running rows decode beside (NativeEngine.set_beside_training): what waits for a slot is admitted before the
 thread starts (PartialRollouts.admit_waiting, the generation's last prefill), and nothing after, since a prefill is
@@ -43,8 +44,9 @@ from rollout.partial import PartialRollouts
 # on the CPU, bench.beside_contention's decode beside a pure Python loop takes 100 ms a step at 0.5 ms, 30 at 0.1)
 SWITCH_INTERVAL_S = 0.0001
 # the decode stream's priority: the highest the device has (torch maps a value past the range onto its end), so the
-# GPU's block scheduler starts a decode kernel's blocks ahead of the update's waiting ones as SMs free up, instead of
-# after them; a CUDA graph replayed into the stream runs at its priority
+# GPU's block scheduler may start a decode kernel's blocks ahead of the update's waiting ones (a CUDA graph replayed
+# into the stream runs at its priority). Measured on an H100 (bench.beside_contention): no gain beside training or
+# matmuls, whose kernels hold every SM; none lost either
 STREAM_PRIORITY = -100
 
 
