@@ -10,12 +10,12 @@ The engine keeps the weights it decoded with (its own copy: rollout.hybrid copie
 token sampled beside the update is the version's named in `rollouts.version`, and a group's staleness is counted as
 for any partial rollout. Completed groups stay held; the next run_until hands them over first.
 
-Why it pays: the decode step of a partially filled batch reads the weights and KV at a fraction of the GPU's
-compute, and the update is compute-bound, so the two share the GPU better than they take turns (docs/async.md
-gives the model's ceiling). What it costs is host time: both loops are Python, under one interpreter lock, so the
-switch interval is shortened while decoding runs beside (SWITCH_INTERVAL_S), or a decode step would wait up to the
-default 5 ms for the lock at each torch call (each releases it). What it cannot escape is the GPU: the update's kernels
-hold the SMs, and a decode step beside them takes several times its time alone (docs/async.md has the measurements).
+Why it was built: the decode step of a partially filled batch reads the weights and KV at a fraction of the GPU's
+compute, and the update is compute-bound, so the two might share the GPU better than they take turns (docs/async.md
+gives the step model's ceiling). Both loops are Python, under one interpreter lock, so the switch interval is
+shortened while decoding runs beside (SWITCH_INTERVAL_S), or a decode step would wait up to the default 5 ms for the
+lock at each torch call (each releases it). What it cannot escape is the GPU: on an H100 the update's kernels hold the
+SMs, and a decode step beside them takes 4-14x its time alone (docs/async.md), so it gains little; off by default.
 
 Only the running rows decode beside (NativeEngine.set_beside_training): what waits for a slot is admitted before the
 thread starts (PartialRollouts.admit_waiting, the generation's last prefill), and nothing after, since a prefill is
