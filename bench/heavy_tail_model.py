@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import random
+import sys
 
 
 class StepModel:
@@ -41,23 +42,38 @@ class StepModel:
     def cap(self, rng: random.Random) -> int:
         return min(self.max_tokens, max(16, int(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))))
 
-    def sync(self, steps: int, seed: int = 0) -> float:
-        """Mean step seconds of synchronous GRPO."""
+    def sync(self, steps: int, seed: int = 0, slots: int | None = None) -> float:
+        """Mean step seconds of synchronous GRPO. slots: the engine's decode rows (None: every sample at once);
+        groups beyond them wait for a finished group's rows, in order."""
         rng, total = random.Random(seed), 0.0
         for _ in range(steps):
             caps = [self.cap(rng) for _ in range(self.b)]
-            total += self.train_s + sum(self.decode_s([s] * sum(c > s for c in caps)) for s in range(max(caps)))
+            total += self.train_s
+            if slots is None:
+                total += sum(self.decode_s([s] * sum(c > s for c in caps)) for s in range(max(caps)))
+                continue
+            waiting, running, complete = [[c, 0, 0] for c in caps], [], []
+            while waiting or running:
+                room = self.rows(slots) - len(running)
+                running, waiting = running + waiting[:room], waiting[room:]
+                total += self.decode_s([g[1] for g in running])
+                running = _decode_step(running, complete)
         return total / steps
 
+    def rows(self, slots: int | None) -> int:
+        """Groups that decode at once in `slots` decode rows (a group's samples end together: one cap)."""
+        return sys.maxsize if slots is None else max(1, slots // self.n)
+
     def partial(self, steps: int, *, in_flight: int, staleness: int, seed: int = 0,
-                overlap: tuple[float, float] | None = None, due_only: bool = False) -> tuple[float, float]:
+                overlap: tuple[float, float] | None = None, due_only: bool = False,
+                slots: int | None = None) -> tuple[float, float]:
         """(mean step seconds, mean seconds a step decodes past its first data.batch_size complete groups: pacing).
         overlap (decode_slow, train_slow): the groups in flight keep decoding while the trainer updates, as
         rollout.decode_beside does (on the same GPU, beside it: decode steps
         decode_slow x longer, the update train_slow x longer) with the weights before the update; none is
         admitted meanwhile (it would count a version older against the bound). due_only: once data.batch_size groups
         are complete, only the due groups decode (the others wait), so the due tail runs at the small batch's
-        step time (a policy not built)."""
+        step time (a policy not built). slots: as in sync(); the groups in flight take the rows oldest first."""
         if in_flight > 2 * self.b:  # as the trainer: more batches in flight could leave groups staler than the bound
             raise ValueError(f"{in_flight} groups in flight: at most 2 x {self.b} (rollout.batches_in_flight <= 2 "
                              f"with pacing)")
@@ -69,6 +85,8 @@ class StepModel:
                 pacing = len(complete) >= self.b
                 rest = [g for g in running if g[2] > k - staleness] if due_only and pacing else []
                 active = [g for g in running if not any(g is r for r in rest)]
+                if len(active) > self.rows(slots):  # the rows are full: the youngest wait
+                    rest, active = rest + active[self.rows(slots):], active[: self.rows(slots)]
                 dt = self.decode_s([g[1] for g in active])
                 total += dt
                 paced += dt if pacing else 0.0
@@ -81,9 +99,12 @@ class StepModel:
                 continue
             decode_slow, train_slow = overlap  # no refill here: new groups would be a version older when trained
             update_s, t = self.train_s * train_slow, 0.0
-            while running and t < update_s:
-                t += self.decode_s([g[1] for g in running]) * decode_slow
-                running = _decode_step(running, complete)
+            # the rows decoding when the update starts (rollout.beside: nothing is admitted while it runs)
+            active, rest = running[: self.rows(slots)], running[self.rows(slots):]
+            while active and t < update_s:
+                t += self.decode_s([g[1] for g in active]) * decode_slow
+                active = _decode_step(active, complete)
+            running = active + rest
             total += update_s
         return total / steps, paced / steps
 
@@ -108,18 +129,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overlap", default=None, metavar="DECODE_SLOW:TRAIN_SLOW",
                     help="model decoding beside the update (a policy not built): decode steps and the update that "
                          "much slower while they share the GPU, e.g. 2:1.1")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="the engine's decode rows (default: every sample at once); the H100 heavy tail had ~138")
     ap.add_argument("--due-only", action="store_true",
                     help="model pacing that decodes only the due groups (a policy not built)")
     a = ap.parse_args(argv)
     overlap = tuple(float(x) for x in a.overlap.split(":")) if a.overlap else None
     m = StepModel(median=a.median_tokens, sigma=a.sigma, train_s=a.train_s)
-    sync_s = m.sync(a.steps)
+    sync_s = m.sync(a.steps, slots=a.slots)
     part_s, paced_s = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1, overlap=overlap,
-                                 due_only=a.due_only)
+                                 due_only=a.due_only, slots=a.slots)
     samples = m.b * m.n
     out = {"bench": "heavy_tail_model", "staleness": a.staleness, "groups_in_flight": a.groups_in_flight,
            "median_tokens": a.median_tokens, "sigma": a.sigma, "train_s": a.train_s, "overlap": overlap,
-           "due_only": a.due_only,
+           "due_only": a.due_only, "slots": a.slots,
            "sync_samples_per_s": round(samples / sync_s, 2), "sync_step_s": round(sync_s, 3),
            "partial_samples_per_s": round(samples / part_s, 2), "partial_step_s": round(part_s, 3),
            "partial_paced_s": round(paced_s, 3), "ceiling_speedup": round(sync_s / part_s, 3)}

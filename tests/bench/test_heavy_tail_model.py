@@ -49,3 +49,13 @@ def test_pacing_on_the_due_groups_alone_loses_what_the_full_batch_decodes_meanwh
     every = tail.partial(60, in_flight=64, staleness=1, seed=1)[0]
     due = tail.partial(60, in_flight=64, staleness=1, seed=1, due_only=True)[0]  # asserts the bound itself
     assert every < due < tail.sync(60)
+
+
+def test_decode_rows_for_every_sample_change_nothing_and_fewer_rows_queue_the_groups():
+    tail = StepModel()
+    assert tail.sync(20, slots=32 * 8) == pytest.approx(tail.sync(20), rel=1e-9)
+    assert tail.partial(20, in_flight=64, staleness=1, seed=1, slots=64 * 8) == tail.partial(
+        20, in_flight=64, staleness=1, seed=1)
+    assert tail.sync(20, slots=8) > 2 * tail.sync(20)  # one group at a time: its caps in series
+    few = tail.partial(20, in_flight=64, staleness=1, seed=1, slots=64, overlap=(4.0, 1.12))  # asserts the bound
+    assert few[0] > tail.partial(20, in_flight=64, staleness=1, seed=1, overlap=(4.0, 1.12))[0]
