@@ -29,8 +29,8 @@ from rollout.base import (
     error_completions,
     expand_sampling,
 )
-from rollout.model_runner import EngineModelRunner, any_filtered
-from rollout.sampler import request_key
+from rollout.model_runner import EngineModelRunner
+from rollout.sampler import any_filtered, request_key
 from rollout.scheduler import DecodeBatch, PrefillBatch, Scheduler, Sequence
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,13 @@ row instead of Gumbel noise per (row, vocab) keeps the RNG cost O(B) rather than
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from rollout.scheduler import Sequence
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2^31, so (x < 2^32) * _MUL never overflows int64
@@ -39,6 +45,11 @@ def request_key(seed: int, sample_index: int) -> int:
     x = (x * 0xD6E8FEB86659FD93) % (1 << 64)
     x ^= x >> 29
     return x >> 2  # fits a signed int64 tensor
+
+
+def any_filtered(seqs: Iterable[Sequence]) -> bool:
+    """Whether any sampled (T > 0) row needs the sorted top-k/top-p path."""
+    return any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
 
 
 def sample(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
