@@ -127,7 +127,7 @@ def start_rows(engine, rollouts, *, rows: int, prompt_len: int, max_tokens: int,
         prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
         rollouts.add_group(prompt, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=8, ignore_eos=True,
                                                   seed=seed * 1000 + g))
-    while engine.has_unfinished() and not (engine.is_decoding() and not engine._sched.waiting):
+    while engine.has_unfinished() and not (engine.is_decoding() and not engine.num_waiting()):
         rollouts.advance()  # the prefill, then decoding
 
 
@@ -193,7 +193,6 @@ def main(argv: list[str] | None = None) -> dict:
                        vocab=vocab, seed=2 + i)
             load = Load(kind, model=trainee, vocab=vocab, tokens=args.train_tokens, gemm=args.gemm_size, device=dev)
             _sync(dev)
-            tokens0 = engine.stats["sampled_tokens"]
             beside = DecodeBeside(rollouts, device=dev)
             with partition(part, dev):
                 rate = load.run(args.seconds)
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             cases.append({"load": kind, "priority": priority, "switch_interval_s": switch, "partition": part,
                           "decode_ms_per_step": report["async/beside_s"] * 1e3 / steps,
                           "decode_steps": report["async/beside_steps"],
-                          "rows_per_step": (engine.stats["sampled_tokens"] - tokens0) / steps,
+                          "rows_per_step": report["async/beside_tokens"] / steps,
                           "ungraphed": report["async/beside_ungraphed_steps"],
                           "finished_early": not engine.is_decoding(),
                           "load_rate": rate, "load_rate_alone": alone,

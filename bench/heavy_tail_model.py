@@ -83,8 +83,10 @@ class StepModel:
                 running.append([self.cap(rng), 0, k])  # cap, tokens so far, step admitted
             while running and (len(complete) < self.b or any(g[2] <= k - staleness for g in running)):
                 pacing = len(complete) >= self.b
-                rest = [g for g in running if g[2] > k - staleness] if due_only and pacing else []
-                active = [g for g in running if not any(g is r for r in rest)]
+                active, rest = running, []
+                if due_only and pacing:
+                    due = k - staleness
+                    active, rest = [g for g in running if g[2] <= due], [g for g in running if g[2] > due]
                 if len(active) > self.rows(slots):  # the rows are full: the youngest wait
                     rest, active = rest + active[self.rows(slots):], active[: self.rows(slots)]
                 dt = self.decode_s([g[1] for g in active])
