@@ -27,6 +27,7 @@ import sys
 import tempfile
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -50,7 +51,9 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "megatron.c
 
 
 def _context(backend: str):
-    if backend == "nccl":
+    # on a GPU machine every world is spawned: a fork server that imported megatron.core has touched CUDA there,
+    # and a rank forked from it could not use the GPU ("Cannot re-initialize CUDA in forked subprocess")
+    if backend == "nccl" or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)

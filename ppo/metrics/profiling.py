@@ -6,6 +6,9 @@ For each profiled step every rank writes, under <run dir>/profile/:
                             category (gemm, attention, nccl, memcpy, other), the top kernels, and the largest
                             idle gaps with the host operators that launched the kernel after each;
   step<N>_rank<r>.trace.json.gz   the chrome trace (chrome://tracing, perfetto.dev).
+On CUDA the summary also counts the step's synchronising CUDA calls (`host_syncs`: item(), copies to the host,
+synchronize()) by call site, the innermost frames of this repository: after each one the device runs dry and
+waits for the host to launch again, which is where a launch-bound pass loses its time.
 
 Stages are the StageTimer's: each is annotated with record_function("stage:<name>") and ends with a device
 synchronise, so a kernel belongs to the stage whose window holds its start. The attribution reads the chrome
@@ -20,7 +23,10 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+import traceback
+import warnings
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -175,6 +181,44 @@ def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
     return out
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+_REPO = str(Path(__file__).resolve().parents[2]) + os.sep
+
+
+def call_site(stack: list[traceback.FrameSummary], depth: int = 4) -> str:
+    """The innermost `depth` frames of this repository in `stack`, innermost first ("file:line fn <- ...")."""
+    ours = [f for f in stack if f.filename.startswith(_REPO) and f.filename != __file__]
+    return " <- ".join(f"{f.filename[len(_REPO):]}:{f.lineno} {f.name}" for f in reversed(ours[-depth:])) or "(torch)"
+
+
+@contextmanager
+def host_syncs(*, top: int = 25):
+    """Counts the synchronising CUDA calls made inside the block, by call site (torch's sync debug mode, whose
+    warnings are caught here instead of printed). Yields a dict that holds {total, sites: [{site, calls}]} after
+    the block. Calls from threads without a Python frame (the autograd engine's) are not seen."""
+    result: dict = {}
+    counts: Counter = Counter()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+        show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                counts[call_site(traceback.extract_stack()[:-1])] += 1
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield result
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            result.update(total=sum(counts.values()),
+                          sites=[{"site": k, "calls": v} for k, v in counts.most_common(top)])
+
+
 class StepProfiler:
     """Profiles the steps numbered in `steps` (1-based, as metrics.jsonl counts them) on this rank; the loop
     passes its 0-based step index."""
@@ -193,16 +237,17 @@ class StepProfiler:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
             torch.cuda.synchronize(self.device)
-        with profile(activities=activities) as prof:
+        with profile(activities=activities) as prof, (host_syncs() if cuda else nullcontext({})) as syncs:
             yield True
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
-        self.write(step, prof)
+        self.write(step, prof, host_syncs=syncs)
 
-    def write(self, step: int, prof) -> Path:
+    def write(self, step: int, prof, *, host_syncs: dict | None = None) -> Path:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = f"step{step + 1}_rank{self.rank}"
         fd, raw = tempfile.mkstemp(suffix=".json", dir=self.out_dir)
@@ -213,6 +258,8 @@ class StepProfiler:
                 events = json.load(f).get("traceEvents", [])
             summary = {"step": step + 1, "rank": self.rank, "device": str(self.device),
                        "stages": summarise_trace(events)}
+            if host_syncs:
+                summary["host_syncs"] = host_syncs
             with open(raw, "rb") as src, gzip.open(self.out_dir / f"{stem}.trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
         finally:

@@ -249,7 +249,7 @@ class ShardedWorker:
                 def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
                     return mb_loss(packs[k], hidden, mbts[k], denom)
 
-                metrics_list = self.runner.forward_backward(batches, loss_fn=loss_fn)
+                metrics_list = metric_floats(self.runner.forward_backward(batches, loss_fn=loss_fn))
                 for m in metrics_list:
                     if self.optimizer_steps_in_update:  # the engine's routing is compared with its own policy's only
                         m = {k2: v for k2, v in m.items() if k2 != "router_mismatch"}
@@ -306,6 +306,23 @@ def _first_nonfinite(metrics_list: list[dict], grad_norm: float, *, optimizer_st
 # micro-batch metrics that are shares of the mini-batch's loss (normalised by its global denominator): summed per
 # optimizer step, not averaged over micro-batches (Worker._loss_terms)
 LOSS_TERMS = ("pg_loss", "kl_loss", "vf_loss")
+
+
+def metric_floats(metrics_list: list[dict]) -> list[dict[str, float]]:
+    """Micro-batch metrics (floats or 0-d device tensors, left unsynchronised by the losses) as floats, read
+    through one copy per device (one sync), not one per value: after it the host launches the optimizer step
+    and the next mini-batch onto an idle device, so every extra round trip there is idle GPU time."""
+    by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    for j, m in enumerate(metrics_list):
+        for k, v in m.items():
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append((j, k, v))
+    out = [{k: v for k, v in m.items() if not isinstance(v, torch.Tensor)} for m in metrics_list]
+    for items in by_device.values():
+        flat = torch.stack([v.detach().reshape(()).to(torch.float64) for _, _, v in items]).tolist()
+        for (j, k, _), x in zip(items, flat, strict=True):
+            out[j][k] = x
+    return [{k: out[j][k] for k in m} for j, m in enumerate(metrics_list)]  # each dict in its own key order
 
 
 def _reduce_metric(key: str, acc: float | None, v: float) -> float:

@@ -98,3 +98,32 @@ def test_cpu_step_profile_writes_summary_and_trace(tmp_path):
     assert any(op["name"] == "aten::mm" for op in st["top_cpu_ops"]), st["top_cpu_ops"]
     with gzip.open(tmp_path / "step2_rank0.trace.json.gz") as f:
         assert json.load(f)["traceEvents"]
+
+
+def _sync_here():
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # what torch's sync debug mode warns
+
+
+def test_host_syncs_count_the_sync_warnings_by_call_site_and_pass_the_others_on(monkeypatch):
+    import warnings
+
+    from ppo.metrics.profiling import host_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with host_syncs() as syncs:
+            for _ in range(3):
+                _sync_here()
+            _sync_here()
+            warnings.warn("something else", stacklevel=1)
+    assert modes == ["warn", 0]  # on for the block, then back to what it was
+    assert syncs["total"] == 4
+    here = f"tests/ppo/metrics/test_profiling.py:{_sync_here.__code__.co_firstlineno + 3} _sync_here"
+    assert [s["calls"] for s in syncs["sites"]] == [3, 1]  # two call sites: the loop's and the last call's
+    assert all(s["site"].startswith(here + " <- tests/ppo/metrics/test_profiling.py:") for s in syncs["sites"])
+    assert [str(w.message) for w in seen] == ["something else"]  # other warnings still reach their handler

@@ -179,6 +179,21 @@ def test_to_host_is_one_copy_of_every_shape():
         assert y.dtype == torch.float32 and torch.equal(y, x.float())
 
 
+def test_metric_floats_read_every_tensor_in_one_copy(monkeypatch):
+    from ppo.roles.workers import metric_floats
+
+    ms = [{"pg_loss": torch.tensor(0.25), "n": 3, "ratio_max": torch.tensor(1.5, dtype=torch.bfloat16)},
+          {"ratio_max": torch.tensor(2.0), "pg_loss": torch.tensor(-1.0, dtype=torch.float64), "n": 4}]
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    out = metric_floats(ms)
+    assert reads == [torch.Size([4])]  # one stacked read, not one per value
+    assert out == [{"pg_loss": 0.25, "n": 3, "ratio_max": 1.5}, {"ratio_max": 2.0, "pg_loss": -1.0, "n": 4}]
+    assert [list(m) for m in out] == [list(m) for m in ms]
+    assert metric_floats([{}, {"a": 1.0}]) == [{}, {"a": 1.0}]
+
+
 def test_score_enqueues_the_forwards_before_rewards_and_waits_last(trainer, monkeypatch):
     """Trainer.score launches every forward, scores rule rewards while their kernels run, then waits; a deferred
     reference comes back as a handle whose get() waits for it, or hands over its rows on the device."""
