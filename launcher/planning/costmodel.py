@@ -15,7 +15,7 @@ written by `python -m bench.calibrate`):
   pipeline bubble, TP all-reduces (not overlapped) and FSDP gathers (overlapped with compute).
 - reshard: the bytes each rank receives (parallel/reshard.py's lower bound) at the measured rate.
 - host: GAE and rule rewards on the CPU; samples and results exchanged between pools.
-Step time per placement (ppo/trainer.py's order): colocated runs every stage in sequence; split runs
+Step time per placement (ppo/trainer/step.py's order): colocated runs every stage in sequence; split runs
 the pools' stages of each phase side by side (the slower pool bounds the phase); async overlaps
 generation of batch k+1 with scoring of batch k and drops the old-log-prob forward.
 """

@@ -3,7 +3,7 @@
     est = estimate(workload, calibration, candidate)
     est.step_s, est.samples_per_s, est.stages, est.pool_utilization(), est.peak_gb, est.reject
 
-The phases follow ppo/trainer.py's `step()`:
+The phases follow ppo/trainer/step.py's `step()`:
     sync:  generate (actor pool) | score (every pool its own stages) | advantages | update (every pool)
     async: score batch k on every pool while the actor pool generates batch k+1 | advantages | update
 A phase lasts as long as its slowest pool (colocated: one pool, so every stage runs in sequence).

@@ -1,4 +1,4 @@
-"""Non-finite steps are contained (ppo/trainer.py): a step whose gradient norm, loss or advantages are not finite is
+"""Non-finite steps are contained (ppo/trainer/): a step whose gradient norm, loss or advantages are not finite is
 not applied (weights and optimizer state as before it), counted in train/nonfinite_skipped with a WARNING naming the
 step and the quantity, and trainer.max_nonfinite_steps such steps in a row stop the run (exit 2 in the launcher)
 with the last checkpoint untouched. Compared against the same run's weights before the skipped step."""
@@ -15,7 +15,7 @@ from tests.ppo.world import tiny_run, world_of_one
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypatch, caplog):
-    import ppo.trainer as trainer_mod
+    import ppo.trainer.step as trainer_mod
     from ppo.run.checkpoint import load_model_state
     from ppo.trainer import NonFiniteStepsError
 

@@ -1,4 +1,4 @@
-"""Trainer.step's deferred reference wait (ppo/trainer.py): the advantages are computed while the reference
+"""Trainer.step's deferred reference wait (ppo/trainer/step.py): the advantages are computed while the reference
 forward runs, and, with the reference placed like the actor, the update reads the reference's log-probs on the
 device without waiting for them at all; each way the step trains exactly as one that waits for the reference
 first."""

@@ -1,19 +1,8 @@
-"""The PPO/GRPO step loop over the role groups of a device plan (driven by launcher/main.py).
-
-    torchrun --nproc_per_node 2 launcher/main.py conf/ppo_tiny.yaml
-
-One step, on every rank (each rank does the stages of the roles it hosts; in split
-placement the groups work concurrently and meet at two exchanges):
-
-    prompts -> generate (actor ranks, hybrid engine) -> share samples
-            -> old log-probs (actor) | ref log-probs (ref) | values (critic) | scores (reward)
-            -> merge results -> advantages (pure, every rank) -> actor update | critic update
-            -> metrics.jsonl, checkpoints
-"""
+"""One PPO/GRPO step over the role groups of a device plan (PPOTrainer.step; the trainer wing's package docstring
+shows the data flow), and run_training, the launcher's entry into the loop."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -25,23 +14,24 @@ import torch
 import torch.distributed as dist
 
 from ppo.batch.ahead import BatchesAhead, staleness_metrics
-from ppo.batch.experience import Experience, all_gather_objects, merge_results, share_samples
-from ppo.batch.step_batch import ReferenceLogprobs, StepBatch, compute_step_batch, overlong_penalties
+from ppo.batch.experience import Experience, all_gather_objects, merge_results
+from ppo.batch.step_batch import ReferenceLogprobs, StepBatch, compute_step_batch
 from ppo.control.budgets import TokenBudgets
 from ppo.control.controller import BatchController, agree_feedback
-from ppo.metrics.host_gc import GcPauses, freeze_survivors
+from ppo.metrics.host_gc import GcPauses
 from ppo.metrics.profiling import StepProfiler
 from ppo.metrics.samples import SampleLog
 from ppo.metrics.step_metrics import StepMetrics
-from ppo.metrics.timing import DeviceSpan, StageTimer, compiled_graphs
+from ppo.metrics.timing import DeviceSpan, StageTimer
 from ppo.roles.build import build_roles
-from ppo.roles.generation import Generation, settle_residency, sized_for_prompts
+from ppo.roles.generation import sized_for_prompts
 from ppo.roles.placement import Placement
 from ppo.roles.step_plan import old_logp_share, old_logp_source, ref_beside_actor
 from ppo.roles.workers import PendingResults
-from ppo.run.checkpoint import seal_directory, verify_sealed
 from ppo.run.state import TrainState
 from ppo.settings import PPOSettings
+from ppo.trainer.batches import BatchDrawing
+from ppo.trainer.fit import FitLoop
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +44,11 @@ class ReferenceRoute:
     span: DeviceSpan | None = None  # the reference's kernels, for its timing, when they stay on the device
 
 
-class PPOTrainer:
-    """`heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
+class PPOTrainer(BatchDrawing, FitLoop):
+    """One step on this rank over the role groups of the plan (`step`), the batch drawn by BatchDrawing
+    (ppo/trainer/batches.py) and the run's steps looped by FitLoop (ppo/trainer/fit.py).
+
+    `heartbeat` (set_stage(stage, step), e.g. launcher.watchdog.Watchdog) hears every stage;
     `stop_requested() -> reason | None` (launcher.preempt.StopRequest) is asked at each step end."""
 
     def __init__(self, *, settings: PPOSettings, placement: Placement, run_dir: Path, model_config,
@@ -133,61 +126,6 @@ class PPOTrainer:
                                mini_batch_size=update.mini_batch_size,
                                samples=samples or s.data.batch_size * s.generation.n,
                                kl_penalty_with_ref=s.loop.advantages.use_kl_penalty and "ref" in self.plan.groups)
-
-    def generate(self, step: int, timer: StageTimer, *, version: int | None = None, index_offset: int = 0
-                 ) -> tuple[Experience, Generation]:
-        """Draw the next prompts for step `step`'s batch, generate them on the actor ranks with the weights of
-        policy version `version` (the step now running; default `step`: generated in its own step), share the
-        samples with every rank. Returns the batch and this rank's generation report (empty off the actor
-        ranks). index_offset numbers the prompts of a further generation round of the same step apart."""
-        batch = self.state.next_prompts(step if version is None else version)
-        if index_offset:
-            batch = [dict(row, index=row["index"] + index_offset) for row in batch]
-        gen = Generation([])
-        if self.roles.rollout is not None:
-            with timer("gen"):
-                gen = self.roles.rollout.generate(batch, step=step, seed=self.settings.run.seed,
-                                                  version=step if version is None else version)
-            timer.carve("gen", "reshard", gen.reshard_s)  # gen is decoding; reshard its own stage
-        return Experience(share_samples(gen.samples)), gen
-
-    def generate_informative(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict, dict]:
-        """DAPO dynamic sampling: generation rounds (each scored at once) until the batch holds
-        data.batch_size groups whose samples did not all score the same, at most
-        algorithm.filter_groups.max_num_gen_batches rounds. -> (experience, the last round's generation
-        report, the kept samples' reward results {"score": {uid: shaped score}, "reward_failed": ...},
-        metrics)."""
-        from ppo.algos.dapo import fill_informative_groups
-
-        rewards: dict[str, dict[int, torch.Tensor]] = {}  # every round's reward results, by key
-        last = [Generation([])]
-
-        def draw(round_index: int):
-            exp, last[0] = self.generate(step, timer, version=step,
-                                         index_offset=round_index * self.settings.data.batch_size)
-            mine = {}
-            if self.roles.reward is not None:
-                with timer("reward"):
-                    mine = self.roles.reward.score(exp)
-            merged = merge_results(mine)  # collective: every rank gets every sample's results
-            merged["score"] = self.shape_scores(exp, merged["score"])
-            for key, per_uid in merged.items():
-                rewards.setdefault(key, {}).update(per_uid)
-            return exp.samples, {uid: float(v) for uid, v in merged["score"].items()}
-
-        filled = fill_informative_groups(draw, target_groups=self.settings.data.batch_size,
-                                         max_rounds=self.loop.advantages.max_gen_rounds)
-        kept = {key: {s.uid: per_uid[s.uid] for s in filled.samples} for key, per_uid in rewards.items()}
-        return Experience(filled.samples), last[0], kept, filled.metrics
-
-    def overlong_penalties(self, exp: Experience) -> torch.Tensor | None:
-        """[B] DAPO soft overlong penalties of the samples (None unless algorithm.overlong_buffer.enable)."""
-        return overlong_penalties(exp, self.loop.advantages, max_len=self.settings.generation.max_response_length)
-
-    def shape_scores(self, exp: Experience, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{uid: score} plus the overlong penalty (unchanged without algorithm.overlong_buffer)."""
-        pen = self.overlong_penalties(exp)
-        return scores if pen is None else {s.uid: scores[s.uid] + p for s, p in zip(exp.samples, pen)}
 
     def score(self, exp: Experience, timer: StageTimer, *, old_logp: str, reward: bool = True,
               route: ReferenceRoute = ReferenceRoute()) -> tuple[dict, PendingResults | None]:
@@ -280,52 +218,6 @@ class PPOTrainer:
         hb = self.heartbeat
         return StageTimer(self.device, self.monitor, on_stage=None if hb is None else
                           lambda name: hb.set_stage(name, step), annotate=self.profiler.due(step))
-
-    def draw_batch(self, step: int, timer: StageTimer) -> tuple[Experience, Generation, dict | None, dict]:
-        """-> (the step's batch, this rank's generation report, reward results when DAPO's rounds scored the
-        samples already (else None), sampling metrics)."""
-        exp, gen, rewards, sampling_m = self.ahead.pop(), Generation([]), None, {}
-        if exp is None and self.loop.advantages.filter_groups:
-            exp, gen, rewards, sampling_m = self.generate_informative(step, timer)
-        elif exp is None and self.loop.batches_in_flight > 1:
-            exp, gen = self.generate_partial(step, timer)
-        elif exp is None:
-            exp, gen = self.generate(step, timer, version=step)
-        return exp, gen, rewards, sampling_m
-
-    def generate_partial(self, step: int, timer: StageTimer) -> tuple[Experience, Generation]:
-        """rollout.batches_in_flight > 1: the first step draws that many batches of prompts, every later step one
-        (replacing the data.batch_size groups trained); the actor ranks train the first complete groups, those
-        admitted trainer.max_staleness steps ago first (ppo.roles.generation.RolloutRole.generate_partial).
-        trainer.stale_policy=drop: those are not waited for; the ones not trained are dropped (recorded in the
-        prompt ledger) and whole batches are drawn beyond the step's one until every replica holds its
-        (batches_in_flight - 1) x quota groups again."""
-        b, drop = self.settings.data.batch_size, self.loop.stale_policy == "drop"
-        quota = b // self.plan.gen_dp
-        # step 0 is never resumed into
-        draws = self.loop.batches_in_flight if step == 0 else 1 + (self.refill_draws(quota) if drop else 0)
-        batch = [dict(row, index=row["index"] + d * b) for d in range(draws)
-                 for row in self.state.next_prompts(step)]
-        gen = Generation([])
-        if self.roles.rollout is not None:
-            with timer("gen"):
-                gen = self.roles.rollout.generate_partial(batch, step=step, seed=self.settings.run.seed, version=step,
-                                                          quota=quota, due_before=step - self.loop.max_staleness + 1,
-                                                          drop=drop)
-            timer.carve("gen", "reshard", gen.reshard_s)
-        if drop:
-            self.state.record_dropped(step, [p for part in all_gather_objects(gen.dropped) for p in part])
-        return Experience(share_samples(gen.samples)), gen
-
-    def refill_draws(self, quota: int) -> int:
-        """trainer.stale_policy=drop: the batches of prompts to draw beyond the step's one, so that the replica
-        holding the fewest groups (after its drops) holds (batches_in_flight - 1) x quota again (a batch gives
-        every replica `quota`). Collective over the world: the replicas' leaders report their counts."""
-        r = self.roles.rollout
-        mine = len(r.partial.groups) if r is not None and r.partial is not None and r.gen_tp_rank == 0 else None
-        held = [h for h in all_gather_objects(mine) if h is not None]
-        short = max(((self.loop.batches_in_flight - 1) * quota - h for h in held), default=0)
-        return max(0, -(-short // quota))
 
     def reference_route(self, old_logp: str) -> ReferenceRoute:
         """How the reference's log-probs reach the update. They feed only the loss unless they shape the rewards
@@ -442,145 +334,6 @@ class PPOTrainer:
         raise failure_error(step=step, failed=int(adv_metrics["reward/failed"]), num_samples=num_samples,
                             limit=limit, function=self.settings.reward.function, errors=errors)
 
-    # ------------------------------------------------------------------ validation
-    def validation_due(self, step: int) -> bool:
-        """After step (0-based) `step`: every trainer.test_freq steps and after the last one."""
-        every = self.loop.test_freq
-        return self.state.val_dataset is not None and (
-            step + 1 == self.total_steps or (every > 0 and (step + 1) % every == 0))
-
-    def validate(self, step: int) -> dict[str, float]:
-        """val/* metrics on rank 0 ({} elsewhere); collective over the world."""
-        from ppo.roles.validation import run_validation
-
-        loop = self.loop
-        hb = self.heartbeat  # the GPU monitor tags these samples "val"; a stalled rank is reported in it
-        timer = StageTimer(self.device, self.monitor, on_stage=None if hb is None else
-                           lambda name: hb.set_stage(name, step))
-        with timer("val"):
-            m = run_validation(self.roles, self.state.val_dataset, step=step, seed=self.settings.run.seed,
-                               val_n=loop.val_n, temperature=loop.val_temperature,
-                               threshold=self.settings.reward.pass_threshold, rank=self.rank)
-        if m:
-            m["timing_s/val"] = timer.times["val"]
-        return m
-
-    # ------------------------------------------------------------------ loop
-    def fit(self) -> str | None:
-        """Train to trainer.total_steps; returns None, or why it stopped early (preemption)."""
-        loop = self.loop
-        start, self.ahead = self.state.maybe_resume(self.roles, controller=self.controller,
-                                                    max_staleness=self.ahead_bound)
-        if start == 0 and loop.sft_warmup_steps:
-            self.roles.sft_warmup(self.state, steps=loop.sft_warmup_steps, max_tokens=loop.micro_batch_tokens["actor"],
-                                  run_dir=self.run_dir)
-            if self.rank == 0:  # the reference a resume reloads: checked like a checkpoint's files
-                seal_directory(self.run_dir / "sft_warmup")
-        elif loop.sft_warmup_steps:  # resumed: the reference is the warmed-up policy, not the init
-            verify_sealed(self.run_dir / "sft_warmup")
-            self.roles.load_reference(self.run_dir / "sft_warmup", critic_trunk=False)
-        if self.state.val_dataset is not None and loop.val_before_train and start == 0:
-            self.state.log_metrics({"step": 0, **self.validate(0)})
-        bar = self.state.progress(start)
-        for step in range(start, self.total_steps):
-            with self.profiler.around(step):
-                metrics = self.step(step)
-            if step == start and self.settings.generation.settle_residency and self.device.type == "cuda":
-                decision = settle_residency(self.roles.rollout, train_peak=self.metrics.train_peak)
-                if self.rank == 0:
-                    self.log.info("auto: %s", decision)
-            if self.validation_due(step):
-                metrics.update(self.validate(step + 1))
-            if self.monitor is not None:
-                gpu = self.monitor.step_summary()
-                # NVML's memory includes the allocator's cache: keep it apart from torch's mem/peak_gb
-                if "mem/peak_gb" in gpu:
-                    gpu["gpu/mem_peak_gb"] = gpu.pop("mem/peak_gb")
-                metrics.update(gpu)
-            if self.controller is not None:
-                self.control(metrics)
-            stop, timed, nonfinite = self.at_step_end()
-            self.count_nonfinite(step, nonfinite, metrics)
-            self.state.log_metrics(metrics)
-            if self.nonfinite_in_a_row >= loop.max_nonfinite_steps:
-                raise NonFiniteStepsError(f"{self.nonfinite_in_a_row} steps in a row (up to step {step + 1}) had "
-                                          f"non-finite values and were not applied (trainer.max_nonfinite_steps="
-                                          f"{loop.max_nonfinite_steps}); the last: {nonfinite}. The run stops with "
-                                          f"its last checkpoint untouched; look for NaN/inf in the data, rewards or "
-                                          f"learning rate, or lower the learning rate")
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}")
-            last = step + 1 == self.total_steps
-            periodic = loop.save_every and (step + 1) % loop.save_every == 0
-            if (last and loop.save_final) or periodic or timed or stop:
-                if self.heartbeat is not None:
-                    self.heartbeat.set_stage("checkpoint", step)
-                self.state.save(step + 1, self.roles, final=last, ahead=self.ahead, controller=self.controller)
-                self.last_save = time.monotonic()
-            if stop and not last:
-                if self.rank == 0:
-                    self.log.warning("stopping after step %d (%s); resume with trainer.resume=auto", step + 1, stop)
-                break
-            if loop.gc_freeze and not last:
-                self.freeze_after_warmup(step)
-        else:
-            stop = None
-        if bar is not None:
-            bar.close()
-        self.state.close()
-        if self.frozen_graphs >= 0:  # the frozen objects go back to the collector
-            gc.unfreeze()
-        self.gc_pauses.close()
-        return stop
-
-    def freeze_after_warmup(self, step: int) -> None:
-        """After the first step and any step that compiled a graph: collect, then freeze the survivors
-        (ppo.metrics.host_gc). Rank-local, no collective. Its pause falls between steps and is logged, not counted
-        in the next step's host/gc_s."""
-        graphs = compiled_graphs()
-        if graphs == self.frozen_graphs:
-            return
-        frozen, seconds = freeze_survivors()
-        self.gc_pauses.take()
-        self.frozen_graphs = graphs
-        if self.rank == 0:
-            self.log.info("gc: after step %d, %d objects frozen out of full collections (%.3f s)",
-                          step + 1, frozen, seconds)
-
-    def at_step_end(self) -> tuple[str | None, bool, str | None]:
-        """Agreed by every rank (one tiny all-reduce): (why to stop, or None; whether the
-        time-based checkpoint, trainer.save_every_minutes, is due; the step's first non-finite quantity, any
-        rank's, or None when the whole step was applied)."""
-        reason = self.stop_requested() if self.stop_requested is not None else None
-        minutes = self.loop.save_every_minutes
-        due = minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
-        flags = torch.tensor([float(reason is not None), float(due), float(self.first_nonfinite is not None)],
-                             device=self.device)
-        multi = dist.is_initialized() and dist.get_world_size() > 1
-        if multi:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop = (reason or "another rank was asked to stop") if flags[0] > 0 else None
-        nonfinite = None
-        if flags[2] > 0:  # rare: every rank learns what was not finite, and where
-            seen = all_gather_objects(self.first_nonfinite) if multi else [self.first_nonfinite]
-            nonfinite = next(f"rank {r}: {s}" for r, s in enumerate(seen) if s is not None)
-        return stop, bool(flags[1] > 0), nonfinite
-
-    def count_nonfinite(self, step: int, nonfinite: str | None, metrics: dict[str, float]) -> None:
-        """train/nonfinite_skipped (1: some or all of the step's update was not applied) and the run of such steps
-        in a row, which trainer.max_nonfinite_steps bounds."""
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
-        if self.rank == 0:
-            metrics["train/nonfinite_skipped"] = float(nonfinite is not None)
-            if nonfinite:
-                self.log.warning("step %d: non-finite %s: not applied (%d in a row, trainer.max_nonfinite_steps=%d)",
-                                 step + 1, nonfinite, self.nonfinite_in_a_row, self.loop.max_nonfinite_steps)
-
-
-class NonFiniteStepsError(RuntimeError):
-    """trainer.max_nonfinite_steps steps in a row were not applied (non-finite loss, gradient norm or advantages);
-    the launcher exits with code 2, the last checkpoint untouched."""
 
 
 def nonfinite_inputs(batch: StepBatch) -> str | None:
@@ -630,4 +383,4 @@ def run_training(*, settings: PPOSettings, placement: Placement, run_dir, model_
     return stopped
 
 
-__all__ = ["NonFiniteStepsError", "PPOTrainer", "run_training"]
+__all__ = ["PPOTrainer", "ReferenceRoute", "run_training"]
