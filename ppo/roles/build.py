@@ -16,18 +16,10 @@ from ppo.algos.policy_losses import compute_policy_loss
 from ppo.batch.experience import Experience, Sample
 from ppo.batch.step_batch import StepBatch
 from ppo.data.rewards import RewardSample
+from ppo.roles.actor_critic import CriticWorker, PolicyWorker, score_heads
 from ppo.roles.generation import RolloutRole, build_rollout_groups, idle_vllm_engine
 from ppo.roles.placement import Placement
-from ppo.roles.workers import (
-    CriticWorker,
-    PolicyWorker,
-    ShardedWorker,
-    WorkerSpec,
-    export_hf,
-    model_dtype,
-    score_heads,
-    to_host,
-)
+from ppo.roles.workers import ShardedWorker, WorkerSpec, export_hf, model_dtype, to_host
 from ppo.settings import LoRASettings, PPOSettings, RolesSettings, WorkerLayout
 
 

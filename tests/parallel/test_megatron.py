@@ -210,7 +210,8 @@ def _worker_case(native, rank, world):
 
     from parallel.dims import ParallelDims, build_mesh
     from ppo.batch.experience import Experience, Sample
-    from ppo.roles.workers import PolicyWorker, WorkerSpec
+    from ppo.roles.actor_critic import PolicyWorker
+    from ppo.roles.workers import WorkerSpec
 
     g = torch.Generator().manual_seed(7)
     samples = []

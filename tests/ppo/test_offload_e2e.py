@@ -47,7 +47,8 @@ def test_frozen_model_in_compute_dtype_gives_the_mixed_precision_outputs(one_ran
     from models import build_model
     from parallel.dims import ParallelDims, build_mesh
     from parallel.runner import MicroBatch
-    from ppo.roles.workers import PolicyWorker, WorkerSpec
+    from ppo.roles.actor_critic import PolicyWorker
+    from ppo.roles.workers import WorkerSpec
 
     dims = ParallelDims(tp=1, pp=1, dp=1)
     mesh = build_mesh(dims, [0], device_type="cpu")

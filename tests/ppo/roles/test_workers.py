@@ -1,6 +1,6 @@
-"""ppo/roles/workers.py and ppo/roles/build.py in one process: the workers' log-probs and values equal a plain
-per-sequence forward of the same weights, and the fused old-log-prob updates (one mini-batch, or the first of
-several) equal the recomputed one."""
+"""ppo/roles/workers.py, ppo/roles/actor_critic.py and ppo/roles/build.py in one process: the workers' log-probs and
+values equal a plain per-sequence forward of the same weights, and the fused old-log-prob updates (one mini-batch, or
+the first of several) equal the recomputed one."""
 
 from __future__ import annotations
 
