@@ -57,7 +57,8 @@ from rollout import NativeEngine, RolloutConfig, SamplingParams
 
 STEP_STATS = ("prefill_steps", "decode_steps", "slot_moves", "device_drains")  # NativeEngine.stats per pass
 PREFILL_KINDS = ("prefill_fresh_s", "prefill_continue_s", "prefill_fresh_rows", "prefill_continue_rows",
-                 "prefill_fresh_tokens", "prefill_fresh_padded", "prefill_continue_tokens", "prefill_continue_padded")
+                 "prefill_continue_waves", "prefill_fresh_tokens", "prefill_fresh_padded", "prefill_continue_tokens",
+                 "prefill_continue_padded")
 
 
 class StepClock:
@@ -135,6 +136,26 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def kernel_times(run, *, device, top: int = 20) -> dict:
+    """run() under torch.profiler: wall seconds, the device's total kernel seconds and the `top` kernels (or, on a
+    CPU, operators) by their self time on the device: {wall_s, kernel_s, top: [{name, calls, s}]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        wall = time.perf_counter() - t0
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    rows.sort(key=lambda e: -getattr(e, attr))
+    return {"wall_s": wall, "kernel_s": sum(getattr(e, attr) for e in rows) / 1e6,
+            "top": [{"name": e.key[:120], "calls": e.count, "s": round(getattr(e, attr) / 1e6, 4)}
+                    for e in rows[:top]]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -168,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="keep,reprefill", help="comma-separated: keep, reprefill")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed passes, one single-turn and one kept-KV pass under torch.profiler: the "
+                         "kernels' device time by name (profile_single, profile_keep)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the engine (rollout.compile); default: on CUDA, as the launcher's auto choice")
     args = ap.parse_args(argv)
@@ -219,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
                   for i, (p, x) in enumerate(zip(prompts, lengths))]
         before = dict(engine.stats)
         graphs, captured = counters["stats"]["unique_graphs"], len(engine.runner.graphs)
+        waves = engine.runner.continuations
+        replays, captures = (waves.replays, waves.captures) if waves is not None else (0, 0)
         sync(args.device)
         t0 = time.perf_counter()
         trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
@@ -241,6 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
                       "busy_while_tools": 1 - stats.tool_wait_s / sleeping if sleeping else None,
                       "compiled_graphs": counters["stats"]["unique_graphs"] - graphs,
                       "decode_graphs_captured": len(engine.runner.graphs) - captured,
+                      # continuation waves replayed from CUDA graphs (the rest of prefill_continue_waves ran
+                      # un-graphed) and the graphs captured inside this pass
+                      "continuation_waves_graphed": waves.replays - replays if waves is not None else 0,
+                      "continuation_graphs_captured": waves.captures - captures if waves is not None else 0,
                       **spent, "driver_host_ms_per_step":
                       1e3 * (wall - spent["prefill_s"] - spent["decode_s"] - stats.tool_wait_s) / stats.engine_steps}
 
@@ -269,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
             out[f"{mode}_over_single"] = None if clock else single_s / multi_s
             out[f"{mode}_rows_per_decode_step"] = total_tokens / detail["decode_steps"]
             out.update({f"{mode}_{k}": v for k, v in detail.items()})
+        if args.profile:
+            out["profile_single"] = kernel_times(single_turn, device=args.device)
+            out["profile_keep"] = kernel_times(lambda: multi_turn(keep=True), device=args.device)
     finally:
         if clock is not None:  # its watcher thread would outlive the bench (a test process runs more than this)
             clock.close()

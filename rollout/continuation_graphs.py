@@ -53,6 +53,7 @@ class ContinuationGraphs:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.static: dict[Bucket, tuple[torch.Tensor, ...]] = {}
         self.error: str | None = None  # a failed capture: continuations run un-graphed from then on
+        self.replays = self.captures = 0  # waves replayed from a graph (captures included), graphs captured
 
     def clear(self) -> None:
         """Forget the graphs (new weight storage, or the runtime freed); buffers go with them."""
@@ -103,9 +104,11 @@ class ContinuationGraphs:
         """Replay the bucket's graph, capturing it first: a warm-up run outside the capture loads every kernel
         (it writes the same K/V that the replay writes again), capture_begin/end directly as the decode graphs
         do (no gc.collect + empty_cache per capture), then one replay."""
+        self.replays += 1
         if key in self.graphs:
             self.graphs[key].replay()
             return
+        self.captures += 1
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):

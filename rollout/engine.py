@@ -73,13 +73,15 @@ class NativeEngine:
         # device_drains: waits on the device that left it nothing queued while requests remained (pipeline bubbles;
         # a prefill's wait, or a decode step collected with none launched behind it); prefill_s: a prefill's time,
         # with the decode step it ran behind; prefill_{fresh,continue}_{s,rows}: the prefill forwards by kind, device
-        # seconds (EngineModelRunner.last_prefill), prefill_{fresh,continue}_{tokens,padded}: the tokens they ran and
+        # seconds (EngineModelRunner.last_prefill), prefill_continue_waves: prefill steps that ran continuations,
+        # prefill_{fresh,continue}_{tokens,padded}: the tokens they ran and
         # the positions they computed with padding; sampled_tokens: tokens sampled (a prefill's first token, each
         # decode row's)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "slot_moves": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "prefill_tokens": 0, "kv_reused_tokens": 0, "kv_evictions": 0, "kv_misses": 0,
                       "kv_relocations": 0, "device_drains": 0, "prefill_fresh_s": 0.0, "prefill_continue_s": 0.0,
-                      "prefill_fresh_rows": 0, "prefill_continue_rows": 0, "sampled_tokens": 0,
+                      "prefill_fresh_rows": 0, "prefill_continue_rows": 0, "prefill_continue_waves": 0,
+                      "sampled_tokens": 0,
                       "prefill_fresh_tokens": 0, "prefill_fresh_padded": 0, "prefill_continue_tokens": 0,
                       "prefill_continue_padded": 0}
 

@@ -99,7 +99,8 @@ class PrefillMixin:
                              positions=i[:, 2], filtered=filtered)
         out = torch.stack([tok.double(), lp.double()]).cpu()
         # after the copy's wait: the device's events are complete
-        self.last_prefill = {"prefill_fresh_rows": len(fresh), "prefill_continue_rows": len(cont), **work,
+        self.last_prefill = {"prefill_fresh_rows": len(fresh), "prefill_continue_rows": len(cont),
+                             "prefill_continue_waves": int(bool(cont)), **work,
                              **{f"prefill_{kind}_s": seconds for kind, seconds in clock.read().items()}}
         by_seq = {id(s): (int(t), lp) for s, t, lp in zip(seqs, out[0], out[1].tolist(), strict=True)}
         ordered = [by_seq[id(s)] for s in batch.seqs]

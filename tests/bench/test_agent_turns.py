@@ -32,6 +32,19 @@ def test_the_benchmark_measures_kept_kv_against_re_prefill():
         for kind in ("fresh", "continue"):
             assert row[f"{mode}_prefill_{kind}_padded"] >= row[f"{mode}_prefill_{kind}_tokens"]
     assert row["keep_prefill_continue_tokens"] == 4 * 2 * (1 + 3)  # each later turn: its last token, the observation
+    # the steps that ran continuations; on a CPU none replays a CUDA graph
+    assert 1 <= row["keep_prefill_continue_waves"] <= row["keep_prefill_continue_rows"]
+    assert row["keep_continuation_waves_graphed"] == row["keep_continuation_graphs_captured"] == 0
+
+
+def test_the_profile_names_where_the_device_time_goes():
+    row = main(["--model", "tiny", "--device", "cpu", "--trajectories", "2", "--turn-tokens", "2", "--turns", "2",
+                "--tool-delay-ms", "1", "--prompt-len", "4", "--obs-tokens", "2", "--tool-workers", "2",
+                "--modes", "keep", "--profile"])
+    for part in ("profile_single", "profile_keep"):
+        prof = row[part]
+        assert prof["wall_s"] > 0 and 0 < sum(k["s"] for k in prof["top"]) <= prof["kernel_s"] + 1e-9
+        assert any(k["name"] == "aten::mm" for k in prof["top"])  # on a CPU: operators' self time
 
 
 def test_the_continuation_wait_reaches_the_engine():
