@@ -118,6 +118,8 @@ class EngineModelRunner(PrefillMixin, DecodeGraphsMixin):
         self._prefix_width = 0
         self._widths_written: set[int] = set()  # the widths whose member tables hold _prefix_groups
         self._decode, self._prefill, self._continue = self._decode_fn, self._prefill_fn, self._continue_fn
+        # what a continuation graph captures (rollout/continuation_graphs.py): the trunk to the rows' last hidden states
+        self._continue_trunk = self._continue_hidden
         if config.compile:
             # one graph, dynamic in rows and KV length (marked per call); a bigger cache limit so a
             # surprise recompile never silently falls back to eager
@@ -125,6 +127,10 @@ class EngineModelRunner(PrefillMixin, DecodeGraphsMixin):
             self._decode = _DynamicRows(torch.compile(self._decode_fn), self._decode_fn)
             self._prefill = _DynamicRows(torch.compile(self._prefill_fn), self._prefill_fn)
             self._continue = _DynamicRows(torch.compile(self._continue_fn), self._continue_fn)
+            # compiled too before its capture: an eager trunk is ~550 unfused kernels per wave, which the graph
+            # replays without host cost but not without device cost (~15 ms a wave on an H100, against ~1.5 ms of
+            # GEMMs: bench.agent_turns --profile)
+            self._continue_trunk = _DynamicRows(torch.compile(self._continue_hidden), self._continue_hidden)
         self.cache: KVCache | None = None
         self._allocate_runtime()
 
@@ -214,7 +220,7 @@ class EngineModelRunner(PrefillMixin, DecodeGraphsMixin):
         # kept-KV continuation waves replay graphs of their bucket (a mixture of experts runs them un-graphed: its
         # experts per token would need a static buffer per bucket)
         self.continuations = ContinuationGraphs(
-            self._continue_hidden, device=self.device, spare_slot=self.cache.num_slots, slot_len=slot_len,
+            self._continue_trunk, device=self.device, spare_slot=self.cache.num_slots, slot_len=slot_len,
             stream=self._capture_stream, pool=self._graph_pool) if self.use_graphs and not self.moe_layers else None
 
     @property

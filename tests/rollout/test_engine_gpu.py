@@ -91,20 +91,23 @@ def test_resident_sleep_keeps_graphs_across_weight_updates():
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
 
 
-@pytest.mark.parametrize("kernel", ["triton", "sdpa"])
-def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel):
+@pytest.mark.parametrize("kernel,compile", [("triton", False), ("sdpa", False), ("triton", True)])
+def test_kept_kv_turns_on_cuda_graphs_equal_the_trainer_fp32(kernel, compile):
     # three turns per prompt, kept KV (sessions), others decoding while a session is parked (padding rows of the
     # graphed decode write its slot's position 0, restored before its next turn): every turn's log-probs equal
     # the trainer's over the whole context, and only the new tokens were prefilled
     from tests.rollout.test_kept_kv import OBS, run_turns
 
     model = _model(torch.float32)
-    engine = NativeEngine.from_model(model, config=_config(decode_attention=kernel))
+    engine = NativeEngine.from_model(model, config=_config(decode_attention=kernel, compile=compile))
     out = []
     run_turns(engine, PROMPTS[:4], keep=True, completions=out)
     assert len(out) == 12 and engine.stats["kv_misses"] == 0 and len(engine.runner.graphs) > 0
     conts = engine.runner.continuations  # the returning waves replayed captured graphs (continuation_graphs.py)
     assert conts.error is None and len(conts.graphs) > 0, conts.error
+    assert conts.replays == engine.stats["prefill_continue_waves"] > 0  # every wave replayed a graph
+    if compile:  # the graphs captured the compiled trunk
+        assert engine.runner._continue_trunk.error is None
     later = sum(len(OBS[(i + t) % len(OBS)]) + 1 for i in range(4) for t in (1, 2))
     assert engine.stats["prefill_tokens"] == sum(map(len, PROMPTS[:4])) + later
     assert max((torch.tensor(c.logprobs) - _trainer_logprobs(model, c, 1.0)).abs().max().item() for c in out) < 1e-4

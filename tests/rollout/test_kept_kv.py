@@ -269,6 +269,41 @@ def test_continuation_graph_buckets_pad_without_changing_results(monkeypatch):
     assert len({rows for rows, _, _ in replayed}) > 1 and len({kv for _, _, kv in replayed}) > 1, replayed
 
 
+def test_compiled_continuation_trunk_fills_every_bucket_from_one_graph(monkeypatch):
+    # rollout.compile: a continuation graph captures the compiled trunk (model_runner's _continue_trunk), one
+    # dynamic-shape graph for every bucket (rows, new tokens, KV positions); the same tokens and log-probs as eager
+    from torch._dynamo.utils import counters
+
+    from rollout import continuation_graphs
+
+    monkeypatch.setattr(continuation_graphs, "KV", 32)
+    cfg = dict(min_admit_fraction=0.25, continuation_wait_steps=4)
+    ref_ctx, ref_lps = staggered_turns(NativeEngine.from_model(model(), config=config(**cfg)), 16)
+    engine = NativeEngine.from_model(model(), config=config(**cfg, compile=True))
+    runner = engine.runner
+    runner._decode, runner._prefill = runner._decode_fn, runner._prefill_fn  # only the trunk compiled here
+    assert runner._continue_trunk.eager == runner._continue_hidden
+    graphs = continuation_graphs.ContinuationGraphs(runner._continue_trunk, device=runner.device, stream=None,
+                                                    spare_slot=runner.num_slots, slot_len=runner.slot_len,
+                                                    pool=lambda: None)
+    replayed = []
+
+    def replay(key):
+        replayed.append(key)
+        graphs.static[key] = (*graphs.static[key][:3], graphs._forward(key))
+
+    graphs.replay, runner.continuations = replay, graphs
+    runner._continue = None  # every wave fits a bucket: none runs un-graphed
+    before = counters["stats"]["unique_graphs"]
+    ctx, lps = staggered_turns(engine, 16)
+    assert ctx == ref_ctx
+    for i in ctx:
+        torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_lps[i]), atol=1e-5, rtol=0)
+    assert len(set(replayed)) > 2, replayed
+    assert counters["stats"]["unique_graphs"] - before == 1, "a continuation bucket recompiled the trunk"
+    assert runner._continue_trunk.error is None
+
+
 def test_park_slots_keep_the_kv_of_more_trajectories_than_decode_slots():
     # 5 trajectories through 2 decode slots. Without park slots a waiting trajectory takes a parked one's slot, whose
     # next turn then re-prefills its whole context; with 3 park slots (one per trajectory beyond the decode slots) the
