@@ -237,6 +237,25 @@ def test_compiled_continuations_equal_eager_and_compile_once():
     assert runner._continue.error is None
 
 
+def bucketed_waves(runner, trunk) -> list:
+    """Continuation waves run through ContinuationGraphs' bucketed static buffers over `trunk` (CPU has no CUDA
+    graphs: the replay runs the trunk the graph would capture); returns the list the replayed buckets go to. Every
+    wave fits a bucket here: none runs un-graphed."""
+    from rollout import continuation_graphs
+
+    graphs = continuation_graphs.ContinuationGraphs(trunk, device=runner.device, stream=None,
+                                                    spare_slot=runner.num_slots, slot_len=runner.slot_len,
+                                                    pool=lambda: None)
+    replayed = []
+
+    def replay(key):
+        replayed.append(key)
+        graphs.static[key] = (*graphs.static[key][:3], graphs._forward(key))
+
+    graphs.replay, runner.continuations, runner._continue = replay, graphs, None
+    return replayed
+
+
 def test_continuation_graph_buckets_pad_without_changing_results(monkeypatch):
     # rollout/continuation_graphs.py: a returning wave runs in its bucket's static buffers (rows up to a power of two,
     # padding rows on the cache's spare slot; new tokens up to a multiple of 16; KV positions rounded up, masked;
@@ -249,18 +268,7 @@ def test_continuation_graph_buckets_pad_without_changing_results(monkeypatch):
     cfg = dict(min_admit_fraction=0.25, continuation_wait_steps=4)
     ref_ctx, ref_lps = staggered_turns(NativeEngine.from_model(model(), config=config(**cfg)), 16)
     engine = NativeEngine.from_model(model(), config=config(**cfg))
-    runner = engine.runner
-    graphs = continuation_graphs.ContinuationGraphs(runner._continue_hidden, device=runner.device, stream=None,
-                                                    spare_slot=runner.num_slots, slot_len=runner.slot_len,
-                                                    pool=lambda: None)
-    replayed = []
-
-    def replay(key):
-        replayed.append(key)
-        graphs.static[key] = (*graphs.static[key][:3], graphs._forward(key))
-
-    graphs.replay, runner.continuations = replay, graphs
-    runner._continue = None  # every wave fits a bucket: none runs un-graphed
+    replayed = bucketed_waves(engine.runner, engine.runner._continue_hidden)
     ctx, lps = staggered_turns(engine, 16)
     assert ctx == ref_ctx
     for i in ctx:
@@ -283,17 +291,7 @@ def test_compiled_continuation_trunk_fills_every_bucket_from_one_graph(monkeypat
     runner = engine.runner
     runner._decode, runner._prefill = runner._decode_fn, runner._prefill_fn  # only the trunk compiled here
     assert runner._continue_trunk.eager == runner._continue_hidden
-    graphs = continuation_graphs.ContinuationGraphs(runner._continue_trunk, device=runner.device, stream=None,
-                                                    spare_slot=runner.num_slots, slot_len=runner.slot_len,
-                                                    pool=lambda: None)
-    replayed = []
-
-    def replay(key):
-        replayed.append(key)
-        graphs.static[key] = (*graphs.static[key][:3], graphs._forward(key))
-
-    graphs.replay, runner.continuations = replay, graphs
-    runner._continue = None  # every wave fits a bucket: none runs un-graphed
+    replayed = bucketed_waves(runner, runner._continue_trunk)
     before = counters["stats"]["unique_graphs"]
     ctx, lps = staggered_turns(engine, 16)
     assert ctx == ref_ctx
