@@ -61,6 +61,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from parallel.fsdp import gradients_synced, register_sharded_parameters
 from parallel.master_weights import MasterWeightAdamW, clear_grad, grad_of
@@ -564,10 +565,15 @@ class LocalRunner(NativeRunner):
         for k, mb in enumerate(batches):
             gradients_synced(self.modules[0], k == len(batches) - 1)  # reduce-scatter once, after the last
             trace = router_trace(cfg, mb)
-            loss, metrics = split_loss(loss_fn(self._hidden(mb, trace), k))
-            if trace is not None:  # a mixture of experts: its load-balancing loss joins the actor's
-                loss, metrics = add_router_loss(cfg, trace, loss, metrics, scale=1.0 / len(batches))
-            loss.backward()
+            # the phases a step profile attributes kernels and idle time to (ppo/metrics/profiling.py)
+            with record_function("phase:forward"):
+                hidden = self._hidden(mb, trace)
+            with record_function("phase:loss"):
+                loss, metrics = split_loss(loss_fn(hidden, k))
+                if trace is not None:  # a mixture of experts: its load-balancing loss joins the actor's
+                    loss, metrics = add_router_loss(cfg, trace, loss, metrics, scale=1.0 / len(batches))
+            with record_function("phase:backward"):
+                loss.backward()
             out.append(metrics)
         if self.expert_parallel is not None:
             self.expert_parallel.reduce_gradients(dp=self.dp)

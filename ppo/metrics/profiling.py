@@ -4,7 +4,9 @@ For each profiled step every rank writes, under <run dir>/profile/:
   step<N>_rank<r>.json      per stage (gen, ref, update_actor, ...): wall ms, kernel ms, busy ms (the union of the
                             kernels' intervals), the idle gaps (wall - busy), the kernel count, time by kernel
                             category (gemm, attention, nccl, memcpy, other), the top kernels, and the largest
-                            idle gaps with the host operators that launched the kernel after each;
+                            idle gaps with the host operators that launched the kernel after each, and
+                            where the stage's code marks phases (the update: forward, loss, backward, optimizer)
+                            the kernel and idle time by the phase whose host code launched each kernel;
   step<N>_rank<r>.trace.json.gz   the chrome trace (chrome://tracing, perfetto.dev).
 On CUDA the summary also counts the step's synchronising CUDA calls (`host_syncs`: item(), copies to the host,
 synchronize()) by call site, the innermost frames of this repository: after each one the device runs dry and
@@ -32,6 +34,8 @@ from pathlib import Path
 import torch
 
 STAGE_PREFIX = "stage:"
+PHASE_PREFIX = "phase:"  # record_function ranges inside a stage (its summary's "phases")
+AUTOGRAD_PHASE = "backward (autograd thread)"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # substrings of kernel names, first match wins (lower case)
 KERNEL_KINDS = (
@@ -80,8 +84,8 @@ class LaunchIndex:
             ops.sort(key=lambda o: o["ts"])
         self.starts = {tid: [o["ts"] for o in ops] for tid, ops in self.ops.items()}
 
-    def chain(self, device_event: dict, depth: int = 3) -> list[str]:
-        """Names of the innermost `depth` operators holding the launch, outermost first ([] if unknown)."""
+    def holding(self, device_event: dict) -> list[dict]:
+        """The operators holding the event's launch call, outermost first ([] if its launch is not in the trace)."""
         import bisect
 
         launch = self.launches.get(device_event.get("args", {}).get("correlation"))
@@ -90,8 +94,43 @@ class LaunchIndex:
         tid, t = launch.get("tid"), launch["ts"]
         ops = self.ops.get(tid, [])
         i = bisect.bisect_right(self.starts.get(tid, []), t)
-        holding = [o for o in ops[max(0, i - 4000):i] if o["ts"] + o["dur"] >= t]
-        return [o["name"][:80] for o in holding[-depth:]]
+        return [o for o in ops[max(0, i - 4000):i] if o["ts"] + o["dur"] >= t]
+
+    def chain(self, device_event: dict, depth: int = 3) -> list[str]:
+        """Names of the innermost `depth` operators holding the launch, outermost first ([] if unknown)."""
+        return [o["name"][:80] for o in self.holding(device_event)[-depth:]]
+
+    def phase(self, device_event: dict) -> str | None:
+        """The innermost "phase:<name>" annotation holding the launch (its name); "backward (autograd thread)" for
+        a launch by the autograd engine's own thread (where a CUDA backward runs: the caller's phase is not there);
+        else None."""
+        holding = self.holding(device_event)
+        for o in reversed(holding):
+            if str(o["name"]).startswith(PHASE_PREFIX):
+                return o["name"][len(PHASE_PREFIX):]
+        if any(str(o["name"]).startswith("autograd::engine") for o in holding):
+            return AUTOGRAD_PHASE
+        return None
+
+
+def phase_times(device: list[dict], index: LaunchIndex) -> dict[str, dict]:
+    """Device time and idle time by the phase of the host code that launched each event (record_function
+    "phase:<name>" ranges inside a stage, e.g. the update's forward, loss, backward and optimizer): {phase:
+    {kernel_ms, kernels, gap_ms, gaps}}, the idle time before an event counted in its launcher's phase (the device
+    waited for that host code). The autograd engine's thread (a CUDA backward) is a phase of its own
+    (AUTOGRAD_PHASE); events launched outside any phase count under "(other)"."""
+    out: dict[str, dict] = {}
+    end = None
+    for ev in sorted(device, key=lambda e: e["ts"]):
+        acc = out.setdefault(index.phase(ev) or "(other)", {"kernel_ms": 0.0, "kernels": 0, "gap_ms": 0.0, "gaps": 0})
+        if end is not None and ev["ts"] > end:
+            acc["gap_ms"] += (ev["ts"] - end) / 1e3
+            acc["gaps"] += 1
+        acc["kernel_ms"] += ev["dur"] / 1e3
+        acc["kernels"] += 1
+        end = max(end or ev["ts"], ev["ts"] + ev["dur"])
+    return {k: {**v, "kernel_ms": round(v["kernel_ms"], 3), "gap_ms": round(v["gap_ms"], 3)}
+            for k, v in sorted(out.items(), key=lambda kv: -(kv[1]["kernel_ms"] + kv[1]["gap_ms"]))}
 
 
 def largest_gaps(device: list[dict], index: LaunchIndex, *, top: int = 12, min_us: float = 20.0) -> dict:
@@ -164,6 +203,9 @@ def summarise_trace(events: list[dict], *, top: int = 40) -> dict[str, dict]:
         if st["wall_ms"] is not None:
             st["gaps_ms"] = round(st["wall_ms"] - busy, 3)
         st["largest_gaps"] = largest_gaps(evs, index)
+        phases = phase_times(evs, index)
+        if set(phases) - {"(other)", AUTOGRAD_PHASE}:  # the stage's code marks phases
+            st["phases"] = phases
     if not device:  # CPU: the stages' top-level operators
         for st in out.values():
             ops: dict[str, list[float]] = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from models.llama import DocumentAttention
 from parallel.backends import build_runner
@@ -237,11 +238,12 @@ class ShardedWorker:
         self.first_nonfinite = None
         for _ in range(epochs):
             for mbs in plan:
-                packs, batches = self._packs(exp, mbs, pad_id)
-                # every micro-batch's [B_k, R] rows queued for the device now, one pinned copy each (no sync)
-                mbts = [batch.rows(mb, self.device) for mb in mbs]
-                denom = self._global_denominator(batch.mask[[i for mb in mbs for i in mb]], agg)
-                self.optimizer.zero_grad(set_to_none=True)
+                with record_function("phase:prepare"):
+                    packs, batches = self._packs(exp, mbs, pad_id)
+                    # every micro-batch's [B_k, R] rows queued for the device now, one pinned copy each (no sync)
+                    mbts = [batch.rows(mb, self.device) for mb in mbs]
+                    denom = self._global_denominator(batch.mask[[i for mb in mbs for i in mb]], agg)
+                    self.optimizer.zero_grad(set_to_none=True)
 
                 def loss_fn(hidden, k, packs=packs, mbts=mbts, denom=denom):
                     return mb_loss(packs[k], hidden, mbts[k], denom)
@@ -255,7 +257,8 @@ class ShardedWorker:
                     count += 1
                     unmoved += "router_mismatch" in m
                 t = time.perf_counter()
-                grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
+                with record_function("phase:optimizer"):  # a step profile's phase (ppo/metrics/profiling.py)
+                    grad_norm = self.runner.optimizer_step(self.optimizer, max_norm=self.grad_clip)
                 if not math.isfinite(grad_norm):  # the runner did not step (every rank of the model alike)
                     self.nonfinite_skipped += 1
                     if self.first_nonfinite is None:

@@ -127,3 +127,36 @@ def test_host_syncs_count_the_sync_warnings_by_call_site_and_pass_the_others_on(
     assert [s["calls"] for s in syncs["sites"]] == [3, 1]  # two call sites: the loop's and the last call's
     assert all(s["site"].startswith(here + " <- tests/ppo/metrics/test_profiling.py:") for s in syncs["sites"])
     assert [str(w.message) for w in seen] == ["something else"]  # other warnings still reach their handler
+
+
+def test_phases_take_each_kernel_and_the_idle_time_before_it_by_the_host_code_that_launched_it():
+    from ppo.metrics.profiling import AUTOGRAD_PHASE
+
+    def k(name, ts, dur, corr):
+        return {**_x("kernel", name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid=1):
+        return {**_x("cuda_runtime", "cudaLaunchKernel", ts, 2), "args": {"correlation": corr}, "tid": tid}
+
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {**_x(cat, name, ts, dur), "tid": tid}
+
+    events = [
+        op("stage:update_actor", 0, 2000, cat="user_annotation"),
+        op("phase:forward", 0, 100, cat="user_annotation"), op("aten::mm", 5, 10),
+        op("phase:loss", 100, 100, cat="user_annotation"), op("aten::mul", 120, 5),
+        op("autograd::engine::evaluate_function: MmBackward0", 300, 50, tid=2), op("aten::mm", 305, 10, tid=2),
+        op("aten::copy_", 500, 5),  # outside any phase
+        launch(6, 1), launch(121, 2), launch(306, 3, tid=2), launch(501, 4),
+        k("gemm", 10, 100, 1),      # forward: busy 10..110
+        k("mul", 150, 10, 2),       # loss: 40 us idle before it
+        k("gemm_bwd", 400, 100, 3),  # the autograd thread: 240 us idle before it
+        k("copy", 500, 10, 4),      # no phase: none idle (starts as the last ends)
+    ]
+    phases = summarise_trace(events)["update_actor"]["phases"]
+    assert phases == {AUTOGRAD_PHASE: {"kernel_ms": 0.1, "kernels": 1, "gap_ms": 0.24, "gaps": 1},
+                      "forward": {"kernel_ms": 0.1, "kernels": 1, "gap_ms": 0.0, "gaps": 0},
+                      "loss": {"kernel_ms": 0.01, "kernels": 1, "gap_ms": 0.04, "gaps": 1},
+                      "(other)": {"kernel_ms": 0.01, "kernels": 1, "gap_ms": 0.0, "gaps": 0}}
+    # a stage whose code marks no phase reports none
+    assert "phases" not in summarise_trace([e for e in events if not e["name"].startswith("phase:")])["update_actor"]
