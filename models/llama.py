@@ -92,16 +92,21 @@ class DocumentAttention:
         # packer computes it on the host: models/document_layout.py) saves the one device->host copy.
         self.dense_fits = False  # auto: the dense view wastes little enough for cuDNN to win
         self.cpu_dense = False  # auto off CUDA: the dense view instead of the mask (cpu_prefers_dense)
+        # varlen with fewer K/V heads than query heads, where this torch's varlen_attn has no enable_gqa: the K/V
+        # heads as they are when the flash kernel takes them (probed: "varlen_gqa"), else expanded by hand;
+        # True / False forces it
+        self.gqa_native: bool | None = None
         if backend == "dense" or (position_ids.is_cuda and backend != "mask"):
             self.layout = layout or DocumentLayout.from_positions(position_ids)
             self.dense_fits = self.layout.dense_waste <= DENSE_MAX_WASTE
-            if backend == "auto":
-                for dtype in _HALF:
+            for dtype in _HALF if backend in ("auto", "varlen") else ():
+                if backend == "auto":
                     _fused_ok("varlen", position_ids.device, dtype)
                     if self.continues:
                         _fused_ok("varlen", position_ids.device, dtype, prefix=True)
                     if self.dense_fits:
                         _fused_ok("dense", position_ids.device, dtype, prefix=True)
+                _fused_ok("varlen_gqa", position_ids.device, dtype, prefix=self.continues)
         elif backend == "auto" and layout is not None and cpu_prefers_dense(layout, position_ids.shape):
             self.layout, self.cpu_dense = layout, True
         else:
@@ -162,6 +167,11 @@ class DocumentAttention:
         lay = self.layout
         cu, max_len = lay.cu_seqlens, lay.max_len
         kwargs, expand = _varlen_kwargs(gqa=hq != k.shape[1])
+        if expand and (self.gqa_native if self.gqa_native is not None
+                       else _fused_ok("varlen_gqa", q.device, q.dtype, prefix=lay.continues)):
+            # the flash kernel takes fewer K/V heads (and sums their gradients) itself: no [T, Hq, D] copies of
+            # K and V, nor the reduction of their expanded gradients in the backward
+            expand = False
         q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # [B*T, H, D]
         if lay.continues:  # continuation segments: gathered keys (before any GQA expansion: half the rows' bytes)
             k, v = gather_keys(k, lay), gather_keys(v, lay)
@@ -238,15 +248,19 @@ def _fused_ok(backend: str, device: torch.device, dtype: torch.dtype, *, prefix:
     """`backend` ("varlen" flash attention, or cuDNN over the "dense" view) runs on this GPU and matches
     the mask path (_probe, once per device and dtype); prefix=True also checks continuation segments
     (for varlen: fewer queries than keys, bottom-right causal)."""
+    if device.type != "cuda":
+        return False
     key = (backend, device.index or 0, dtype, prefix)
     if key not in _FUSED_OK:
+        _FUSED_OK[key] = False  # while probing: the probe's own DocumentAttention must not probe it again
         _FUSED_OK[key] = _probe(device, dtype, backend=backend, prefix=prefix)
     return _FUSED_OK[key]
 
 
 def _probe(device: torch.device, dtype: torch.dtype, *, backend: str, prefix: bool) -> bool:
     """`backend` runs on this GPU and agrees with the mask path: outputs, and for dense (whose backward
-    is a separate cuDNN kernel) the q/k/v gradients too."""
+    is a separate cuDNN kernel) and varlen_gqa (varlen with K/V heads not expanded: the kernel's own GQA,
+    backward included) the q/k/v gradients too."""
     import logging
 
     try:
@@ -254,11 +268,13 @@ def _probe(device: torch.device, dtype: torch.dtype, *, backend: str, prefix: bo
         pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]], device=device)
         if prefix:  # a root of 8 tokens, then two continuations of its first 3 (a prompt shared 3 ways)
             pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 3, 4, 5, 6, 7]], device=device)
-        grads = backend == "dense"
+        grads = backend in ("dense", "varlen_gqa")
         qkv = [torch.randn(1, h, 16, 64, device=device, dtype=dtype, generator=gen).requires_grad_(grads)
                for h in (4, 2, 2)]
         with torch.set_grad_enabled(grads):
-            fast = DocumentAttention(pos, backend=backend)(0, *qkv)
+            attn = DocumentAttention(pos, backend="varlen" if backend == "varlen_gqa" else backend)
+            attn.gqa_native = backend == "varlen_gqa" or None
+            fast = attn(0, *qkv)
             ref = DocumentAttention(pos, backend="mask")(0, *qkv)
             pairs = [(fast, ref)]
             if grads:

@@ -95,23 +95,32 @@ def _old_varlen_signature(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
     """torch 2.10's varlen_attn signature (no window_size, no enable_gqa)."""
 
 
-def _install_reference_varlen(monkeypatch, api: str) -> None:
+def _torch211_varlen_signature(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                               window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature (window_size, no enable_gqa; the flash kernel takes GQA heads itself)."""
+
+
+def _install_reference_varlen(monkeypatch, api: str, calls: list | None = None) -> None:
     """Replace varlen_attn with a CPU stand-in (SDPA per segment, causal aligned bottom-right when a
     segment has more keys than queries) whose arguments must also bind to the real varlen_attn signature
-    (today's, or 2.10's where GQA heads are expanded by hand and causality is is_causal=True)."""
+    (today's; 2.10's, where GQA heads are expanded by hand and causality is is_causal=True; or 2.11's, whose
+    kernel takes fewer K/V heads without a keyword). `calls` receives each call's (query heads, K/V heads)."""
     import inspect
 
     import torch.nn.attention.varlen as varlen_mod
     import torch.nn.functional as F
 
-    real_sig = inspect.signature(varlen_mod.varlen_attn if api == "current" else _old_varlen_signature)
+    real_sig = inspect.signature({"current": varlen_mod.varlen_attn, "torch2.10": _old_varlen_signature,
+                                  "torch2.11": _torch211_varlen_signature}[api])
 
     def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
         real_sig.bind(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
         causal = kw.get("window_size") == (-1, 0) or kw.get("is_causal") is True
         assert causal and cu_q.dtype == torch.int32 and q.dim() == 3
-        gqa = kw.get("enable_gqa", False)
+        gqa = kw.get("enable_gqa", api == "torch2.11" and q.shape[1] != k.shape[1])
         assert gqa or q.shape[1] == k.shape[1]
+        if calls is not None:
+            calls.append((q.shape[1], k.shape[1]))
         outs = []
         for (s, e), (ks, ke) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
                                     zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
@@ -138,6 +147,31 @@ def test_varlen_layout_with_reference_kernel(monkeypatch, api):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 8, 16, generator=gen) for h in (4, 2, 2))
     torch.testing.assert_close(attn._varlen_attention(q, k, v), attn(0, q, k, v), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_varlen_takes_gqa_heads_as_they_are_where_the_kernel_does(monkeypatch, native):
+    """torch 2.11's varlen_attn has no enable_gqa, but its flash kernel takes fewer K/V heads: where the GPU probe
+    ("varlen_gqa", forced here) accepted that, K and V reach it unexpanded; outputs and q/k/v gradients equal the
+    mask path's either way, shared-prompt continuations included."""
+    calls = []
+    _install_reference_varlen(monkeypatch, "torch2.11", calls)
+    _, _, pos = _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7))
+    pos = torch.cat([pos, torch.arange(pos.shape[1])[None]])
+    attn = DocumentAttention(pos, backend="mask")
+    attn.layout, attn.gqa_native = DocumentLayout.from_positions(pos), native
+    gen = torch.Generator().manual_seed(2)
+    qkv = [torch.randn(2, h, pos.shape[1], 16, generator=gen, dtype=torch.float64, requires_grad=True)
+           for h in (4, 2, 2)]
+    out, ref = attn._varlen_attention(*qkv), attn(0, *qkv)
+    assert calls == [(4, 2 if native else 4)]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    attn.gqa_native = None  # undecided: the probe's answer, which off CUDA is no
+    attn._varlen_attention(*qkv)
+    assert calls[-1] == (4, 4)
 
 
 def _shared_prompt_rows(prompt_len=6, response_lens=(5, 3, 7), seed=5, device="cpu"):
@@ -197,6 +231,31 @@ def test_shared_prompt_varlen_equals_mask_on_gpu():
     _, ids, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
     _assert_varlen_matches_mask(model, ids, pos)
     assert DocumentAttention(pos).continues  # (and the probe accepted bottom-right causal varlen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True])
+def test_varlen_gqa_heads_unexpanded_equal_expanded_on_gpu(shared):
+    # the flash kernel's own GQA (K/V heads unexpanded) against K/V expanded by hand: outputs and q/k/v gradients;
+    # the probe accepts it on this GPU
+    from models.llama import _fused_ok
+
+    _, _, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
+    if not shared:
+        pos = torch.cat([torch.arange(80), torch.arange(101)])[None].cuda()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    qkv = [torch.randn(1, h, pos.shape[1], 128, device="cuda", dtype=torch.bfloat16, generator=gen,
+                       requires_grad=True) for h in (16, 8, 8)]
+    g = torch.randn(1, 16, pos.shape[1], 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    results = []
+    for native in (True, False):
+        attn = DocumentAttention(pos, backend="varlen")
+        attn.gqa_native = native
+        out = attn(0, *qkv)
+        results.append((out, *torch.autograd.grad(out, qkv, g)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
+    assert _fused_ok("varlen_gqa", pos.device, torch.bfloat16, prefix=shared)
 
 
 def _naive_prefix_keys(pos: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
