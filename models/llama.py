@@ -245,9 +245,9 @@ _FUSED_OK: dict[tuple[str, int, torch.dtype, bool], bool] = {}
 
 
 def _fused_ok(backend: str, device: torch.device, dtype: torch.dtype, *, prefix: bool = False) -> bool:
-    """`backend` ("varlen" flash attention, or cuDNN over the "dense" view) runs on this GPU and matches
-    the mask path (_probe, once per device and dtype); prefix=True also checks continuation segments
-    (for varlen: fewer queries than keys, bottom-right causal)."""
+    """`backend` ("varlen" flash attention, "varlen_gqa" the same with K/V heads unexpanded, or cuDNN over the
+    "dense" view) runs on this GPU and matches the mask path (_probe, once per device and dtype; False off CUDA);
+    prefix=True also checks continuation segments (for varlen: fewer queries than keys, bottom-right causal)."""
     if device.type != "cuda":
         return False
     key = (backend, device.index or 0, dtype, prefix)
