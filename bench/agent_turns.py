@@ -48,6 +48,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
+from bench.common import kernel_profile
 from bench.generate import random_model
 from launcher.dist import limit_host_threads
 from models import preset_config
@@ -136,26 +137,6 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def kernel_times(run, *, device, top: int = 20) -> dict:
-    """run() under torch.profiler: wall seconds, the device's total kernel seconds and the `top` kernels (or, on a
-    CPU, operators) by their self time on the device: {wall_s, kernel_s, top: [{name, calls, s}]}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.device(device).type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        sync(device)
-        t0 = time.perf_counter()
-        run()
-        sync(device)
-        wall = time.perf_counter() - t0
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [e for e in prof.key_averages() if getattr(e, attr) > 0]
-    rows.sort(key=lambda e: -getattr(e, attr))
-    return {"wall_s": wall, "kernel_s": sum(getattr(e, attr) for e in rows) / 1e6,
-            "top": [{"name": e.key[:120], "calls": e.count, "s": round(getattr(e, attr) / 1e6, 4)}
-                    for e in rows[:top]]}
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -191,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default="keep,reprefill", help="comma-separated: keep, reprefill")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed passes, one single-turn and one kept-KV pass under torch.profiler: the "
-                         "kernels' device time by name (profile_single, profile_keep)")
+                         "kernels' device time by name, busy time and idle gaps (profile_single, profile_keep)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the engine (rollout.compile); default: on CUDA, as the launcher's auto choice")
     args = ap.parse_args(argv)
@@ -299,9 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
             out[f"{mode}_over_single"] = None if clock else single_s / multi_s
             out[f"{mode}_rows_per_decode_step"] = total_tokens / detail["decode_steps"]
             out.update({f"{mode}_{k}": v for k, v in detail.items()})
-        if args.profile:
-            out["profile_single"] = kernel_times(single_turn, device=args.device)
-            out["profile_keep"] = kernel_times(lambda: multi_turn(keep=True), device=args.device)
+        if args.profile:  # where the device time goes (bench.common.kernel_profile), each pass's wall time beside it
+            for name, run in (("single", single_turn), ("keep", lambda: multi_turn(keep=True))):
+                t0 = time.perf_counter()
+                out[f"profile_{name}"] = kernel_profile(run, device=torch.device(args.device), top=20)
+                out[f"profile_{name}"]["wall_s"] = time.perf_counter() - t0
     finally:
         if clock is not None:  # its watcher thread would outlive the bench (a test process runs more than this)
             clock.close()

@@ -43,7 +43,7 @@ def test_the_profile_names_where_the_device_time_goes():
                 "--modes", "keep", "--profile"])
     for part in ("profile_single", "profile_keep"):
         prof = row[part]
-        assert prof["wall_s"] > 0 and 0 < sum(k["s"] for k in prof["top"]) <= prof["kernel_s"] + 1e-9
+        assert prof["wall_s"] > 0 and 0 < sum(k["ms"] for k in prof["top"]) <= prof["total_kernel_ms"] + 1e-6
         assert any(k["name"] == "aten::mm" for k in prof["top"])  # on a CPU: operators' self time
 
 
