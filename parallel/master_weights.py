@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel import triton_multi_tensor
 from parallel.shard_adamw import ShardLocalAdamW, Stepped, init_moments, like, local
 
 HALF = (torch.bfloat16, torch.float16)
@@ -58,9 +59,10 @@ def attach_main_grads(module: nn.Module) -> int:
 class _Accumulator:
     """The post-accumulate-grad hook of a model's parameters. The first gradient of a step becomes the main grad
     as it is (its fp32 sum of one term, exactly). A later one waits in a bucket that is added into the fp32 main
-    grads (their local shards: no DTensor dispatch) by one foreach call once it holds BUCKET_BYTES, and at the end
-    of the backward: a separate add_ launched from Python per parameter left the GPU waiting on the host before
-    most of them (2,809 of the 10,105 idle gaps of the Qwen3 recipe's update on an H200)."""
+    grads (their local shards: no DTensor dispatch) by one multi-tensor launch (`accumulate`) once it holds
+    BUCKET_BYTES, and at the end of the backward: a separate add_ launched from Python per parameter left the GPU
+    waiting on the host before most of them (2,809 of the 10,105 idle gaps of the Qwen3 recipe's update on an
+    H200)."""
 
     BUCKET_BYTES = 64 << 20
 
@@ -86,7 +88,7 @@ class _Accumulator:
 
     def flush(self) -> None:
         if self.pending:
-            torch._foreach_add_([fp32_grad(p) for p in self.pending], [local(p.grad) for p in self.pending])
+            accumulate(fp32_grads(self.pending), [local(p.grad) for p in self.pending])
             for p in self.pending:
                 p.grad = None
         self.pending, self.bytes = [], 0
@@ -99,16 +101,32 @@ class _Accumulator:
 def fp32_grad(p: torch.Tensor) -> torch.Tensor:
     """The local fp32 tensor that accumulates `p`'s main grad (a 16-bit one is converted first, in place of the
     old); `p.grad`'s local tensor for a parameter without main grads."""
-    if not hasattr(p, "main_grad"):
-        return local(p.grad)
-    g = local(p.main_grad)
-    if g.dtype != torch.float32:
-        buf = torch.empty_like(g, dtype=torch.float32)
+    return fp32_grads([p])[0]
+
+
+def fp32_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32_grad of each parameter, the 16-bit main grads among them converted by one foreach copy."""
+    out = [local(p.main_grad) if hasattr(p, "main_grad") else local(p.grad) for p in params]
+    half = [k for k, g in enumerate(out) if g.dtype != torch.float32 and hasattr(params[k], "main_grad")]
+    if half:
+        bufs = [torch.empty_like(out[k], dtype=torch.float32) for k in half]
         # the foreach copy casts with vectorized loads: `g.to(float32)` ran CUDA's unrolled casting kernel at
         # ~1.9 TB/s on the H200 machine (4 ms per step for 1.2 B parameters: bench.train_step --profile)
-        torch._foreach_copy_([buf], [g])
-        p.main_grad, g = like(p.main_grad, buf), buf
-    return g
+        torch._foreach_copy_(bufs, [out[k] for k in half])
+        for k, buf in zip(half, bufs, strict=True):
+            params[k].main_grad, out[k] = like(params[k].main_grad, buf), buf
+    return out
+
+
+def accumulate(accs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """accs[i] += grads[i] (fp32 accumulators, gradients of one dtype): one multi-tensor Triton launch where it runs
+    and the gradients are 16-bit (torch's `_foreach_add_` runs one kernel per tensor for mixed dtypes), else torch's
+    foreach add (fused for one dtype)."""
+    if grads and grads[0].dtype != accs[0].dtype and len({(x.dtype, x.device) for x in grads}) == 1 \
+            and triton_multi_tensor.available(grads[0].device) and all(x.is_contiguous() for x in (*accs, *grads)):
+        triton_multi_tensor.accumulate_(accs, grads)
+    else:
+        torch._foreach_add_(accs, grads)
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:

@@ -14,9 +14,9 @@ master and two moments read and written, bf16 weight written), ~25 GB per step f
 weights and moments the bytes are torch's (14 per parameter) and the kernel is the faster of the two on the
 H200 machine (bench.adamw times both paths against the HBM roofline).
 
-One launch covers up to MAX_TENSORS tensors of one dtype combination: a device table holds their addresses
-and lengths, and each program takes CHUNK elements of one tensor (found by a search over the tensors' first
-program ids), so the ~150 tensors of a 1B model cost one launch, not 150.
+One launch covers up to MAX_TENSORS tensors of one dtype combination through the device table of
+parallel/triton_multi_tensor.py: each program takes CHUNK elements of one tensor, so the ~150 tensors of a 1B
+model cost one launch, not 150.
 
 Numerics: AdamW as torch's single-tensor loop computes it (decoupled decay `w *= 1 - lr * wd`, the first
 moment by lerp, `w -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`, bias corrections in double on the
@@ -28,12 +28,12 @@ CPU tensors.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
 from models.triton_support import triton_runs
+from parallel.triton_multi_tensor import MAX_TENSORS, launch_table
 
 try:
     import triton
@@ -41,7 +41,6 @@ try:
 except ImportError:  # CPU-only installs: MasterWeightAdamW keeps its torch path
     triton = None
 
-MAX_TENSORS = 1024  # per launch: the program -> tensor search reads this many first-program ids
 # the best of bench.adamw's sweep on the H200 machine over llama-1b's three layouts (bench/results/adamw_h200.json)
 CHUNK = 8192  # elements per program
 BLOCK = 1024  # elements per inner iteration
@@ -56,7 +55,7 @@ def available(device: torch.device | str) -> bool:
 
 
 if triton is not None:
-    _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    from parallel.triton_multi_tensor import _TL, find_tensor
 
     @triton.jit
     def _adamw_kernel(addr_ptr, numel_ptr, first_ptr, T, grad_scale, decay, one_minus_beta1, beta2,
@@ -65,21 +64,13 @@ if triton is not None:
                       HAS_HALF: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_G: tl.constexpr, ALIGN_W: tl.constexpr,
                       ALIGN_M: tl.constexpr, ALIGN_H: tl.constexpr, TPAD: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        idx = tl.arange(0, TPAD)
-        firsts = tl.load(first_ptr + idx, mask=idx < T, other=2147483647)
-        t = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1  # the tensor whose programs hold pid
-        base = (pid - tl.load(first_ptr + t)).to(tl.int64) * CHUNK
-        n = tl.load(numel_ptr + t)
+        t, base, n = find_tensor(first_ptr, numel_ptr, T, TPAD, CHUNK)
         g_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(GRAD))
         w_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(WEIGHT))
         m_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(MOMENT))
         v_ptr = tl.load(addr_ptr + 3 * T + t).to(tl.pointer_type(MOMENT))
         h_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(HALF)) if HAS_HALF else w_ptr
-        if ALIGNED:  # every address 16-byte aligned (checked on the host): vector loads and stores
-            # where 32-bit tensors take 4 elements per 16-byte vector, 16-bit ones are claimed 8-byte aligned only,
-            # so that they take 4 per vector too: with 8 they would lay their elements out 8 per thread, and every
-            # fp32 store would first move its registers through shared memory to the 4-per-thread layout
+        if ALIGNED:  # every address 16-byte aligned (checked on the host): vector loads and stores (LaunchTable.align)
             g_ptr = tl.multiple_of(g_ptr, ALIGN_G)
             w_ptr = tl.multiple_of(w_ptr, ALIGN_W)
             m_ptr = tl.multiple_of(m_ptr, ALIGN_M)
@@ -166,33 +157,15 @@ def adamw_(grads: list[torch.Tensor], weights: list[torch.Tensor], exp_avgs: lis
 
 
 def _launch(lists: list[list[torch.Tensor]], *, grad_scale, decay, beta1, beta2, step_size, bc2_sqrt, eps) -> None:
-    grads = lists[0]
-    t = len(grads)
-    numels = [g.numel() for g in grads]
-    programs = [-(-n // CHUNK) for n in numels]
-    total = sum(programs)
-    if total == 0:
+    table = launch_table(lists, chunk=CHUNK)
+    if table is None:
         return
-    firsts = list(itertools.accumulate(programs, initial=0))[:-1]
-    addrs = [x.data_ptr() for col in lists for x in col]
-    # one host table (addresses, lengths, first program ids) and one upload: pinned and asynchronous on CUDA,
-    # so the device does not wait for the host's copy (a pageable copy would sync the stream first)
-    table = torch.tensor(addrs + numels + firsts, dtype=torch.int64)
-    device = grads[0].device
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    a = len(lists) * t
-    addr_t, numel_t, first_t = table[:a], table[a: a + t], table[a + t:]
     has_copy = len(lists) == 5
-    # the alignment claimed per list (bytes): 16 for the widest elements, proportionally less for narrower ones,
-    # so that every tensor takes one element count per vector (see the kernel)
-    widest = max(col[0].element_size() for col in lists)
-    align = [16 * col[0].element_size() // widest for col in lists]
-    _adamw_kernel[(total,)](
-        addr_t, numel_t, first_t, t, float(grad_scale), float(decay), float(1 - beta1), float(beta2),
-        float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
-        GRAD=_TL[grads[0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
-        HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy,
-        ALIGNED=all(x % 16 == 0 for x in addrs),
+    align = table.align
+    _adamw_kernel[(table.programs,)](
+        table.addrs, table.numels, table.firsts, table.tensors, float(grad_scale), float(decay), float(1 - beta1),
+        float(beta2), float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
+        GRAD=_TL[lists[0][0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
+        HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy, ALIGNED=table.aligned,
         ALIGN_G=align[0], ALIGN_W=align[1], ALIGN_M=align[2], ALIGN_H=align[-1],
-        TPAD=max(16, triton.next_power_of_2(t)), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        TPAD=table.tpad, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
