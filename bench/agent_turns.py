@@ -48,7 +48,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from bench.common import kernel_profile
+from bench.common import kernel_profile, synchronize
 from bench.generate import random_model
 from launcher.dist import limit_host_threads
 from models import preset_config
@@ -132,11 +132,6 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -209,10 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
         params = [SamplingParams(temperature=1.0, max_tokens=sum(x), seed=i, ignore_eos=True)
                   for i, x in enumerate(lengths)]
         before = dict(engine.stats)
-        sync(args.device)
+        synchronize(torch.device(args.device))
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
-        sync(args.device)
+        synchronize(torch.device(args.device))
         assert sum(len(c.token_ids) for c in outs) == total_tokens
         return time.perf_counter() - t0, {k: engine.stats[k] - before[k] for k in STEP_STATS}
 
@@ -226,10 +221,10 @@ def main(argv: list[str] | None = None) -> dict:
         graphs, captured = counters["stats"]["unique_graphs"], len(engine.runner.graphs)
         waves = engine.runner.continuations
         replays, captures = (waves.replays, waves.captures) if waves is not None else (0, 0)
-        sync(args.device)
+        synchronize(torch.device(args.device))
         t0 = time.perf_counter()
         trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=keep)
-        sync(args.device)
+        synchronize(torch.device(args.device))
         wall = time.perf_counter() - t0
         pool.close()
         # prefill_{fresh,continue}_{s,rows}: the prefill forwards by kind (device seconds): what a prefill step costs
