@@ -9,6 +9,14 @@ and again (recomputed) in backward, so the peak is a few [chunk_size, V] fp32 bu
 [V, H] gradient accumulator. The matmuls run in the weight's dtype (bf16 on GPU, as the rollout engine
 computes its logits), everything after them in fp32. Where Triton runs (CUDA), the softmax work of
 each chunk is two fused kernels over the logits in their own dtype (models/triton_logprobs.py).
+
+Kept logits: on the fused path the forward's 16-bit logits may instead stay for the backward, which
+then skips the recompute GEMM (a quarter of the LM head's matmul work in a trained micro-batch: 2 of
+its 8 x tokens x H x V FLOPs). By default (`keep_logits=None`) they stay where a backward follows and
+all of them take at most KEEP_LOGITS_FREE_FRACTION of the device memory still free (the driver's free
+memory plus the allocator's cached blocks): 5 GB for a 16k-token micro-batch at V = 152k. The backward
+overwrites each kept chunk with its gradient and drops it; the results are the recomputing path's bit
+for bit (the same GEMM on the same inputs).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from models import triton_logprobs
 
 FUSED_CHUNK, TORCH_CHUNK = 4096, 1024  # tokens per chunk by default (compute_token_logprobs)
+KEEP_LOGITS_FREE_FRACTION = 0.25  # of the free device memory: the most the kept logits may take (keep_logits=None)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -29,17 +38,20 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool,
-                fused: bool):
+                fused: bool, keep: bool):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        ctx.kept = [] if fused and keep else None  # the chunks' logits, for the backward (fused path)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             if fused:
-                triton_logprobs.token_stats(hidden[s:e] @ weight.t(), targets[s:e], temperature,
-                                            with_entropy=with_entropy,
+                z = hidden[s:e] @ weight.t()
+                triton_logprobs.token_stats(z, targets[s:e], temperature, with_entropy=with_entropy,
                                             out=(logprobs[s:e], lse[s:e], entropy[s:e]))
+                if ctx.kept is not None:
+                    ctx.kept.append(z)
                 continue
             z = _chunk_logits(hidden[s:e], weight, temperature)
             lse[s:e] = torch.logsumexp(z, dim=-1)
@@ -64,11 +76,15 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         # fp32 accumulator: summing many bf16 chunk products in bf16 would lose the small ones
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, n, chunk):
+        kept, ctx.kept = ctx.kept, None
+        for i, s in enumerate(range(0, n, chunk)):
             e = min(s + chunk, n)
             h = hidden[s:e]
             if ctx.fused:
-                g = triton_logprobs.logit_grad_(h @ weight.t(), targets[s:e], lse[s:e], g_lp[s:e], t,
+                z = h @ weight.t() if kept is None else kept[i]
+                if kept is not None:
+                    kept[i] = None  # overwritten by its gradient below and freed after it
+                g = triton_logprobs.logit_grad_(z, targets[s:e], lse[s:e], g_lp[s:e], t,
                                                 entropy=entropy[s:e] if use_ent else None,
                                                 g_entropy=grad_entropy[s:e] if use_ent else None)
             else:
@@ -80,7 +96,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 _accumulate_outer(grad_w, g, h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _chunk_logit_grad(h, weight, targets, lse, g_lp, t: float, ent: tuple | None) -> torch.Tensor:
@@ -141,6 +157,7 @@ def compute_token_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     fused: bool | None = None,
+    keep_logits: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token under softmax(hidden @ weight^T / temperature), and optionally the
     entropy of that full distribution; both fp32 and differentiable w.r.t. hidden and weight.
@@ -151,7 +168,9 @@ def compute_token_logprobs(
     `fused`: the Triton kernels for the softmax work (models/triton_logprobs.py; None: where they run).
     `chunk_size` None: 4096 tokens fused (one [4096, V] buffer in the weight dtype: 0.26 GB at V = 32k;
     on an H200 10% faster than 1024, bench/results/logprobs_fused_h200.json), 1024 on the torch path
-    (its fp32 copies take ~6x the bytes per token).
+    (its fp32 copies take ~6x the bytes per token). `keep_logits`: the fused path keeps the forward's
+    logits for the backward instead of recomputing them (None: where a backward follows and they fit in
+    KEEP_LOGITS_FREE_FRACTION of the free device memory; see the module docstring).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} needs targets of shape {tuple(hidden.shape[:-1])}, "
@@ -170,7 +189,21 @@ def compute_token_logprobs(
         raise ValueError(f"temperature ({temperature}) and chunk_size ({chunk_size}) must be > 0")
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
+    if keep_logits is None:
+        keep_logits = fused and _logits_fit(flat_h, weight)
     logprobs, entropy, _ = _TokenLogprobs.apply(flat_h, weight, flat_t, float(temperature), int(chunk_size),
-                                                bool(with_entropy), bool(fused))
+                                                bool(with_entropy), bool(fused), bool(keep_logits))
     logprobs = logprobs.view(targets.shape)
     return logprobs, (entropy.view(targets.shape) if with_entropy else None)
+
+
+def _logits_fit(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a backward will follow (grad mode, an input that needs a gradient) on a CUDA device whose free
+    memory (the driver's, plus the allocator's cached blocks) holds all [N, V] logits KEEP_LOGITS_FREE_FRACTION
+    times over. Host-side queries only: no synchronisation."""
+    if not (hidden.is_cuda and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return False
+    need = hidden.shape[0] * weight.shape[0] * weight.element_size()
+    free, _ = torch.cuda.mem_get_info(hidden.device)
+    cached = torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
+    return need <= KEEP_LOGITS_FREE_FRACTION * (free + cached)

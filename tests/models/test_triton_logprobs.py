@@ -89,3 +89,30 @@ def test_stats_of_extreme_logits_and_shape_errors():
                 raise AssertionError("a strided z was accepted")
         print("ok")
     """)
+
+
+def test_kept_logits_give_the_recomputing_backward_bit_for_bit():
+    # keep_logits: the backward reads the forward's logits instead of recomputing them; the same GEMM on the same
+    # inputs, so every output and gradient is equal, across chunks (a partial last one) and with entropy
+    run_interpreted("""
+        import torch
+        from models import logprobs
+        torch.manual_seed(0)
+        n, h, v = 23, 16, 77
+        for dtype in (torch.float32, torch.bfloat16):
+            hidden = torch.randn(n, h).to(dtype).requires_grad_()
+            weight = torch.randn(v, h).to(dtype).requires_grad_()
+            targets = torch.randint(0, v, (n,))
+            g_lp, g_ent = torch.randn(n), torch.randn(n)
+            results = []
+            for keep in (True, False):
+                lp, ent = logprobs.compute_token_logprobs(hidden, weight, targets, chunk_size=8, with_entropy=True,
+                                                          fused=True, keep_logits=keep)
+                results.append((lp, ent, *torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(),
+                                                              (hidden, weight))))
+            for a, b in zip(*results):
+                assert torch.equal(a, b), dtype
+        # the default keeps nothing off CUDA (nor without a backward to follow)
+        assert not logprobs._logits_fit(hidden, weight)
+        print("ok")
+    """)
