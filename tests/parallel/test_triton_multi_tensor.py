@@ -45,6 +45,7 @@ def test_main_grad_buckets_sum_through_the_kernel():
 import torch
 import parallel.triton_multi_tensor as K
 from parallel.master_weights import _Accumulator, attach_main_grads
+from tests.parallel.test_master_weights import _accumulate_and_compare
 calls = []
 kernel = K.accumulate_
 K.accumulate_ = lambda accs, grads: (calls.append(len(accs)), kernel(accs, grads))
@@ -55,15 +56,7 @@ plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.L
 hooked = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(torch.bfloat16)
 hooked.load_state_dict(plain.state_dict())
 attach_main_grads(hooked)
-want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in plain.named_parameters()}
-for part in torch.randn(3, 4, 16).to(torch.bfloat16):
-    plain.zero_grad()
-    plain(part).float().square().sum().backward()
-    for n, p in plain.named_parameters():
-        want[n] += p.grad.float()
-    hooked(part).float().square().sum().backward()
-for n, p in hooked.named_parameters():
-    assert p.grad is None and p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want[n]), n
+_accumulate_and_compare(plain, hooked, torch.randn(3, 4, 16).to(torch.bfloat16))
 assert calls == [4, 4], calls  # one launch per backward after the first, each over the four parameters
 print("ok")
 """)
