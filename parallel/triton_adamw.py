@@ -55,7 +55,7 @@ def available(device: torch.device | str) -> bool:
 
 
 if triton is not None:
-    from parallel.triton_multi_tensor import _TL, find_tensor
+    from parallel.triton_multi_tensor import TL_DTYPE, find_tensor
 
     @triton.jit
     def _adamw_kernel(addr_ptr, numel_ptr, first_ptr, T, grad_scale, decay, one_minus_beta1, beta2,
@@ -165,7 +165,7 @@ def _launch(lists: list[list[torch.Tensor]], *, grad_scale, decay, beta1, beta2,
     _adamw_kernel[(table.programs,)](
         table.addrs, table.numels, table.firsts, table.tensors, float(grad_scale), float(decay), float(1 - beta1),
         float(beta2), float(1 - beta2), float(step_size), float(bc2_sqrt), float(eps),
-        GRAD=_TL[lists[0][0].dtype], WEIGHT=_TL[lists[1][0].dtype], MOMENT=_TL[lists[2][0].dtype],
-        HALF=_TL[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy, ALIGNED=table.aligned,
+        GRAD=TL_DTYPE[lists[0][0].dtype], WEIGHT=TL_DTYPE[lists[1][0].dtype], MOMENT=TL_DTYPE[lists[2][0].dtype],
+        HALF=TL_DTYPE[lists[4][0].dtype] if has_copy else tl.bfloat16, HAS_HALF=has_copy, ALIGNED=table.aligned,
         ALIGN_G=align[0], ALIGN_W=align[1], ALIGN_M=align[2], ALIGN_H=align[-1],
         TPAD=table.tpad, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -85,7 +85,7 @@ def launch_table(lists: list[list[torch.Tensor]], *, chunk: int) -> LaunchTable 
 
 
 if triton is not None:
-    _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def find_tensor(first_ptr, numel_ptr, T, TPAD: tl.constexpr, CHUNK: tl.constexpr):
@@ -141,6 +141,6 @@ def accumulate_(accs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         if table is None:
             continue
         _accumulate_kernel[(table.programs,)](
-            table.addrs, table.numels, table.firsts, table.tensors, ACC=tl.float32, GRAD=_TL[grads[0].dtype],
+            table.addrs, table.numels, table.firsts, table.tensors, ACC=tl.float32, GRAD=TL_DTYPE[grads[0].dtype],
             ALIGNED=table.aligned, ALIGN_A=table.align[0], ALIGN_G=table.align[1], TPAD=table.tpad, CHUNK=ADD_CHUNK,
             BLOCK=ADD_BLOCK, num_warps=4)
