@@ -122,8 +122,10 @@ def accumulate(accs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """accs[i] += grads[i] (fp32 accumulators, gradients of one dtype): one multi-tensor Triton launch where it runs
     and the gradients are 16-bit (torch's `_foreach_add_` runs one kernel per tensor for mixed dtypes), else torch's
     foreach add (fused for one dtype)."""
-    if grads and grads[0].dtype != accs[0].dtype and len({(x.dtype, x.device) for x in grads}) == 1 \
-            and triton_multi_tensor.available(grads[0].device) and all(x.is_contiguous() for x in (*accs, *grads)):
+    both = (*accs, *grads)
+    if grads and grads[0].dtype in HALF and {x.dtype for x in accs} == {torch.float32} \
+            and {x.dtype for x in grads} == {grads[0].dtype} and len({x.device for x in both}) == 1 \
+            and triton_multi_tensor.available(grads[0].device) and all(x.is_contiguous() for x in both):
         triton_multi_tensor.accumulate_(accs, grads)
     else:
         torch._foreach_add_(accs, grads)
