@@ -25,6 +25,13 @@ base comes through update_weights once; "<module>.lora_A/B" tensors, gathered li
 PEFT adapter directory and served as a new `LoRARequest` ("policy-v<N>", the previous one removed), which every
 later generate uses. vLLM applies alpha / r itself from the directory's adapter_config.json.
 
+Step API (rollout.base.SteppingEngine, for agent loops and partial rollouts): add_request / step / abort drive
+vLLM's LLMEngine one scheduler iteration at a time; each sample is its own vLLM request streaming its new tokens
+(RequestOutputKind.DELTA), so an abort returns the tokens so far, and sample j of a request is seeded as vLLM's
+n-sampling seeds its j-th child (same draws as one LLM.generate with n). generate() is a loop over them. Scheduling
+is synchronous (async_scheduling off), so no iteration is in flight between step() calls and weights may be swapped
+there (partial rollouts: the samples in flight are aborted and continue as new requests, their KV recomputed).
+
 Sleep: on CUDA, `sleep()` is vLLM's sleep level 2 (weights and KV cache leave the GPU; the weights
 come back from the next update_weights) when rollout.free_memory_on_sleep; vLLM's CPU platform has
 no sleep mode, so there sleep()/wake_up() only flip a flag and never call into vLLM (a vLLM
@@ -38,6 +45,7 @@ import os
 import random
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -113,6 +121,23 @@ def _check_tp_group_matches_vllm(tp_group, tp: int) -> None:
 VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py's block size when none is set
 
 
+@dataclass(slots=True)
+class _Sample:
+    """One sample of a request in flight (vLLM request "<id>.<j>")."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str | None = None  # None while vLLM runs it
+    error: str | None = None
+    counted: bool = False  # its prompt is in stats (prefill_tokens / kv_reused_tokens)
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt: list[int]
+    samples: list[_Sample]
+
+
 class VLLMEngine:
     def __init__(self, model_config: ModelConfig, *, config: RolloutConfig, tp_group=None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -165,6 +190,7 @@ class VLLMEngine:
                        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
                        enable_prefix_caching=True, logprobs_mode=logprobs_mode, seed=config.seed,
                        enforce_eager=enforce_eager, enable_sleep_mode=self.sleep_level > 0,
+                       async_scheduling=False,  # the step API: nothing in flight between step() calls
                        **({"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
                           if lora else {}), **kw)
         self.lora, self.lora_request, self._lora_version = lora, None, 0
@@ -176,9 +202,16 @@ class VLLMEngine:
         self._max_budget = max(config.max_num_batched_tokens, config.max_model_len)  # vLLM's buffers are this big
         self.asleep = False
         self.loaded = False
+        if self.llm.llm_engine.engine_core.engine_core.batch_queue is not None:
+            raise RuntimeError("vLLM runs with a batch queue (async scheduling or pipeline parallel): its step() "
+                               "would leave an iteration in flight, which the step API's settle() cannot wait for")
+        self._live: dict[int, _Request] = {}  # step-API requests in flight
+        self._ready: list[Completion] = []  # bad requests' error completions, for the next step()
+        self._next_request = 0
         # prompt tokens vLLM ran (prefill_tokens) and found in its prefix cache instead (kv_reused_tokens: an agent's
-        # earlier turns, a GRPO group's shared prompt); the native engine's names (ppo/agents/driver.py reads both)
-        self.stats = {"prefill_tokens": 0, "kv_reused_tokens": 0}
+        # earlier turns, a GRPO group's shared prompt), and tokens sampled (sampled_tokens): the native engine's names
+        # (ppo/agents/driver.py and the partial rollouts' async/generated_tokens read them)
+        self.stats = {"prefill_tokens": 0, "kv_reused_tokens": 0, "sampled_tokens": 0}
         if idle_tp:
             self.sleep()  # never generates: on CUDA its weights and KV cache leave the GPU for good
 
@@ -241,60 +274,119 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        if self.asleep:
-            raise RuntimeError("generate on a sleeping engine: call wake_up() (and update_weights) first")
-        if not self.loaded:
-            raise RuntimeError("generate before update_weights: the engine holds vLLM's dummy weights")
-        if self.lora is not None and self.lora_request is None:
-            raise RuntimeError("generate before the LoRA adapters arrived: update_weights must carry them")
+        """The batch call: every request added, then the engine stepped until all finished."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() while step-API requests are unfinished: step or abort them first")
         params = expand_sampling(sampling, len(prompts))
+        index = {self.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(prompts, params))}
         results: dict[int, list[Completion]] = {}
-        requests, vparams, index = [], [], []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            prompt = [int(t) for t in prompt]
-            err = check_request(prompt, p, max_model_len=self.config.max_model_len,
-                                vocab_size=self.model_config.vocab_size)
-            if err is None:
-                err = request_matches_mode(self.logprobs_mode, temperature=p.temperature, top_k=p.top_k,
-                                           top_p=p.top_p)
-            if err is not None:
-                results[i] = error_completions(i, prompt, p, err)
-                continue
-            # unseeded requests draw their seed here, in request order, so every TP rank agrees
-            seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            requests.append({"prompt_token_ids": prompt})
-            vparams.append(self._vllm_params(p, seed, room=self.config.max_model_len - len(prompt)))
-            index.append(i)
-        if requests:
-            self._apply_token_budget()
-            lora = {} if self.lora_request is None else {"lora_request": [self.lora_request] * len(requests)}
-            outs = self.llm.generate(requests, vparams, use_tqdm=False, **lora)
-            for i, out in zip(index, outs):
-                cached = out.num_cached_tokens or 0
-                self.stats["kv_reused_tokens"] += cached
-                self.stats["prefill_tokens"] += len(out.prompt_token_ids or prompts[i]) - cached
-                results[i] = [self._completion(i, prompts[i], c) for c in sorted(out.outputs, key=lambda c: c.index)]
-        return [c for i in range(len(prompts)) for c in results[i]]
+        while self.has_unfinished():
+            for c in self.step():
+                c.prompt_index = index[c.prompt_index]
+                results.setdefault(c.prompt_index, []).append(c)
+        return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
+
+    # ---- step API (rollout/base.py: SteppingEngine) ----
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue `params.n` samples of `prompt`; usable between step() calls. Returns the request id its completions
+        carry as `Completion.prompt_index`; a bad request comes back as "error" completions from the next step().
+        Sample j is vLLM request "<id>.<j>" seeded with the request's seed + j, the seed vLLM's own n-sampling gives
+        its j-th child, so the samples are those one LLM.generate call with n would draw."""
+        if self.asleep:
+            raise RuntimeError("add_request on a sleeping engine: call wake_up() (and update_weights) first")
+        if not self.loaded:
+            raise RuntimeError("add_request before update_weights: the engine holds vLLM's dummy weights")
+        if self.lora is not None and self.lora_request is None:
+            raise RuntimeError("add_request before the LoRA adapters arrived: update_weights must carry them")
+        rid, self._next_request = self._next_request, self._next_request + 1
+        prompt = [int(t) for t in prompt]
+        err = check_request(prompt, params, max_model_len=self.config.max_model_len,
+                            vocab_size=self.model_config.vocab_size)
+        if err is None:
+            err = request_matches_mode(self.logprobs_mode, temperature=params.temperature, top_k=params.top_k,
+                                       top_p=params.top_p)
+        if err is not None:
+            self._ready += error_completions(rid, prompt, params, err)
+            return rid
+        # unseeded requests draw their seed here, in request order, so every TP rank agrees
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        self._apply_token_budget()
+        lora = {} if self.lora_request is None else {"lora_request": self.lora_request}
+        self._live[rid] = _Request(prompt, [_Sample() for _ in range(params.n)])
+        for j in range(params.n):
+            vparams = self._vllm_params(params, seed + j, room=self.config.max_model_len - len(prompt))
+            self.llm.llm_engine.add_request(f"{rid}.{j}", {"prompt_token_ids": prompt}, vparams, **lora)
+        return rid
+
+    def step(self) -> list[Completion]:
+        """One vLLM scheduler iteration (prefills and one decode step); the completions of the requests that
+        finished in it, each request's `n` samples together. vLLM's in-process engine returns only once the
+        iteration ran (no batch queue: checked at start-up), so nothing is left in flight between calls."""
+        ready, self._ready = self._ready, []
+        if self._live:
+            for out in self.llm.llm_engine.step():
+                self._absorb(out)
+        done = [rid for rid, r in self._live.items() if all(s.reason is not None for s in r.samples)]
+        return ready + [c for rid in done for c in self._completions(rid, self._live.pop(rid))]
+
+    def settle(self) -> list[Completion]:
+        """Nothing is in flight between step() calls (see step); what finished without a step: bad requests."""
+        ready, self._ready = self._ready, []
+        return ready
+
+    def abort(self, request_id: int) -> list[Completion]:
+        """Stop a request now and free its KV; its samples as they stand (finish_reason "abort" for those still
+        running). Unknown or finished ids: []."""
+        req = self._live.pop(request_id, None)
+        if req is None:
+            return []
+        running = [j for j, s in enumerate(req.samples) if s.reason is None]
+        self.llm.llm_engine.abort_request([f"{request_id}.{j}" for j in running])
+        for j in running:
+            req.samples[j].reason = "abort"
+        return self._completions(request_id, req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._ready)
+
+    def _absorb(self, out) -> None:
+        """One vLLM output (request "<id>.<j>", the tokens it sampled since the last: RequestOutputKind.DELTA)."""
+        rid, j = map(int, out.request_id.split("."))
+        req = self._live.get(rid)
+        if req is None:  # aborted after vLLM had produced this step's tokens
+            return
+        s = req.samples[j]
+        if not s.counted:  # vLLM reports the prompt tokens its prefix cache served with the first tokens
+            cached = out.num_cached_tokens or 0
+            self.stats["kv_reused_tokens"] += cached
+            self.stats["prefill_tokens"] += len(req.prompt) - cached
+            s.counted = True
+        for c in out.outputs:
+            s.tokens += c.token_ids
+            self.stats["sampled_tokens"] += len(c.token_ids)
+            s.logprobs += [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)]
+            if out.finished:
+                s.reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
+                s.error = None if s.reason != "error" else f"vLLM finished with {c.finish_reason!r}"
+
+    @staticmethod
+    def _completions(rid: int, req: _Request) -> list[Completion]:
+        return [Completion(rid, j, list(req.prompt), s.tokens, s.logprobs, s.reason, s.error)
+                for j, s in enumerate(req.samples)]
 
     def _apply_token_budget(self) -> None:
-        """config.max_num_batched_tokens (the batch controller's knob) acts at the next generate, as in the
+        """config.max_num_batched_tokens (the batch controller's knob) acts at the next request, as in the
         native engine: vLLM's scheduler budget per step, at most what vLLM sized its buffers for."""
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         scheduler.max_num_scheduled_tokens = min(max(self.config.max_num_batched_tokens, 1), self._max_budget)
 
     def _vllm_params(self, p: SamplingParams, seed: int, *, room: int):
         from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
         # ignore_eos=True: vLLM's own EOS (from a tokenizer we do not give it) stays out; ours are stop ids
-        return VSamplingParams(n=p.n, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
+        # one sample a request, its new tokens at every step (abort() returns the tokens so far)
+        return VSamplingParams(n=1, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
                                max_tokens=min(p.max_tokens, room), seed=seed, stop_token_ids=stops,
-                               ignore_eos=True, logprobs=0, detokenize=False)
-
-    @staticmethod
-    def _completion(i: int, prompt, c) -> Completion:
-        tokens = list(c.token_ids)
-        logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, c.logprobs)]
-        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
-        return Completion(i, c.index, [int(t) for t in prompt], tokens, logprobs, reason,
-                          None if reason != "error" else f"vLLM finished with {c.finish_reason!r}")
+                               ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)

@@ -183,9 +183,14 @@ def validate_config(cfg: Config) -> None:
         raise UserError("rollout.decode_beside needs the engine's KV cache kept while training, and "
                         "rollout.free_memory_on_sleep=true frees it: set it false, or leave it unset (decided after "
                         "the first step)")
-    if r.batches_in_flight > 1 and r.engine != "native":
-        raise UserError(f"rollout.batches_in_flight={r.batches_in_flight} needs an engine driven step by step "
-                        f"(rollout.engine=native); {r.engine} only generates whole batches")
+    if r.engine != "native" and r.partial_kv == "keep":
+        raise UserError(f"rollout.partial_kv=keep parks the KV of samples in flight in the native engine's slots; "
+                        f"{r.engine} keeps none across a weight swap (vLLM resets its prefix cache with the weights): "
+                        f"use rollout.engine=native, or remove rollout.partial_kv (recompute)")
+    if r.engine != "native" and r.decode_beside:
+        raise UserError(f"rollout.decode_beside steps the native engine on a thread and CUDA stream of its own beside "
+                        f"training; {r.engine} is not stepped there: use rollout.engine=native, or remove "
+                        f"rollout.decode_beside")
     if r.engine == "vllm":
         _validate_vllm(cfg)
     _validate_agent(cfg)
@@ -272,7 +277,7 @@ def _validate_algorithm_variants(cfg: Config) -> None:
 
 def _validate_agent(cfg: Config) -> None:
     """Agent loops: the files import and define what they must, the default loop exists, the limits are sane.
-    Loop and tool files need the native engine's step API (vLLM generates single turns only)."""
+    Both engines have the step API the loops run on."""
     from ppo.agents.loop import AgentLoopError
     from ppo.agents.registry import build_registry
 

@@ -6,8 +6,7 @@ Every loop is primed to its first action. Loops of one prompt whose first action
 alone share one request with n samples (one prefill; the same requests as batch generation, so a single-turn
 step does exactly the work of `engine.generate`). After that each Generate is its own request, added while the
 engine runs (rollout/base.py SteppingEngine); each CallTool goes to the tool pool, and the engine keeps stepping
-the other trajectories while it runs. An engine without the step API (vLLM) is driven in rounds: one
-generate() over every trajectory waiting for tokens, then the tool calls of that round.
+the other trajectories while it runs. Both engines, native and vLLM, have the step API.
 
 keep_kv (agent.keep_kv; an engine with sessions, the native one): every request names its trajectories as
 sessions, so a finished turn keeps its KV in the engine while the tool runs and the next turn, which extends
@@ -139,18 +138,18 @@ class _Request:
 
 
 def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolPool | None = None,
-          sync: Callable[[list], list] | None = None, rounds: bool | None = None, keep_kv: bool = False
-          ) -> tuple[list[Trajectory], DriveStats]:
+          sync: Callable[[list], list] | None = None, keep_kv: bool = False) -> tuple[list[Trajectory], DriveStats]:
     """The trajectories of `starts` (same order) and what driving them took. sampling: temperature, top-k,
     top-p and stop tokens of every request (max_tokens, n and seed come from the loops and starts). sync: under
-    generation TP, agrees the finished tool calls with TP rank 0 (the only rank that runs them). rounds: force
-    round mode (default: when the engine has no step API). keep_kv: keep each trajectory's KV between its turns
-    (module docstring); ignored by an engine without sessions."""
+    generation TP, agrees the finished tool calls with TP rank 0 (the only rank that runs them). keep_kv: keep each
+    trajectory's KV between its turns (module docstring); ignored by an engine without sessions (vLLM: its prefix
+    cache serves the earlier turns)."""
+    if not hasattr(engine, "add_request"):
+        raise TypeError(f"{type(engine).__name__} has no step API (rollout.base.SteppingEngine): agent loops need one")
     live = [_Live(s, s.loop(s.task)) for s in starts]
     stats = DriveStats()
     pool = tools or ToolPool(workers=1)
-    step_api = hasattr(engine, "add_request") if rounds is None else not rounds
-    sessions = keep_kv and step_api and hasattr(engine, "release_session")
+    sessions = keep_kv and hasattr(engine, "release_session")
     engine_stats = dict(getattr(engine, "stats", {}))
     waiting_tools: set[int] = set()
     pending: list[tuple[int, Generate]] = []  # Generate actions not yet sent to the engine
@@ -221,46 +220,28 @@ def drive(engine, starts: list[Start], *, sampling: SamplingParams, tools: ToolP
     try:
         for tid in range(len(live)):
             advance(tid, None)
-        if step_api:
-            in_engine: dict[int, _Request] = {}
-            while pending or in_engine or waiting_tools:
-                for req in requests():
-                    if not req.prompt:
-                        deliver(req, [Completion(0, 0, [], [], [], "length")])
-                    elif sessions and any(live[tid].start.loop is not single_turn for tid in req.tids):
-                        keys = [("agent", tid) for tid in req.tids]
-                        in_engine[engine.add_request(req.prompt, req.params, sessions=keys)] = req
-                    else:
-                        in_engine[engine.add_request(req.prompt, req.params)] = req
-                if engine.has_unfinished():
-                    done = engine.step()
-                    stats.engine_steps += 1
-                    stats.steps_during_tools += bool(waiting_tools)
-                    by_request: dict[int, list[Completion]] = {}
-                    for c in done:
-                        by_request.setdefault(c.prompt_index, []).append(c)
-                    for rid, comps in by_request.items():
-                        deliver(in_engine.pop(rid), comps)
-                    tool_results(block=False)
-                else:  # nothing to decode: wait for a tool
-                    tool_results(block=True)
-        else:
-            while pending or waiting_tools:
-                reqs = requests()
-                empty = [r for r in reqs if not r.prompt]
-                reqs = [r for r in reqs if r.prompt]
-                if reqs:
-                    by_request = {}
-                    for c in engine.generate([r.prompt for r in reqs], [r.params for r in reqs]):
-                        by_request.setdefault(c.prompt_index, []).append(c)
-                    stats.engine_steps += 1
-                    for i, r in enumerate(reqs):
-                        deliver(r, by_request[i])
-                for r in empty:
-                    deliver(r, [Completion(0, 0, [], [], [], "length")])
-                while waiting_tools and not pending:
-                    tool_results(block=True)
+        in_engine: dict[int, _Request] = {}
+        while pending or in_engine or waiting_tools:
+            for req in requests():
+                if not req.prompt:
+                    deliver(req, [Completion(0, 0, [], [], [], "length")])
+                elif sessions and any(live[tid].start.loop is not single_turn for tid in req.tids):
+                    keys = [("agent", tid) for tid in req.tids]
+                    in_engine[engine.add_request(req.prompt, req.params, sessions=keys)] = req
+                else:
+                    in_engine[engine.add_request(req.prompt, req.params)] = req
+            if engine.has_unfinished():
+                done = engine.step()
+                stats.engine_steps += 1
+                stats.steps_during_tools += bool(waiting_tools)
+                by_request: dict[int, list[Completion]] = {}
+                for c in done:
+                    by_request.setdefault(c.prompt_index, []).append(c)
+                for rid, comps in by_request.items():
+                    deliver(in_engine.pop(rid), comps)
                 tool_results(block=False)
+            else:  # nothing to decode: wait for a tool
+                tool_results(block=True)
     finally:
         if tools is None:
             pool.close()

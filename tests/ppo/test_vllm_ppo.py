@@ -2,8 +2,9 @@
 
 Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
 TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 run
-resumes from its checkpoint (the split run's resume is `extended`). On-policy the engine's behaviour log-probs
-equal the trainer's recompute (rollout/logprob_diff_max), which is what makes vLLM usable for PPO.
+resumes from its checkpoint (the split run's resume is `extended`); partial rollouts over vLLM's step API,
+resumed. On-policy the engine's behaviour log-probs equal the trainer's recompute (rollout/logprob_diff_max),
+which is what makes vLLM usable for PPO.
 """
 
 from __future__ import annotations
@@ -90,3 +91,23 @@ def test_lora_adapters_reach_vllm_every_update(tmp_path):
     rows = _lora_run(tmp_path, 2, "actor.tp=2", "ref.tp=2", "actor.lora.sync=adapters")
     sent = [r["reshard/engine_bytes"] for r in rows]  # this rank's: base and adapters, then the adapters alone
     assert sent[1] == sent[2] and sent[0] > 5 * sent[1], sent
+
+
+def test_partial_rollouts_on_vllm_then_resume(tmp_path):
+    """Over-provisioned partial rollouts (rollout.batches_in_flight=2, trainer.max_staleness=1) on vLLM's step API:
+    groups left in flight continue under the next weights (aborted and re-added, their KV recomputed by vLLM), and a
+    run resumed from its checkpoint continues the suspended groups. Decoupled PPO (rollout_correction=tis, two epochs:
+    the proximal log-probs recomputed) splits the engine-vs-trainer gap by each token's version gap: the tokens the
+    current weights sampled match the trainer's at fp32 (the engine served exactly those weights), the older ones do
+    not; the bound holds."""
+    common = [*VLLM, "rollout.batches_in_flight=2", "trainer.max_staleness=1", "algorithm.rollout_correction=tis",
+              "actor.ppo_epochs=2", "rollout.max_response_length=12", "rollout.max_num_seqs=12",
+              "trainer.experiment_name=partial"]
+    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=2", *common))
+    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
+    rows = metrics(tmp_path / "partial")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["async/staleness_max"] <= 1 and r["async/generated_tokens"] > 0 for r in rows), rows
+    assert all(r["rollout_corr/staleness_0/logprob_diff_max"] < 1e-5 for r in rows), rows
+    stale = [r["rollout_corr/staleness_1/logprob_diff_max"] for r in rows if "rollout_corr/staleness_1/kl" in r]
+    assert stale and all(d > 1e-4 for d in stale), rows  # tokens of the weights before the update

@@ -4,7 +4,9 @@ Proves: per-request seeds reproduce n samples alone or inside a batch; fp32 beha
 the trainer's (log softmax(logits / T), T = 1 greedy) within 1e-5; after a PPO update, update_weights
 makes vLLM's greedy tokens and log-probs those of the updated model, also for a prompt that hits the
 prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV); agent loops
-run in rounds of generate() with the earlier turns served from the prefix cache (VLLMEngine.stats).
+run through the step API with the earlier turns served from the prefix cache (VLLMEngine.stats), decoding while a
+tool sleeps; partial rollouts whose weights change mid-response keep every token's log-prob equal to the trainer's
+under the version that sampled it.
 The hybrid engine driving vLLM at gen TP=2 from a TP=2 actor is tests/ppo/test_vllm_ppo.py (log-probs
 against the trainer's recompute); the bucketed TP all-gather is tests/rollout/test_vllm_support.py.
 """
@@ -124,6 +126,8 @@ def _single_rank(rank, world):
     out["budget_same_tokens"] = [c.token_ids for c in small] == [c.token_ids for c in g]
     engine.config.max_num_batched_tokens = 16384
 
+    out["steps"] = _step_api(engine, prompts, g)
+
     # PPO update -> update_weights: greedy tokens and log-probs of the updated model, long prompt included
     engine.generate([long_prompt], greedy)  # fills the prefix cache with KV of the old weights
     _ppo_update(model, batch)
@@ -135,14 +139,73 @@ def _single_rank(rank, world):
                                      for c in after)
     out["changed"] = [c.token_ids for c in after[:3]] != [c.token_ids for c in g]
 
-    out["agents"] = _agent_rounds(engine, model, gen)
+    out["agents"] = _agent_loops(engine, model, gen)
 
     # control: the same reload without the prefix-cache reset serves the long prompt from stale KV
     _ppo_update(model, batch)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
     stale = engine.generate([long_prompt], greedy)
     out["err_stale_without_reset"] = _max_logprob_error(model, stale, 0.0)
+    out["partial"] = _partial_swap(engine, model, gen)
     return out
+
+
+def _step_api(engine, prompts, greedy_runs):
+    """The step API (rollout.base.SteppingEngine): a request added while another runs, a bad one answered by the next
+    step(), an abort that returns the tokens so far; greedy tokens equal generate()'s."""
+    from rollout.base import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    joined, bad = engine.add_request(prompts[1], greedy), engine.add_request([], greedy)
+    done, steps = [], 0
+    while not any(c.prompt_index == joined for c in done):
+        done += engine.step()
+        steps += 1
+    cut = engine.abort(long)
+    return {"errors": [(c.prompt_index == bad, c.finish_reason) for c in done if c.prompt_index != joined],
+            "joined_equal": [c.token_ids for c in done if c.prompt_index == joined] == [greedy_runs[1].token_ids],
+            "joined_steps": steps, "cut_reason": [c.finish_reason for c in cut], "cut_len": len(cut[0].token_ids),
+            "cut_prefix": cut[0].token_ids[:8] == greedy_runs[0].token_ids, "cut_logprobs": len(cut[0].logprobs),
+            "abort_again": engine.abort(long), "idle": not engine.has_unfinished(), "settle": engine.settle()}
+
+
+def _partial_swap(engine, model, gen):
+    """Partial rollouts (rollout.partial) over vLLM's step API: groups decode, the weights change mid-response
+    (swap_weights: every sample in flight aborted and re-added as its prompt plus its tokens so far, whose prefill
+    recomputes the KV under the new weights), and every token's behaviour log-prob equals the trainer's under the
+    version that sampled it, given the whole prefix."""
+    import copy
+
+    from rollout.base import SamplingParams
+    from rollout.partial import PartialRollouts
+
+    versions = [copy.deepcopy(model)]
+    versions.append(copy.deepcopy(model))
+    with torch.no_grad():
+        for p in versions[1].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    engine.update_weights(versions[0].state_dict().items())
+    rollouts = PartialRollouts(engine, version=0)
+    prompts = [[1] + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (6, 11, 4)]
+    for i, p in enumerate(prompts):
+        rollouts.add_group(p, SamplingParams(temperature=1.0, max_tokens=14, n=2, seed=300 + i, ignore_eos=True))
+    for _ in range(6):
+        rollouts.advance()
+    rollouts.swap_weights(versions[1].state_dict().items(), version=1)
+    groups = rollouts.run_until(groups=len(prompts))
+    err, spans = 0.0, []
+    for t in (t for g in groups for t in g):
+        tagged = torch.tensor(t.versions)
+        spans.append(sorted(set(t.versions)))
+        for v, m in enumerate(versions):
+            want = _trainer_logprobs(m, t.prompt_ids, t.token_ids, 1.0)[0]
+            mask = tagged == v
+            err = max(err, (torch.tensor(t.logprobs)[mask] - want[mask]).abs().max().item())
+    return {"groups": len(groups), "spans": spans, "lengths": [len(t.token_ids) for g in groups for t in g],
+            "error": err, "recomputed": rollouts.stats["recomputed_tokens"], "idle": not engine.has_unfinished()}
 
 
 OBS = [[40, 41, 42], [50, 51, 52, 53, 54]]
@@ -160,29 +223,48 @@ def _tool_turns(task):
     return traj.finish(text=None)
 
 
-def _agent_rounds(engine, model, gen):
-    """Agent loops over vLLM: the driver (ppo/agents/driver.py) runs them in rounds of generate(), one per turn of
-    every trajectory waiting for tokens; vLLM's prefix cache serves the earlier turns (prompts longer than one of
-    its 128-token CPU blocks, so later turns find a full block cached); behaviour log-probs equal the trainer's."""
+def _sleepy_tool_turns(task):
+    """One turn, a tool that sleeps 0.5 s, one more turn."""
+    import time
+
+    from ppo.agents.loop import CallTool, Generate, TrajectoryBuilder
+
+    traj = TrajectoryBuilder(task.prompt_ids)
+    traj.add_sampled((yield Generate(traj.token_ids, 4)))
+    traj.add_observation((yield CallTool(lambda: time.sleep(0.5) or OBS[0])))
+    traj.add_sampled((yield Generate(traj.token_ids, 4)))
+    return traj.finish(text=None)
+
+
+def _agent_loops(engine, model, gen):
+    """Agent loops over vLLM's step API (ppo/agents/driver.py): three tool turns each with behaviour log-probs equal
+    to the trainer's, vLLM's prefix cache serving the earlier turns (prompts longer than one of its 128-token CPU
+    blocks, so later turns find a full block cached); and a tool that sleeps while another trajectory decodes."""
     from ppo.agents.driver import Start, ToolPool, drive
-    from ppo.agents.loop import AgentTask
+    from ppo.agents.loop import AgentTask, single_turn
     from rollout.base import SamplingParams
 
     prompts = [[1] + torch.randint(3, 512, (140 + 7 * i,), generator=gen).tolist() for i in range(3)]
     starts = [Start(_tool_turns, AgentTask(p, {"index": i}, None, max_response_tokens=64, max_total_tokens=256),
                     100 + i, key=i) for i, p in enumerate(prompts)]
     pool = ToolPool(workers=2)
-    trajs, stats = drive(engine, starts, sampling=SamplingParams(temperature=1.0, ignore_eos=True), tools=pool,
-                         keep_kv=True)
-    pool.close()
+    sampling = SamplingParams(temperature=1.0, ignore_eos=True)
+    trajs, stats = drive(engine, starts, sampling=sampling, tools=pool, keep_kv=True)
     errors = []
     for p, t in zip(prompts, trajs):
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)
         want = _trainer_logprobs(model, p, t.response_ids, 1.0)[0]
         errors.append((torch.tensor(t.logprobs)[mask] - want[mask]).abs().max().item())
+    long_gen = Start(single_turn, AgentTask(prompts[0][:20], {}, None, max_response_tokens=150, max_total_tokens=200),
+                     7, key="long")
+    sleepy = Start(_sleepy_tool_turns, AgentTask(prompts[1][:20], {}, None, max_response_tokens=64,
+                                                 max_total_tokens=256), 8, key="tool")
+    (long_traj, tool_traj), sleeping = drive(engine, [long_gen, sleepy], sampling=sampling, tools=pool)
+    pool.close()
     return {"masks": [t.loss_mask for t in trajs], "obs": [t.response_ids[6:9] for t in trajs],
-            "error": max(errors), "rounds": stats.engine_steps, "reused": stats.kv_reused_tokens,
-            "prefilled": stats.prefill_tokens, "prompt_tokens": sum(map(len, prompts))}
+            "error": max(errors), "reused": stats.kv_reused_tokens, "prefilled": stats.prefill_tokens,
+            "prompt_tokens": sum(map(len, prompts)), "long": len(long_traj.response_ids),
+            "tool_mask": tool_traj.loss_mask, "steps_during_tools": sleeping.steps_during_tools}
 
 
 def test_vllm_engine_single_rank():
@@ -198,7 +280,16 @@ def test_vllm_engine_single_rank():
     assert r["changed"], "the PPO update did not change the greedy tokens: the update test proves nothing"
     assert r["err_after_update"] < 1e-5 and r["argmax_after_update"], r
     assert r["err_stale_without_reset"] > 1e-3, r  # the cache was really in play
-    a = r["agents"]  # agent loops in rounds: three tool turns each, log-probs at 1e-5, earlier turns cached
+    st = r["steps"]  # the step API: a request joins a running one, a bad one errs, an abort keeps the tokens so far
+    assert st["errors"] == [(True, "error")] and st["joined_equal"] and st["joined_steps"] >= 8, st
+    assert st["cut_reason"] == ["abort"] and 10 <= st["cut_len"] < 40 and st["cut_prefix"], st
+    assert st["cut_logprobs"] == st["cut_len"] and st["abort_again"] == [] and st["idle"] and st["settle"] == [], st
+    a = r["agents"]  # agent loops: three tool turns each, log-probs at 1e-5, earlier turns cached
     assert a["masks"] == [[1] * 6 + [0] * 3 + [1] * 6 + [0] * 5 + [1] * 6] * 3 and a["obs"] == [OBS[0]] * 3
-    assert a["error"] < 1e-5 and a["rounds"] == 3, a
+    assert a["error"] < 1e-5, a
     assert a["reused"] >= 2 * 3 * 128 and a["prefilled"] + a["reused"] > a["prompt_tokens"], a
+    # continuous batching: the long trajectory decoded while the other's tool slept
+    assert a["long"] == 150 and a["tool_mask"] == [1] * 4 + [0] * 3 + [1] * 4 and a["steps_during_tools"] >= 10, a
+    p = r["partial"]  # weights swapped mid-response: each token's log-prob is its version's, the KV recomputed
+    assert p["groups"] == 3 and p["spans"] == [[0, 1]] * 6 and p["lengths"] == [14] * 6, p
+    assert p["error"] < 1e-5 and p["recomputed"] > 0 and p["idle"], p

@@ -35,7 +35,7 @@ def test_multi_turn_loops_run_on_both_engines_but_not_across_weight_swaps(tmp_pa
     monkeypatch.setattr(validation, "_validate_vllm", lambda cfg: None)  # vLLM itself is not installed here
     tools = tmp_path / "ok.py"
     tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\nTOOLS = [add]\n")
-    # vLLM runs the loops in rounds of generate() (its prefix cache serves the earlier turns)
+    # vLLM runs the loops through its step API (its prefix cache serves the earlier turns)
     assert load_config(None, ["rollout.engine=vllm", f"agent.tools_file={tools}"]).agent.tools_file == str(tools)
     assert "set rollout.batches_in_flight=1" in refused("rollout.batches_in_flight=2", "trainer.max_staleness=1",
                                                        f"agent.tools_file={tools}")

@@ -45,7 +45,11 @@ def test_auto_rollout_correction_follows_async():
     (["trainer.async_rollout=true"], "replaced by trainer.max_staleness"),
     (["rollout.batches_in_flight=2"], "set trainer.max_staleness >= 1"),
     (["rollout.batches_in_flight=0"], r"rollout.batches_in_flight\(0\) must be >= 1"),
-    (["rollout.batches_in_flight=2", "trainer.max_staleness=1", "rollout.engine=vllm"], "rollout.engine=native"),
+    # partial rollouts run on vLLM too (its step API), with their KV recomputed and not beside training
+    (["rollout.batches_in_flight=2", "trainer.max_staleness=1", "rollout.engine=vllm", "rollout.partial_kv=keep",
+      "rollout.free_memory_on_sleep=false"], "use rollout.engine=native, or remove rollout.partial_kv"),
+    (["rollout.decode_beside=true", "rollout.batches_in_flight=2", "trainer.max_staleness=1", "rollout.engine=vllm"],
+     "use rollout.engine=native, or remove rollout.decode_beside"),
     (["trainer.stale_policy=drop"], "set rollout.batches_in_flight >= 2"),  # batches ahead: nothing to drop
     (["trainer.stale_policy=drop", "trainer.max_staleness=2"], "set rollout.batches_in_flight >= 2"),
     (["trainer.stale_policy=drop", "rollout.batches_in_flight=2"], "set trainer.max_staleness >= 1"),  # K = 0

@@ -89,16 +89,6 @@ def test_multi_turn_logprobs_equal_the_trainer_at_every_sampled_token(keep_kv):
         assert (torch.tensor(t.logprobs)[~mask] == 0).all()
 
 
-def test_rounds_give_the_same_trajectories_as_steps():
-    engine = NativeEngine.from_model(model(), config=config())
-    starts = [Start(three_turns, task(p), 200 + i, key=i) for i, p in enumerate(PROMPTS[:3])]
-    stepped, _ = drive(engine, starts, sampling=sampling())
-    rounds, stats = drive(engine, starts, sampling=sampling(), rounds=True)
-    assert [t.response_ids for t in rounds] == [t.response_ids for t in stepped] and stats.engine_steps == 3
-    for a, b in zip(rounds, stepped):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
-
-
 def test_a_sleeping_tool_does_not_stop_the_other_trajectories_decoding():
     engine = NativeEngine.from_model(model(), config=config())
     long_gen = Start(single_turn, task(PROMPTS[0], max_response=80, total=96), 1, key="long")
