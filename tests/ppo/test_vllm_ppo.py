@@ -3,7 +3,7 @@
 Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
 TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 run
 resumes from its checkpoint (the split run's resume is `extended`); partial rollouts over vLLM's step API,
-resumed. On-policy the engine's behaviour log-probs equal the trainer's recompute (rollout/logprob_diff_max),
+resumed; a user's multi-turn agent loop. On-policy the engine's behaviour log-probs equal the trainer's recompute (rollout/logprob_diff_max),
 which is what makes vLLM usable for PPO.
 """
 
@@ -111,3 +111,31 @@ def test_partial_rollouts_on_vllm_then_resume(tmp_path):
     assert all(r["rollout_corr/staleness_0/logprob_diff_max"] < 1e-5 for r in rows), rows
     stale = [r["rollout_corr/staleness_1/logprob_diff_max"] for r in rows if "rollout_corr/staleness_1/kl" in r]
     assert stale and all(d > 1e-4 for d in stale), rows  # tokens of the weights before the update
+
+
+TWO_TURNS = '''
+from ppo.agents.loop import Generate, TrajectoryBuilder
+
+def two_turns(task):
+    traj = TrajectoryBuilder(task.prompt_ids)
+    traj.add_sampled((yield Generate(traj.token_ids, 3)))
+    traj.add_observation(task.tokenizer.encode("|obs|"))
+    traj.add_sampled((yield Generate(traj.token_ids, 3)))
+    return traj.finish(text=task.tokenizer.decode(traj.response_ids[-3:]))
+
+AGENT_LOOPS = {"two_turns": two_turns}
+'''
+
+
+def test_agent_loops_on_vllm(tmp_path):
+    """A user's multi-turn loop (agent.loop_file) driven over vLLM's step API inside the trainer: two sampled turns
+    around an observation, the trainer's fp32 log-probs of every sampled token equal vLLM's across the turns."""
+    loops = tmp_path / "loops.py"
+    loops.write_text(TWO_TURNS)
+    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=2", *VLLM, f"agent.loop_file={loops}",
+               "agent.default=two_turns", "rollout.max_response_length=16", "trainer.experiment_name=agents"))
+    rows = metrics(tmp_path / "agents")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["agent/turns_mean"] == 2 and r["agent/observation_tokens_mean"] == 5, r
+        assert r["rollout_corr/logprob_diff_max"] < 1e-5, r
