@@ -3,7 +3,7 @@
     python -m bench.calibrate --out launcher/planning/calibration/h200.json            # on the GPU: runs them (~3 min)
     python -m bench.calibrate --from-results bench/results --out launcher/planning/calibration/h200.json   # offline
 
-On the GPU it runs bench.env_check (matmul and copy ceilings), bench.decode_attention (KV streaming),
+On the GPU it runs bench.env_check (matmul and copy ceilings), bench.decode_attention (KV streaming, bf16 and fp8),
 bench.generate (native engine at batches 32, 64, 256: prefill and decode-step times) and bench.train_step
 (the compiled PPO update and its log-prob forward), keeps their JSON lines under --workdir, and fits:
 - mfu_update / mfu_forward: counted FLOPs (6N or 2N + causal attention) x tokens/s / peak;
@@ -46,6 +46,12 @@ HOST = {  # no micro-benchmark: per-unit host costs from the two end-to-end runs
 MICRO = {"env_check": "env_check_h200.json", "decode_attention": "decode_attention_h200.json",
          "generate": "generate_h200.json", "train_step": "train_step_h200.json", "reshard": "reshard_h200.json"}
 DP2 = "train_step_dp2_h200x2.json"  # the same update at dp=2 over two GPUs (optional: needs 2 GPUs)
+FP8 = "decode_attention_fp8_h200.json"  # the KV-streaming kernel over the fp8 cache (optional in offline runs)
+# no fp8 kernel run on this machine: its fraction is the bf16 one times the fp8 kernel's efficiency relative to bf16's,
+# measured on another GPU
+FP8_KV_RATIO = (0.70, "decode_attention_fp8_h100.json at de6443b (one H100, 640 rows x 600 positions, unshared "
+                      "launch): the fp8 cache's kernel streams 0.7215 of the copy bandwidth where bf16's streams "
+                      "1.031, 0.70 of it; applied to this machine's bf16 fraction (not measured here)")
 TRAIN_SWEEP = ["--model", "llama-1b", "--seq", "2048", "--batch", "4", "--sweep", "ppo:compile:none:bf16:auto",
                "--steps", "5", "--warmup", "2"]
 
@@ -99,6 +105,11 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
     peak = spec_peak_flops(env.get("gpu")) or measured
     m = _shape(gen.get("model", "llama-1b"))
     kv_fraction = sum(r["best"]["hbm_fraction"] for r in att["rows"]) / len(att["rows"])
+    if files.get("decode_attention_fp8") and Path(files["decode_attention_fp8"]).is_file():
+        fp8 = _load(files["decode_attention_fp8"])["rows"]
+        fp8_fraction, fp8_why = sum(r["best"]["hbm_fraction"] for r in fp8) / len(fp8), "measured (files)"
+    else:
+        fp8_fraction, fp8_why = kv_fraction * FP8_KV_RATIO[0], FP8_KV_RATIO[1]
     native = sorted((r for r in gen["results"] if r["engine"].startswith("native") and "decode_s" in r),
                     key=lambda r: r["batch"])
     variant = native[-1]["engine"]
@@ -133,6 +144,7 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
         "decode_weight_bw_fraction": decode["decode_weight_bw_fraction"],
         "decode_gemm_fraction": decode["decode_gemm_fraction"],
         "decode_kv_bw_fraction": round(kv_fraction, 4),
+        "decode_kv_fp8_bw_fraction": round(fp8_fraction, 4),
         "decode_layer_overhead_s": round(decode["decode_layer_overhead_s"], 8),
         "activation_bytes_per_token_layer_hidden": round(act, 2),
         "reshard_bytes_per_s": round(resh["bytes_received_per_rank"][0] / resh["seconds"], -6),
@@ -147,6 +159,7 @@ def derive(files: dict[str, Path], *, name: str = "h200") -> dict:
                           if dp_eff != {"update": 1.0, "forward": 1.0} else
                           "not measured (needs 2 GPUs: python -m bench.calibrate on nvidia-h200-x2): 1.0, "
                           "i.e. FSDP costs only its overlapped gathers"),
+        "decode_kv_fp8_bw_fraction": fp8_why,
         "decode_gemm_fraction": f"from the kernel profile: {DECODE_GEMM_S_AT_256_ROWS * 1e3} ms of decode GEMMs "
                                 f"per step at 256 rows "
                                 f"(generate_h200.json, docs/history/measurements.md 'Rollout')",
@@ -184,6 +197,8 @@ def measure(workdir: Path, fallback: Path) -> dict[str, Path]:
                           "--native-variants", "triton+compile", "--repeats", "1", "--no-check", "--no-profile"],
                          workdir / MICRO["generate"]),
         "train_step": _run(["bench.train_step", *TRAIN_SWEEP], workdir / MICRO["train_step"]),
+        "decode_attention_fp8": _run(["bench.decode_attention", "--kv-dtype", "fp8", "--batches", "32,64,256",
+                                      "--contexts", "256,384"], workdir / FP8),
         "reshard": fallback / MICRO["reshard"],
         "train_step_dp2": fallback / DP2,
     }
@@ -205,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.from_results:
         src = Path(args.from_results)
-        files = {k: src / v for k, v in MICRO.items()} | {"train_step_dp2": src / DP2}
+        files = {k: src / v for k, v in MICRO.items()} | {"train_step_dp2": src / DP2,
+                                                          "decode_attention_fp8": src / FP8}
     else:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="calibrate_"))
         work.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,7 @@ class Calibration:
     decode_weight_bw_fraction: float  # weight streaming of the decode GEMMs, of hbm_bytes_per_s
     decode_gemm_fraction: float  # decode GEMMs when compute-bound, of peak_flops
     decode_kv_bw_fraction: float  # decode attention streaming the KV cache, of hbm_bytes_per_s
+    decode_kv_fp8_bw_fraction: float  # the same with rollout.kv_cache_dtype=fp8 (its bytes: values and row scales)
     decode_layer_overhead_s: float  # launch gaps and small kernels per layer and decode step
     activation_bytes_per_token_layer_hidden: float  # saved activations of a training micro-batch
     reshard_bytes_per_s: float  # received bytes per second per rank of the hybrid-engine reshard
@@ -104,6 +105,7 @@ class ModelShape:
     kv_bytes_per_token: int  # K and V of every layer: bf16, or fp8 values with their fp32 row scales
     vocab: int
     n_expert_params: int = 0  # a mixture of experts: the stacked expert tensors' parameters (within n_params)
+    fp8_kv: bool = False  # the engine's KV cache is fp8 (kv_bytes_per_token counts its bytes)
 
     @classmethod
     def of(cls, cfg, *, value_head: bool = False, fp8_kv: bool = False) -> ModelShape:
@@ -117,7 +119,7 @@ class ModelShape:
                    attn_dim=cfg.num_attention_heads * cfg.head_dim,
                    kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                    * (cfg.head_dim + 4 if fp8_kv else cfg.head_dim * BF16),
-                   vocab=cfg.vocab_size, n_expert_params=cfg.expert_params() if cfg.is_moe else 0)
+                   vocab=cfg.vocab_size, n_expert_params=cfg.expert_params() if cfg.is_moe else 0, fp8_kv=fp8_kv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +334,8 @@ def decode_step_s(cal: Calibration, m: ModelShape, *, rows: int, ctx: float, tp:
     flops = (2 * m.n_matmul + 4 * m.layers * m.attn_dim * ctx) * rows / tp
     gemm = max(weight_bytes / (cal.hbm_bytes_per_s * cal.decode_weight_bw_fraction),
                flops / (cal.peak_flops * cal.decode_gemm_fraction))
-    kv = rows * ctx * m.kv_bytes_per_token / tp / (cal.hbm_bytes_per_s * cal.decode_kv_bw_fraction)
+    kv_fraction = cal.decode_kv_fp8_bw_fraction if m.fp8_kv else cal.decode_kv_bw_fraction
+    kv = rows * ctx * m.kv_bytes_per_token / tp / (cal.hbm_bytes_per_s * kv_fraction)
     comm = 2 * m.layers * allreduce_s(cal, rows * m.hidden * BF16, ranks=tp, span=tp)
     return gemm + kv + m.layers * cal.decode_layer_overhead_s + comm
 

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[3]
 CAL = Calibration(
     name="test", peak_flops=1e15, hbm_bytes_per_s=1e12, hbm_gb=100.0, gpus_per_node=8, mfu_update=0.5,
     mfu_forward=0.5, mfu_prefill=0.5, dp_update_efficiency=1.0, dp_forward_efficiency=1.0,
-    decode_weight_bw_fraction=1.0, decode_gemm_fraction=1.0,
-    decode_kv_bw_fraction=1.0, decode_layer_overhead_s=0.0, activation_bytes_per_token_layer_hidden=10.0,
+    decode_weight_bw_fraction=1.0, decode_gemm_fraction=1.0, decode_kv_bw_fraction=1.0,
+    decode_kv_fp8_bw_fraction=0.5, decode_layer_overhead_s=0.0, activation_bytes_per_token_layer_hidden=10.0,
     reshard_bytes_per_s=1e11, nccl_intra_bytes_per_s=1e11, nccl_inter_bytes_per_s=1e10, nccl_latency_s=0.0,
     pcie_bytes_per_s=1e10, host_gae_s_per_token=0.0, host_rule_reward_s_per_sample=0.0)
 # N = 1e9 matmul parameters; attention width 0 so that only the 2N / 6N rule counts
@@ -46,6 +46,9 @@ def test_decode_step_by_hand():
     assert decode_step_s(CAL, M, rows=100, ctx=150, tp=1) == pytest.approx(2e-3 + 15e-6)
     # 1000 rows: 2 TFLOP / 1e15 = 2 ms ties the weights; KV 150 MB = 150 us
     assert decode_step_s(CAL, M, rows=2000, ctx=150, tp=1) == pytest.approx(4e-3 + 300e-6)
+    # an fp8 cache: its own bytes per token, streamed at its own fraction (0.5): 100 x 150 x 500 B / 0.5e12 = 15 us
+    fp8 = dataclasses.replace(M, kv_bytes_per_token=500, fp8_kv=True)
+    assert decode_step_s(CAL, fp8, rows=100, ctx=150, tp=1) == pytest.approx(2e-3 + 15e-6)
 
 
 def test_generation_waves_by_hand():
