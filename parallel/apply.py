@@ -36,8 +36,9 @@ from parallel.expert_parallel import ExpertParallel, apply_ep
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
 from parallel.master_weights import attach_main_grads
+from parallel.native_runner import LocalRunner
 from parallel.pipeline import PipelineRunner, build_stages
-from parallel.runner import LocalRunner, ModelRunner
+from parallel.runner import ModelRunner
 from parallel.tensor_parallel import apply_tp
 
 AC_MODES = ("none", "full", "selective")

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.master_weights import fp32_grad, grad_of
-from parallel.runner import LossFn, MicroBatch, NativeRunner, ReduceFn, split_loss
+from parallel.native_runner import NativeRunner
+from parallel.runner import LossFn, MicroBatch, ReduceFn, split_loss
 from parallel.sharding import pp_stage_layers
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")

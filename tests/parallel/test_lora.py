@@ -66,7 +66,7 @@ def _build(dims, ranks):
 
     if ranks is None:  # one process: the plain model with its adapters
         from parallel.lora import apply_lora
-        from parallel.runner import LocalRunner
+        from parallel.native_runner import LocalRunner
 
         model = build_model("tiny", seed=0)
         apply_lora(model, LoRASpec(**SPEC_KW))

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from models import build_model
 from models.llama import DocumentAttention
 from parallel.master_weights import MasterWeightAdamW, attach_main_grads
-from parallel.runner import LocalRunner, MicroBatch
+from parallel.native_runner import LocalRunner
+from parallel.runner import MicroBatch
 from parallel.shard_adamw import ShardLocalAdamW
 from tests.dist_utils import run_world
 from tests.parallel.test_runner import _batches, _critic, _logp

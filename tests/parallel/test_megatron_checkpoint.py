@@ -100,7 +100,7 @@ def _rank_states(megatron_states, expected, cfg) -> list[dict]:
 def _native(seed):
     from models import build_model
     from models.llama import DocumentAttention
-    from parallel.runner import LocalRunner
+    from parallel.native_runner import LocalRunner
 
     runner = LocalRunner(build_model(_cfg(), seed=seed), attn_factory=DocumentAttention)
     return runner, runner.build_optimizer(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
@@ -219,7 +219,7 @@ def _converted(states, cfg) -> dict:
 def _native_of(cfg):
     from models import build_model
     from models.llama import DocumentAttention
-    from parallel.runner import LocalRunner
+    from parallel.native_runner import LocalRunner
 
     runner = LocalRunner(build_model(cfg, seed=7), attn_factory=DocumentAttention)
     return runner, runner.build_optimizer(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01)

@@ -9,7 +9,8 @@ import torch
 from models import build_model, preset_config
 from models.llama import DocumentAttention
 from models.moe import RouterTrace
-from parallel.runner import LocalRunner, MicroBatch
+from parallel.native_runner import LocalRunner
+from parallel.runner import MicroBatch
 from ppo.batch.packing import pack_prompt_responses, pack_routing
 from rollout import NativeEngine, RolloutConfig, SamplingParams
 

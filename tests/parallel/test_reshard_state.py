@@ -9,8 +9,9 @@ import torch
 
 from models import build_model
 from models.llama import DocumentAttention
+from parallel.native_runner import LocalRunner
 from parallel.reshard_state import TIED, ReshardError, assemble
-from parallel.runner import LocalRunner, MicroBatch
+from parallel.runner import MicroBatch
 from tests.dist_utils import run_world
 
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from models import build_model
 from models.heads import LlamaForValue
 from models.llama import DocumentAttention
-from parallel.runner import LocalRunner, MicroBatch
+from parallel.native_runner import LocalRunner
+from parallel.runner import MicroBatch
 from tests.dist_utils import run_world
 
 

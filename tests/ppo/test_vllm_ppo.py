@@ -3,8 +3,8 @@
 Colocated at generation TP=2 (the hybrid engine hands vLLM TP=2 shards of a TP=2 actor) and at
 TP=1 x DP=2, and split placement one step off (trainer.max_staleness=1); the colocated TP=1 x DP=2 run
 resumes from its checkpoint (the split run's resume is `extended`); partial rollouts over vLLM's step API,
-resumed; a user's multi-turn agent loop. On-policy the engine's behaviour log-probs equal the trainer's recompute (rollout/logprob_diff_max),
-which is what makes vLLM usable for PPO.
+resumed; a user's multi-turn agent loop. On-policy the engine's behaviour log-probs equal the trainer's
+recompute (rollout/logprob_diff_max), which is what makes vLLM usable for PPO.
 """
 
 from __future__ import annotations

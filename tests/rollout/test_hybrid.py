@@ -160,9 +160,9 @@ def test_hybrid_engine_cycle_world_4():
 def _gpu_body(rank, world):
     from models import build_model
     from parallel.dims import ParallelDims
+    from parallel.native_runner import LocalRunner
     from parallel.reshard import GenLayout
     from parallel.reshard_exec import build_reshard_groups
-    from parallel.runner import LocalRunner
     from rollout.base import SamplingParams
     from rollout.engine import NativeEngine
     from rollout.hybrid import HybridEngine
