@@ -3,6 +3,7 @@ of synchronous GRPO and of the partial scheduler's policy, with nothing lost to 
 work, so the ratio it gives is a ceiling for `bench.heavy_tail`'s measured one.
 
     python -m bench.heavy_tail_model [--staleness 1] [--groups-in-flight 64] [--median-tokens 256] [--sigma 1]
+    python -m bench.heavy_tail_model --grid 64,128,256:1,1.5,2     # the ceiling across log-normal workloads
 
 A decode step of R rows over T cached tokens takes max(floor, (weights + T x KV bytes per token) / bandwidth); the
 training stages of a step take --train-s. The defaults are llama-1b's bytes and bench.heavy_tail's workload (32
@@ -13,7 +14,9 @@ step 5.70 s, generation 3.5 s: the model gives 45.3 and 5.66 s) and its update +
 Synchronous: every step decodes its groups until the longest ends. Partial (rollout.batches_in_flight x
 data.batch_size = --groups-in-flight groups): each step refills to that many groups, decodes until the groups
 admitted --staleness steps ago are complete (pacing) and data.batch_size groups are, and trains data.batch_size of
-them, oldest first, none older than --staleness versions (asserted). Prints one JSON line.
+them, oldest first, none older than --staleness versions (asserted). --grid MEDIANS:SIGMAS models each log-normal
+workload of the grid, its training time scaled from --train-s by its mean response length (the update and reference
+passes are per token). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class StepModel:
         """One decode step of these groups (each: its tokens generated so far)."""
         kv = sum((self.p + t) * self.n for t in groups_tokens)
         return max(self.floor, (self.w + kv * self.kvb) / self.bw) if groups_tokens else 0.0
+
+    def mean_tokens(self, draws: int = 20000) -> float:
+        """The mean response length of this workload's caps."""
+        rng = random.Random(12345)
+        return sum(self.cap(rng) for _ in range(draws)) / draws
 
     def cap(self, rng: random.Random) -> int:
         return min(self.max_tokens, max(16, int(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))))
@@ -120,6 +128,29 @@ def _decode_step(running: list[list[int]], complete: list[list[int]]) -> list[li
     return [g for g in running if g[1] < g[0]]
 
 
+def grid(a) -> dict:
+    """The staleness-bound ceiling of each log-normal workload of a.grid (synchronous and partial, as main())."""
+    medians, sigmas = ([float(x) for x in part.split(",")] for part in a.grid.split(":"))
+    base = StepModel(median=a.median_tokens, sigma=a.sigma).mean_tokens()
+    rows = []
+    for median in medians:
+        for sigma in sigmas:
+            mean = StepModel(median=int(median), sigma=sigma).mean_tokens()
+            m = StepModel(median=int(median), sigma=sigma, train_s=a.train_s * mean / base)
+            sync_s = m.sync(a.steps, slots=a.slots)
+            part_s, _ = m.partial(a.steps, in_flight=a.groups_in_flight, staleness=a.staleness, seed=1,
+                                  slots=a.slots)
+            rows.append({"median_tokens": int(median), "sigma": sigma, "mean_tokens": round(mean, 1),
+                         "train_s": round(m.train_s, 3), "sync_step_s": round(sync_s, 3),
+                         "partial_step_s": round(part_s, 3), "ceiling_speedup": round(sync_s / part_s, 3)})
+    out = {"bench": "heavy_tail_model", "grid": a.grid, "staleness": a.staleness,
+           "groups_in_flight": a.groups_in_flight, "train_s_at": {"median_tokens": a.median_tokens, "sigma": a.sigma,
+                                                                  "train_s": a.train_s}, "rows": rows,
+           "best": max(rows, key=lambda r: r["ceiling_speedup"])}
+    print(json.dumps(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.heavy_tail_model", description=__doc__.split("\n\n")[0])
     ap.add_argument("--staleness", type=int, default=1)
@@ -135,7 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the engine's decode rows (default: every sample at once); the H100 heavy tail had ~138")
     ap.add_argument("--due-only", action="store_true",
                     help="model pacing that decodes only the due groups (a policy not built)")
+    ap.add_argument("--grid", default=None, metavar="MEDIANS:SIGMAS",
+                    help="e.g. 64,128,256:1,1.5,2: every workload of the grid, training time scaled by mean length")
     a = ap.parse_args(argv)
+    if a.grid:
+        return grid(a)
     overlap = tuple(float(x) for x in a.overlap.split(":")) if a.overlap else None
     m = StepModel(median=a.median_tokens, sigma=a.sigma, train_s=a.train_s)
     sync_s = m.sync(a.steps, slots=a.slots)

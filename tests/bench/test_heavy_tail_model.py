@@ -59,3 +59,13 @@ def test_decode_rows_for_every_sample_change_nothing_and_fewer_rows_queue_the_gr
     assert tail.sync(20, slots=8) > 2 * tail.sync(20)  # one group at a time: its caps in series
     few = tail.partial(20, in_flight=64, staleness=1, seed=1, slots=64, overlap=(4.0, 1.12))  # asserts the bound
     assert few[0] > tail.partial(20, in_flight=64, staleness=1, seed=1, overlap=(4.0, 1.12))[0]
+
+
+def test_the_grid_scales_training_with_the_mean_length_and_names_the_best(capsys):
+    out = main(["--steps", "10", "--grid", "64,256:1"])
+    short, default = out["rows"]
+    assert default["train_s"] == pytest.approx(2.2) and short["mean_tokens"] < default["mean_tokens"]
+    assert short["train_s"] == pytest.approx(2.2 * short["mean_tokens"] / default["mean_tokens"], rel=1e-3)
+    assert out["best"] == max(out["rows"], key=lambda r: r["ceiling_speedup"])
+    assert all(r["ceiling_speedup"] == pytest.approx(r["sync_step_s"] / r["partial_step_s"], rel=1e-2)
+               for r in out["rows"])
