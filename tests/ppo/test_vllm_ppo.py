@@ -94,17 +94,17 @@ def test_lora_adapters_reach_vllm_every_update(tmp_path):
 
 
 def test_partial_rollouts_on_vllm_then_resume(tmp_path):
-    """Over-provisioned partial rollouts (rollout.batches_in_flight=2, trainer.max_staleness=1) on vLLM's step API:
-    groups left in flight continue under the next weights (aborted and re-added, their KV recomputed by vLLM), and a
-    run resumed from its checkpoint continues the suspended groups. Decoupled PPO (rollout_correction=tis, two epochs:
-    the proximal log-probs recomputed) splits the engine-vs-trainer gap by each token's version gap: the tokens the
-    current weights sampled match the trainer's at fp32 (the engine served exactly those weights), the older ones do
-    not; the bound holds."""
-    common = [*VLLM, "rollout.batches_in_flight=2", "trainer.max_staleness=1", "algorithm.rollout_correction=tis",
-              "actor.ppo_epochs=2", "rollout.max_response_length=12", "rollout.max_num_seqs=12",
-              "trainer.experiment_name=partial"]
-    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=2", *common))
-    _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
+    """Over-provisioned partial rollouts (rollout.batches_in_flight=2, trainer.max_staleness=1) on vLLM's step API at
+    generation TP=2 (both ranks step their engine in lockstep): groups left in flight continue under the next weights
+    (aborted and re-added, their KV recomputed by vLLM), and a run resumed from its checkpoint continues the
+    suspended groups. Decoupled PPO (rollout_correction=tis, two epochs: the proximal log-probs recomputed) splits
+    the engine-vs-trainer gap by each token's version gap: the tokens the current weights sampled match the
+    trainer's at fp32 (the engine served exactly those weights), the older ones do not; the bound holds."""
+    common = [*VLLM, "actor.tp=2", "ref.tp=2", "rollout.batches_in_flight=2", "trainer.max_staleness=1",
+              "algorithm.rollout_correction=tis", "actor.ppo_epochs=2", "rollout.max_response_length=12",
+              "rollout.max_num_seqs=12", "trainer.experiment_name=partial"]
+    _ok(launch(tmp_path, 2, "conf/grpo_tiny.yaml", "trainer.total_steps=2", *common))
+    _ok(launch(tmp_path, 2, "conf/grpo_tiny.yaml", "trainer.total_steps=3", "trainer.resume=auto", *common))
     rows = metrics(tmp_path / "partial")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["async/staleness_max"] <= 1 and r["async/generated_tokens"] > 0 for r in rows), rows
