@@ -3,8 +3,8 @@
 `parallelize_model` always returns a runner: a `parallel.native_runner.LocalRunner` (pp = 1) or a
 `parallel.pipeline.PipelineRunner` (pp > 1); another training backend (megatron-core)
 is one more class with the same methods. This module holds the interface and what every backend shares
-(MicroBatch, the hidden-state forward, heads, routing traces, parameter names). Callers (ppo/ workers, the hybrid engine, the
-reshard executor, checkpoint export) never branch on the layout or on the runner's type.
+(MicroBatch, the hidden-state forward, heads, routing traces, parameter names). Callers (ppo/ workers, the
+hybrid engine, the reshard executor, checkpoint export) never branch on the layout or on the runner's type.
 
     runner = parallelize_model(model, mesh=mesh, dims=dims, n_microbatches=4)
     mbs = [MicroBatch(ids_k, pos_k) for ...]                 # packed rows [1, T_k], any T_k

@@ -214,6 +214,22 @@ def error_completions(prompt_index: int, prompt: list[int], params: SamplingPara
     return [Completion(prompt_index, i, list(prompt), [], [], "error", error) for i in range(n)]
 
 
+def generate_by_steps(engine: SteppingEngine, prompts: list[list[int]],
+                      sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    """A stepping engine's `generate`: every request added, then the engine stepped until all finished; the
+    completions in prompt-major order, `prompt_index` the prompt's position."""
+    if engine.has_unfinished():
+        raise RuntimeError("generate() while step-API requests are unfinished: step or abort them first")
+    params = expand_sampling(sampling, len(prompts))
+    index = {engine.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(prompts, params))}
+    results: dict[int, list[Completion]] = {}
+    while engine.has_unfinished():
+        for c in engine.step():
+            c.prompt_index = index[c.prompt_index]
+            results.setdefault(c.prompt_index, []).append(c)
+    return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
+
+
 def expand_sampling(sampling: SamplingParams | list[SamplingParams], num_prompts: int) -> list[SamplingParams]:
     """One SamplingParams per prompt; a list of the wrong length is a caller bug and raises."""
     if isinstance(sampling, list):

@@ -27,7 +27,7 @@ from rollout.base import (
     SamplingParams,
     check_request,
     error_completions,
-    expand_sampling,
+    generate_by_steps,
 )
 from rollout.model_runner import EngineModelRunner
 from rollout.sampler import any_filtered, request_key
@@ -177,16 +177,7 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """The batch call: every request added, then the engine stepped until all finished."""
-        if self.has_unfinished():
-            raise RuntimeError("generate() while step-API requests are unfinished: step or abort them first")
-        params = expand_sampling(sampling, len(prompts))
-        index = {self.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(prompts, params))}
-        results: dict[int, list[Completion]] = {}
-        while self.has_unfinished():
-            for c in self.step():
-                c.prompt_index = index[c.prompt_index]
-                results.setdefault(c.prompt_index, []).append(c)
-        return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
+        return generate_by_steps(self, prompts, sampling)
 
     # ---- step API (rollout/base.py: SteppingEngine) ----
     def add_request(self, prompt: list[int], params: SamplingParams, *,

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from parallel.sharding import tp_shard_dim
-from rollout.base import Completion, RolloutConfig, SamplingParams, check_request, error_completions, expand_sampling
+from rollout.base import Completion, RolloutConfig, SamplingParams, check_request, error_completions, generate_by_steps
 from rollout.vllm_support import installed_vllm_version, request_matches_mode, vllm_install_problem, vllm_lora_rank
 
 # head_dim values vLLM's CPU attention accepts (others start, then fail at the first generate)
@@ -275,16 +275,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]],
                  sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """The batch call: every request added, then the engine stepped until all finished."""
-        if self.has_unfinished():
-            raise RuntimeError("generate() while step-API requests are unfinished: step or abort them first")
-        params = expand_sampling(sampling, len(prompts))
-        index = {self.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(prompts, params))}
-        results: dict[int, list[Completion]] = {}
-        while self.has_unfinished():
-            for c in self.step():
-                c.prompt_index = index[c.prompt_index]
-                results.setdefault(c.prompt_index, []).append(c)
-        return [c for i in range(len(prompts)) for c in sorted(results[i], key=lambda c: c.sample_index)]
+        return generate_by_steps(self, prompts, sampling)
 
     # ---- step API (rollout/base.py: SteppingEngine) ----
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:

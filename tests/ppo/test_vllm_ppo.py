@@ -113,25 +113,15 @@ def test_partial_rollouts_on_vllm_then_resume(tmp_path):
     assert stale and all(d > 1e-4 for d in stale), rows  # tokens of the weights before the update
 
 
-TWO_TURNS = '''
-from ppo.agents.loop import Generate, TrajectoryBuilder
-
-def two_turns(task):
-    traj = TrajectoryBuilder(task.prompt_ids)
-    traj.add_sampled((yield Generate(traj.token_ids, 3)))
-    traj.add_observation(task.tokenizer.encode("|obs|"))
-    traj.add_sampled((yield Generate(traj.token_ids, 3)))
-    return traj.finish(text=task.tokenizer.decode(traj.response_ids[-3:]))
-
-AGENT_LOOPS = {"two_turns": two_turns}
-'''
 
 
 def test_agent_loops_on_vllm(tmp_path):
     """A user's multi-turn loop (agent.loop_file) driven over vLLM's step API inside the trainer: two sampled turns
     around an observation, the trainer's fp32 log-probs of every sampled token equal vLLM's across the turns."""
+    from tests.ppo.agents.test_agent_training import LOOPS
+
     loops = tmp_path / "loops.py"
-    loops.write_text(TWO_TURNS)
+    loops.write_text(LOOPS)
     _ok(launch(tmp_path, 1, "conf/grpo_tiny.yaml", "trainer.total_steps=2", *VLLM, f"agent.loop_file={loops}",
                "agent.default=two_turns", "rollout.max_response_length=16", "trainer.experiment_name=agents"))
     rows = metrics(tmp_path / "agents")
