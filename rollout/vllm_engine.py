@@ -26,11 +26,12 @@ PEFT adapter directory and served as a new `LoRARequest` ("policy-v<N>", the pre
 later generate uses. vLLM applies alpha / r itself from the directory's adapter_config.json.
 
 Step API (rollout.base.SteppingEngine, for agent loops and partial rollouts): add_request / step / abort drive
-vLLM's LLMEngine one scheduler iteration at a time; each sample is its own vLLM request streaming its new tokens
-(RequestOutputKind.DELTA), so an abort returns the tokens so far, and sample j of a request is seeded as vLLM's
-n-sampling seeds its j-th child (same draws as one LLM.generate with n). generate() is a loop over them. Scheduling
-is synchronous (async_scheduling off), so no iteration is in flight between step() calls and weights may be swapped
-there (partial rollouts: the samples in flight are aborted and continue as new requests, their KV recomputed).
+vLLM's LLMEngine one scheduler iteration at a time; each sample is its own vLLM request, seeded as vLLM's
+n-sampling seeds its j-th child (same draws as one LLM.generate with n), reporting only when it finishes (as
+LLM.generate's requests: streaming every step's tokens cost 1.7x the host time on CPU); an abort reads the tokens
+and log-probs so far from vLLM's output processor. generate() is a loop over them. Scheduling is synchronous
+(async_scheduling off), so no iteration is in flight between step() calls and weights may be swapped there (partial
+rollouts: the samples in flight are aborted and continue as new requests, their KV recomputed).
 
 Sleep: on CUDA, `sleep()` is vLLM's sleep level 2 (weights and KV cache leave the GPU; the weights
 come back from the next update_weights) when rollout.free_memory_on_sleep; vLLM's CPU platform has
@@ -129,7 +130,6 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None  # None while vLLM runs it
     error: str | None = None
-    counted: bool = False  # its prompt is in stats (prefill_tokens / kv_reused_tokens)
 
 
 @dataclass(slots=True)
@@ -317,6 +317,9 @@ class VLLMEngine:
         if self._live:
             for out in self.llm.llm_engine.step():
                 self._absorb(out)
+            if not self.llm.llm_engine.has_unfinished_requests():  # none left in vLLM: never wait on one forever
+                for s in (s for r in self._live.values() for s in r.samples if s.reason is None):
+                    s.reason, s.error = "error", "vLLM no longer runs this request"
         done = [rid for rid, r in self._live.items() if all(s.reason is not None for s in r.samples)]
         return ready + [c for rid in done for c in self._completions(rid, self._live.pop(rid))]
 
@@ -332,33 +335,40 @@ class VLLMEngine:
         if req is None:
             return []
         running = [j for j, s in enumerate(req.samples) if s.reason is None]
-        self.llm.llm_engine.abort_request([f"{request_id}.{j}" for j in running])
         for j in running:
+            req.samples[j].tokens, req.samples[j].logprobs = self._so_far(f"{request_id}.{j}")
             req.samples[j].reason = "abort"
+        self.llm.llm_engine.abort_request([f"{request_id}.{j}" for j in running])
         return self._completions(request_id, req)
+
+    def _so_far(self, name: str) -> tuple[list[int], list[float]]:
+        """The tokens and log-probs vLLM has sampled for request `name` (still running): its output processor's
+        state, which a request reporting only at its end (RequestOutputKind.FINAL_ONLY) has not returned."""
+        processor = self.llm.llm_engine.output_processor
+        tokens, logprobs = [], []
+        for internal in processor.external_req_ids.get(name, []):
+            state = processor.request_states[internal]
+            tokens = list(state.detokenizer.output_token_ids)
+            logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, state.logprobs_processor.logprobs)]
+        return tokens, logprobs
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._ready)
 
     def _absorb(self, out) -> None:
-        """One vLLM output (request "<id>.<j>", the tokens it sampled since the last: RequestOutputKind.DELTA)."""
+        """One finished vLLM request "<id>.<j>" (RequestOutputKind.FINAL_ONLY: its whole output)."""
         rid, j = map(int, out.request_id.split("."))
         req = self._live.get(rid)
-        if req is None:  # aborted after vLLM had produced this step's tokens
+        if req is None or not out.finished:  # aborted since (nothing reports before its end)
             return
-        s = req.samples[j]
-        if not s.counted:  # vLLM reports the prompt tokens its prefix cache served with the first tokens
-            cached = out.num_cached_tokens or 0
-            self.stats["kv_reused_tokens"] += cached
-            self.stats["prefill_tokens"] += len(req.prompt) - cached
-            s.counted = True
-        for c in out.outputs:
-            s.tokens += c.token_ids
-            self.stats["sampled_tokens"] += len(c.token_ids)
-            s.logprobs += [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)]
-            if out.finished:
-                s.reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
-                s.error = None if s.reason != "error" else f"vLLM finished with {c.finish_reason!r}"
+        s, cached = req.samples[j], out.num_cached_tokens or 0
+        self.stats["kv_reused_tokens"] += cached  # prompt tokens vLLM's prefix cache served
+        self.stats["prefill_tokens"] += len(req.prompt) - cached
+        c = out.outputs[0]
+        s.tokens, s.logprobs = list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)]
+        self.stats["sampled_tokens"] += len(s.tokens)
+        s.reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
+        s.error = None if s.reason != "error" else f"vLLM finished with {c.finish_reason!r}"
 
     @staticmethod
     def _completions(rid: int, req: _Request) -> list[Completion]:
@@ -377,7 +387,7 @@ class VLLMEngine:
 
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
         # ignore_eos=True: vLLM's own EOS (from a tokenizer we do not give it) stays out; ours are stop ids
-        # one sample a request, its new tokens at every step (abort() returns the tokens so far)
+        # one sample a request, reported when it ends (abort() reads the tokens so far from vLLM's state)
         return VSamplingParams(n=1, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
                                max_tokens=min(p.max_tokens, room), seed=seed, stop_token_ids=stops,
-                               ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+                               ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
