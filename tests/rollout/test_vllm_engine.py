@@ -293,3 +293,29 @@ def test_vllm_engine_single_rank():
     p = r["partial"]  # weights swapped mid-response: each token's log-prob is its version's, the KV recomputed
     assert p["groups"] == 3 and p["spans"] == [[0, 1]] * 6 and p["lengths"] == [14] * 6, p
     assert p["error"] < 1e-5 and p["recomputed"] > 0 and p["idle"], p
+
+
+def _tp2_engine_held(rank, world):
+    """A generation TP=2 engine kept alive for a while (so two worlds' engines overlap), then one greedy request."""
+    import time
+
+    from parallel.sharding import tp_shard_dim
+    from rollout.base import SamplingParams
+
+    model = _model()
+    engine = _engine(model.config, tp_group=torch.distributed.group.WORLD, eos_token_ids=[2])
+    shards = {n: t if tp_shard_dim(n) is None else t.chunk(world, dim=tp_shard_dim(n))[rank]
+              for n, t in model.state_dict().items()}  # this rank's TP shard of each weight, as the hybrid engine's
+    engine.update_weights(shards.items())
+    time.sleep(3.0)
+    return engine.generate([[1, 5, 9, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].token_ids
+
+
+def test_two_worlds_with_generation_tp_share_a_host():
+    """vLLM's CPU TP groups talk through shared memory named per torchrun world (rollout.vllm_support.
+    isolate_cpu_shm_groups): two TP=2 worlds on one host at once both start and generate, the same greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        worlds = list(pool.map(lambda _: run_world(_tp2_engine_held, world_size=2, timeout=300), range(2)))
+    assert all(len(w) == 2 and w[0] == w[1] == worlds[0][0] and len(w[0]) == 4 for w in worlds), worlds
