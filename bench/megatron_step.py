@@ -20,7 +20,7 @@ import torch
 
 from bench.common import H200_BF16_FLOPS, kernel_profile, peak_memory_gb, reset_peak_memory, time_steps
 from models import preset_config
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from ppo.algos.core_algos import policy_loss
 
 

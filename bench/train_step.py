@@ -14,7 +14,7 @@ through the chunked (vocab-parallel under TP) log-prob kernel of parallel/vocab_
 
 - lm: next-token NLL over every position, plain causal SDPA (flash, is_causal, no mask).
 - ppo: rows packed with several prompt+response sequences of uneven length (positions
-  restart per sequence; models.llama.DocumentAttention: varlen flash attention on CUDA,
+  restart per sequence; models.document_attention.DocumentAttention: varlen flash attention on CUDA,
   masked SDPA elsewhere), loss = clipped-ratio policy loss (ppo.algos.core_algos.policy_loss)
   on response tokens, entropy as a metric. Also times the forward-only log-prob
   recompute (`logprob_tokens_per_s`), the PPO step's other trainer stage.
@@ -65,7 +65,7 @@ from bench.common import (
 )
 from models import build_model, preset_config
 from models.config import ModelConfig
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from parallel.apply import head_shard, parallelize_model
 from parallel.dims import ParallelDims, build_mesh
 from parallel.runner import forward_hidden
@@ -181,7 +181,7 @@ def _make_batch(spec: RunSpec, args, *, cfg, device, dp_rank):
 
 
 def _attn(spec: RunSpec, batch, *, cfg, device, dtype):
-    """(models.llama.DocumentAttention backend, max |varlen - masked SDPA| on random q/k/v or None)."""
+    """(models.document_attention.DocumentAttention backend, max |varlen - masked SDPA| on random q/k/v or None)."""
     if spec.mode == "lm":
         return None, None
     backend = DocumentAttention(batch["pos"], backend=spec.attn)

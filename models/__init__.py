@@ -2,6 +2,7 @@
 
 from models.build import build_model
 from models.config import PRESETS, ModelConfig, ModelConfigError, preset_config
+from models.document_attention import DocumentAttention
 from models.heads import LlamaForSequenceClassification, LlamaForValue, last_token_index
 from models.hf_io import (
     load_pretrained,
@@ -12,7 +13,7 @@ from models.hf_io import (
     save_tensors,
     tensor_shapes,
 )
-from models.llama import DocumentAttention, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
 from models.logprobs import compute_token_logprobs
 
 __all__ = [

@@ -61,7 +61,7 @@ def _stage_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tenso
 def split_stage(model: nn.Module, *, num_stages: int, stage: int, attn_factory: Callable | None = None) -> nn.Module:
     """Prune `model` in place to pipeline stage `stage` of `num_stages`; its forward returns hidden states.
 
-    attn_factory(position_ids [mb, T]) -> attention backend, e.g. models.llama.DocumentAttention
+    attn_factory(position_ids [mb, T]) -> attention backend, e.g. models.document_attention.DocumentAttention
     for packed rows; None means plain causal attention.
     """
     n = model.config.num_hidden_layers

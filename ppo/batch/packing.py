@@ -28,7 +28,7 @@ class PackedBatch:
     """B sequences concatenated into one row of T tokens (T >= sum of lengths when padded).
 
     input_ids, position_ids, labels: [1, T]; position ids restart at 0 per sequence (and for the
-    padding tail) so `models.llama.DocumentAttention(position_ids)` keeps documents apart. labels[t]
+    padding tail) so `models.document_attention.DocumentAttention(position_ids)` keeps documents apart. labels[t]
     is the next token of the same sequence (pad_id at each sequence's last token), so
     `logprobs_from_logits(logits, labels)[t]` is log p(token t+1). cu_seqlens [B+1] int32 are the
     sequence boundaries (flash-attention varlen convention). When `prompt_lens` were given,
@@ -68,7 +68,7 @@ def pack(sequences: Sequence[torch.Tensor | Sequence[int]], *, pad_id: int, prom
 
     share_prompts=True (needs prompt_lens): consecutive sequences with the same prompt keep it once.
     The first is packed whole; each next one adds only its response, with positions continuing from
-    the prompt length, so models.llama.DocumentAttention lets it see the shared prompt (a GRPO group
+    the prompt length, so models.document_attention.DocumentAttention lets it see the shared prompt (a GRPO group
     of n samples costs P + sum(R_i) tokens instead of n P + sum(R_i)). Per-position `labels` then
     cannot hold every response's first token (they share one predicting position): score with
     response_index / response_tokens (`gather_response_logprobs`); cu_seqlens / seq_lens describe

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from parallel.backends import build_runner
 from parallel.runner import MicroBatch, ModelRunner
 from ppo.batch.experience import Experience

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from models import DocumentAttention, LlamaForValue, build_model, preset_config
+from models.document_attention import document_ids_from_positions
 from models.document_layout import DocumentLayout
-from models.llama import document_ids_from_positions
 
 
 def _packed(lengths, *, device="cpu", seed=0):
@@ -238,7 +238,7 @@ def test_shared_prompt_varlen_equals_mask_on_gpu():
 def test_varlen_gqa_heads_unexpanded_equal_expanded_on_gpu(shared):
     # the flash kernel's own GQA (K/V heads unexpanded) against K/V expanded by hand: outputs and q/k/v gradients;
     # the probe accepts it on this GPU
-    from models.llama import _fused_ok
+    from models.document_attention import _fused_ok
 
     _, _, pos = _shared_prompt_rows(prompt_len=40, response_lens=(30, 64, 17, 50), device="cuda")
     if not shared:
@@ -505,7 +505,7 @@ def test_dense_equals_mask_on_gpu_and_auto_takes_it(dtype):
     _, _, even = _shared_prompt_rows(prompt_len=32, response_lens=(64,) * 8, device="cuda")
     auto = DocumentAttention(even)
     assert auto.layout.dense_waste < 1.25 and auto.dense_fits
-    from models.llama import _fused_ok
+    from models.document_attention import _fused_ok
 
     assert _fused_ok("dense", even.device, dtype, prefix=True)
     calls = []

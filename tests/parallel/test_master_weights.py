@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import build_model
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from parallel.master_weights import MasterWeightAdamW, attach_main_grads
 from parallel.native_runner import LocalRunner
 from parallel.runner import MicroBatch

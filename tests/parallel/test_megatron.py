@@ -92,7 +92,7 @@ def _logprob_grad_case(native, gpt, pgc, ids, pos):
 
 def _packing_case(native, gpt):
     """Two sequences packed in one row, and a prompt shared by two responses, equal their unpacked runs."""
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from models.megatron_model import megatron_hidden
 
     g = torch.Generator().manual_seed(5)
@@ -156,7 +156,7 @@ def _schedule_case(native, runner):
     import megatron.core.pipeline_parallel.schedules as schedules
 
     import parallel.megatron_runner as megatron_runner
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from models.logprobs import compute_token_logprobs
     from models.megatron_map import megatron_to_hf
     from parallel.runner import MicroBatch

@@ -99,7 +99,7 @@ def _rank_states(megatron_states, expected, cfg) -> list[dict]:
 
 def _native(seed):
     from models import build_model
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from parallel.native_runner import LocalRunner
 
     runner = LocalRunner(build_model(_cfg(), seed=seed), attn_factory=DocumentAttention)
@@ -175,7 +175,7 @@ def _trained_body(rank, world, tp, pp, dtype):
     import parallel.megatron_runner as runner_mod
     from models import build_model
     from models.config import preset_config
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from parallel.backends import build_runner
     from parallel.dims import ParallelDims, build_mesh
     from parallel.runner import MicroBatch
@@ -218,7 +218,7 @@ def _converted(states, cfg) -> dict:
 
 def _native_of(cfg):
     from models import build_model
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from parallel.native_runner import LocalRunner
 
     runner = LocalRunner(build_model(cfg, seed=7), attn_factory=DocumentAttention)

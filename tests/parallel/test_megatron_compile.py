@@ -15,7 +15,8 @@ pytest.importorskip("megatron.core")
 
 def _body(rank, world):
     from models.config import preset_config
-    from models.llama import DocumentAttention, LlamaForCausalLM, init_weights
+    from models.document_attention import DocumentAttention
+    from models.llama import LlamaForCausalLM, init_weights
     from models.megatron_model import megatron_hidden
     from parallel.backends import build_runner, compile_megatron_layers
     from parallel.dims import ParallelDims, build_mesh

@@ -50,7 +50,7 @@ def _mesh(ranks, *, tp=1, pp=1):
 
 def _runner(native, *, tp=1, pp=1, world=1, dtype=None, mesh=None, lr=None):
     """The backend factory's megatron runner of `native` (its weights), with the optimizer when lr is given."""
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from parallel.backends import build_runner
     from parallel.dims import ParallelDims
 
@@ -95,7 +95,7 @@ def _lm_reduce(runner, targets, with_entropy=False):
 
 
 def _native_hidden(native, mb):
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
 
     return native.hidden_states(mb.input_ids, mb.position_ids, attn=DocumentAttention(mb.position_ids))
 
@@ -438,7 +438,8 @@ def _native_nll(runner, targets):
 def _megatron_to_native_body(rank, world):
     """A bf16 megatron runner (fp32 master shards) trained 2 steps and saved; its state converted into a native
     runner (parallel/megatron_checkpoint.py + reshard_state) built from other weights; then 2 more steps on each."""
-    from models.llama import DocumentAttention, LlamaForCausalLM, init_weights
+    from models.document_attention import DocumentAttention
+    from models.llama import LlamaForCausalLM, init_weights
     from models.megatron_map import megatron_to_hf
     from parallel.backends import build_runner
     from parallel.dims import ParallelDims

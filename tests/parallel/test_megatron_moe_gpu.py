@@ -74,7 +74,7 @@ def _guarded(rank, world, body):
 
 
 def _parity_body(rank, world):
-    from models.llama import DocumentAttention
+    from models.document_attention import DocumentAttention
     from models.megatron_map import megatron_to_hf
     from models.megatron_model import megatron_hidden
     from models.moe import RouterTrace

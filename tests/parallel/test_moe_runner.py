@@ -7,7 +7,7 @@ import copy
 import torch
 
 from models import build_model, preset_config
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from models.moe import RouterTrace
 from parallel.native_runner import LocalRunner
 from parallel.runner import MicroBatch

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import build_model
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from tests.dist_utils import run_world
 from tests.parallel.test_runner import _batches
 

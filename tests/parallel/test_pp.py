@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, preset_config
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from parallel.pipeline import PipelineRunner, build_stages, split_stage, stage_ids
 from parallel.sharding import pp_stage_layers
 from tests.dist_utils import run_world

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import build_model
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from parallel.native_runner import LocalRunner
 from parallel.reshard_state import TIED, ReshardError, assemble
 from parallel.runner import MicroBatch

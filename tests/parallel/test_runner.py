@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model
+from models.document_attention import DocumentAttention
 from models.heads import LlamaForValue
-from models.llama import DocumentAttention
 from parallel.native_runner import LocalRunner
 from parallel.runner import MicroBatch
 from tests.dist_utils import run_world

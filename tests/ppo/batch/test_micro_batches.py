@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.build import build_model
-from models.llama import DocumentAttention
+from models.document_attention import DocumentAttention
 from models.logprobs import compute_token_logprobs
 from ppo.algos.core_algos import logprobs_from_logits
 from ppo.batch.micro_batches import (
