@@ -101,6 +101,14 @@ def time_steps(step: Callable[[], object], *, device: torch.device, warmup: int,
     return times
 
 
+GEMM_KERNELS = ("gemm", "cutlass", "sm90_xmma", "nvjet")  # substrings of cuBLAS / CUTLASS matmul kernel names
+
+
+def is_gemm(kernel_name: str) -> bool:
+    """Whether a CUDA kernel's name is a matmul's (cuBLAS, cuBLASLt's nvjet, CUTLASS)."""
+    return any(k in kernel_name.lower() for k in GEMM_KERNELS)
+
+
 def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int = 15) -> dict:
     """One `step` under torch.profiler: where its device time goes. Returns the step's total kernel time
     and the `top` kernels by total time ({name, calls, ms, share}), plus the GEMM share of the total; on
@@ -125,7 +133,7 @@ def kernel_profile(step: Callable[[], object], *, device: torch.device, top: int
             rows.append((ev.key, ev.count, t / 1e3))
     total = sum(ms for _, _, ms in rows) or 1.0
     rows.sort(key=lambda r: -r[2])
-    gemm = sum(ms for name, _, ms in rows if any(k in name.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet")))
+    gemm = sum(ms for name, _, ms in rows if is_gemm(name))
     out = {"total_kernel_ms": total, "gemm_share": gemm / total,
            "top": [{"name": n[:120], "calls": c, "ms": round(ms, 3), "share": round(ms / total, 4)}
                    for n, c, ms in rows[:top]]}

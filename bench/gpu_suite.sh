@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU batch: GPU tests and every benchmark in one call on the device machine, logs under $OUT.
 #   source .whl/prelude.sh && bash bench/gpu_suite.sh [part ...]
-#   parts: env tests megatron megatron_moe attn tail partial heavy_tail heavy_beside heavy_keep contention adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
+#   parts: env calibrate tests megatron megatron_moe attn tail partial heavy_tail heavy_beside heavy_keep contention adamw train gen gen_fp8 attn_fp8 agent agent_queued agent_noevict agent_waves reshard grpo grpo_long recipe ppo placement async2 lora moe
 # Env: EXTRA (overrides for the PPO parts), RECIPE_PRESET (qwen3-0.6b), RECIPE_STEPS (5), RECIPE_WARMUP (2), RECIPE_TAG, GRPO_MODES, GRPO_TAG (suffix of the grpo record), GEN_VARIANTS, GEN_ENGINE,
 #      GEN_BATCHES, GEN_ARGS (more bench.generate flags, e.g. --n 8), TRAIN_ARGS (replaces --sweep), PROFILE=N (the GRPO parts profile step N into $OUT/runs/*/profile, summaries copied to $OUT/profile_*.json,
 #      bench.train_step adds --profile), PLACEMENT_MODES (space-separated), PLACEMENT_WARMUP,
@@ -43,6 +43,10 @@ PY
 for p in "${parts[@]}"; do
   case $p in
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
+    calibrate)  # the cost model's calibration of this machine type (h100 or h200), results kept under $OUT
+      name=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
+      run "calibrate_$name" "${T_CALIBRATE:-480}" python3 -m bench.calibrate --name "$name" \
+        --out "$OUT/calibration_$name.json" --workdir "$OUT/calibrate_$name" ;;
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 ${TESTS:-tests} ;;
     megatron) run megatron_tests "${T_MEGATRON:-300}" python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 240 \
                 tests/parallel/test_megatron_gpu.py tests/ppo/test_trainer_megatron.py ;;

@@ -183,3 +183,37 @@ def test_calibration_file_is_derived_from_the_committed_micro_benchmarks():
     assert cal.peak_flops == committed["peak_flops"] and math.isclose(cal.mfu_update, committed["mfu_update"])
     with pytest.raises(FileNotFoundError, match="bench.calibrate"):
         load_calibration("no-such-machine")
+
+
+def test_another_machine_is_calibrated_from_its_own_files_and_facts(tmp_path):
+    """bench.calibrate --name h100: its own result files (micro_files) and machine facts (SPECS), the decode GEMM
+    time read from its generate run's kernel profiles; a machine without facts, or a generate run without a profile
+    where no GEMM time is stated, is refused."""
+    from bench.calibrate import SPECS, derive, micro_files
+
+    committed = json.loads((ROOT / "launcher/planning/calibration/h200.json").read_text())
+    src = {k: ROOT / f for k, f in committed["source"]["files"].items()}
+    files = {}
+    for key, name in micro_files("h100").items():
+        if key in src:
+            files[key] = tmp_path / name
+            files[key].write_text(src[key].read_text())
+    gen = json.loads(files["generate"].read_text())
+    variant = "native-triton+compile"
+    kernels = [{"name": "nvjet_sm90_tst_256x128", "device_ms": 40.0, "calls": 1}, {"name": "_decode_kernel",
+                                                                                   "device_ms": 9.0, "calls": 1}]
+    prefill = [{"name": "nvjet_sm90_tst_256x128", "device_ms": 8.0, "calls": 1}]
+    gen["result"]["checks"] = {f"{variant}/profile_top_kernels": {"rows": 256, "decode_steps": 31, "top": kernels},
+                               f"{variant}/profile_prefill": {"rows": 256, "decode_steps": 1, "top": prefill}}
+    files["generate"].write_text(json.dumps(gen))
+    h100 = derive(files, name="h100")
+    assert h100["name"] == "h100" and h100["hbm_gb"] == SPECS["h100"]["hbm_gb"][0] == 79.0
+    # (40 - 8) ms of GEMMs over 31 decode steps: ~1.03 ms a step, against the H200's stated 1.04
+    assert h100["decode_gemm_fraction"] == pytest.approx(committed["decode_gemm_fraction"] * 1.04 / (32 / 31), abs=2e-3)
+    assert "kernel profiles" in h100["source"]["decode_gemm_fraction"]
+    with pytest.raises(ValueError, match="add them to bench.calibrate.SPECS"):
+        derive(files, name="a100")
+    gen["result"]["checks"] = {}
+    files["generate"].write_text(json.dumps(gen))
+    with pytest.raises(ValueError, match="kept no kernel profile"):
+        derive(files, name="h100")
