@@ -6,7 +6,8 @@ makes vLLM's greedy tokens and log-probs those of the updated model, also for a 
 prefix cache (and, as a control, that the same reload WITHOUT the cache reset does serve stale KV); agent loops
 run through the step API with the earlier turns served from the prefix cache (VLLMEngine.stats), decoding while a
 tool sleeps; partial rollouts whose weights change mid-response keep every token's log-prob equal to the trainer's
-under the version that sampled it.
+under the version that sampled it. Generation TP=2: two worlds at once on one host (vLLM's CPU shared memory named
+per world), and agent loops whose tools run on rank 0 only, both ranks decoding the same trajectories.
 The hybrid engine driving vLLM at gen TP=2 from a TP=2 actor is tests/ppo/test_vllm_ppo.py (log-probs
 against the trainer's recompute); the bucketed TP all-gather is tests/rollout/test_vllm_support.py.
 """
@@ -319,3 +320,45 @@ def test_two_worlds_with_generation_tp_share_a_host():
     with ThreadPoolExecutor(2) as pool:
         worlds = list(pool.map(lambda _: run_world(_tp2_engine_held, world_size=2, timeout=300), range(2)))
     assert all(len(w) == 2 and w[0] == w[1] == worlds[0][0] and len(w[0]) == 4 for w in worlds), worlds
+
+
+def _tp2_agents(rank, world):
+    """Agent loops over a generation TP=2 vLLM engine: the tools run on rank 0 only, at times that differ from
+    step to step; the driver agrees their results over the TP group (ppo.agents.driver.tp_tool_sync) so both
+    ranks make the same engine calls in the same order, which vLLM's TP collectives need."""
+    import random
+    import time
+
+    import torch.distributed as dist
+
+    from parallel.sharding import tp_shard_dim
+    from ppo.agents.driver import Start, ToolPool, drive, tp_tool_sync
+    from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
+    from rollout.base import SamplingParams
+
+    model = _model()
+    engine = _engine(model.config, tp_group=dist.group.WORLD, eos_token_ids=[2])
+    engine.update_weights((n, t if tp_shard_dim(n) is None else t.chunk(world, dim=tp_shard_dim(n))[rank])
+                          for n, t in model.state_dict().items())
+    jitter = random.Random(rank)
+
+    def looped(task):  # the tool's answer and its timing exist on rank 0 only
+        traj = TrajectoryBuilder(task.prompt_ids)
+        for _ in range(2):
+            traj.add_sampled((yield Generate(traj.token_ids, 4)))
+            traj.add_observation((yield CallTool(lambda: time.sleep(jitter.random() * 0.05) or [rank + 40, 41])))
+        return traj.finish(text=None)
+
+    pool = ToolPool(workers=2, run_here=rank == 0)
+    prompts = [[1, 7 + i, 30 + i, 5] for i in range(3)]
+    starts = [Start(looped, AgentTask(p, {}, None, max_response_tokens=32, max_total_tokens=64), 300 + i, key=i)
+              for i, p in enumerate(prompts)]
+    trajs, _ = drive(engine, starts, sampling=SamplingParams(temperature=1.0, ignore_eos=True), tools=pool,
+                     sync=tp_tool_sync(dist.group.WORLD))
+    pool.close()
+    return [t.response_ids for t in trajs]
+
+
+def test_generation_tp_ranks_decode_the_same_agent_loops_with_rank_0s_tool_results():
+    a, b = run_world(_tp2_agents, world_size=2, timeout=300)
+    assert a == b and all(r[4:6] == [40, 41] and r[10:12] == [40, 41] and len(r) == 12 for r in a), (a, b)
