@@ -2,6 +2,11 @@
 
     python -m bench.costmodel_validate                      # writes bench/results/costmodel_validation.json
     python -m bench.costmodel_validate --calibration h200 --out /tmp/v.json
+    python -m bench.costmodel_validate --recipe-fixture /tmp/fx     # with the GSM8K recipe's runs
+
+The recipe's runs (conf/grpo_gsm8k_qwen3.yaml on bench/gpu_suite.sh's fixture, /tmp/recipe_<preset> on the GPU
+machine) are rebuilt on a bench.recipe_fixture output (--recipe-fixture: its tokenizer and data, the preset's shape
+without weights); without one they are listed as excluded.
 
 For each run of bench.placement under bench/results/ it rebuilds the run's config (the committed YAML
 plus the mode's overrides and the run's own), plans it with launcher.planning.plan, estimates it with the
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from bench.placement import MODES
@@ -62,7 +68,32 @@ def _runs() -> tuple[list[tuple[Path, dict, dict]], list[dict]]:
     return runs, excluded
 
 
-def predict_run(d: dict, row: dict, cal):
+class NeedsFixture(Exception):
+    """A run whose config names the GPU machine's recipe fixture, with no local fixture given."""
+
+
+def local_overrides(overrides: list[str], fixture: Path | None, tmp: Path) -> list[str]:
+    """The run's overrides with the GPU machine's recipe fixture (/tmp/recipe_<preset>/{model,data}) replaced by the
+    preset's shape and `fixture`'s data (bench.recipe_predict.shape_dir)."""
+    import re
+
+    from bench.recipe_predict import shape_dir
+
+    out = []
+    for o in overrides:
+        m = re.search(r"/tmp/recipe_([\w.-]+?)/(model|data)", o)
+        if m is None:
+            out.append(o)
+        elif fixture is None:
+            raise NeedsFixture(m.group(1))
+        elif m.group(2) == "model":
+            out.append(f"model.path={shape_dir(m.group(1), fixture, tmp)}")
+        else:
+            out.append(o.replace(f"/tmp/recipe_{m.group(1)}/data", str(fixture / "data")))
+    return out
+
+
+def predict_run(d: dict, row: dict, cal, *, fixture: Path | None = None):
     """(Estimate, config) of one measured row: its config, mode overrides and extra overrides."""
     from launcher.config.load import load_config
     from launcher.planning.autoplan import candidate_from_plan
@@ -72,15 +103,16 @@ def predict_run(d: dict, row: dict, cal):
 
     res = d["result"]
     overrides = [*MODES[row["mode"]], *(res.get("overrides") or [])]
-    cfg = load_config(ROOT / res["config"], overrides)
-    model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
-    plan = compute_plan(cfg, world_size=res["nproc"], model=model, reward_model=rm)
-    w = build_workload(cfg, model=model, reward_model=rm)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(ROOT / res["config"], local_overrides(overrides, fixture, Path(tmp)))
+        model, rm = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+        plan = compute_plan(cfg, world_size=res["nproc"], model=model, reward_model=rm)
+        w = build_workload(cfg, model=model, reward_model=rm)
     return estimate(w, cal, candidate_from_plan(plan, is_async=cfg.trainer.max_staleness > 0)), overrides
 
 
-def record(path: Path, d: dict, row: dict, cal) -> dict:
-    est, overrides = predict_run(d, row, cal)
+def record(path: Path, d: dict, row: dict, cal, *, fixture: Path | None = None) -> dict:
+    est, overrides = predict_run(d, row, cal, fixture=fixture)
     meas = row["timing_s"]
     stages = {}
     for stage, pred in est.stages.items():
@@ -147,13 +179,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.costmodel_validate", description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default="h200")
     ap.add_argument("--out", default=str(RESULTS / "costmodel_validation.json"))
+    ap.add_argument("--recipe-fixture", type=Path, default=None,
+                    help="a bench.recipe_fixture output: rebuild the GSM8K recipe's runs on it")
     args = ap.parse_args(argv)
     cal = load_calibration(args.calibration)
     runs, excluded = _runs()
-    records = [record(p, d, row, cal) for p, d, row in runs]
+    records = []
+    for p, d, row in runs:
+        try:
+            records.append(record(p, d, row, cal, fixture=args.recipe_fixture))
+        except NeedsFixture as e:
+            excluded.append({"file": p.name, "mode": row.get("mode"),
+                             "why": f"the recipe's run on the GPU machine's fixture: give --recipe-fixture "
+                                    f"(python -m bench.recipe_fixture --preset {e} --out DIR)"})
     errors = [abs(r["step_error"]) for r in records]
     out = {
-        "command": "python -m bench.costmodel_validate", "git_commit": git_commit(), "calibration": cal.name,
+        "command": "python -m bench.costmodel_validate" + (" --recipe-fixture DIR" if args.recipe_fixture else ""),
+        "git_commit": git_commit(), "calibration": cal.name,
         "calibration_source": cal.source.get("how"), "target_step_error": TARGET,
         "summary": {"runs": len(records), "within_target": sum(r["within_target"] for r in records),
                     "max_abs_step_error": round(max(errors), 4),

@@ -31,21 +31,29 @@ def recipe_overrides(model_dir: Path, data_dir: Path, *, steps: int = 5) -> list
             f"trainer.total_steps={steps}", "trainer.device=cuda"]
 
 
-def predict(preset: str, fixture: Path, extra: tuple[str, ...] = ()) -> dict:
-    from launcher.config.load import load_config
-    from launcher.planning.fit import fit_memory
-    from launcher.planning.plan import compute_plan, resolve_model_config
+def shape_dir(preset: str, fixture: Path, parent: Path) -> Path:
+    """A model directory of the preset's shape under `parent`: its config.json (the fixture's special ids) and the
+    fixture's tokenizer, no weights (planning reads config.json only)."""
     from models import preset_config
 
     tok = json.loads((fixture / "model" / "config.json").read_text())  # the fixture's special ids
     shape = preset_config(preset, bos_token_id=tok.get("bos_token_id"), eos_token_id=tok.get("eos_token_id"),
                           pad_token_id=tok.get("pad_token_id"))
+    model_dir = parent / preset
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(shape.to_hf()))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fixture / "model" / name, model_dir / name)
+    return model_dir
+
+
+def predict(preset: str, fixture: Path, extra: tuple[str, ...] = ()) -> dict:
+    from launcher.config.load import load_config
+    from launcher.planning.fit import fit_memory
+    from launcher.planning.plan import compute_plan, resolve_model_config
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / preset  # the shape only: planning reads config.json, never the weights
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(shape.to_hf()))
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(fixture / "model" / name, model_dir / name)
+        model_dir = shape_dir(preset, fixture, Path(tmp))
         choices: list[str] = []
         cfg = load_config(str(ROOT / CONFIG), [*recipe_overrides(model_dir, fixture / "data"), *extra],
                           auto_choices=choices)
