@@ -1,4 +1,5 @@
-"""Predicted vs measured: the cost model (launcher/planning/costmodel.py) against every committed PPO/GRPO run.
+"""Predicted vs measured: the cost model (launcher/planning/costmodel.py) against every committed PPO/GRPO run
+and decode run.
 
     python -m bench.costmodel_validate                      # writes bench/results/costmodel_validation.json
     python -m bench.costmodel_validate --calibration h200 --out /tmp/v.json
@@ -147,6 +148,41 @@ def record(path: Path, d: dict, row: dict, cal, *, fixture: Path | None = None) 
     }
 
 
+def decode_records(cal) -> list[dict]:
+    """Predicted vs measured wall time of every committed bench.generate run of the native engine at 256 rows on the
+    calibration's machine (issue 39's decode target: prefill, then new_tokens - 1 decode steps, one wave): the cost
+    model's generation_s for a workload of those prompts and lengths, bf16 cache, no sharing."""
+    from launcher.planning.costmodel import ModelShape, Workload, generation_s
+    from models import preset_config
+
+    out = []
+    for path in sorted(RESULTS.glob("generate*.json")):
+        d = json.loads(path.read_text())
+        for run in d.get("runs") or [d]:
+            res = run.get("result") or {}
+            device = str(run.get("device") or d.get("device") or res.get("device_name") or "")
+            if cal.name.upper() not in device.upper():  # another machine's run: not this calibration's to predict
+                continue
+            # older records kept only the printed row: a flat result of one engine at one batch
+            rows = res.get("results") or ([dict(res, engine="native", new_tokens_per_s=res["tokens_per_s"])]
+                                          if "tokens_per_s" in res else [])
+            for row in rows:
+                model = res.get("model") or row.get("model")
+                if row.get("batch") != 256 or not str(row.get("engine", "")).startswith("native") or \
+                        "fp8" in row["engine"] or res.get("samples_per_prompt", 1) != 1 or model is None:
+                    continue
+                m = ModelShape.of(preset_config(model))
+                w = Workload(actor=m, critic=None, ref=None, reward_model=None, prompts=256, n=1,
+                             prompt_len=res["prompt_len"], response_len=res["new_tokens"])
+                pred = generation_s(w, cal, gen_tp=1, gen_dp=1, slots=256)
+                meas = row["wall_s"]
+                out.append({"run": f"{path.stem}:{model}:{row['engine']}", "file": path.name,
+                            "measured_commit": run.get("git_commit"), "predicted_s": round(pred, 4),
+                            "measured_s": meas, "error": _err(pred, meas),
+                            "within_target": abs(pred / meas - 1) <= TARGET})
+    return out
+
+
 def rankings(records: list[dict]) -> list[dict]:
     """Per workload (config, GPUs) with 2+ modes: measured and predicted order of the modes."""
     groups: dict[tuple, list[dict]] = {}
@@ -196,14 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
                              "why": f"the recipe's run on the GPU machine's fixture: give --recipe-fixture "
                                     f"(python -m bench.recipe_fixture --preset {e} --out DIR)"})
     errors = [abs(r["step_error"]) for r in records]
+    decode = decode_records(cal)
     out = {
         "command": "python -m bench.costmodel_validate" + (" --recipe-fixture DIR" if args.recipe_fixture else ""),
         "git_commit": git_commit(), "calibration": cal.name,
         "calibration_source": cal.source.get("how"), "target_step_error": TARGET,
         "summary": {"runs": len(records), "within_target": sum(r["within_target"] for r in records),
                     "max_abs_step_error": round(max(errors), 4),
-                    "mean_abs_step_error": round(sum(errors) / len(errors), 4)},
-        "rankings": rankings(records), "records": records, "excluded": excluded,
+                    "mean_abs_step_error": round(sum(errors) / len(errors), 4),
+                    "decode_runs": len(decode), "decode_within_target": sum(r["within_target"] for r in decode)},
+        "rankings": rankings(records), "records": records, "excluded": excluded, "decode": decode,
         "notes": ["useful utilization: both against 790 TFLOP/s as the trainer reports it",
                   "measured peak memory converted from the trainer's GiB to GB",
                   "predicted_pool_busy: fraction of the step each pool computes (no host stages), beside NVML's "
@@ -213,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in records:
         print(f"{r['run']:60} pred {r['predicted_step_s']:7.3f}  meas {r['measured_step_s']:7.3f}  "
               f"err {r['step_error']:+.1%}")
+    for r in decode:
+        print(f"{r['run']:60} pred {r['predicted_s']:7.3f}  meas {r['measured_s']:7.3f}  err {r['error']:+.1%}")
     for g in out["rankings"]:
         print(f"ranking {g['config']} x{g['gpus']}: same={g['same_order']} measured={g['measured_fastest_first']} "
               f"predicted={g['predicted_fastest_first']}")

@@ -38,3 +38,6 @@ def test_every_committed_placement_run_is_validated_or_excluded_with_its_reason(
     seen = {r["file"] for r in out["records"]} | {e["file"] for e in out["excluded"]}
     assert seen == placement and out["summary"]["runs"] == len(out["records"]) > 0
     assert all("--recipe-fixture" in e["why"] for e in out["excluded"] if e["file"].startswith("recipe_"))
+    # decode runs at 256 rows of the calibration's machine only (another GPU's run is not its to predict)
+    assert out["summary"]["decode_runs"] == len(out["decode"]) > 0
+    assert all("h100" not in r["file"] for r in out["decode"])
