@@ -77,7 +77,10 @@ TRAIN_SWEEP = ["--model", "llama-1b", "--seq", "2048", "--batch", "4", "--sweep"
 
 
 def _load(path: Path) -> dict:
+    """A micro-benchmark's result: the record's `result`, or its last run's where it keeps several (`runs`)."""
     d = json.loads(path.read_text())
+    if "runs" in d and "result" not in d:
+        return d["runs"][-1]["result"]
     return d.get("result", d)
 
 
