@@ -31,21 +31,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_LINKS = {  # the same in HGX H100 and H200 nodes
+    "nccl_inter_bytes_per_s": (45e9, "400 Gb/s InfiniBand NDR per GPU (50 GB/s), ~90% achievable; assumed"),
+    "nccl_latency_s": (15e-6, "NCCL small-message latency inside a node; assumed"),
+    "pcie_bytes_per_s": (50e9, "PCIe Gen5 x16 host link; assumed"),
+}
 SPECS = {  # not measured by any micro-benchmark here: machine facts per machine type, each stated in the output
-    "h200": {
-        "hbm_gb": (140.0, "H200: 141 GB HBM3e, less ~1 GB of CUDA context (allocator headroom is not modelled)"),
-        "gpus_per_node": (8, "HGX H200 node"),
-        "nccl_inter_bytes_per_s": (45e9, "400 Gb/s InfiniBand NDR per GPU (50 GB/s), ~90% achievable; assumed"),
-        "nccl_latency_s": (15e-6, "NCCL small-message latency inside a node; assumed"),
-        "pcie_bytes_per_s": (50e9, "PCIe Gen5 x16 host link; assumed"),
-    },
-    "h100": {
-        "hbm_gb": (79.0, "H100 SXM: 80 GB HBM3, less ~1 GB of CUDA context (allocator headroom is not modelled)"),
-        "gpus_per_node": (8, "HGX H100 node"),
-        "nccl_inter_bytes_per_s": (45e9, "400 Gb/s InfiniBand NDR per GPU (50 GB/s), ~90% achievable; assumed"),
-        "nccl_latency_s": (15e-6, "NCCL small-message latency inside a node; assumed"),
-        "pcie_bytes_per_s": (50e9, "PCIe Gen5 x16 host link; assumed"),
-    },
+    "h200": {"hbm_gb": (140.0, "H200: 141 GB HBM3e, less ~1 GB of CUDA context (allocator headroom is not modelled)"),
+             "gpus_per_node": (8, "HGX H200 node"), **_LINKS},
+    "h100": {"hbm_gb": (79.0, "H100 SXM: 80 GB HBM3, less ~1 GB of CUDA context (allocator headroom is not modelled)"),
+             "gpus_per_node": (8, "HGX H100 node"), **_LINKS},
 }
 # bench/results/generate_h200.json's kernel profile at 256 rows: the decode GEMMs take 1.04 ms of a step
 # (docs/history/measurements.md, "Rollout"); read from a profile the committed run did not keep. A generate run that

@@ -326,30 +326,20 @@ def _tp2_agents(rank, world):
     """Agent loops over a generation TP=2 vLLM engine: the tools run on rank 0 only, at times that differ from
     step to step; the driver agrees their results over the TP group (ppo.agents.driver.tp_tool_sync) so both
     ranks make the same engine calls in the same order, which vLLM's TP collectives need."""
-    import random
-    import time
-
     import torch.distributed as dist
 
     from parallel.sharding import tp_shard_dim
     from ppo.agents.driver import Start, ToolPool, drive, tp_tool_sync
-    from ppo.agents.loop import AgentTask, CallTool, Generate, TrajectoryBuilder
+    from ppo.agents.loop import AgentTask
     from rollout.base import SamplingParams
+    from tests.ppo.agents.test_driver import rank_0_tool_loop
 
     model = _model()
     engine = _engine(model.config, tp_group=dist.group.WORLD, eos_token_ids=[2])
     engine.update_weights((n, t if tp_shard_dim(n) is None else t.chunk(world, dim=tp_shard_dim(n))[rank])
                           for n, t in model.state_dict().items())
-    jitter = random.Random(rank)
-
-    def looped(task):  # the tool's answer and its timing exist on rank 0 only
-        traj = TrajectoryBuilder(task.prompt_ids)
-        for _ in range(2):
-            traj.add_sampled((yield Generate(traj.token_ids, 4)))
-            traj.add_observation((yield CallTool(lambda: time.sleep(jitter.random() * 0.05) or [rank + 40, 41])))
-        return traj.finish(text=None)
-
     pool = ToolPool(workers=2, run_here=rank == 0)
+    looped = rank_0_tool_loop(rank, seed=rank)
     prompts = [[1, 7 + i, 30 + i, 5] for i in range(3)]
     starts = [Start(looped, AgentTask(p, {}, None, max_response_tokens=32, max_total_tokens=64), 300 + i, key=i)
               for i, p in enumerate(prompts)]

@@ -123,9 +123,24 @@ def test_a_tool_past_its_timeout_answers_a_failure():
     assert traj.text == "ok" and time.monotonic() - t0 < 0.9
 
 
-def _tp_tools_body(rank, world_size):
+def rank_0_tool_loop(rank: int, seed: int):
+    """A loop of two turns, each followed by a tool whose answer ([rank + 40, 41]) and timing (jittered up to 50 ms,
+    per rank) exist on rank 0 only: under generation TP the driver must agree rank 0's results (tp_tool_sync)."""
     import random
 
+    jitter = random.Random(seed)
+
+    def looped(task):
+        traj = TrajectoryBuilder(task.prompt_ids)
+        for _ in range(2):
+            traj.add_sampled((yield Generate(traj.token_ids, 4)))
+            traj.add_observation((yield CallTool(lambda: time.sleep(jitter.random() * 0.05) or [rank + 40, 41])))
+        return traj.finish(text=None)
+
+    return looped
+
+
+def _tp_tools_body(rank, world_size):
     import torch.distributed as dist
 
     from parallel.sharding import tp_slices
@@ -136,17 +151,8 @@ def _tp_tools_body(rank, world_size):
     engine = NativeEngine(model.config, config=config(), tp_group=dist.group.WORLD)
     engine.update_weights((n, t[tp_slices(n, tuple(t.shape), rank=rank, world=world_size)])
                           for n, t in model.state_dict().items())
-    jitter = random.Random(rank)
-
-    def looped(task):  # the tool's answer and its timing exist on rank 0 only
-        traj = TrajectoryBuilder(task.prompt_ids)
-        for _ in range(2):
-            traj.add_sampled((yield Generate(traj.token_ids, 4)))
-            result = yield CallTool(lambda: time.sleep(jitter.random() * 0.05) or [rank + 40, 41])
-            traj.add_observation(result)
-        return traj.finish(text=None)
-
     pool = ToolPool(workers=2, run_here=rank == 0)
+    looped = rank_0_tool_loop(rank, seed=rank)
     starts = [Start(looped, task(p), 300 + i, key=i) for i, p in enumerate(PROMPTS[:3])]
     trajs, stats = drive(engine, starts, sampling=sampling(), tools=pool, sync=tp_tool_sync(dist.group.WORLD),
                          keep_kv=True)  # every rank parks and continues the same sessions
