@@ -350,8 +350,9 @@ class PlacementConfig:
     # colocated | split | auto (the cost model picks pools and layouts: launcher/planning/autoplan.py)
     mode: str = "colocated"
     pools: list[PoolConfig] = field(default_factory=list)  # split mode; empty: actor+rollout | the rest
-    # cost model's machine (launcher/planning/calibration/<name>.json or a path): auto, plan estimates
-    calibration: str = "h200"
+    # cost model's machine (launcher/planning/calibration/<name>.json or a path): auto, plan estimates. "auto": the
+    # GPU's machine type where a calibration of it exists, else h200's (launcher.planning.costmodel.auto_calibration)
+    calibration: str = "auto"
 
 
 @dataclass

@@ -81,8 +81,34 @@ class Calibration:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+MACHINES = {"H200": "h200", "H100": "h100"}  # a CUDA device name's part -> its calibration's name
+DEFAULT_CALIBRATION = "h200"
+
+
+def current_gpu_name() -> str | None:
+    """The name of the CUDA device this process sees, or None."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def auto_calibration(device_name: str | None) -> tuple[str, str]:
+    """placement.calibration=auto for a launch on the GPU named `device_name` (None: no GPU): (the calibration's
+    name, why)."""
+    if device_name is None:
+        return DEFAULT_CALIBRATION, f"no GPU visible here: the {DEFAULT_CALIBRATION} calibration"
+    machine = next((m for part, m in MACHINES.items() if part in device_name), None)
+    if machine is not None and (CALIBRATION_DIR / f"{machine}.json").is_file():
+        return machine, f"the calibration of this GPU ({device_name})"
+    how = f"`python -m bench.calibrate --name {machine}` on it" if machine else "none of its type"
+    return DEFAULT_CALIBRATION, f"no calibration of this GPU ({device_name}; {how}): the {DEFAULT_CALIBRATION} one"
+
+
 def load_calibration(name_or_path: str) -> Calibration:
-    """`h200` -> launcher/planning/calibration/h200.json; a path to a .json file is read as given."""
+    """`h200` -> launcher/planning/calibration/h200.json; a path to a .json file is read as given; `auto` ->
+    auto_calibration's (the launch resolves it first: launcher.config.auto)."""
+    if name_or_path == "auto":
+        name_or_path = auto_calibration(current_gpu_name())[0]
     path = Path(name_or_path)
     if not path.suffix:
         path = CALIBRATION_DIR / f"{name_or_path}.json"

@@ -217,3 +217,25 @@ def test_another_machine_is_calibrated_from_its_own_files_and_facts(tmp_path):
     files["generate"].write_text(json.dumps(gen))
     with pytest.raises(ValueError, match="kept no kernel profile"):
         derive(files, name="h100")
+
+
+def test_auto_calibration_is_the_gpus_own_where_one_exists(tmp_path, monkeypatch):
+    """placement.calibration=auto (the default): a launch's cost model is of the GPU it runs on where that machine
+    type has a calibration file, else the H200's, with the reason in the launch's auto line."""
+    import launcher.planning.costmodel as cm
+    from launcher.config.load import load_config
+
+    assert cm.auto_calibration("NVIDIA H200")[0] == "h200"
+    name, why = cm.auto_calibration("NVIDIA H100 80GB HBM3")
+    assert name == "h200" and "bench.calibrate --name h100" in why  # no h100.json committed yet
+    monkeypatch.setattr(cm, "CALIBRATION_DIR", tmp_path)
+    for machine in ("h100", "h200"):
+        (tmp_path / f"{machine}.json").write_text((ROOT / "launcher/planning/calibration/h200.json").read_text())
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert cm.auto_calibration(h100) == ("h100", f"the calibration of this GPU ({h100})")
+    assert cm.auto_calibration("NVIDIA A100-SXM4-80GB")[0] == "h200" and cm.auto_calibration(None)[0] == "h200"
+    choices: list[str] = []
+    cfg = load_config(str(ROOT / "conf/ppo_tiny.yaml"), [], auto_choices=choices)  # a CPU run: no GPU visible
+    assert cfg.placement.calibration == "h200" and "placement.calibration=h200 (auto: no GPU visible here" in " ".join(
+        choices)
+    assert load_config(str(ROOT / "conf/ppo_tiny.yaml"), ["placement.calibration=h100"]).placement.calibration == "h100"
