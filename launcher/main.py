@@ -82,6 +82,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
     from launcher.dist import broadcast_plan, build_role_groups, init_distributed, limit_host_threads, resolve_device
     from launcher.log import add_file_log, setup_logging
     from launcher.monitor import smallest_gpu_memory_gb
+    from launcher.planning.costmodel import resolve_calibration
     from launcher.planning.fit import fit_memory
     from launcher.planning.plan import (
         compute_plan,
@@ -106,6 +107,7 @@ def run(cfg: Config, *, rank: int, world_size: int, auto_choices: list[str] = ()
 
     # --- everything checkable is checked before a process group exists
     model_cfg, rm_cfg = resolve_model_config(cfg), resolve_reward_model_config(cfg)
+    auto_choices = [*auto_choices, *resolve_calibration(cfg)]
     auto_choices = [*auto_choices, *fit_memory(cfg, lambda c: compute_plan(
         c, world_size=world_size, model=model_cfg, reward_model=rm_cfg).predicted, device_gb=smallest_gpu_memory_gb())]
     plan = compute_plan(cfg, world_size=world_size, model=model_cfg, reward_model=rm_cfg)

@@ -66,10 +66,6 @@ def resolve_auto(cfg: Config) -> list[str]:
         else:
             choose("rollout.compile", True, "CUDA: the native engine's decode forward compiled into its CUDA graphs")
     _resolve_engine_memory(cfg, cuda, choose, choices)
-    if cfg.placement.calibration == "auto":
-        from launcher.planning.costmodel import auto_calibration, current_gpu_name
-
-        choose("placement.calibration", *auto_calibration(current_gpu_name() if cuda else None))
     if cfg.trainer.share_prompts is None:
         a, ref = cfg.actor, cfg.ref
         if cfg.rollout.n == 1:

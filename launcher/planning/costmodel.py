@@ -104,9 +104,21 @@ def auto_calibration(device_name: str | None) -> tuple[str, str]:
     return DEFAULT_CALIBRATION, f"no calibration of this GPU ({device_name}; {how}): the {DEFAULT_CALIBRATION} one"
 
 
+def resolve_calibration(cfg) -> list[str]:
+    """placement.calibration=auto -> the launch's machine (auto_calibration), in place. -> its auto line, or none
+    where the config names one."""
+    from launcher.config.auto import on_cuda
+
+    if cfg.placement.calibration != "auto":
+        return []
+    name, why = auto_calibration(current_gpu_name() if on_cuda(cfg) else None)
+    cfg.placement.calibration = name
+    return [f"placement.calibration={name} (auto: {why})"]
+
+
 def load_calibration(name_or_path: str) -> Calibration:
     """`h200` -> launcher/planning/calibration/h200.json; a path to a .json file is read as given; `auto` ->
-    auto_calibration's (the launch resolves it first: launcher.config.auto)."""
+    auto_calibration's for this process's GPU (a launch resolves it first, with its line: resolve_calibration)."""
     if name_or_path == "auto":
         name_or_path = auto_calibration(current_gpu_name())[0]
     path = Path(name_or_path)

@@ -221,7 +221,8 @@ def test_another_machine_is_calibrated_from_its_own_files_and_facts(tmp_path):
 
 def test_auto_calibration_is_the_gpus_own_where_one_exists(tmp_path, monkeypatch):
     """placement.calibration=auto (the default): a launch's cost model is of the GPU it runs on where that machine
-    type has a calibration file, else the H200's, with the reason in the launch's auto line."""
+    type has a calibration file, else the H200's, with the reason in the launch's auto line (resolve_calibration,
+    launcher/main.py, beside the memory fit's lines)."""
     import launcher.planning.costmodel as cm
     from launcher.config.load import load_config
 
@@ -234,8 +235,9 @@ def test_auto_calibration_is_the_gpus_own_where_one_exists(tmp_path, monkeypatch
     h100 = "NVIDIA H100 80GB HBM3"
     assert cm.auto_calibration(h100) == ("h100", f"the calibration of this GPU ({h100})")
     assert cm.auto_calibration("NVIDIA A100-SXM4-80GB")[0] == "h200" and cm.auto_calibration(None)[0] == "h200"
-    choices: list[str] = []
-    cfg = load_config(str(ROOT / "conf/ppo_tiny.yaml"), [], auto_choices=choices)  # a CPU run: no GPU visible
-    assert cfg.placement.calibration == "h200" and "placement.calibration=h200 (auto: no GPU visible here" in " ".join(
-        choices)
-    assert load_config(str(ROOT / "conf/ppo_tiny.yaml"), ["placement.calibration=h100"]).placement.calibration == "h100"
+    cfg = load_config(str(ROOT / "conf/ppo_tiny.yaml"), [])  # a CPU run: no GPU visible
+    assert cfg.placement.calibration == "auto" and cm.load_calibration("auto").name == "h200"
+    assert cm.resolve_calibration(cfg) == ["placement.calibration=h200 (auto: no GPU visible here: the h200 "
+                                           "calibration)"] and cfg.placement.calibration == "h200"
+    named = load_config(str(ROOT / "conf/ppo_tiny.yaml"), ["placement.calibration=h100"])
+    assert cm.resolve_calibration(named) == [] and named.placement.calibration == "h100"  # an explicit one wins
