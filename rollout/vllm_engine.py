@@ -164,13 +164,12 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
         from vllm import LLM
 
-        if self.device.type == "cpu":
-            isolate_cpu_shm_groups()  # generation TP groups of concurrent worlds on one host
-
         self.model_config, self.config, self.dtype = model_config, config, dtype
         self.tp_group, self.bucket_bytes, self.logprobs_mode = tp_group, bucket_bytes, logprobs_mode
         if not dist.is_initialized():
             raise RuntimeError("VLLMEngine runs inside a torch.distributed world (torchrun); initialise it first")
+        if self.device.type == "cpu":
+            isolate_cpu_shm_groups()  # its TP groups' shared memory, apart from other worlds' on this host
         if idle_tp:
             self.tp = idle_tp
         else:

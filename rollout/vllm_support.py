@@ -110,20 +110,31 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def isolate_cpu_shm_groups() -> None:
-    """Name vLLM's CPU shared-memory TP groups per torchrun world. vLLM 0.32's CPU worker names a group's segment
+_SHM_TAG = {"tag": ""}  # this process's world tag (isolate_cpu_shm_groups)
+
+
+def isolate_cpu_shm_groups(group=None) -> None:
+    """Name vLLM's CPU shared-memory TP groups per torchrun world. vLLM 0.32's CPU worker names a group's segments
     from its distributed init method, which under the external launcher is always "env://", so two worlds of
-    generation TP >= 2 on one host (two jobs, or two tests at once) asked for the same segment and the second
-    failed ("create shm in SHMManager failed. errno: 17"). The world's MASTER_PORT, the same on all its ranks and
-    different from any other world's on the host, is added to the name. Idempotent; needs vLLM imported."""
+    generation TP >= 2 on one host (two jobs, or two tests at once) asked for the same segments and the second
+    failed ("create shm in SHMManager failed. errno: 17"); a world whose processes were killed also leaves its
+    segments behind. Rank 0 of `group` (default: the world) draws a random tag, every rank receives it (collective:
+    all of them construct their engines together), and it joins the name with the world's MASTER_PORT. Needs vLLM
+    imported and torch.distributed initialised."""
+    import secrets
+
+    import torch.distributed as dist
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
+    tag = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tag, src=0, group=group)
+    _SHM_TAG["tag"] = f"{os.environ.get('MASTER_PORT', '0')}-{tag[0]}"
     original = _CPUSHMDistributed.make_group_name
     if getattr(original, "per_world", False):
         return
 
     def make_group_name(communicator) -> str:
-        return f"{original(communicator)}-port{os.environ.get('MASTER_PORT', '0')}"
+        return f"{original(communicator)}-{_SHM_TAG['tag']}"
 
     make_group_name.per_world = True
     _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
