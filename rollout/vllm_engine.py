@@ -323,9 +323,11 @@ class VLLMEngine:
         iteration ran (no batch queue: checked at start-up), so nothing is left in flight between calls."""
         ready, self._ready = self._ready, []
         if self._live:
-            for out in self.llm.llm_engine.step():
+            outs = self.llm.llm_engine.step()
+            for out in outs:
                 self._absorb(out)
-            if not self.llm.llm_engine.has_unfinished_requests():  # none left in vLLM: never wait on one forever
+            # a step that returned nothing and left vLLM running nothing: never wait on a request forever
+            if not outs and not self.llm.llm_engine.has_unfinished_requests():
                 for s in (s for r in self._live.values() for s in r.samples if s.reason is None):
                     s.reason, s.error = "error", "vLLM no longer runs this request"
         done = [rid for rid, r in self._live.items() if all(s.reason is not None for s in r.samples)]
@@ -343,22 +345,18 @@ class VLLMEngine:
         if req is None:
             return []
         running = [j for j, s in enumerate(req.samples) if s.reason is None]
+        processor = self.llm.llm_engine.output_processor
         for j in running:
-            req.samples[j].tokens, req.samples[j].logprobs = self._so_far(f"{request_id}.{j}")
+            # vLLM's output processor holds what a request reporting only at its end (FINAL_ONLY) has not returned
+            for internal in processor.external_req_ids.get(f"{request_id}.{j}", []):
+                state = processor.request_states[internal]
+                tokens = list(state.detokenizer.output_token_ids)
+                self._count(req, req.samples[j], tokens, [lp[t] for t, lp in
+                                                          zip(tokens, state.logprobs_processor.logprobs)],
+                            cached=state.num_cached_tokens)
             req.samples[j].reason = "abort"
         self.llm.llm_engine.abort_request([f"{request_id}.{j}" for j in running])
         return self._completions(request_id, req)
-
-    def _so_far(self, name: str) -> tuple[list[int], list[float]]:
-        """The tokens and log-probs vLLM has sampled for request `name` (still running): its output processor's
-        state, which a request reporting only at its end (RequestOutputKind.FINAL_ONLY) has not returned."""
-        processor = self.llm.llm_engine.output_processor
-        tokens, logprobs = [], []
-        for internal in processor.external_req_ids.get(name, []):
-            state = processor.request_states[internal]
-            tokens = list(state.detokenizer.output_token_ids)
-            logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, state.logprobs_processor.logprobs)]
-        return tokens, logprobs
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._ready)
@@ -369,14 +367,19 @@ class VLLMEngine:
         req = self._live.get(rid)
         if req is None or not out.finished:  # aborted since (nothing reports before its end)
             return
-        s, cached = req.samples[j], out.num_cached_tokens or 0
-        self.stats["kv_reused_tokens"] += cached  # prompt tokens vLLM's prefix cache served
-        self.stats["prefill_tokens"] += len(req.prompt) - cached
-        c = out.outputs[0]
-        s.tokens, s.logprobs = list(c.token_ids), [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)]
-        self.stats["sampled_tokens"] += len(s.tokens)
+        s, c = req.samples[j], out.outputs[0]
+        self._count(req, s, list(c.token_ids), [lp[t] for t, lp in zip(c.token_ids, c.logprobs)],
+                    cached=out.num_cached_tokens)
         s.reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
         s.error = None if s.reason != "error" else f"vLLM finished with {c.finish_reason!r}"
+
+    def _count(self, req: _Request, s: _Sample, tokens: list[int], logprobs: list, *, cached: int | None) -> None:
+        """Sample `s`'s tokens and log-probs (vLLM's Logprob entries of them) as they stand at its end or abort, and
+        the engine's counters: its prompt's tokens prefilled or served by the prefix cache, its tokens sampled."""
+        s.tokens, s.logprobs = tokens, [float(lp.logprob) for lp in logprobs]
+        self.stats["kv_reused_tokens"] += cached or 0
+        self.stats["prefill_tokens"] += len(req.prompt) - (cached or 0)
+        self.stats["sampled_tokens"] += len(tokens)
 
     @staticmethod
     def _completions(rid: int, req: _Request) -> list[Completion]:

@@ -189,6 +189,7 @@ def _partial_swap(engine, model, gen):
         for p in versions[1].parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     engine.update_weights(versions[0].state_dict().items())
+    sampled = engine.stats["sampled_tokens"]
     rollouts = PartialRollouts(engine, version=0)
     prompts = [[1] + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (6, 11, 4)]
     for i, p in enumerate(prompts):
@@ -206,7 +207,8 @@ def _partial_swap(engine, model, gen):
             mask = tagged == v
             err = max(err, (torch.tensor(t.logprobs)[mask] - want[mask]).abs().max().item())
     return {"groups": len(groups), "spans": spans, "lengths": [len(t.token_ids) for g in groups for t in g],
-            "error": err, "recomputed": rollouts.stats["recomputed_tokens"], "idle": not engine.has_unfinished()}
+            "error": err, "recomputed": rollouts.stats["recomputed_tokens"], "idle": not engine.has_unfinished(),
+            "engine_sampled": engine.stats["sampled_tokens"] - sampled}
 
 
 OBS = [[40, 41, 42], [50, 51, 52, 53, 54]]
@@ -294,6 +296,7 @@ def test_vllm_engine_single_rank():
     p = r["partial"]  # weights swapped mid-response: each token's log-prob is its version's, the KV recomputed
     assert p["groups"] == 3 and p["spans"] == [[0, 1]] * 6 and p["lengths"] == [14] * 6, p
     assert p["error"] < 1e-5 and p["recomputed"] > 0 and p["idle"], p
+    assert p["engine_sampled"] == sum(p["lengths"]), p  # tokens sampled before the swap's aborts counted once
 
 
 def _tp2_engine_held(rank, world):
