@@ -44,7 +44,8 @@ for p in "${parts[@]}"; do
   case $p in
     env) run env "${T_ENV:-90}" python3 -m bench.env_check ;;
     calibrate)  # the cost model's calibration of this machine type (h100 or h200), results kept under $OUT
-      name=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
+      name=$(python3 -c "import torch; from launcher.planning.costmodel import MACHINES as M
+n = torch.cuda.get_device_name(); print(next(m for part, m in M.items() if part in n))")
       run "calibrate_$name" "${T_CALIBRATE:-480}" python3 -m bench.calibrate --name "$name" \
         --out "$OUT/calibration_$name.json" --workdir "$OUT/calibrate_$name" ;;
     tests) run tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 ${TESTS:-tests} ;;
